@@ -1,0 +1,37 @@
+# Two entry points a newcomer types: `make demo` and `make test`. Both build .venv themselves.
+# torch: the CPU build pinned below is installed only when no torch is importable, so a machine
+# that already has one (a CUDA build, say) keeps it and nothing multi-GB is ever downloaded.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+PYTEST_ARGS ?= -q
+ARGS ?=
+
+.PHONY: install install-dev demo test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(PY) pyproject.toml
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test,bench,notebooks,dev]"
+	@touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m bench.e2e --demo $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) -m bench.kernels
+	$(PY) -m bench.cpu_adam
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

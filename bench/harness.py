@@ -1,0 +1,215 @@
+"""One small benchmark harness shared by every entry point in ``bench/``.
+
+Timing: warm-up calls, then ``repeats`` timed calls with ``time.perf_counter`` (plus a device
+synchronise when a CUDA tensor is involved), reported as median and spread. Candidates that are
+compared are run *interleaved* round by round (``interleaved``): machines here drift by 2x within
+minutes, so only medians taken side by side compare. Results go to JSON (with the machine
+description) and CSV; plots are drawn from that data, never from live objects.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Timing:
+    """Seconds per call over the repeats: median, min, max and the interquartile spread."""
+
+    median: float
+    min: float
+    max: float
+    iqr: float
+    repeats: int
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[float]) -> Timing:
+        s = sorted(samples)
+        if len(s) >= 4:
+            q = statistics.quantiles(s, n=4)
+            iqr = q[2] - q[0]
+        else:
+            iqr = s[-1] - s[0]
+        return cls(statistics.median(s), s[0], s[-1], iqr, len(s))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _synchronize() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+
+
+def time_call(fn: Callable[[], object], warmup: int = 2, repeats: int = 10) -> Timing:
+    """Median-of-``repeats`` wall time of ``fn()`` after ``warmup`` untimed calls."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+    for _ in range(warmup):
+        fn()
+    _synchronize()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _synchronize()
+        samples.append(time.perf_counter() - t0)
+    return Timing.from_samples(samples)
+
+
+def interleaved(
+    candidates: dict[str, Callable[[], object]], rounds: int = 10, warmup: int = 1, calls_per_round: int = 1
+) -> dict[str, Timing]:
+    """Time several candidates round by round (A, B, C, A, B, C, ...) so drift hits all equally.
+
+    Each round times ``calls_per_round`` consecutive calls of one candidate and records the mean.
+    """
+    if rounds < 1 or calls_per_round < 1:
+        raise ValueError(f"rounds and calls_per_round must be >= 1, got {rounds!r}, {calls_per_round!r}")
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    _synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            for _ in range(calls_per_round):
+                fn()
+            _synchronize()
+            samples[name].append((time.perf_counter() - t0) / calls_per_round)
+    return {name: Timing.from_samples(s) for name, s in samples.items()}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=5,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on: CPU, cores, memory, GPU, and library versions."""
+    info: dict = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "git_commit": _git_commit(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        info["memory_gib"] = None
+    versions = {}
+    for mod in ("torch", "triton", "numba", "numpy", "deepspeed"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - an optional package may fail to import in many ways
+            versions[mod] = None
+    info["versions"] = versions
+    try:
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_count"] = torch.cuda.device_count()
+        else:
+            info["gpu"] = None
+    except ImportError:  # pragma: no cover
+        info["gpu"] = None
+    return info
+
+
+def output_dir(path: str | os.PathLike | None) -> Path:
+    """Create (if needed) and return the folder results go to; a clear error if it is unwritable."""
+    out = Path(path) if path is not None else RESULTS_DIR
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise SystemExit(f"error: output folder {str(out)!r} is not writable: {exc.strerror or exc}") from None
+    return out
+
+
+def write_json(path: str | os.PathLike, payload: dict) -> Path:
+    """Write ``payload`` with a ``machine`` entry added (unless present) as indented JSON."""
+    payload = dict(payload)
+    payload.setdefault("machine", machine_info())
+    path = Path(path)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(obj):
+    if isinstance(obj, Timing):
+        return obj.as_dict()
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def write_csv(path: str | os.PathLike, rows: Sequence[dict]) -> Path:
+    """Write a list of flat dicts as CSV (columns from the union of keys, in first-seen order)."""
+    path = Path(path)
+    fields: list[str] = []
+    for row in rows:
+        for key in row:
+            if key not in fields:
+                fields.append(key)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def plt():
+    """matplotlib.pyplot with a non-interactive backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot

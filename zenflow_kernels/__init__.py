@@ -1,0 +1,64 @@
+"""zenflow_kernels: kernels and a drop-in optimizer for ZenFlow (importance-aware, stall-free offloading).
+
+The public API, loaded on first use so that ``import zenflow_kernels`` stays light (triton and numba
+are imported only by the pieces that need them):
+
+Configuration and schedule (pure Python)
+    ZenFlowConfig, ZenFlowConfigError, ZenFlowWarning    -- every ZenFlow field, validated
+    resolve_schedule, Schedule                           -- select/update boundaries (DESIGN.md section 3)
+
+The algorithm
+    ReferenceZenFlow   -- the slow, readable oracle of DESIGN.md sections 2-3
+    ZenFlowAdamW       -- the drop-in torch.optim optimizer (fast path on device, host update behind)
+
+Device kernels (CUDA -> Triton; CPU -> torch; TRITON_INTERPRET=1 -> Triton on CPU), see ``ops``
+    column_scores, topk_columns, selective_adamw_
+    multi_column_scores, multi_topk_columns, multi_selective_adamw_
+    use_backend        -- force "torch" or "triton" for a block of code
+
+Host kernels (numba, multithreaded, release the GIL), see ``cpu_ops``
+    cpu_adam_, accumulate_, accumulate_adam_, sum_squares, split_cores
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ZenFlowConfig": "zenflow_kernels.config",
+    "ZenFlowConfigError": "zenflow_kernels.config",
+    "ZenFlowWarning": "zenflow_kernels.config",
+    "Schedule": "zenflow_kernels.schedule",
+    "resolve_schedule": "zenflow_kernels.schedule",
+    "ReferenceZenFlow": "zenflow_kernels.reference",
+    "ZenFlowAdamW": "zenflow_kernels.optim",
+    "column_scores": "zenflow_kernels.ops",
+    "topk_columns": "zenflow_kernels.ops",
+    "selective_adamw_": "zenflow_kernels.ops",
+    "multi_column_scores": "zenflow_kernels.ops",
+    "multi_topk_columns": "zenflow_kernels.ops",
+    "multi_selective_adamw_": "zenflow_kernels.ops",
+    "use_backend": "zenflow_kernels.ops",
+    "cpu_adam_": "zenflow_kernels.cpu_ops",
+    "accumulate_": "zenflow_kernels.cpu_ops",
+    "accumulate_adam_": "zenflow_kernels.cpu_ops",
+    "sum_squares": "zenflow_kernels.cpu_ops",
+    "split_cores": "zenflow_kernels.cpu_ops",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zenflow_kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,117 @@
+"""``python -m zenflow_kernels explain CONFIG [--steps N] [--steps-per-epoch N]``.
+
+Prints the resolved intervals, any warning, and the steps at which selections and host updates fall
+in the first N steps: the table that would have caught ZenFlow silently never re-selecting its
+columns. A missing file, bad JSON or an invalid config is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+
+from .config import ZenFlowConfig, ZenFlowConfigError
+from .schedule import Schedule, resolve_schedule
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit 2), like every other error here."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m zenflow_kernels", description=__doc__.split("\n\n")[1])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    explain = sub.add_parser("explain", help="print the resolved ZenFlow schedule of a config")
+    explain.add_argument(
+        "config", help="a JSON file: a DeepSpeed config, a {'zenflow': ...} wrapper or the zenflow block itself"
+    )
+    explain.add_argument("--steps", type=_positive_int, default=40, help="steps to tabulate (default 40)")
+    explain.add_argument(
+        "--steps-per-epoch", type=_positive_int, default=None, help="epoch length, as a dataloader would give it"
+    )
+    return parser
+
+
+def _fmt_steps(steps: list[int], limit: int = 24) -> str:
+    if not steps:
+        return "none"
+    shown = ", ".join(map(str, steps[:limit]))
+    return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
+
+
+def explain(config: ZenFlowConfig, schedule: Schedule, steps: int) -> str:
+    """The human-readable report printed by ``explain``."""
+    lines = ["zenflow config:"]
+    for key, value in config.to_dict().items():
+        lines.append(f"  {key} = {value!r}")
+    s = schedule
+    lines.append("resolved schedule:")
+    strategy_note = " (from 'auto')" if config.select_strategy == "auto" else ""
+    lines.append(f"  select_strategy   = {s.select_strategy}{strategy_note}")
+    if s.select_strategy == "epoch":
+        epoch = f"{s.steps_per_epoch} (from {s.steps_per_epoch_source})" if s.steps_per_epoch else "unknown"
+        lines.append(f"  steps_per_epoch   = {epoch}")
+    never = "  (0 = chosen once, never re-selected)" if s.select_interval == 0 else " steps"
+    lines.append(f"  select_interval   = {s.select_interval}{never}")
+    if s.is_auto:
+        lines.append(f"  update_interval   = auto (Zen-auto, bounded by {s.auto_bound} steps)")
+    else:
+        lines.append(f"  update_interval   = {s.update_interval} steps")
+    lines.append(f"  warm-up           = {s.warmup} steps of synchronous host AdamW")
+    lines.append("warnings:")
+    lines.extend(f"  - {w}" for w in s.warnings) if s.warnings else lines.append("  none")
+
+    selects = s.select_steps(steps)
+    updates = s.update_steps(steps)
+    warm = [t for t in range(steps) if s.is_warmup(t)]
+    lines.append(f"first {steps} steps:")
+    what = "forced host updates" if s.is_auto else "host updates"
+    for label, found in (("warm-up steps", warm), ("selections", selects), (what, updates)):
+        lines.append(f"  {label:<20}({len(found)}): {_fmt_steps(found)}")
+    if s.is_auto:
+        lines.append("  (Zen-auto adds updates where gradients call for them; these fall regardless)")
+    lines.append("")
+    lines.append("  step  phase    select  host-update")
+    select_set, update_set = set(selects), set(updates)
+    for t in range(steps):
+        phase = "warm-up" if s.is_warmup(t) else "zenflow"
+        sel = "S" if t in select_set else "."
+        upd = "sync" if s.is_warmup(t) else ("U" if t in update_set else ".")
+        lines.append(f"  {t:>4}  {phase:<7}  {sel:^6}  {upd:^11}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        config = ZenFlowConfig.from_dict(args.config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the report prints them itself, once
+            schedule = resolve_schedule(config, steps_per_epoch=args.steps_per_epoch)
+    except ZenFlowConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(explain(config, schedule, args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `... | head`
+        sys.exit(0)

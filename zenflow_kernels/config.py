@@ -1,0 +1,274 @@
+"""ZenFlow configuration: every field of DESIGN.md section 3, validated, with DeepSpeed-compatible input.
+
+A :class:`ZenFlowConfig` is immutable and valid by construction: each field is checked in
+``__post_init__`` and a bad value raises :class:`ZenFlowConfigError` naming the field, the value and
+the allowed domain. Build one from keyword arguments, from a ``zenflow`` block (a dict), or from a
+whole DeepSpeed JSON config (a dict or a path to a file; the block is read from
+``zero_optimization.zenflow``). Unknown keys are an error, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+__all__ = ["ZenFlowConfig", "ZenFlowConfigError", "ZenFlowWarning", "DEFAULT_MAX_UPDATE_INTERVAL"]
+
+DEFAULT_MAX_UPDATE_INTERVAL = 32
+"""Default bound on a Zen-auto update interval when the select interval does not bound it."""
+
+
+class ZenFlowConfigError(ValueError):
+    """An invalid ZenFlow setting: the message names the field, the value and what is allowed."""
+
+
+class ZenFlowWarning(UserWarning):
+    """A legal but probably unintended ZenFlow setting (e.g. columns that will never be re-selected)."""
+
+
+_SELECT_STRATEGIES = ("auto", "step", "epoch")
+_IMPORTANCES = ("l2", "l1")
+
+
+def _fail(field: str, value: Any, allowed: str) -> ZenFlowConfigError:
+    return ZenFlowConfigError(f"zenflow.{field}={value!r} is invalid: allowed {allowed}")
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass in Python; a flag where a count belongs is a bug, not a 1.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_fraction(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise _fail(field, value, "a number in [0, 1]")
+    if not 0.0 <= float(value) <= 1.0:
+        raise _fail(field, value, "a number in [0, 1]")
+    return float(value)
+
+
+def _check_int(field: str, value: Any, minimum: int) -> int:
+    if not _is_int(value) or int(value) < minimum:
+        raise _fail(field, value, f"an integer >= {minimum} (not a bool)")
+    return int(value)
+
+
+def _check_bool(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(field, value, "true or false")
+    return value
+
+
+@dataclass(frozen=True)
+class ZenFlowConfig:
+    """Every ZenFlow setting (DESIGN.md sections 2-3). Field defaults follow DeepSpeed's.
+
+    topk_ratio: fraction of each matrix's columns on the fast path, ``k = floor(topk_ratio * C)``;
+        0 and 1 are legal (1 makes ZenFlow plain AdamW).
+    select_strategy: ``"auto"`` (= ``"epoch"`` with ``select_interval = 1``), ``"step"`` or ``"epoch"``.
+    select_interval: ``"auto"`` or an integer >= 1, in steps (``"step"``) or epochs (``"epoch"``).
+        An integer given with ``"auto"`` is ignored with a :class:`ZenFlowWarning` at resolution.
+    update_interval: integer >= 1, or ``"auto"`` (Zen-auto: the host update is triggered by
+        gradient magnitudes, bounded by ``max_update_interval`` and the select interval).
+    overlap_step: run the host update of interval n in the background during interval n+1.
+    offload: keep the fast-path Adam state in host memory, streamed to the device around the step.
+    auto_ratio: Zen-auto triggers when at least this fraction of the matrices need an update.
+    full_warm_up_rounds: steps of plain synchronous host AdamW before selection starts.
+    steps_per_epoch: optimizer steps in an epoch (None, or an integer >= 1).
+    pt_reserved_cores_perc: fraction of this rank's cores reserved for training; the host worker
+        gets the rest.
+    importance: column score, ``"l2"`` (sum of squares) or ``"l1"`` (sum of absolute values).
+    max_update_interval: bound on a Zen-auto interval, integer >= 1 (only used with ``"auto"``).
+    """
+
+    topk_ratio: float = 0.1
+    select_strategy: str = "auto"
+    select_interval: int | str = "auto"
+    update_interval: int | str = "auto"
+    overlap_step: bool = False
+    offload: bool = False
+    auto_ratio: float = 0.99
+    full_warm_up_rounds: int = 0
+    steps_per_epoch: int | None = None
+    pt_reserved_cores_perc: float = 0.5
+    importance: str = "l2"
+    max_update_interval: int = DEFAULT_MAX_UPDATE_INTERVAL
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise values once, here
+        set_(self, "topk_ratio", _check_fraction("topk_ratio", self.topk_ratio))
+        if self.select_strategy not in _SELECT_STRATEGIES:
+            raise _fail("select_strategy", self.select_strategy, "one of 'auto', 'step', 'epoch'")
+        si = self.select_interval
+        if si != "auto" or isinstance(si, bool):
+            set_(self, "select_interval", _check_int_or_auto("select_interval", si))
+        if self.select_strategy == "step" and self.select_interval == "auto":
+            raise ZenFlowConfigError(
+                "zenflow.select_interval='auto' is invalid with select_strategy='step': allowed an integer "
+                ">= 1 (a step count); use select_strategy='auto' or 'epoch' for a per-epoch interval"
+            )
+        ui = self.update_interval
+        if ui != "auto" or isinstance(ui, bool):
+            set_(self, "update_interval", _check_int_or_auto("update_interval", ui))
+        set_(self, "overlap_step", _check_bool("overlap_step", self.overlap_step))
+        set_(self, "offload", _check_bool("offload", self.offload))
+        set_(self, "auto_ratio", _check_fraction("auto_ratio", self.auto_ratio))
+        set_(self, "full_warm_up_rounds", _check_int("full_warm_up_rounds", self.full_warm_up_rounds, 0))
+        if self.steps_per_epoch is not None:
+            set_(self, "steps_per_epoch", _check_int("steps_per_epoch", self.steps_per_epoch, 1))
+        set_(self, "pt_reserved_cores_perc", _check_fraction("pt_reserved_cores_perc", self.pt_reserved_cores_perc))
+        if self.importance not in _IMPORTANCES:
+            raise _fail("importance", self.importance, "'l2' or 'l1'")
+        set_(self, "max_update_interval", _check_int("max_update_interval", self.max_update_interval, 1))
+        if (
+            self.select_strategy == "step"
+            and _is_int(self.update_interval)
+            and self.select_interval < self.update_interval
+        ):
+            raise _interval_order_error(self.select_interval, self.update_interval)
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, source: dict | str | os.PathLike | None = None, **overrides: Any) -> ZenFlowConfig:
+        """Build from a ``zenflow`` block, a ``{"zenflow": {...}}`` wrapper, a whole DeepSpeed config
+        (reading ``zero_optimization.zenflow``), or a path to a JSON file holding any of these.
+        Keyword ``overrides`` replace fields of the block. Unknown keys raise, naming them."""
+        if source is None:
+            block: dict = {}
+        elif isinstance(source, (str, os.PathLike)):
+            block = _zenflow_block(_read_json(source), where=str(source))
+        elif isinstance(source, dict):
+            block = _zenflow_block(source, where="the config dict")
+        else:
+            raise ZenFlowConfigError(
+                f"zenflow config source of type {type(source).__name__} is invalid: allowed a dict, "
+                "a path to a JSON file, or None"
+            )
+        merged = {**block, **overrides}
+        unknown = [key for key in merged if key not in cls.field_names()]
+        if unknown:
+            raise ZenFlowConfigError(_unknown_keys_message(unknown, cls.field_names()))
+        return cls(**merged)
+
+    @classmethod
+    def coerce(cls, value: ZenFlowConfig | dict | str | os.PathLike | None) -> ZenFlowConfig:
+        """Accept what optimizers take as ``zenflow=``: a config, a dict, a JSON path, or None."""
+        if isinstance(value, ZenFlowConfig):
+            return value
+        return cls.from_dict(value)
+
+    def replace(self, **changes: Any) -> ZenFlowConfig:
+        """A copy with some fields changed (validated again)."""
+        unknown = [key for key in changes if key not in self.field_names()]
+        if unknown:
+            raise ZenFlowConfigError(_unknown_keys_message(unknown, self.field_names()))
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``zenflow`` block as a plain, JSON-serialisable dict."""
+        return dataclasses.asdict(self)
+
+    # -- derived values ---------------------------------------------------------------------------
+
+    def num_selected(self, num_columns: int) -> int:
+        """``k = floor(topk_ratio * C)``, computed on the decimal the user wrote (0.29 * 100 is 29,
+        not the 28 that binary floating point gives)."""
+        if not _is_int(num_columns) or num_columns < 0:
+            raise ValueError(f"num_columns={num_columns!r} is invalid: allowed an integer >= 0")
+        return int(math.floor(Fraction(repr(self.topk_ratio)) * int(num_columns)))
+
+
+def _check_int_or_auto(field: str, value: Any) -> int | str:
+    if value == "auto" and isinstance(value, str):
+        return value
+    if not _is_int(value) or int(value) < 1:
+        raise _fail(field, value, "'auto' or an integer >= 1 (not a bool)")
+    return int(value)
+
+
+def _interval_order_error(select_interval: int, update_interval: int) -> ZenFlowConfigError:
+    return ZenFlowConfigError(
+        f"zenflow.select_interval resolves to {select_interval} steps, which is below "
+        f"zenflow.update_interval={update_interval}: allowed select_interval >= update_interval "
+        "(an accumulation interval may not straddle a re-selection)"
+    )
+
+
+def _unknown_keys_message(unknown: list[str], known: tuple[str, ...]) -> str:
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), known, n=1)
+        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"unknown zenflow key(s): {', '.join(parts)}; allowed keys: {', '.join(known)}"
+
+
+def _read_json(path: str | os.PathLike) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ZenFlowConfigError(f"config file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ZenFlowConfigError(f"config file {str(path)!r} is a directory, not a JSON file") from None
+    except json.JSONDecodeError as exc:
+        raise ZenFlowConfigError(
+            f"config file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ZenFlowConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
+    if not isinstance(data, dict):
+        raise ZenFlowConfigError(f"config file {str(path)!r} holds a JSON {type(data).__name__}: allowed a JSON object")
+    return data
+
+
+def _zenflow_block(data: dict, where: str) -> dict:
+    """The zenflow block of a DeepSpeed config, a {"zenflow": ...} wrapper, or the block itself."""
+    if "zero_optimization" in data:
+        zero = data["zero_optimization"]
+        if not isinstance(zero, dict) or "zenflow" not in zero:
+            raise ZenFlowConfigError(f"{where} is a DeepSpeed config without a zero_optimization.zenflow block")
+        block = zero["zenflow"]
+    elif "zenflow" in data:
+        block = data["zenflow"]
+    else:
+        block = data
+    if not isinstance(block, dict):
+        raise ZenFlowConfigError(
+            f"the zenflow block in {where} is a {type(block).__name__}: allowed a JSON object / dict"
+        )
+    return dict(block)
+
+
+def check_adamw_hyperparameters(
+    lr: Any, betas: Any, eps: Any, weight_decay: Any, max_grad_norm: Any = None, where: str = "ZenFlowAdamW"
+) -> None:
+    """Validate AdamW hyper-parameters (shared by the optimizer and the reference); raise ValueError."""
+
+    def bad(name: str, value: Any, allowed: str) -> ValueError:
+        return ValueError(f"{where}: {name}={value!r} is invalid: allowed {allowed}")
+
+    def real(value: Any) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not real(lr) or lr < 0:
+        raise bad("lr", lr, "a finite number >= 0")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(real(b) and 0 <= b < 1 for b in betas):
+        raise bad("betas", betas, "a pair of numbers in [0, 1)")
+    if not real(eps) or eps < 0:
+        raise bad("eps", eps, "a finite number >= 0")
+    if not real(weight_decay) or weight_decay < 0:
+        raise bad("weight_decay", weight_decay, "a finite number >= 0")
+    if max_grad_norm is not None and (not real(max_grad_norm) or max_grad_norm <= 0):
+        raise bad("max_grad_norm", max_grad_norm, "None or a finite number > 0")

@@ -1,0 +1,441 @@
+"""ReferenceZenFlow: a plain, slow, readable torch implementation of DESIGN.md sections 2-3.
+
+This is the oracle every fast path is tested against, so it favours being obviously right over
+being fast: no threads, no kernels, no flat buffers, per-parameter Python loops, float32 or float64
+parameters only. Staleness is explicit: with ``overlap_step=True`` the host update of an interval is
+computed at once but only *written back* at the next update boundary (or drained at a re-selection).
+It shares nothing with the fast implementation except ``config`` and ``schedule``.
+
+Per matrix parameter ``W [R, C]`` (state in ``self.state[W]``):
+
+* host side: ``master`` (fp32/fp64 copy of W), ``exp_avg``/``exp_avg_sq`` ``[R, C]``, ``host_step``
+  (one count: the host updates every column of the master), ``acc`` (sum of the interval's
+  gradients), ``acc_count`` and ``pending`` (a computed update not yet written back);
+* fast side: ``selected`` (sorted column indices), compact ``fast_exp_avg``/``fast_exp_avg_sq``
+  ``[R, k]`` and ``fast_step`` ``[k]`` (a step count per column);
+* Zen-auto trackers: ``auto_selected``/``auto_unselected`` sums and ``auto_count``.
+
+Vector parameters (anything not 2-D) keep one plain AdamW state (``exp_avg``, ``exp_avg_sq``,
+``step``): host-updated during warm-up, on the fast path after, without a break.
+
+Decisions this implementation pins down where DESIGN.md leaves room (the fast path must agree):
+
+* a skipped (non-finite) step does not advance ``t``; ``skipped_steps`` counts it;
+* a parameter whose ``.grad`` is None at a step takes no part in it (no fast update, nothing
+  accumulated, no re-selection); a matrix first seen with a gradient after warm-up is selected then;
+* at a select boundary every pending write-back is applied first (the in-flight host update is
+  drained), then columns change hands: columns that leave refresh the master from the live weights,
+  columns that enter start with zero moments and a step count of 0;
+* Zen-auto magnitude of a column is its L2 norm (``importance="l2"``) or L1 norm (``"l1"``) of the
+  step's raw gradient; a matrix needs an update when the sum over the interval's steps of the mean
+  non-selected magnitude reaches the interval's mean selected magnitude. Matrices with ``k == 0``
+  always need one, matrices with ``k == C`` do not vote; with no voter only the bound triggers.
+* clipping multiplies by ``min(1, max_grad_norm / (norm + 1e-6))`` like ``clip_grad_norm_``: the
+  fast path by the norm of the step's whole gradient, the host by the norm of the interval's mean
+  gradients (of the parameters it updates).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .config import ZenFlowConfig, check_adamw_hyperparameters
+from .schedule import Schedule, resolve_schedule
+
+__all__ = ["ReferenceZenFlow", "adamw_step_"]
+
+_REFERENCE_DTYPES = (torch.float32, torch.float64)
+
+
+def adamw_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step in place, the op sequence of ``torch.optim.AdamW(foreach=False)``."""
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _adamw_columns_(block, grad, exp_avg, exp_avg_sq, steps, **hyper) -> None:
+    """AdamW on the columns of ``block [R, k]`` where column i is at its own step ``steps[i]``:
+    columns sharing a step count are updated together by :func:`adamw_step_`."""
+    for s in torch.unique(steps).tolist():
+        cols = (steps == s).nonzero().flatten()
+        p, m, v = block[:, cols], exp_avg[:, cols], exp_avg_sq[:, cols]
+        adamw_step_(p, grad[:, cols], m, v, step=int(s), **hyper)
+        block[:, cols], exp_avg[:, cols], exp_avg_sq[:, cols] = p, m, v
+
+
+def _clip_coefficient(tensors: Iterable[torch.Tensor], max_norm: float | None) -> float | None:
+    """``clip_grad_norm_``'s factor for these tensors, or None when clipping is off."""
+    if max_norm is None:
+        return None
+    squares = [t.double().pow(2).sum() for t in tensors]
+    total = math.sqrt(float(sum(squares))) if squares else 0.0
+    return min(1.0, max_norm / (total + 1e-6))
+
+
+def _scaled(grad: torch.Tensor, coef: float | None) -> torch.Tensor:
+    return grad if coef is None else grad * coef
+
+
+def column_magnitudes(grad: torch.Tensor, importance: str) -> torch.Tensor:
+    """Per-column L2 norm (``"l2"``) or L1 norm (``"l1"``) of a 2-D gradient."""
+    return grad.pow(2).sum(0).sqrt() if importance == "l2" else grad.abs().sum(0)
+
+
+def column_scores(grad: torch.Tensor, importance: str) -> torch.Tensor:
+    """Column importance: sum of squares (``"l2"``) or of absolute values (``"l1"``)."""
+    return grad.pow(2).sum(0) if importance == "l2" else grad.abs().sum(0)
+
+
+def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k highest scores' indices, ties to the lower index, sorted ascending (int64)."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return torch.sort(order[:k]).values
+
+
+class ReferenceZenFlow(torch.optim.Optimizer):
+    """The ZenFlow algorithm, step by step, for float32/float64 parameters (the test oracle).
+
+    Same constructor as :class:`zenflow_kernels.ZenFlowAdamW`. ``step()`` reads ``p.grad``.
+    Counters: ``t`` (steps taken), ``skipped_steps``, ``host_updates``, ``selections``.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        zenflow: ZenFlowConfig | dict | str | None = None,
+        max_grad_norm: float | None = None,
+        steps_per_epoch: int | None = None,
+        dataloader: Any = None,
+    ):
+        check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm, where="ReferenceZenFlow")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:
+            check_adamw_hyperparameters(
+                group["lr"], group["betas"], group["eps"], group["weight_decay"], where="ReferenceZenFlow group"
+            )
+            for p in group["params"]:
+                if p.dtype not in _REFERENCE_DTYPES:
+                    raise TypeError(f"ReferenceZenFlow: parameter dtype {p.dtype} is invalid: allowed float32, float64")
+        self.config = ZenFlowConfig.coerce(zenflow)
+        self.schedule: Schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch, dataloader=dataloader)
+        self.max_grad_norm = max_grad_norm
+        self.t = 0
+        self.skipped_steps = 0
+        self.host_updates = 0
+        self.selections = 0
+        self.steps_accumulated = 0
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _hyper(self, group: dict) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+
+    def _params_with_grad(self) -> list[tuple[torch.Tensor, dict]]:
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse or p.grad.shape != p.shape:
+                    raise ValueError(
+                        f"ReferenceZenFlow: gradient of shape {tuple(p.grad.shape)} for a parameter of "
+                        f"shape {tuple(p.shape)} is invalid: allowed a dense gradient of the same shape"
+                    )
+                out.append((p, group))
+        return out
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if state:
+            return state
+        if p.dim() == 2:
+            R, _ = p.shape
+            state.update(
+                kind="matrix",
+                master=p.detach().clone(),
+                exp_avg=torch.zeros_like(p),
+                exp_avg_sq=torch.zeros_like(p),
+                host_step=0,
+                acc=torch.zeros_like(p),
+                acc_count=0,
+                pending=False,
+                selected=None,
+                fast_exp_avg=p.new_zeros(R, 0),
+                fast_exp_avg_sq=p.new_zeros(R, 0),
+                fast_step=torch.zeros(0, dtype=torch.int64, device=p.device),
+                auto_selected=0.0,
+                auto_unselected=0.0,
+                auto_count=0,
+            )
+        else:
+            state.update(kind="vector", exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=0)
+        return state
+
+    def _unselected(self, p: torch.Tensor, state: dict) -> torch.Tensor:
+        mask = torch.ones(p.shape[1], dtype=torch.bool, device=p.device)
+        if state["selected"] is not None:
+            mask[state["selected"]] = False
+        return mask
+
+    def _write_back(self, p: torch.Tensor, state: dict) -> None:
+        """Non-selected columns of the live weight <- the host master."""
+        cols = self._unselected(p, state)
+        p[:, cols] = state["master"][:, cols]
+        state["pending"] = False
+
+    def _write_back_pending(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and state["kind"] == "matrix" and state["pending"]:
+                    self._write_back(p, state)
+
+    # -- the algorithm -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        active = self._params_with_grad()
+        if not all(bool(torch.isfinite(p.grad).all()) for p, _ in active):
+            self.skipped_steps += 1  # nothing else changes, t included
+            return loss
+        for p, _ in active:
+            self._init_state(p)
+
+        t = self.t
+        coef = _clip_coefficient([p.grad for p, _ in active], self.max_grad_norm)
+        if self.schedule.is_warmup(t):
+            self._warmup_step(active, coef)
+        else:
+            self._zenflow_step(t, active, coef)
+        self.t += 1
+        return loss
+
+    def _warmup_step(self, active, coef) -> None:
+        """Plain synchronous AdamW on the host master of every parameter (ZeRO-Offload)."""
+        for p, group in active:
+            state = self.state[p]
+            grad = _scaled(p.grad, coef)
+            if state["kind"] == "matrix":
+                state["host_step"] += 1
+                adamw_step_(
+                    state["master"],
+                    grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    step=state["host_step"],
+                    **self._hyper(group),
+                )
+                p.copy_(state["master"])
+            else:
+                state["step"] += 1
+                adamw_step_(p, grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"], **self._hyper(group))
+        self.host_updates += 1
+
+    def _zenflow_step(self, t: int, active, coef) -> None:
+        matrices = [(p, g) for p, g in active if self.state[p]["kind"] == "matrix"]
+        boundary = self.schedule.is_select_boundary(t)
+        if boundary:
+            self._write_back_pending()  # drain: ownership must not change under an in-flight update
+            self.selections += 1
+        for p, _ in matrices:
+            if boundary or self.state[p]["selected"] is None:
+                self._reselect(p, self.state[p])
+
+        for p, group in active:  # fast path
+            state = self.state[p]
+            grad = _scaled(p.grad, coef)
+            if state["kind"] == "vector":
+                state["step"] += 1
+                adamw_step_(p, grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"], **self._hyper(group))
+            elif state["selected"].numel():
+                cols = state["selected"]
+                state["fast_step"] += 1
+                block = p[:, cols]
+                _adamw_columns_(
+                    block,
+                    grad[:, cols],
+                    state["fast_exp_avg"],
+                    state["fast_exp_avg_sq"],
+                    state["fast_step"],
+                    **self._hyper(group),
+                )
+                p[:, cols] = block
+
+        for p, _ in matrices:  # slow path: accumulate the raw gradient
+            state = self.state[p]
+            state["acc"].add_(p.grad)
+            state["acc_count"] += 1
+        self.steps_accumulated += 1
+
+        trigger = self._auto_vote(matrices) if self.schedule.is_auto else False
+        if self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger):
+            self._host_update()
+
+    def _reselect(self, p: torch.Tensor, state: dict) -> None:
+        C = p.shape[1]
+        k = self.config.num_selected(C)
+        new = top_columns(column_scores(p.grad, self.config.importance), k)
+        old = state["selected"] if state["selected"] is not None else new.new_zeros(0)
+
+        leaving = old[~torch.isin(old, new)]
+        state["master"][:, leaving] = p[:, leaving]  # ownership returns to the host, value included
+
+        R = p.shape[0]
+        m, v = p.new_zeros(R, k), p.new_zeros(R, k)
+        steps = torch.zeros(k, dtype=torch.int64, device=p.device)
+        for i, j in enumerate(new.tolist()):  # columns that stay keep their state; new ones start at 0
+            hit = (old == j).nonzero()
+            if hit.numel():
+                o = int(hit[0, 0])
+                m[:, i], v[:, i], steps[i] = (
+                    state["fast_exp_avg"][:, o],
+                    state["fast_exp_avg_sq"][:, o],
+                    state["fast_step"][o],
+                )
+        state.update(selected=new, fast_exp_avg=m, fast_exp_avg_sq=v, fast_step=steps)
+
+    def _auto_vote(self, matrices) -> bool:
+        """Zen-auto: do at least ``auto_ratio`` of the matrices need a host update now?"""
+        voters = needing = 0
+        for p, _ in matrices:
+            state = self.state[p]
+            C, k = p.shape[1], state["selected"].numel()
+            if k == C:
+                continue
+            voters += 1
+            if k == 0:
+                needing += 1
+                continue
+            mags = column_magnitudes(p.grad, self.config.importance)
+            unselected = self._unselected(p, state)
+            state["auto_selected"] += float(mags[~unselected].mean())
+            state["auto_unselected"] += float(mags[unselected].mean())
+            state["auto_count"] += 1
+            if state["auto_unselected"] >= state["auto_selected"] / state["auto_count"]:
+                needing += 1
+        return voters > 0 and needing >= self.config.auto_ratio * voters
+
+    def _host_update(self) -> None:
+        """AdamW on every host master with the interval's mean gradient; write back (now or later)."""
+        if self.config.overlap_step:
+            self._write_back_pending()  # the previous interval's result lands now: one interval stale
+        todo = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and state["kind"] == "matrix":
+                    state.update(auto_selected=0.0, auto_unselected=0.0, auto_count=0)
+                    if state["acc_count"] > 0:
+                        todo.append((p, group, state, state["acc"] / state["acc_count"]))
+        coef = _clip_coefficient([mean for *_, mean in todo], self.max_grad_norm)
+        for p, group, state, mean in todo:
+            state["host_step"] += 1
+            adamw_step_(
+                state["master"],
+                _scaled(mean, coef),
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                step=state["host_step"],
+                **self._hyper(group),
+            )
+            state["acc"].zero_()
+            state["acc_count"] = 0
+            state["pending"] = True
+            if not self.config.overlap_step:
+                self._write_back(p, state)
+        self.host_updates += 1
+        self.steps_accumulated = 0
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Write back any computed-but-pending host update (e.g. before evaluating or saving weights)."""
+        self._write_back_pending()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    _COUNTERS = ("t", "skipped_steps", "host_updates", "selections", "steps_accumulated")
+
+    def state_dict(self) -> dict:
+        index = {}
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = []
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+                packed["params"].append(index[id(p)])
+            groups.append(packed)
+        state = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.state.get(p):
+                    state[index[id(p)]] = {
+                        k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.state[p].items()
+                    }
+        zenflow = {name: getattr(self, name) for name in self._COUNTERS}
+        zenflow.update(config=self.config.to_dict(), schedule=self.schedule.to_dict(), max_grad_norm=self.max_grad_norm)
+        return {"state": state, "param_groups": groups, "zenflow": zenflow}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ValueError("ReferenceZenFlow.load_state_dict: param_groups do not match this optimizer's")
+        for saved, group in zip(groups, self.param_groups, strict=True):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("ReferenceZenFlow.load_state_dict: a param group's size does not match")
+        loaded = {}
+        for idx, saved in state_dict["state"].items():
+            p = params[int(idx)]
+            for key in ("master", "exp_avg", "exp_avg_sq", "acc"):
+                if key in saved and tuple(saved[key].shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"ReferenceZenFlow.load_state_dict: state {key!r} of parameter {idx} has shape "
+                        f"{tuple(saved[key].shape)}, the parameter {tuple(p.shape)}"
+                    )
+            loaded[p] = {k: (v.detach().clone().to(p.device) if torch.is_tensor(v) else v) for k, v in saved.items()}
+        zenflow = state_dict["zenflow"]
+        config = ZenFlowConfig.from_dict(zenflow["config"])
+        schedule = Schedule.from_dict(zenflow["schedule"])
+        # validated: apply
+        for saved, group in zip(groups, self.param_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.state.clear()
+        for p, s in loaded.items():
+            self.state[p] = s
+        self.config, self.schedule, self.max_grad_norm = config, schedule, zenflow["max_grad_norm"]
+        for name in self._COUNTERS:
+            setattr(self, name, int(zenflow[name]))
