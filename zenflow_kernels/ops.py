@@ -1,0 +1,267 @@
+"""The device ops of ZenFlow's fast path: column scores, top-k column selection, selective AdamW.
+
+This module is the single dispatch point; callers never branch on the implementation:
+
+* CUDA tensors                                  -> Triton kernels (``zenflow_kernels.triton``)
+* CPU tensors                                   -> vectorised torch (``zenflow_kernels.torch_ops``)
+* CPU tensors with ``TRITON_INTERPRET=1`` set   -> the Triton kernels, interpreted (tests)
+* any other device                              -> torch
+
+``use_backend("torch" | "triton" | "auto")`` overrides that choice. ``triton`` is imported lazily, on
+the first call that needs it, so this module imports where triton is missing (then "auto" uses torch
+and "triton" raises a ``RuntimeError`` saying why).
+
+Both implementations validate with the same code (``zenflow_kernels._validate``): the same
+``TypeError``/``ValueError`` for the same bad input, always raised before anything is written; the
+multi-tensor forms validate every tensor before launching anything. Checks that read device data
+(index order and range, per-column step counts, NaN scores) synchronise with the device once per call;
+``check_data=False`` skips them for callers that produced the data themselves.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from types import SimpleNamespace
+
+import torch
+
+from . import torch_ops
+
+__all__ = [
+    "column_scores",
+    "topk_columns",
+    "selective_adamw_",
+    "multi_column_scores",
+    "multi_topk_columns",
+    "multi_selective_adamw_",
+    "use_backend",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+_backend: contextvars.ContextVar[str] = contextvars.ContextVar("zenflow_kernels_backend", default="auto")
+_triton_impl: SimpleNamespace | None = None
+_triton_error: BaseException | None = None
+
+
+class use_backend:
+    """Force the implementation of every op in ``zenflow_kernels.ops``: "torch", "triton" or "auto".
+
+    As a context manager the choice holds for the block and the previous one is restored on exit::
+
+        with use_backend("torch"):
+            scores = column_scores(grad)      # torch, whatever the device
+
+    As a plain call, ``use_backend("triton")`` sets the choice until it is changed again (like
+    ``torch.set_grad_enabled``). The setting lives in a ``contextvars.ContextVar``: it is per thread
+    (a new thread starts at "auto") and per asyncio task. "auto" is the device rule of this module;
+    "triton" on CPU tensors requires ``TRITON_INTERPRET=1`` before triton is first imported.
+    """
+
+    def __init__(self, name: str):
+        if not isinstance(name, str) or name not in BACKENDS:
+            raise ValueError(f"use_backend: name must be one of {BACKENDS}, got {name!r}")
+        self.name = name
+        self._previous = _backend.get()
+        self._token = _backend.set(name)
+
+    def __enter__(self) -> use_backend:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            _backend.reset(self._token)
+        except ValueError:  # exited in another context than it was entered: restore by value
+            _backend.set(self._previous)
+
+    def __repr__(self) -> str:
+        return f"use_backend({self.name!r})"
+
+
+def current_backend() -> str:
+    """The forced backend name in effect here ("auto" unless ``use_backend`` changed it)."""
+    return _backend.get()
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _load_triton() -> SimpleNamespace | None:
+    """The Triton launchers, or None (with the reason kept) where triton cannot be imported."""
+    global _triton_impl, _triton_error
+    if _triton_impl is None and _triton_error is None:
+        try:
+            from .triton import column_scores as cs
+            from .triton import selective_adamw as sa
+            from .triton import topk_columns as tk
+        except ImportError as exc:  # triton missing or broken on this machine
+            _triton_error = exc
+        else:
+            _triton_impl = SimpleNamespace(
+                column_scores=cs.column_scores,
+                multi_column_scores=cs.multi_column_scores,
+                topk_columns=tk.topk_columns,
+                multi_topk_columns=tk.multi_topk_columns,
+                selective_adamw_=sa.selective_adamw_,
+                multi_selective_adamw_=sa.multi_selective_adamw_,
+            )
+    return _triton_impl
+
+
+def _first_tensor(x) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
+        return x[0]
+    return None
+
+
+def _impl(sample):
+    """The implementation (module-like) for an op whose first tensor argument is ``sample``."""
+    choice = _backend.get()
+    t = _first_tensor(sample)
+    if choice == "torch":
+        return torch_ops
+    if choice == "triton":
+        impl = _load_triton()
+        if impl is None:
+            raise RuntimeError(f'zenflow_kernels: backend "triton" was forced but triton cannot be imported '
+                               f"({_triton_error!r}); install triton or use_backend(\"torch\")")
+        if t is not None and t.device.type == "cpu" and not _interpret_requested():
+            raise RuntimeError('zenflow_kernels: backend "triton" on CPU tensors needs TRITON_INTERPRET=1 in the '
+                               "environment before triton is first imported")
+        if t is not None and t.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f'zenflow_kernels: backend "triton" does not support {t.device.type} tensors')
+        return impl
+    if t is not None and (t.device.type == "cuda" or (t.device.type == "cpu" and _interpret_requested())):
+        impl = _load_triton()
+        if impl is not None:
+            return impl
+    return torch_ops  # also for non-tensor input: its validation raises the TypeError
+
+
+def column_scores(grad: torch.Tensor, importance: str = "l2") -> torch.Tensor:
+    """Per-column importance of a 2-D gradient.
+
+    Args:
+        grad: ``[R, C]`` float32, bfloat16 or float16; any strides (transposed views are read in place).
+        importance: ``"l2"`` (sum of squares, default) or ``"l1"`` (sum of absolute values).
+
+    Returns:
+        A new float32 tensor ``[C]`` on ``grad``'s device: ``s[c] = sum_r g[r, c]**2`` (or ``|g[r, c]|``),
+        accumulated in float32. ``grad`` is not modified.
+    """
+    return _impl(grad).column_scores(grad, importance)
+
+
+def topk_columns(scores: torch.Tensor, k: int, *, check_data: bool = True) -> torch.Tensor:
+    """Indices of the ``k`` highest scores.
+
+    Args:
+        scores: ``[C]`` float32 (bfloat16/float16 accepted), any stride; must not hold NaN (-0.0 and +0.0
+            count as equal; +-inf are ordinary values).
+        k: ``0 <= k <= C``.
+        check_data: check for NaN (one device synchronisation); False skips it (NaN then gives an
+            unspecified selection).
+
+    Returns:
+        A new int64 tensor ``[k]``: the selected column numbers, sorted ascending; among equal scores the
+        lower index wins. ``k == 0`` gives an empty tensor, ``k == C`` every column.
+    """
+    return _impl(scores).topk_columns(scores, k, check_data=check_data)
+
+
+def selective_adamw_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    master: torch.Tensor | None = None,
+    grad_scale: float = 1.0,
+    check_data: bool = True,
+) -> None:
+    """In-place AdamW on the selected columns ``param[:, indices]`` (``torch.optim.AdamW(foreach=False)`` math).
+
+    With ``g = grad[:, indices] / grad_scale``, ``p`` the selected columns (or ``master``), ``t = step``:
+    ``p *= 1 - lr*weight_decay``; ``m.lerp_(g, 1 - beta1)``; ``v = beta2*v + (1 - beta2)*g*g``;
+    ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)``. One pass: gathered, updated
+    and scattered back without column copies (Triton); all math in float32.
+
+    Args:
+        param: ``[R, C]`` float32/bfloat16/float16, any strides. Columns ``indices`` are overwritten; every
+            other column is left bit-identical.
+        grad: ``[R, C]`` float32/bfloat16/float16 (any strides), read only.
+        indices: int64 ``[k]``, unique, sorted ascending, in ``[0, C)``; or None for all columns (a dense
+            update, ``k = C``; vector parameters go through here viewed as ``[1, n]``).
+        exp_avg, exp_avg_sq: contiguous float32 ``[R, k]`` compact Adam moments of the selected columns
+            (column ``j`` belongs to ``indices[j]``); updated in place.
+        step: the 1-based step number: a Python int, or an int64 tensor ``[k]`` with each column's own
+            count (per-column bias correction).
+        lr, beta1, beta2, eps, weight_decay: AdamW hyper-parameters (``0 <= beta < 1``, others ``>= 0``).
+        master: optional contiguous float32 ``[R, k]`` master copy of the selected columns. When given the
+            math runs on it (updated in place) and the param columns receive it rounded to param's dtype
+            (round to nearest even); otherwise the math runs on the loaded param value in float32.
+        grad_scale: the gradient is divided by this (``> 0``): loss-scale unscaling and clipping folded in.
+        check_data: check ``indices`` and a ``step`` tensor (one device synchronisation); False skips it.
+    """
+    _impl(param).selective_adamw_(
+        param, grad, indices, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, master=master, grad_scale=grad_scale, check_data=check_data)
+
+
+def multi_column_scores(grads, importance: str = "l2") -> list[torch.Tensor]:
+    """``column_scores`` for a list of gradients at once (one device, dtypes may differ).
+
+    Triton: a constant number of launches (one per gradient dtype, plus one when a tall matrix needs a
+    second reduction pass), whatever the number of tensors. Returns float32 ``[C_i]`` tensors; with
+    Triton they are views into one new flat buffer.
+    """
+    return _impl(grads).multi_column_scores(grads, importance)
+
+
+def multi_topk_columns(scores_list, ks, *, check_data: bool = True) -> list[torch.Tensor]:
+    """``topk_columns`` for a list of score vectors; ``ks`` has one int per vector.
+
+    Triton: one launch per score dtype (one program per vector). Returns int64 ``[k_i]`` tensors, sorted
+    ascending; with Triton they are views into one new flat buffer.
+    """
+    return _impl(scores_list).multi_topk_columns(scores_list, ks, check_data=check_data)
+
+
+def multi_selective_adamw_(
+    params,
+    grads,
+    indices_list,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    steps,
+    lrs,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decays,
+    masters=None,
+    grad_scale: float = 1.0,
+    check_data: bool = True,
+) -> None:
+    """``selective_adamw_`` for a whole model at once, in place; all tensors on one device.
+
+    ``indices_list`` entries may be None (dense); ``steps`` is an int for all or a list of ints / int64
+    ``[k_i]`` tensors; ``lrs`` and ``weight_decays`` are a number for all or one per tensor (param groups);
+    ``masters`` is None or a list whose entries may be None. Every tensor is validated before anything
+    is written. Triton: one launch per group of tensors sharing (param dtype, grad dtype, dense or not,
+    master or not, int or tensor steps, tile shape) -- a constant number, not one per layer.
+    """
+    _impl(params).multi_selective_adamw_(
+        params, grads, indices_list, exp_avgs, exp_avg_sqs, steps=steps, lrs=lrs, beta1=beta1, beta2=beta2,
+        eps=eps, weight_decays=weight_decays, masters=masters, grad_scale=grad_scale, check_data=check_data)

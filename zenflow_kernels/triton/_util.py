@@ -1,0 +1,116 @@
+# Launcher plumbing shared by the kernel modules: launch counting, autotune pruning, dtype maps,
+# per-tensor tables for the multi-tensor kernels and the segment search those kernels use.
+#
+# Multi-tensor pattern: a small int64 table with one row per tensor (data pointers, sizes, strides,
+# the first work unit of the tensor) is copied to the device; a 1-D grid runs over all work units of
+# all tensors; each program finds its tensor by a binary search over the table's unit-start column
+# and loads its pointers with `tl.load(row + j).to(tl.pointer_type(DTYPE))` (the pattern of Triton's
+# grouped-GEMM tutorial; it runs compiled and under TRITON_INTERPRET=1). Tensors whose element types
+# differ go to separate launches (the pointer type is a constexpr).
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+#: kernel name -> number of launches issued by our launchers (tests count them; never reset).
+LAUNCHES: collections.Counter = collections.Counter()
+
+# Interpreter runs (CPU, TRITON_INTERPRET=1) cannot be timed meaningfully, so autotuned kernels run
+# one config there: the first one suited to the input layout, or the one a test forces.
+_FORCED_CONFIG: dict[str, int] = {}
+
+
+def interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """Launch ``kernel[grid](*args, **kwargs)`` and count it under the kernel's name."""
+    fn = kernel
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    LAUNCHES[fn.__name__] += 1
+    kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def count_launches():
+    """Yield a Counter that, after the block, holds the launches issued inside it (by kernel name)."""
+    before = LAUNCHES.copy()
+    delta: collections.Counter = collections.Counter()
+    try:
+        yield delta
+    finally:
+        delta.update(LAUNCHES - before)
+
+
+def config_pruner(name: str, suited):
+    """``early_config_prune`` for an autotuned kernel: keep the configs ``suited(config, args)`` accepts
+    (all of them if none is); under the interpreter keep only one (the first suited, or a forced one)."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        if interpreting() and name in _FORCED_CONFIG:
+            return [configs[_FORCED_CONFIG[name] % len(configs)]]
+        keep = [c for c in configs if suited(c, args)] or list(configs)
+        return keep[:1] if interpreting() else keep
+
+    return prune
+
+
+@contextlib.contextmanager
+def force_config(kernel, index: int):
+    """Run an autotuned kernel with ``kernel.configs[index]`` under the interpreter (tests sweep configs)."""
+    fn = kernel
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    name = fn.__name__
+    _FORCED_CONFIG[name] = index
+    kernel.cache.clear()
+    try:
+        yield kernel.configs[index % len(kernel.configs)]
+    finally:
+        _FORCED_CONFIG.pop(name, None)
+        kernel.cache.clear()
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a small fixed "machine" so the split paths are exercised deterministically
+
+
+def search_steps(n: int) -> int:
+    """Iterations of the binary search over ``n`` table rows."""
+    return max(1, math.ceil(math.log2(max(n, 1))) + 1)
+
+
+def device_table(rows: list[list], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small [n, width] table on ``device``; CUDA copies go through pinned memory, without a sync."""
+    t = torch.tensor(rows, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+@triton.jit
+def find_segment(starts_ptr, row_stride, n_rows, pid, n_steps):
+    """Largest row ``t`` with ``starts[t * row_stride] <= pid`` (rows sorted by start, ``starts[0] == 0``).
+
+    Rows owning no units repeat the next row's start and are never returned for a valid ``pid``.
+    """
+    lo = pid * 0
+    hi = lo + n_rows - 1
+    for _ in range(n_steps):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(starts_ptr + mid.to(tl.int64) * row_stride) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    return lo

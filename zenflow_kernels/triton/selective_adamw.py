@@ -1,0 +1,244 @@
+# Fused selective AdamW: AdamW (torch.optim.AdamW(foreach=False) math) on param[:, indices], in place,
+# with compact fp32 state m, v (and optional fp32 master) of shape [R, k].
+#
+# Design: one pass. A program owns a [BLOCK_R, BLOCK_K] tile of the compact [R, k] space: it loads the
+# BLOCK_K column numbers once, gathers param and grad at (row, indices[j]) through their strides, loads
+# the compact state with coalesced row-major offsets, does the fp32 math and scatters param back; no
+# column copy is ever materialised. `indices=None` (HAS_IDX=False, a constexpr) is the dense update:
+# column j is j. Per-column step counts (PER_COL_STEP) give per-column bias corrections, computed in
+# the kernel as 1 - beta^s = -expm1(s * ln beta) (a Taylor series for |x| < 1, 1 - exp(x) beyond), which
+# stays accurate to ~1e-7 relative where 1 - beta^s is tiny; a Python-int step uses corrections
+# computed in double by the launcher, as torch does. Division and sqrt are IEEE round-to-nearest
+# (div_rn, sqrt_rn) so GPU results match torch's to rounding. Every hyper-parameter is a runtime
+# argument. The tile shape is chosen from (R, k) by `tile_for` (heuristic, not autotuned: the kernel
+# updates in place, and autotuning would re-run it on live state).
+# Multi-tensor: the same tile body; a per-tensor table (pointers, sizes, strides, per-tensor lr,
+# weight decay and bias corrections) and a 1-D grid over (tensor, tile); one launch per group of
+# tensors sharing (param dtype, grad dtype, master?, dense?, per-column steps?, tile shape).
+# Limits: R, k < 2^31; offsets int64; step counts exact up to 2^24 in the per-column form.
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _validate as V
+from ..torch_ops import multi_adamw_args
+from ._util import TL_DTYPE, device_table, find_segment, launch, search_steps
+
+_TILE_ELEMS = 2048
+_WARPS = 4
+
+
+def tile_for(R: int, K: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_K): 2048-element tiles; [1, 1024] for row vectors ([1, n] views of vector params)."""
+    if R == 1:
+        return 1, 1024
+    bk = 128 if K >= 128 else max(16, triton.next_power_of_2(K))
+    return _TILE_ELEMS // bk, bk
+
+
+@triton.jit
+def _one_minus_pow(log_beta, s):
+    """1 - beta**s for s >= 1, given ln(beta) (-inf for beta == 0), accurate where the result is tiny."""
+    x = s * log_beta
+    # expm1(x) for |x| < 1: Taylor series to x^12 (truncation < 1e-9 relative), Horner form.
+    p = 1.0 / 479001600.0
+    p = p * x + 1.0 / 39916800.0
+    p = p * x + 1.0 / 3628800.0
+    p = p * x + 1.0 / 362880.0
+    p = p * x + 1.0 / 40320.0
+    p = p * x + 1.0 / 5040.0
+    p = p * x + 1.0 / 720.0
+    p = p * x + 1.0 / 120.0
+    p = p * x + 1.0 / 24.0
+    p = p * x + 1.0 / 6.0
+    p = p * x + 0.5
+    p = p * x + 1.0
+    small = -(p * x)
+    return tl.where(x > -1.0, small, 1.0 - tl.exp(x))
+
+
+@triton.jit
+def _round_to(w, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE, round to nearest even. bf16 goes through integer ops (the torch/c10 sequence),
+    bit-identical to the GPU's cvt.rn.bf16.f32 and also correct under TRITON_INTERPRET, whose own
+    fp32 -> bf16 cast truncates."""
+    if DTYPE == tl.bfloat16:  # noqa: SIM300 - a constexpr dtype, compared at compile time
+        bits = w.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        r = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        nan = tl.full(w.shape, 0x7FC0, tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(w != w, nan, r)
+    else:
+        return w.to(DTYPE)
+
+
+@triton.jit
+def _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr,
+                R, K, stride_pr, stride_pc, stride_gr, stride_gc, r0, j0,
+                lr, decay, step_size, bc2_sqrt, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2,
+                eps, grad_scale,
+                HAS_IDX: tl.constexpr, HAS_MASTER: tl.constexpr, PER_COL_STEP: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+    js = j0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    kmask = js < K
+    mask = (rows < R)[:, None] & kmask[None, :]
+    if HAS_IDX:  # noqa: SIM108 - constexpr branch: the dense kernel has no index load
+        cols = tl.load(idx_ptr + js, mask=kmask, other=0)
+    else:
+        cols = js
+    p_off = rows[:, None] * stride_pr + cols[None, :] * stride_pc
+    g_off = rows[:, None] * stride_gr + cols[None, :] * stride_gc
+    s_off = rows[:, None] * K + js[None, :]
+
+    g = tl.math.div_rn(tl.load(g_ptr + g_off, mask=mask, other=0.0).to(tl.float32), grad_scale)
+    if HAS_MASTER:
+        w = tl.load(w_ptr + s_off, mask=mask, other=0.0)
+    else:
+        w = tl.load(p_ptr + p_off, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + s_off, mask=mask, other=0.0)
+    v = tl.load(v_ptr + s_off, mask=mask, other=0.0)
+
+    if PER_COL_STEP:
+        st = tl.load(step_ptr + js, mask=kmask, other=1).to(tl.float32)
+        ss = tl.math.div_rn(tl.zeros_like(st) + lr, _one_minus_pow(log_beta1, st))[None, :]
+        b2s = tl.sqrt_rn(_one_minus_pow(log_beta2, st))[None, :]
+    else:
+        ss = step_size
+        b2s = bc2_sqrt
+
+    w = w * decay
+    # exp_avg.lerp_(g, 1 - beta1), with torch's two-sided lerp formula
+    m = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * (g - m), g - (g - m) * (1.0 - one_minus_beta1))
+    v = v * beta2 + one_minus_beta2 * g * g
+    denom = tl.math.div_rn(tl.sqrt_rn(v), b2s) + eps
+    w = w + tl.math.div_rn(-ss * m, denom)
+
+    tl.store(m_ptr + s_off, m, mask=mask)
+    tl.store(v_ptr + s_off, v, mask=mask)
+    if HAS_MASTER:
+        tl.store(w_ptr + s_off, w, mask=mask)
+    tl.store(p_ptr + p_off, _round_to(w, p_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _selective_adamw_kernel(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr,
+                            R, K, stride_pr, stride_pc, stride_gr, stride_gc,
+                            lr, decay, step_size, bc2_sqrt, one_minus_beta1, beta2, one_minus_beta2,
+                            log_beta1, log_beta2, eps, grad_scale,
+                            HAS_IDX: tl.constexpr, HAS_MASTER: tl.constexpr, PER_COL_STEP: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (cdiv(R, BLOCK_R) * cdiv(K, BLOCK_K),), column tiles fastest."""
+    pid = tl.program_id(0)
+    n_k = tl.cdiv(K, BLOCK_K)
+    r0 = (pid // n_k).to(tl.int64) * BLOCK_R
+    j0 = (pid % n_k).to(tl.int64) * BLOCK_K
+    _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr, R, K, stride_pr, stride_pc, stride_gr,
+                stride_gc, r0, j0, lr, decay, step_size, bc2_sqrt, one_minus_beta1, beta2, one_minus_beta2,
+                log_beta1, log_beta2, eps, grad_scale, HAS_IDX, HAS_MASTER, PER_COL_STEP, BLOCK_R, BLOCK_K)
+
+
+# Multi-tensor table, int64, one row per tensor:
+#   0 param ptr, 1 grad ptr, 2 indices ptr, 3 exp_avg ptr, 4 exp_avg_sq ptr, 5 master ptr, 6 step ptr,
+#   7 R, 8 K, 9 stride_pr, 10 stride_pc, 11 stride_gr, 12 stride_gc, 13 first unit
+# and float32, one row per tensor: 0 lr, 1 decay, 2 step_size, 3 bc2_sqrt (the last two for int steps).
+@triton.jit
+def _multi_selective_adamw_kernel(itab, ftab, n_tensors, n_steps,
+                                  one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, grad_scale,
+                                  P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                                  HAS_IDX: tl.constexpr, HAS_MASTER: tl.constexpr, PER_COL_STEP: tl.constexpr,
+                                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (total tiles,): unit = (tensor, row tile, column tile)."""
+    pid = tl.program_id(0)
+    t = find_segment(itab + 13, 14, n_tensors, pid, n_steps)
+    row = itab + t.to(tl.int64) * 14
+    frow = ftab + t.to(tl.int64) * 4
+    p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    idx_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int64))
+    m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    w_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    step_ptr = tl.load(row + 6).to(tl.pointer_type(tl.int64))
+    R = tl.load(row + 7)
+    K = tl.load(row + 8)
+    local = pid - tl.load(row + 13)
+    n_k = tl.cdiv(K, BLOCK_K)
+    r0 = (local // n_k) * BLOCK_R
+    j0 = (local % n_k) * BLOCK_K
+    _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr, R, K,
+                tl.load(row + 9), tl.load(row + 10), tl.load(row + 11), tl.load(row + 12), r0, j0,
+                tl.load(frow + 0), tl.load(frow + 1), tl.load(frow + 2), tl.load(frow + 3),
+                one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, grad_scale,
+                HAS_IDX, HAS_MASTER, PER_COL_STEP, BLOCK_R, BLOCK_K)
+
+
+def _log(beta: float) -> float:
+    return math.log(beta) if beta > 0 else float("-inf")
+
+
+def _coeffs(lr, wd, step, beta1, beta2):
+    decay = 1 - lr * wd
+    if isinstance(step, torch.Tensor):
+        return decay, 0.0, 1.0
+    return decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5
+
+
+def selective_adamw_(param, grad, indices, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
+                     master=None, grad_scale=1.0, check_data: bool = True) -> None:
+    op = "selective_adamw_"
+    lr, beta1, beta2, eps, weight_decay, grad_scale = V.hyper(
+        op, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
+    K, step = V.adamw_input(op, "", param, grad, indices, exp_avg, exp_avg_sq, master, step)
+    per_col = isinstance(step, torch.Tensor)
+    if check_data:
+        V.data(op, indices=[] if indices is None else [("indices", indices, param.shape[1])],
+               steps=[("step", step)] if per_col else [])
+    R = param.shape[0]
+    if R == 0 or K == 0:
+        return
+    decay, step_size, bc2_sqrt = _coeffs(lr, weight_decay, step, beta1, beta2)
+    br, bk = tile_for(R, K)
+    grid = (triton.cdiv(R, br) * triton.cdiv(K, bk),)
+    launch(_selective_adamw_kernel, grid,
+           param, grad, param if indices is None else indices, exp_avg, exp_avg_sq,
+           exp_avg if master is None else master, step if per_col else exp_avg,
+           R, K, param.stride(0), param.stride(1), grad.stride(0), grad.stride(1),
+           lr, decay, step_size, bc2_sqrt, 1 - beta1, beta2, 1 - beta2, _log(beta1), _log(beta2), eps, grad_scale,
+           HAS_IDX=indices is not None, HAS_MASTER=master is not None, PER_COL_STEP=per_col,
+           BLOCK_R=br, BLOCK_K=bk, num_warps=_WARPS)
+
+
+def multi_selective_adamw_(params, grads, indices_list, exp_avgs, exp_avg_sqs, *, steps, lrs, beta1, beta2, eps,
+                           weight_decays, masters=None, grad_scale=1.0, check_data: bool = True) -> None:
+    items, (beta1, beta2, eps, grad_scale) = multi_adamw_args(
+        "multi_selective_adamw_", params, grads, indices_list, exp_avgs, exp_avg_sqs, steps, lrs, beta1, beta2, eps,
+        weight_decays, masters, grad_scale, check_data)
+    groups: dict[tuple, list] = {}
+    for p, g, idx, m, v, w, step, lr, wd in items:
+        R, K = m.shape
+        if R == 0 or K == 0:
+            continue
+        per_col = isinstance(step, torch.Tensor)
+        key = (p.dtype, g.dtype, idx is not None, w is not None, per_col, tile_for(R, K))
+        decay, step_size, bc2_sqrt = _coeffs(lr, wd, step, beta1, beta2)
+        irow = [p.data_ptr(), g.data_ptr(), 0 if idx is None else idx.data_ptr(), m.data_ptr(), v.data_ptr(),
+                0 if w is None else w.data_ptr(), step.data_ptr() if per_col else 0,
+                R, K, p.stride(0), p.stride(1), g.stride(0), g.stride(1)]
+        groups.setdefault(key, []).append((irow, [lr, decay, step_size, bc2_sqrt]))
+    for (p_dtype, g_dtype, has_idx, has_master, per_col, (br, bk)), rows in groups.items():
+        irows, frows, unit = [], [], 0
+        for irow, frow in rows:
+            irows.append(irow + [unit])
+            frows.append(frow)
+            unit += triton.cdiv(irow[7], br) * triton.cdiv(irow[8], bk)
+        dev = params[0].device
+        launch(_multi_selective_adamw_kernel, (unit,), device_table(irows, dev),
+               device_table(frows, dev, torch.float32), len(irows), search_steps(len(irows)),
+               1 - beta1, beta2, 1 - beta2, _log(beta1), _log(beta2), eps, grad_scale,
+               P_DTYPE=TL_DTYPE[p_dtype], G_DTYPE=TL_DTYPE[g_dtype], HAS_IDX=has_idx, HAS_MASTER=has_master,
+               PER_COL_STEP=per_col, BLOCK_R=br, BLOCK_K=bk, num_warps=_WARPS)
