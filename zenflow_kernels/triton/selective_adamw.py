@@ -44,20 +44,22 @@ def tile_for(R: int, K: int) -> tuple[int, int]:
 def _one_minus_pow(log_beta, s):
     """1 - beta**s for s >= 1, given ln(beta) (-inf for beta == 0), accurate where the result is tiny."""
     x = s * log_beta
-    # expm1(x) for |x| < 1: Taylor series to x^12 (truncation < 1e-9 relative), Horner form.
+    # expm1(x) for |x| < 1: Taylor series to x^12 (truncation < 1e-9 relative), Horner form; the series
+    # is evaluated on max(x, -1) so the branch not taken never overflows.
+    xs = tl.maximum(x, -1.0)
     p = 1.0 / 479001600.0
-    p = p * x + 1.0 / 39916800.0
-    p = p * x + 1.0 / 3628800.0
-    p = p * x + 1.0 / 362880.0
-    p = p * x + 1.0 / 40320.0
-    p = p * x + 1.0 / 5040.0
-    p = p * x + 1.0 / 720.0
-    p = p * x + 1.0 / 120.0
-    p = p * x + 1.0 / 24.0
-    p = p * x + 1.0 / 6.0
-    p = p * x + 0.5
-    p = p * x + 1.0
-    small = -(p * x)
+    p = p * xs + 1.0 / 39916800.0
+    p = p * xs + 1.0 / 3628800.0
+    p = p * xs + 1.0 / 362880.0
+    p = p * xs + 1.0 / 40320.0
+    p = p * xs + 1.0 / 5040.0
+    p = p * xs + 1.0 / 720.0
+    p = p * xs + 1.0 / 120.0
+    p = p * xs + 1.0 / 24.0
+    p = p * xs + 1.0 / 6.0
+    p = p * xs + 0.5
+    p = p * xs + 1.0
+    small = -(p * xs)
     return tl.where(x > -1.0, small, 1.0 - tl.exp(x))
 
 
