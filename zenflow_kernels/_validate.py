@@ -142,57 +142,65 @@ def topk_input(op: str, name: str, scores, k) -> int:
     return integer(op, "k" if name == "scores" else f"k for {name}", k, lo=0, hi=scores.shape[0])
 
 
-def hyper(op: str, *, lr, beta1, beta2, eps, weight_decay, grad_scale) -> tuple[float, ...]:
+def hyper(op: str, *, lr, beta1, beta2, eps, weight_decay, grad_scale, i: int | None = None) -> tuple[float, ...]:
+    """AdamW hyper-parameters; ``i`` names the per-tensor entries of a multi call (``lrs[i]``, ...)."""
+    lr_name = "lr" if i is None else f"lrs[{i}]"
+    wd_name = "weight_decay" if i is None else f"weight_decays[{i}]"
     return (
-        real(op, "lr", lr, lo=0.0, hi=None),
+        real(op, lr_name, lr, lo=0.0, hi=None),
         real(op, "beta1", beta1, lo=0.0, hi=1.0),
         real(op, "beta2", beta2, lo=0.0, hi=1.0),
         real(op, "eps", eps, lo=0.0, hi=None),
-        real(op, "weight_decay", weight_decay, lo=0.0, hi=None),
+        real(op, wd_name, weight_decay, lo=0.0, hi=None),
         real(op, "grad_scale", grad_scale, lo=0.0, hi=None, lo_open=True),
     )
 
 
-def adamw_input(op: str, sfx: str, param, grad, indices, exp_avg, exp_avg_sq, master, step):
-    """Check one tensor's selective-AdamW arguments; ``sfx`` is "" or "[i]" for the multi forms.
+_SINGLE_NAMES = ("param", "grad", "indices", "exp_avg", "exp_avg_sq", "master", "step")
+_MULTI_NAMES = ("params", "grads", "indices_list", "exp_avgs", "exp_avg_sqs", "masters", "steps")
+
+
+def adamw_input(op: str, i: int | None, param, grad, indices, exp_avg, exp_avg_sq, master, step):
+    """Check one tensor's selective-AdamW arguments; ``i`` is None, or the position in a multi call
+    (errors then name the list entry, e.g. ``exp_avgs[3]``).
 
     Returns ``(k, step)`` where ``step`` is an int or the validated int64 tensor.
     """
-    p = tensor(op, f"param{sfx}", param, ndim=2, dtypes=FLOAT_DTYPES)
+    n_p, n_g, n_i, n_m, n_v, n_w, n_s = _SINGLE_NAMES if i is None else (f"{n}[{i}]" for n in _MULTI_NAMES)
+    p = tensor(op, n_p, param, ndim=2, dtypes=FLOAT_DTYPES)
     R, C = p.shape
     dev = p.device
-    tensor(op, f"grad{sfx}", grad, dtypes=FLOAT_DTYPES, device=dev, shape=(R, C), what="(same as param)")
+    tensor(op, n_g, grad, dtypes=FLOAT_DTYPES, device=dev, shape=(R, C), what="(same as param)")
     if indices is None:
         k = C
     else:
-        tensor(op, f"indices{sfx}", indices, ndim=1, dtypes=(torch.int64,), device=dev)
+        tensor(op, n_i, indices, ndim=1, dtypes=(torch.int64,), device=dev)
         k = indices.shape[0]
         if k > C:
-            raise ValueError(f"{op}: indices{sfx} has {k} entries but param{sfx} has only C={C} columns; "
+            raise ValueError(f"{op}: {n_i} has {k} entries but {n_p} has only C={C} columns; "
                              "indices must be unique column numbers in [0, C)")
     what = "[R, C] (dense update, indices=None)" if indices is None else "[R, k] (k = len(indices))"
-    for name, t in ((f"exp_avg{sfx}", exp_avg), (f"exp_avg_sq{sfx}", exp_avg_sq)):
+    for name, t in ((n_m, exp_avg), (n_v, exp_avg_sq)):
         tensor(op, name, t, dtypes=(torch.float32,), device=dev, shape=(R, k), contiguous=True, what=what)
     if master is not None:
-        tensor(op, f"master{sfx}", master, dtypes=(torch.float32,), device=dev, shape=(R, k), contiguous=True,
-               what=what)
+        tensor(op, n_w, master, dtypes=(torch.float32,), device=dev, shape=(R, k), contiguous=True, what=what)
     if isinstance(step, torch.Tensor):
-        tensor(op, f"step{sfx}", step, ndim=1, dtypes=(torch.int64,), device=dev, shape=(k,),
+        tensor(op, n_s, step, ndim=1, dtypes=(torch.int64,), device=dev, shape=(k,),
                what="[k] (one count per selected column)")
     else:
-        step = integer(op, f"step{sfx}", step, lo=1)
-    _no_alias(op, sfx, param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, master=master)
+        step = integer(op, n_s, step, lo=1)
+    _no_alias(op, {n_p: param, n_m: exp_avg, n_v: exp_avg_sq, n_w: master})
     return k, step
 
 
-def _no_alias(op: str, sfx: str, **tensors) -> None:
+def _no_alias(op: str, tensors: dict) -> None:
     seen: dict[int, str] = {}
     for name, t in tensors.items():
         if t is None or t.numel() == 0:
             continue
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen:
-            raise ValueError(f"{op}: {name}{sfx} shares memory with {seen[ptr]}{sfx}; each must be its own tensor")
+            raise ValueError(f"{op}: {name} shares memory with {seen[ptr]}; each must be its own tensor")
         seen[ptr] = name
 
 

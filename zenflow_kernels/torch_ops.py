@@ -134,7 +134,7 @@ def selective_adamw_(
 ) -> None:
     op = "selective_adamw_"
     hp = V.hyper(op, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
-    _, step = V.adamw_input(op, "", param, grad, indices, exp_avg, exp_avg_sq, master, step)
+    _, step = V.adamw_input(op, None, param, grad, indices, exp_avg, exp_avg_sq, master, step)
     if check_data:
         V.data(
             op,
@@ -159,16 +159,15 @@ def multi_adamw_args(op, params, grads, indices_list, exp_avgs, exp_avg_sqs, ste
     steps = V.per_tensor(op, "steps", steps, n)
     lrs = V.per_tensor(op, "lrs", lrs, n)
     wds = V.per_tensor(op, "weight_decays", weight_decays, n)
-    dev = V.common_device(op, "params", params)
+    V.common_device(op, "params", params)
     items = []
     common = None
     for i in range(n):
-        hp = V.hyper(op, lr=lrs[i], beta1=beta1, beta2=beta2, eps=eps, weight_decay=wds[i], grad_scale=grad_scale)
+        hp = V.hyper(op, lr=lrs[i], beta1=beta1, beta2=beta2, eps=eps, weight_decay=wds[i], grad_scale=grad_scale,
+                     i=i)
         common = (hp[1], hp[2], hp[3], hp[5])
-        _, step = V.adamw_input(op, f"[{i}]", params[i], grads[i], indices_list[i], exp_avgs[i], exp_avg_sqs[i],
+        _, step = V.adamw_input(op, i, params[i], grads[i], indices_list[i], exp_avgs[i], exp_avg_sqs[i],
                                 masters[i], steps[i])
-        if params[i].device != dev:  # pragma: no cover - common_device already checked
-            raise ValueError(f"{op}: params[{i}] is on {params[i].device}, params[0] on {dev}")
         items.append((params[i], grads[i], indices_list[i], exp_avgs[i], exp_avg_sqs[i], masters[i], step, hp[0],
                       hp[4]))
     if common is None:

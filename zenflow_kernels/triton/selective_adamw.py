@@ -195,7 +195,7 @@ def selective_adamw_(param, grad, indices, exp_avg, exp_avg_sq, *, step, lr, bet
     op = "selective_adamw_"
     lr, beta1, beta2, eps, weight_decay, grad_scale = V.hyper(
         op, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
-    K, step = V.adamw_input(op, "", param, grad, indices, exp_avg, exp_avg_sq, master, step)
+    K, step = V.adamw_input(op, None, param, grad, indices, exp_avg, exp_avg_sq, master, step)
     per_col = isinstance(step, torch.Tensor)
     if check_data:
         V.data(op, indices=[] if indices is None else [("indices", indices, param.shape[1])],
