@@ -1,0 +1,283 @@
+"""The host side of ZenFlow: flat, aligned fp32 buffers for one shard, and the background worker.
+
+``HostShard`` lays the parameters of one shard out in flat fp32 buffers (master weights, both Adam
+moments, one or two gradient-accumulation buffers) plus one flat copy-out buffer per parameter
+dtype (the updated weights, rounded, ready for the host-to-device copy). Within each param group the
+matrices come first and the vectors after, every parameter starting on a 64-byte boundary, so a host
+update is one numba call per run of parameters that share hyper-parameters and step count (usually
+one call per param group). A single-process run is world size 1, shard 0; ZeRO-1/2 partitioning
+hands each rank the parameters of its own shard and the layout is the same.
+
+``HostWorker`` runs host jobs in order on one background thread (the numba kernels release the GIL,
+so the host update overlaps the training thread's work). A job's exception is re-raised in the
+caller with the worker's traceback; a worker that dies or hangs is detected within a bounded wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import cpu_ops
+
+__all__ = ["HostShard", "HostWorker", "HostWorkerError", "Slot"]
+
+ALIGN = 16  # fp32 elements: every parameter starts on a 64-byte cache line
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in the flat host buffers."""
+
+    index: int  # position in the optimizer's flat parameter list
+    group: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    numel: int
+
+    @property
+    def is_matrix(self) -> bool:
+        return len(self.shape) == 2
+
+
+def _empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    t = torch.zeros(numel, dtype=dtype)
+    return t.pin_memory() if pin else t
+
+
+class HostShard:
+    """Flat host buffers for the parameters of one shard (world size 1 and shard 0: all of them).
+
+    Args:
+        params: the parameters, in the optimizer's order.
+        groups: ``groups[i]`` is the param-group index of ``params[i]``.
+        num_acc: 1, or 2 for double-buffered accumulation (overlap).
+        pin: allocate pinned memory (when CUDA is present).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], groups: Sequence[int], *, num_acc: int, pin: bool):
+        order = sorted(range(len(params)), key=lambda i: (groups[i], params[i].dim() != 2, i))
+        slots: dict[int, Slot] = {}
+        offset = 0
+        for i in order:
+            p = params[i]
+            slots[i] = Slot(i, groups[i], tuple(p.shape), p.dtype, offset, p.numel())
+            offset += math.ceil(p.numel() / ALIGN) * ALIGN
+        self.numel = offset
+        self.slots = slots  # by parameter index
+        self.order = [slots[i] for i in order]  # by flat offset
+        self.master = _empty(offset, torch.float32, pin)
+        self.exp_avg = _empty(offset, torch.float32, pin)
+        self.exp_avg_sq = _empty(offset, torch.float32, pin)
+        self.acc = [_empty(offset, torch.float32, pin) for _ in range(num_acc)]
+        self.out = {dt: _empty(offset, dt, pin) for dt in {p.dtype for p in params}}
+        self.host_step = [0] * len(params)
+        self.acc_count = [[0] * len(params) for _ in range(num_acc)]
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                self.view(self.master, i).copy_(p.detach())
+
+    def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s view (its shape) into one of the flat buffers."""
+        s = self.slots[index]
+        return flat[s.offset : s.offset + s.numel].view(s.shape)
+
+    def out_view(self, index: int) -> torch.Tensor:
+        return self.view(self.out[self.slots[index].dtype], index)
+
+    def accumulate(self, buf: int, index: int, grad: torch.Tensor) -> None:
+        """acc[buf] of parameter ``index`` += grad (a CPU tensor of any float dtype)."""
+        cpu_ops.accumulate_(self.view(self.acc[buf], index).view(-1), grad.reshape(-1))
+        self.acc_count[buf][index] += 1
+
+    def update(
+        self,
+        buf: int,
+        indices: Sequence[int],
+        hyper: Sequence[dict],
+        max_grad_norm: float | None,
+        wait_before_write: Any = None,
+    ) -> dict:
+        """AdamW on the host master of the parameters ``indices`` with the mean of acc[buf].
+
+        Clips by the global norm of those mean gradients when ``max_grad_norm`` is set, writes the
+        updated weights into the copy-out buffers, zeroes the accumulation and returns timings.
+        ``hyper[g]`` holds lr, beta1, beta2, eps, weight_decay of param group g (captured when the
+        update was requested). ``wait_before_write`` (an object with ``synchronize()``, e.g. a CUDA
+        event) guards the copy-out buffers while a previous write-back copy may still read them.
+        """
+        t0 = time.perf_counter()
+        acc, counts = self.acc[buf], self.acc_count[buf]
+        todo = [i for i in indices if counts[i] > 0]
+        coef = 1.0
+        if max_grad_norm is not None:
+            total = 0.0
+            for i in todo:
+                total += cpu_ops.sum_squares(self.view(acc, i)) / counts[i] ** 2
+            coef = min(1.0, max_grad_norm / (math.sqrt(total) + 1e-6))
+        if wait_before_write is not None:
+            wait_before_write.synchronize()
+        todo_set = set(todo)
+        runs: list[list[Slot]] = []
+        for s in self.order:  # merge neighbours that share group, dtype, step and count
+            if s.index not in todo_set:
+                continue
+            key = (s.group, s.dtype, self.host_step[s.index], counts[s.index])
+            prev = runs[-1][-1] if runs else None
+            if prev is not None and (prev.group, prev.dtype, self.host_step[prev.index], counts[prev.index]) == key:
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        for run in runs:
+            lo, hi = run[0].offset, run[-1].offset + run[-1].numel
+            first = run[0].index
+            h = hyper[run[0].group]
+            step = self.host_step[first] + 1
+            cpu_ops.cpu_adam_(
+                self.master[lo:hi],
+                acc[lo:hi],
+                self.exp_avg[lo:hi],
+                self.exp_avg_sq[lo:hi],
+                step=step,
+                lr=h["lr"],
+                beta1=h["beta1"],
+                beta2=h["beta2"],
+                eps=h["eps"],
+                weight_decay=h["weight_decay"],
+                grad_scale=counts[first] / coef,
+                out=self.out[run[0].dtype][lo:hi],
+            )
+            for s in run:
+                self.host_step[s.index] = step
+            acc[lo:hi].zero_()
+        for i in todo:
+            counts[i] = 0
+        return {"seconds": time.perf_counter() - t0, "params": len(todo), "runs": len(runs)}
+
+
+class HostWorkerError(RuntimeError):
+    """A host job failed (the message carries the worker's traceback) or the worker died or hung."""
+
+
+class _Job:
+    __slots__ = ("fn", "args", "done", "result", "error", "tb", "submitted", "started", "finished")
+
+    def __init__(self, fn: Callable, args: tuple):
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
+        self.result = self.error = self.tb = None
+        self.submitted = time.perf_counter()
+        self.started = self.finished = None
+
+
+_STOP = object()
+
+
+def _worker_loop(jobs: queue.Queue, num_threads: int | None, cores: Sequence[int] | None) -> None:
+    # Module-level on purpose: the thread must hold no reference to the optimizer.
+    if cores and hasattr(os, "sched_setaffinity"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cores)  # Linux: pid 0 is the calling thread
+    if num_threads:
+        import numba
+
+        numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            return
+        job.started = time.perf_counter()
+        try:
+            job.result = job.fn(*job.args)
+        except Exception as exc:  # kept and re-raised in the caller
+            job.error, job.tb = exc, traceback.format_exc()
+        except BaseException:  # SystemExit and the like end the thread: the job is never done
+            job.tb = traceback.format_exc()
+            return
+        job.finished = time.perf_counter()
+        job.done.set()
+
+
+class HostWorker:
+    """One background thread that runs host jobs in submission order.
+
+    Args:
+        num_threads: numba threads for the jobs (thread-local in numba, set inside the worker).
+        cores: CPU affinity of the worker thread (Linux), or None.
+        timeout: longest wait for one job, in seconds, before :class:`HostWorkerError` (None: no limit,
+            but a dead worker is still detected).
+        poll: how often a waiting caller checks that the worker is alive.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_threads: int | None = None,
+        cores: Sequence[int] | None = None,
+        timeout: float | None = 600.0,
+        poll: float = 0.05,
+        name: str = "zenflow-host",
+    ):
+        self.timeout, self.poll = timeout, poll
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(
+            target=_worker_loop, args=(self._jobs, num_threads, list(cores) if cores else None), name=name, daemon=True
+        )
+        self._thread.start()
+        self._failed: _Job | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, fn: Callable, *args) -> _Job:
+        self.check()
+        if not self.alive:
+            raise HostWorkerError("zenflow host worker is not running (it was closed or it died)")
+        job = _Job(fn, args)
+        self._jobs.put(job)
+        return job
+
+    def wait(self, job: _Job) -> Any:
+        """Block until ``job`` is done; return its result or raise :class:`HostWorkerError`."""
+        start = time.perf_counter()
+        while not job.done.wait(self.poll):
+            if not self.alive:
+                self._failed = job
+                raise HostWorkerError(
+                    "zenflow host worker thread died before finishing a host update; the optimizer cannot continue"
+                    + (f":\n{job.tb}" if job.tb else "")
+                )
+            if self.timeout is not None and time.perf_counter() - start > self.timeout:
+                raise HostWorkerError(
+                    f"zenflow host update did not finish within host_timeout={self.timeout} s; the worker is stuck"
+                )
+        if job.error is not None:
+            self._failed = job
+            raise HostWorkerError(f"zenflow host update failed in the background worker:\n{job.tb}") from job.error
+        return job.result
+
+    def check(self) -> None:
+        """Re-raise a failure seen earlier (a failed worker stays failed)."""
+        if self._failed is not None:
+            job = self._failed
+            raise HostWorkerError(f"zenflow host update failed earlier in the background worker:\n{job.tb}") from (
+                job.error
+            )
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread after the queued jobs; idempotent."""
+        if self._thread.is_alive():
+            self._jobs.put(_STOP)
+            self._thread.join(timeout)

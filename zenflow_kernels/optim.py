@@ -1,0 +1,679 @@
+"""ZenFlowAdamW: the drop-in ``torch.optim`` optimizer (DESIGN.md sections 2-3, oracle: reference.py).
+
+Every step, on the parameters' device: one fused multi-tensor AdamW over the selected columns of
+every matrix and over every vector parameter (``ops.multi_selective_adamw_``), and the step's
+gradient added into the host accumulation buffer. At an update boundary the host runs AdamW over
+the flat fp32 master (``HostShard.update``, numba) with the interval's mean gradient, and the
+non-selected columns of each matrix are overwritten from it: at once (``overlap_step=False``) or,
+with ``overlap_step=True``, by a background worker whose result lands at the next boundary (one
+interval stale, never more). The training thread waits for the host only at that write-back, at a
+re-selection (the in-flight update is drained before columns change hands) and when saving; every
+wait is timed (``stats()["stall_s"]``).
+
+On a CUDA device, gradients go to pinned host memory on a copy stream and are accumulated by a
+second worker thread, and write-backs are copied on another stream; on a CPU-only run the same code
+path runs with plain copies.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from . import cpu_ops, ops
+from .config import ZenFlowConfig, check_adamw_hyperparameters
+from .host import HostShard, HostWorker, HostWorkerError
+from .schedule import Schedule, resolve_schedule
+
+__all__ = ["ZenFlowAdamW", "HostWorkerError"]
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class ZenFlowAdamW(torch.optim.Optimizer):
+    """AdamW with ZenFlow's split: top-k columns on the device every step, the rest on the host.
+
+    Args:
+        params: parameters or param groups (each group may set ``lr``, ``betas``, ``eps``,
+            ``weight_decay``). fp32, bf16 or fp16, all on one device (CPU or one CUDA device).
+        lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
+        zenflow: a :class:`ZenFlowConfig`, a ``zenflow`` dict, or a DeepSpeed JSON (dict or path).
+        max_grad_norm: clip by global norm (fast path: the step's gradient; host: the mean
+            accumulated gradient), or None.
+        steps_per_epoch, dataloader: the epoch length for ``select_strategy="epoch"``/``"auto"``.
+        host_timeout: longest wait in seconds for one host update before an error (None: no limit;
+            a dead worker is detected regardless).
+
+    ``step()`` reads ``p.grad``; parameters whose ``.grad`` is None take no part in that step. Use
+    :meth:`flush` to land the last host update before evaluating or exporting weights, and
+    :meth:`close` (or ``with ZenFlowAdamW(...) as opt:``) to stop the background worker.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        zenflow: ZenFlowConfig | dict | str | None = None,
+        max_grad_norm: float | None = None,
+        steps_per_epoch: int | None = None,
+        dataloader: Any = None,
+        host_timeout: float | None = 600.0,
+    ):
+        check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm)
+        self._built = False
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.config = ZenFlowConfig.coerce(zenflow)
+        self.schedule: Schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch, dataloader=dataloader)
+        self.max_grad_norm = max_grad_norm
+        self.host_timeout = host_timeout
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self._check_params()
+        self.t = 0
+        self.skipped_steps = 0
+        self.host_updates = 0
+        self.selections = 0
+        self.steps_accumulated = 0
+        self._closed = False
+        self._workers: list[HostWorker] = []
+        self._inflight = None  # the overlapped host update still running (or done, not yet waited)
+        self._pending: list[int] = []  # parameters whose host result awaits its write-back
+        self._stats = _Telemetry()
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):
+            raise RuntimeError(
+                "ZenFlowAdamW.add_param_group after the first step() is not supported: the host buffers are laid out "
+                "at the first step; create the optimizer with every param group instead"
+            )
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        check_adamw_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"], where="ZenFlowAdamW group")
+        if hasattr(self, "_params"):  # a group added after __init__ but before the first step
+            self._params = [p for grp in self.param_groups for p in grp["params"]]
+            self._group_of = [gi for gi, grp in enumerate(self.param_groups) for _ in grp["params"]]
+            self._check_params()
+
+    def _check_params(self) -> None:
+        devices = {p.device for p in self._params}
+        if len(devices) > 1:
+            raise ValueError(f"ZenFlowAdamW: parameters on several devices {sorted(map(str, devices))}: allowed one")
+        for p in self._params:
+            if p.dtype not in _PARAM_DTYPES:
+                raise TypeError(
+                    f"ZenFlowAdamW: parameter dtype {p.dtype} is invalid: allowed float32, bfloat16, float16"
+                )
+        if len({id(p) for p in self._params}) != len(self._params):
+            raise ValueError("ZenFlowAdamW: a parameter appears more than once")
+
+    def _build(self) -> None:
+        """Lay out the host shard and start the workers (at the first step, like torch's lazy state)."""
+        self.device = self._params[0].device if self._params else torch.device("cpu")
+        self._cuda = self.device.type == "cuda"
+        overlap = self.config.overlap_step
+        self._host = HostShard(self._params, self._group_of, num_acc=2 if overlap else 1, pin=self._cuda)
+        self._acc_buf = 0
+        train_cores, host_cores = cpu_ops.split_cores(self.config.pt_reserved_cores_perc)
+        self._host_cores = host_cores
+        self._saved_torch_threads = None
+        if overlap:
+            self._updater = HostWorker(num_threads=len(host_cores), cores=host_cores, timeout=self.host_timeout)
+            self._workers.append(self._updater)
+            if set(train_cores) != set(host_cores):
+                self._saved_torch_threads = torch.get_num_threads()
+                torch.set_num_threads(max(1, len(train_cores)))
+        if self._cuda:
+            self._accumulator = HostWorker(
+                num_threads=len(host_cores), cores=host_cores, timeout=self.host_timeout, name="zenflow-accumulate"
+            )
+            self._workers.append(self._accumulator)
+            self._d2h_stream = torch.cuda.Stream(self.device)
+            self._h2d_stream = torch.cuda.Stream(self.device)
+            self._staging = [None, None]  # pinned gradient staging, ring of two
+            self._staging_jobs = [None, None]
+            self._staging_slot = 0
+            self._last_accumulate = None
+            self._writeback_event = None
+        # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
+        self._finalizer = weakref.finalize(self, _shutdown, list(self._workers), self._saved_torch_threads)
+        self._built = True
+
+    # -- the public surface ------------------------------------------------------------------------
+
+    def __enter__(self) -> ZenFlowAdamW:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Land any in-flight host update and stop the background workers (idempotent)."""
+        if self._closed:
+            return
+        try:
+            if self._built and not any(w._failed for w in self._workers):
+                self.flush()
+        finally:
+            self._closed = True
+            if self._built:
+                self._finalizer()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Wait for any in-flight host update and write back every pending result, so the live weights
+        hold everything the host has computed (before evaluation, export or the end of training)."""
+        if not self._built:
+            return
+        self._drain()
+        self._write_back(self._pending)
+        self._pending = []
+
+    def stats(self) -> dict:
+        """Telemetry: per-step fast-path time, host-update time, stall (time the training thread
+        waited for the host), overlap fraction, skipped steps, captured score mass, selection Jaccard."""
+        return self._stats.summary(self)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self._closed:
+            raise RuntimeError("ZenFlowAdamW.step() after close()")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._built:
+            self._build()
+        for w in self._workers:
+            w.check()
+        active = [i for i, p in enumerate(self._params) if p.grad is not None]
+        for i in active:
+            g = self._params[i].grad
+            if g.is_sparse or g.shape != self._params[i].shape or g.device != self.device:
+                raise ValueError(
+                    f"ZenFlowAdamW: gradient of parameter {i} ({tuple(g.shape)}, {g.device}, sparse={g.is_sparse}) is "
+                    f"invalid: allowed a dense gradient of shape {tuple(self._params[i].shape)} on {self.device}"
+                )
+        norm = self._grad_norm(active)
+        if not math.isfinite(norm):
+            self.skipped_steps += 1
+            return loss
+        coef = None if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
+        t0 = time.perf_counter()
+        if self.schedule.is_warmup(self.t):
+            self._warmup_step(active)
+        else:
+            self._zenflow_step(self.t, active, coef)
+        self._stats.step_seconds.append(time.perf_counter() - t0)
+        self.t += 1
+        return loss
+
+    def _grad_norm(self, active: list[int]) -> float:
+        """Global L2 norm of this step's gradient in one device sync (inf/NaN if any is non-finite)."""
+        if not active:
+            return 0.0
+        grads = [self._params[i].grad for i in active]
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        return float(torch.stack(norms).double().pow(2).sum().sqrt())
+
+    def _hyper(self) -> list[dict]:
+        return [
+            dict(
+                lr=float(g["lr"]),
+                beta1=g["betas"][0],
+                beta2=g["betas"][1],
+                eps=g["eps"],
+                weight_decay=g["weight_decay"],
+            )
+            for g in self.param_groups
+        ]
+
+    def _warmup_step(self, active: list[int]) -> None:
+        """ZeRO-Offload: every parameter gets a synchronous host AdamW step, then all of it is copied back."""
+        self._accumulate_all(active)
+        self._wait_accumulation()
+        result = self._host.update(self._acc_buf, active, self._hyper(), self.max_grad_norm, self._writeback_guard())
+        self._stats.host_seconds.append(result["seconds"])
+        self._stats.stall_seconds += result["seconds"]
+        self._write_back(active, whole=True)
+        self.host_updates += 1
+
+    def _zenflow_step(self, t: int, active: list[int], coef: float | None) -> None:
+        state = self.state
+        matrices = [i for i in active if self._params[i].dim() == 2]
+        vectors = [i for i in active if self._params[i].dim() != 2]
+        for i in vectors:
+            if "exp_avg" not in state[self._params[i]]:
+                self._init_vector(i)
+        boundary = self.schedule.is_select_boundary(t)
+        if boundary:
+            self.flush()  # drain: ownership must not change under an in-flight host update
+            self.selections += 1
+        reselect = [i for i in matrices if boundary or "selected" not in state[self._params[i]]]
+        if reselect:
+            self._reselect(reselect)
+
+        t0 = time.perf_counter()
+        self._fast_step(matrices, vectors, coef)
+        self._stats.fast_seconds.append(time.perf_counter() - t0)
+
+        self._accumulate_all(matrices)
+        self.steps_accumulated += 1
+        trigger = self._auto_vote(matrices) if self.schedule.is_auto else False
+        if self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger):
+            self._host_update()
+
+    # -- fast path ---------------------------------------------------------------------------------
+
+    def _init_vector(self, i: int) -> None:
+        """A vector joins the fast path with the Adam state the host gave it during warm-up."""
+        p, host = self._params[i], self._host
+        st = self.state[p]
+        n = p.numel()
+        st["exp_avg"] = host.view(host.exp_avg, i).reshape(1, n).to(self.device, copy=True)
+        st["exp_avg_sq"] = host.view(host.exp_avg_sq, i).reshape(1, n).to(self.device, copy=True)
+        st["step"] = host.host_step[i]
+        if p.dtype != torch.float32:
+            st["master"] = host.view(host.master, i).reshape(1, n).to(self.device, copy=True)
+
+    @torch.no_grad()
+    def _reselect(self, indices: list[int]) -> None:
+        """New top-k columns for these matrices; state moves with the columns that stay."""
+        params = [self._params[i] for i in indices]
+        scores = ops.multi_column_scores([p.grad for p in params], self.config.importance)
+        ks = [self.config.num_selected(p.shape[1]) for p in params]
+        chosen = ops.multi_topk_columns(scores, ks, check_data=False)
+        host = self._host
+        jaccards, captured, total = [], 0.0, 0.0
+        for i, p, new, s in zip(indices, params, chosen, scores, strict=True):
+            st = self.state[p]
+            R, k = p.shape[0], new.numel()
+            master_view = host.view(host.master, i)
+            old = st.get("selected")
+            m = torch.zeros(R, k, dtype=torch.float32, device=self.device)
+            v = torch.zeros_like(m)
+            steps = torch.zeros(k, dtype=torch.int64, device=self.device)
+            # a low-precision matrix keeps an fp32 master of its selected columns; entering columns take
+            # the host master's value (the live weight is that value, rounded)
+            master = master_view[:, new.cpu()].to(self.device) if p.dtype != torch.float32 else None
+            if old is not None and old.numel():
+                # sorted index sets: position of each new column in the old set, if it was there
+                pos = torch.searchsorted(old, new).clamp_(max=old.numel() - 1)
+                stay = old[pos] == new
+                m[:, stay] = st["exp_avg"][:, pos[stay]]
+                v[:, stay] = st["exp_avg_sq"][:, pos[stay]]
+                steps[stay] = st["step"][pos[stay]]
+                if master is not None:
+                    master[:, stay] = st["master"][:, pos[stay]]
+                gone = ~torch.isin(old, new)
+                if gone.any():  # ownership returns to the host, value included
+                    src = st["master"][:, gone] if master is not None else p[:, old[gone]]
+                    master_view[:, old[gone].cpu()] = src.to("cpu", torch.float32)
+                jaccards.append(float(stay.sum()) / max(1, int(torch.unique(torch.cat([old, new])).numel())))
+            st["selected"], st["exp_avg"], st["exp_avg_sq"], st["step"] = new, m, v, steps
+            if master is not None:
+                st["master"] = master
+            captured += float(s[new].sum()) if k else 0.0
+            total += float(s.sum())
+        self._stats.record_selection(self.t, jaccards, captured / total if total > 0 else float("nan"))
+
+    def _fast_step(self, matrices: list[int], vectors: list[int], coef: float | None) -> None:
+        """One fused multi-tensor AdamW over the selected columns of every matrix and every vector."""
+        params, grads, idx, ms, vs, steps, masters, lrs, wds, keys = [], [], [], [], [], [], [], [], [], []
+        for i in matrices + vectors:
+            p = self._params[i]
+            st = self.state[p]
+            g = self.param_groups[self._group_of[i]]
+            if p.dim() == 2:
+                if st["selected"].numel() == 0:
+                    continue
+                st["step"].add_(1)
+                params.append(p)
+                grads.append(p.grad)
+                idx.append(st["selected"])
+                steps.append(st["step"])
+            else:
+                st["step"] += 1
+                params.append(p.view(1, -1))
+                grads.append(p.grad.reshape(1, -1))
+                idx.append(None)
+                steps.append(st["step"])
+            ms.append(st["exp_avg"])
+            vs.append(st["exp_avg_sq"])
+            masters.append(st.get("master"))
+            lrs.append(float(g["lr"]))
+            wds.append(g["weight_decay"])
+            keys.append((g["betas"][0], g["betas"][1], g["eps"]))
+        if not params:
+            return
+        grad_scale = 1.0 if coef is None else 1.0 / coef
+        for key in dict.fromkeys(keys):  # one launch set per distinct (beta1, beta2, eps): usually one
+            sel = [j for j, kk in enumerate(keys) if kk == key]
+            ops.multi_selective_adamw_(
+                *([xs[j] for j in sel] for xs in (params, grads, idx, ms, vs)),
+                steps=[steps[j] for j in sel],
+                lrs=[lrs[j] for j in sel],
+                beta1=key[0],
+                beta2=key[1],
+                eps=key[2],
+                weight_decays=[wds[j] for j in sel],
+                masters=[masters[j] for j in sel],
+                grad_scale=grad_scale,
+                check_data=False,
+            )
+
+    def _auto_vote(self, matrices: list[int]) -> bool:
+        """Zen-auto (see reference.py): do at least ``auto_ratio`` of the matrices need a host update?"""
+        voters = needing = 0
+        eligible = []
+        for i in matrices:
+            p = self._params[i]
+            k = self.state[p]["selected"].numel()
+            if k == p.shape[1]:
+                continue
+            voters += 1
+            if k == 0:
+                needing += 1
+            else:
+                eligible.append(i)
+        if eligible:
+            params = [self._params[i] for i in eligible]
+            scores = ops.multi_column_scores([p.grad for p in params], self.config.importance)
+            pairs = []
+            for p, s in zip(params, scores, strict=True):
+                mags = s.sqrt() if self.config.importance == "l2" else s
+                sel = self.state[p]["selected"]
+                sel_sum = mags[sel].sum()
+                pairs.append(torch.stack([sel_sum / sel.numel(), (mags.sum() - sel_sum) / (p.shape[1] - sel.numel())]))
+            means = torch.stack(pairs).double().tolist()  # one device sync for all matrices
+            for p, (sel_mean, unsel_mean) in zip(params, means, strict=True):
+                st = self.state[p]
+                st["auto_selected"] = st.get("auto_selected", 0.0) + sel_mean
+                st["auto_unselected"] = st.get("auto_unselected", 0.0) + unsel_mean
+                st["auto_count"] = st.get("auto_count", 0) + 1
+                if st["auto_unselected"] >= st["auto_selected"] / st["auto_count"]:
+                    needing += 1
+        return voters > 0 and needing >= self.config.auto_ratio * voters
+
+    # -- host path ---------------------------------------------------------------------------------
+
+    def _accumulate_all(self, indices: list[int]) -> None:
+        """Add these parameters' gradients into the host accumulation buffer of the current interval."""
+        host, buf = self._host, self._acc_buf
+        if not self._cuda:
+            for i in indices:
+                host.accumulate(buf, i, self._params[i].grad)
+            return
+        # CUDA: the step's gradients go to a pinned staging area (a ring of two steps, laid out like the
+        # host shard) on the D2H stream; the accumulate worker adds them once the copy event fires.
+        slot = self._staging_slot
+        if self._staging_jobs[slot] is not None:
+            self._timed_wait(self._accumulator, self._staging_jobs[slot])
+        if self._staging[slot] is None:
+            self._staging[slot] = {dt: torch.empty(host.numel, dtype=dt).pin_memory() for dt in host.out}
+        staging = self._staging[slot]
+        stream = self._d2h_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        views = []
+        with torch.cuda.stream(stream):
+            for i in indices:
+                g = self._params[i].grad
+                view = host.view(staging.setdefault(g.dtype, torch.empty(host.numel, dtype=g.dtype).pin_memory()), i)
+                view.copy_(g, non_blocking=True)
+                g.record_stream(stream)  # the allocator keeps g alive until the copy is done
+                views.append((i, view))
+            event = torch.cuda.Event()
+            event.record(stream)
+
+        def job():
+            event.synchronize()
+            for i, view in views:
+                host.accumulate(buf, i, view)
+
+        self._staging_jobs[slot] = self._last_accumulate = self._accumulator.submit(job)
+        self._staging_slot ^= 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none and getattr(self, "_cuda", False):
+            # gradients zeroed in place must not be touched before their D2H copy has been read
+            torch.cuda.current_stream(self.device).wait_stream(self._d2h_stream)
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _wait_accumulation(self) -> None:
+        if self._cuda and self._last_accumulate is not None:
+            self._timed_wait(self._accumulator, self._last_accumulate)
+
+    def _host_update(self) -> None:
+        """An update boundary: run the host AdamW now (sync) or hand it to the worker (overlap)."""
+        matrices = [i for i, p in enumerate(self._params) if p.dim() == 2 and self._host.acc_count[self._acc_buf][i]]
+        for p in self._params:
+            st = self.state.get(p)
+            if st and "auto_count" in st:
+                st.update(auto_selected=0.0, auto_unselected=0.0, auto_count=0)
+        hyper, buf = self._hyper(), self._acc_buf
+        if not self.config.overlap_step:
+            self._wait_accumulation()
+            result = self._host.update(buf, matrices, hyper, self.max_grad_norm, self._writeback_guard())
+            self._stats.host_seconds.append(result["seconds"])
+            self._stats.stall_seconds += result["seconds"]  # synchronous: the training thread waited
+            self._write_back(matrices)
+        else:
+            self._drain()
+            self._write_back(self._pending)  # the previous interval's result lands now
+            after = self._last_accumulate if self._cuda else None
+            guard = self._writeback_guard()
+            host, max_norm, accumulator = self._host, self.max_grad_norm, getattr(self, "_accumulator", None)
+
+            def job():
+                if after is not None:
+                    accumulator.wait(after)
+                return host.update(buf, matrices, hyper, max_norm, wait_before_write=guard)
+
+            self._inflight = self._updater.submit(job)
+            self._pending = matrices
+            self._acc_buf ^= 1  # the next interval accumulates into the other buffer
+        self.host_updates += 1
+        self.steps_accumulated = 0
+
+    def _writeback_guard(self):
+        """The event of the last write-back copy (CUDA), which a host update must wait for before it
+        overwrites the copy-out buffers; None on CPU, where copies are synchronous."""
+        return self._writeback_event if self._cuda else None
+
+    def _timed_wait(self, worker: HostWorker, job) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return worker.wait(job)
+        finally:
+            self._stats.stall_seconds += time.perf_counter() - t0
+
+    def _drain(self) -> None:
+        """Wait for the in-flight host update, if any (the wait counts as stall)."""
+        if self._inflight is not None:
+            job, self._inflight = self._inflight, None
+            result = self._timed_wait(self._updater, job)
+            self._stats.host_seconds.append(result["seconds"])
+
+    @torch.no_grad()
+    def _write_back(self, indices: list[int], whole: bool = False) -> None:
+        """Live weights <- the host copy-out buffers: the non-selected columns of each matrix, or the
+        whole parameter (warm-up)."""
+        if not indices:
+            return
+        stream = self._h2d_stream if self._cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            for i in indices:
+                p = self._params[i]
+                src = self._host.out_view(i)
+                st = self.state.get(p) or {}
+                sel = None if whole or p.dim() != 2 else st.get("selected")
+                if sel is None or sel.numel() == 0:
+                    p.copy_(src, non_blocking=True)
+                    continue
+                keep = p[:, sel]  # the fast path owns these columns: preserve what it wrote
+                p.copy_(src, non_blocking=True)
+                p[:, sel] = keep
+        if stream is not None:
+            self._writeback_event = torch.cuda.Event()
+            self._writeback_event.record(stream)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    _COUNTERS = ("t", "skipped_steps", "host_updates", "selections", "steps_accumulated")
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly (DESIGN.md section 2 item 7); drains any in-flight host
+        update first (its result stays pending, as it would without the save)."""
+        groups = []
+        for gi, g in enumerate(self.param_groups):
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = [i for i, grp in enumerate(self._group_of) if grp == gi]
+            groups.append(packed)
+        state: dict[int, dict] = {}
+        zenflow = {name: getattr(self, name) for name in self._COUNTERS}
+        zenflow.update(config=self.config.to_dict(), schedule=self.schedule.to_dict(), max_grad_norm=self.max_grad_norm)
+        if self._built:
+            self._drain()
+            self._wait_accumulation()
+            host = self._host
+            for i, p in enumerate(self._params):
+                st = {
+                    k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in self.state[p].items()
+                }
+                st.update(
+                    host_master=host.view(host.master, i).clone(),
+                    host_exp_avg=host.view(host.exp_avg, i).clone(),
+                    host_exp_avg_sq=host.view(host.exp_avg_sq, i).clone(),
+                    host_step=host.host_step[i],
+                    acc=host.view(host.acc[self._acc_buf], i).clone(),
+                    acc_count=host.acc_count[self._acc_buf][i],
+                    pending=i in self._pending,
+                )
+                state[i] = st
+        zenflow["built"] = self._built
+        return {"state": state, "param_groups": groups, "zenflow": zenflow}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a :meth:`state_dict` (config, schedule and counters included: the saved run continues)."""
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ValueError("ZenFlowAdamW.load_state_dict: the param groups do not match this optimizer's")
+        for saved, g in zip(groups, self.param_groups, strict=True):
+            if len(saved["params"]) != len(g["params"]):
+                raise ValueError("ZenFlowAdamW.load_state_dict: a param group's size does not match")
+        zenflow = state_dict["zenflow"]
+        config = ZenFlowConfig.from_dict(zenflow["config"])
+        schedule = Schedule.from_dict(zenflow["schedule"])
+        saved_state = state_dict["state"]
+        for idx, st in saved_state.items():
+            p = self._params[int(idx)]
+            if "host_master" in st and tuple(st["host_master"].shape) != tuple(p.shape):
+                raise ValueError(
+                    f"ZenFlowAdamW.load_state_dict: parameter {idx} was saved with shape "
+                    f"{tuple(st['host_master'].shape)}, this one is {tuple(p.shape)}"
+                )
+        if self._built:  # start from a clean slate: land nothing, keep nothing
+            self._drain()
+            self._finalizer()
+            self._workers, self._built, self._inflight = [], False, None
+        self.config, self.schedule, self.max_grad_norm = config, schedule, zenflow["max_grad_norm"]
+        for saved, g in zip(groups, self.param_groups, strict=True):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        for name in self._COUNTERS:
+            setattr(self, name, int(zenflow[name]))
+        self.state.clear()
+        self._pending = []
+        if not zenflow.get("built"):
+            return
+        self._build()
+        host = self._host
+        for idx, st in saved_state.items():
+            i = int(idx)
+            p = self._params[i]
+            host.view(host.master, i).copy_(st["host_master"])
+            host.view(host.exp_avg, i).copy_(st["host_exp_avg"])
+            host.view(host.exp_avg_sq, i).copy_(st["host_exp_avg_sq"])
+            host.view(host.acc[self._acc_buf], i).copy_(st["acc"])
+            host.host_step[i] = int(st["host_step"])
+            host.acc_count[self._acc_buf][i] = int(st["acc_count"])
+            if st["pending"]:
+                self._pending.append(i)
+                host.out_view(i).copy_(st["host_master"])  # what the finished update wrote
+            fast = {k: v for k, v in st.items() if k not in _HOST_KEYS}
+            self.state[p] = {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in fast.items()}
+
+
+_HOST_KEYS = frozenset({"host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "acc", "acc_count", "pending"})
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _shutdown(workers: list[HostWorker], torch_threads: int | None) -> None:
+    for w in workers:
+        w.close()
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+
+
+class _Telemetry:
+    def __init__(self):
+        self.step_seconds: list[float] = []
+        self.fast_seconds: list[float] = []
+        self.host_seconds: list[float] = []
+        self.stall_seconds = 0.0
+        self.selection_steps: list[int] = []
+        self.jaccard: list[float] = []
+        self.captured: list[float] = []
+
+    def record_selection(self, t: int, jaccards: list[float], captured: float) -> None:
+        self.selection_steps.append(t)
+        self.jaccard.append(sum(jaccards) / len(jaccards) if jaccards else float("nan"))
+        self.captured.append(captured)
+
+    def summary(self, opt: ZenFlowAdamW) -> dict:
+        def mean(xs):
+            return sum(xs) / len(xs) if xs else 0.0
+
+        step_total = sum(self.step_seconds)
+        host_total = sum(self.host_seconds)
+        overlapped = opt.config.overlap_step
+        hidden = max(0.0, host_total - self.stall_seconds) if overlapped else 0.0
+        return {
+            "steps": opt.t,
+            "skipped_steps": opt.skipped_steps,
+            "host_updates": opt.host_updates,
+            "selections": opt.selections,
+            "step_s_mean": mean(self.step_seconds),
+            "fast_path_s_mean": mean(self.fast_seconds),
+            "fast_path_s": list(self.fast_seconds),
+            "host_update_s_mean": mean(self.host_seconds),
+            "host_update_s": list(self.host_seconds),
+            "stall_s": self.stall_seconds,
+            "stall_fraction": self.stall_seconds / step_total if step_total > 0 else 0.0,
+            "overlap_fraction": hidden / host_total if host_total > 0 else 0.0,
+            "score_mass_captured": list(self.captured),
+            "selection_jaccard": list(self.jaccard),
+            "selection_steps": list(self.selection_steps),
+        }
