@@ -120,6 +120,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Lay out the host shard and start the workers (at the first step, like torch's lazy state)."""
         self.device = self._params[0].device if self._params else torch.device("cpu")
         self._cuda = self.device.type == "cuda"
+        # offload: the fast path's Adam state lives in pinned host memory and visits the device bucket
+        # by bucket around the fast step (on a CPU-only run host memory is the device: nothing moves)
+        self._offload = self.config.offload and self._cuda
         overlap = self.config.overlap_step
         self._host = HostShard(self._params, self._group_of, num_acc=2 if overlap else 1, pin=self._cuda)
         self._acc_buf = 0
@@ -276,16 +279,26 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # -- fast path ---------------------------------------------------------------------------------
 
+    OFFLOAD_BUCKET_NUMEL = 1 << 26
+    """With ``offload``, the fast-path state moves to the device in buckets of at most this many elements."""
+
+    def _to_state(self, t: torch.Tensor) -> torch.Tensor:
+        """Where fast-path Adam state is kept: the device, or pinned host memory with ``offload``."""
+        if not self._offload:
+            return t.to(self.device)
+        t = t.to("cpu")
+        return t.pin_memory() if torch.cuda.is_available() else t
+
     def _init_vector(self, i: int) -> None:
         """A vector joins the fast path with the Adam state the host gave it during warm-up."""
         p, host = self._params[i], self._host
         st = self.state[p]
         n = p.numel()
-        st["exp_avg"] = host.view(host.exp_avg, i).reshape(1, n).to(self.device, copy=True)
-        st["exp_avg_sq"] = host.view(host.exp_avg_sq, i).reshape(1, n).to(self.device, copy=True)
+        st["exp_avg"] = self._to_state(host.view(host.exp_avg, i).reshape(1, n).clone())
+        st["exp_avg_sq"] = self._to_state(host.view(host.exp_avg_sq, i).reshape(1, n).clone())
         st["step"] = host.host_step[i]
         if p.dtype != torch.float32:
-            st["master"] = host.view(host.master, i).reshape(1, n).to(self.device, copy=True)
+            st["master"] = self._to_state(host.view(host.master, i).reshape(1, n).clone())
 
     @torch.no_grad()
     def _reselect(self, indices: list[int]) -> None:
@@ -311,19 +324,26 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 # sorted index sets: position of each new column in the old set, if it was there
                 pos = torch.searchsorted(old, new).clamp_(max=old.numel() - 1)
                 stay = old[pos] == new
-                m[:, stay] = st["exp_avg"][:, pos[stay]]
-                v[:, stay] = st["exp_avg_sq"][:, pos[stay]]
+                old_m, old_v = st["exp_avg"].to(self.device), st["exp_avg_sq"].to(self.device)
+                old_master = st["master"].to(self.device) if master is not None else None
+                m[:, stay] = old_m[:, pos[stay]]
+                v[:, stay] = old_v[:, pos[stay]]
                 steps[stay] = st["step"][pos[stay]]
                 if master is not None:
-                    master[:, stay] = st["master"][:, pos[stay]]
+                    master[:, stay] = old_master[:, pos[stay]]
                 gone = ~torch.isin(old, new)
                 if gone.any():  # ownership returns to the host, value included
-                    src = st["master"][:, gone] if master is not None else p[:, old[gone]]
+                    src = old_master[:, gone] if master is not None else p[:, old[gone]]
                     master_view[:, old[gone].cpu()] = src.to("cpu", torch.float32)
                 jaccards.append(float(stay.sum()) / max(1, int(torch.unique(torch.cat([old, new])).numel())))
-            st["selected"], st["exp_avg"], st["exp_avg_sq"], st["step"] = new, m, v, steps
+            st["selected"], st["exp_avg"], st["exp_avg_sq"], st["step"] = (
+                new,
+                self._to_state(m),
+                self._to_state(v),
+                steps,
+            )
             if master is not None:
-                st["master"] = master
+                st["master"] = self._to_state(master)
             captured += float(s[new].sum()) if k else 0.0
             total += float(s.sum())
         self._stats.record_selection(self.t, jaccards, captured / total if total > 0 else float("nan"))
@@ -359,19 +379,46 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return
         grad_scale = 1.0 if coef is None else 1.0 / coef
         for key in dict.fromkeys(keys):  # one launch set per distinct (beta1, beta2, eps): usually one
-            sel = [j for j, kk in enumerate(keys) if kk == key]
-            ops.multi_selective_adamw_(
-                *([xs[j] for j in sel] for xs in (params, grads, idx, ms, vs)),
-                steps=[steps[j] for j in sel],
-                lrs=[lrs[j] for j in sel],
-                beta1=key[0],
-                beta2=key[1],
-                eps=key[2],
-                weight_decays=[wds[j] for j in sel],
-                masters=[masters[j] for j in sel],
-                grad_scale=grad_scale,
-                check_data=False,
-            )
+            chosen = [j for j, kk in enumerate(keys) if kk == key]
+            for bucket in self._buckets(chosen, ms):
+                state = [[xs[j] for j in bucket] for xs in (ms, vs, masters)]
+                if self._offload:  # stream this bucket's state in; it goes back out after the update
+                    host_state = state
+                    state = [[None if t is None else t.to(self.device, non_blocking=True) for t in xs] for xs in state]
+                ops.multi_selective_adamw_(
+                    [params[j] for j in bucket],
+                    [grads[j] for j in bucket],
+                    [idx[j] for j in bucket],
+                    state[0],
+                    state[1],
+                    steps=[steps[j] for j in bucket],
+                    lrs=[lrs[j] for j in bucket],
+                    beta1=key[0],
+                    beta2=key[1],
+                    eps=key[2],
+                    weight_decays=[wds[j] for j in bucket],
+                    masters=state[2],
+                    grad_scale=grad_scale,
+                    check_data=False,
+                )
+                if self._offload:
+                    for dst_list, src_list in zip(host_state, state, strict=True):
+                        for dst, src in zip(dst_list, src_list, strict=True):
+                            if dst is not None:
+                                dst.copy_(src, non_blocking=True)
+
+    def _buckets(self, chosen: list[int], ms: list[torch.Tensor]) -> list[list[int]]:
+        """All at once, or (offload) buckets of at most OFFLOAD_BUCKET_NUMEL state elements."""
+        if not self._offload:
+            return [chosen]
+        buckets, size = [[]], 0
+        for j in chosen:
+            if buckets[-1] and size + ms[j].numel() > self.OFFLOAD_BUCKET_NUMEL:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(j)
+            size += ms[j].numel()
+        return buckets
 
     def _auto_vote(self, matrices: list[int]) -> bool:
         """Zen-auto (see reference.py): do at least ``auto_ratio`` of the matrices need a host update?"""
@@ -550,6 +597,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._built:
             self._drain()
             self._wait_accumulation()
+            if self._cuda:
+                torch.cuda.synchronize(self.device)  # offloaded state and write-backs are copied asynchronously
             host = self._host
             for i, p in enumerate(self._params):
                 st = {
@@ -616,9 +665,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._pending.append(i)
                 host.out_view(i).copy_(st["host_master"])  # what the finished update wrote
             fast = {k: v for k, v in st.items() if k not in _HOST_KEYS}
-            self.state[p] = {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in fast.items()}
+            self.state[p] = {
+                k: (self._to_state(v) if k in _FAST_STATE_KEYS else v.to(self.device)) if torch.is_tensor(v) else v
+                for k, v in fast.items()
+            }
 
 
+_FAST_STATE_KEYS = frozenset({"exp_avg", "exp_avg_sq", "master"})
 _HOST_KEYS = frozenset({"host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "acc", "acc_count", "pending"})
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import os
 
 import torch
 import triton
@@ -23,12 +24,20 @@ TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float1
 LAUNCHES: collections.Counter = collections.Counter()
 
 # Interpreter runs (CPU, TRITON_INTERPRET=1) cannot be timed meaningfully, so autotuned kernels run
-# one config there: the first one suited to the input layout, or the one a test forces.
+# one config there (and with ZENFLOW_TRITON_AUTOTUNE=0): the first one suited to the input layout, or
+# the one a test forces with `force_config`.
 _FORCED_CONFIG: dict[str, int] = {}
 
 
 def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
+
+
+def autotuning() -> bool:
+    """False under the interpreter, or when ZENFLOW_TRITON_AUTOTUNE=0 (GPU test runs: every test shape
+    would otherwise be benchmarked over every config); then the first suited config runs untimed."""
+    return not interpreting() and os.environ.get("ZENFLOW_TRITON_AUTOTUNE", "1").strip().lower() not in (
+        "0", "false", "off", "no")
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
@@ -57,17 +66,17 @@ def config_pruner(name: str, suited):
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        if interpreting() and name in _FORCED_CONFIG:
+        if name in _FORCED_CONFIG:
             return [configs[_FORCED_CONFIG[name] % len(configs)]]
         keep = [c for c in configs if suited(c, args)] or list(configs)
-        return keep[:1] if interpreting() else keep
+        return keep if autotuning() else keep[:1]
 
     return prune
 
 
 @contextlib.contextmanager
 def force_config(kernel, index: int):
-    """Run an autotuned kernel with ``kernel.configs[index]`` under the interpreter (tests sweep configs)."""
+    """Run an autotuned kernel with ``kernel.configs[index]`` only (tests sweep configs)."""
     fn = kernel
     while hasattr(fn, "fn"):
         fn = fn.fn
