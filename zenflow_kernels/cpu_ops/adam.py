@@ -1,0 +1,217 @@
+"""Host Adam/AdamW: one fused, multithreaded numba pass over fp32 master weights and moments.
+
+Serves DESIGN.md section 2 item 5 (the slow path): at an update boundary the host steps the fp32
+master copy with the mean accumulated gradient. ``accumulate_adam_`` folds the last gradient of the
+interval into the accumulation buffer in the same pass, and ``out=`` writes the updated parameter in
+the device's dtype in the same pass, ready for the host-to-device copy. One read of p, g, m, v and
+one write of p, m, v (plus the optional extras) per element: 28 bytes/param for plain fp32 AdamW,
+the memory-bandwidth floor of any Adam (see bench/cpu_adam.py for the measured roofline).
+
+Math (equal to ``torch.optim.AdamW``/``torch.optim.Adam`` with ``foreach=False`` up to rounding):
+
+    g = grad / grad_scale                     (grad_scale folds loss scale, accumulation mean, clip)
+    g = g + weight_decay * p                  (adamw=False: L2 form, DeepSpeed's adamw_mode=False)
+    p = p * (1 - lr * weight_decay)           (adamw=True: decoupled decay)
+    m = lerp(m, g, 1 - beta1)                 (torch's lerp, as its vectorised kernel rounds it)
+    v = v * beta2 + (1 - beta2) * g * g
+    p = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+    bc1 = 1 - beta1**step, bc2 = 1 - beta2**step; both 1 with bias_correction=False
+
+All scalars are computed in float64 and rounded to float32 once, as torch does, and every operation
+rounds like torch's single-tensor CPU path, with two exceptions that save a division each: the
+gradient is multiplied by the float32 reciprocal of grad_scale (exact, hence identical, for powers of
+two) and ``sqrt(v)`` by the reciprocal of ``sqrt(bc2)``. With grad_scale a power of two, m and v are
+bit-identical to torch's; the parameter differs by an ulp here and there (the reciprocal, and ATen's
+CPU sqrt, which is not correctly rounded). One pass costs one division and one square root per
+element: compute runs at ~2 G params/s per core here, above the memory roofline.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from . import _common as C
+from ._kernels import adam_kernel
+
+
+def _adam_scalars(*, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale) -> tuple:
+    """Validate the hyper-parameters; return the kernel's float32 scalars (inv_scale ... neg_step_size)."""
+    bias_correction = C.check_bool("bias_correction", bias_correction)
+    adamw = C.check_bool("adamw", adamw)
+    step = C.check_int("step", step, lo=1 if bias_correction else 0)
+    lr = C.check_real("lr", lr, lo=0.0)
+    beta1 = C.check_real("beta1", beta1, lo=0.0, hi=1.0, hi_open=True)
+    beta2 = C.check_real("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)
+    eps = C.check_real("eps", eps, lo=0.0)
+    weight_decay = C.check_real("weight_decay", weight_decay, lo=0.0)
+    grad_scale = C.check_real("grad_scale", grad_scale, lo=0.0, lo_open=True)
+    if bias_correction:
+        bc1 = 1.0 - beta1**step
+        bc2 = 1.0 - beta2**step
+    else:
+        bc1 = bc2 = 1.0
+    f32 = np.float32
+    # torch's lerp(m, g, w): m + w*(g - m) for |w| < 0.5, else g + (w - 1)*(g - m), both as one fma
+    w = f32(1.0 - beta1)
+    lerp_small = bool(abs(w) < 0.5)
+    return (
+        f32(1.0 / grad_scale),  # inv_scale
+        f32(0.0 if adamw else weight_decay),  # l2
+        f32(1.0 - lr * weight_decay if adamw else 1.0),  # decay
+        w if lerp_small else w - f32(1.0),  # lerp_coeff
+        lerp_small,
+        f32(beta2),
+        f32(1.0 - beta2),
+        f32(1.0 / math.sqrt(bc2)),  # inv_bc2_sqrt
+        f32(eps),
+        f32(-lr / bc1),  # neg_step_size
+    )
+
+
+def _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, num_threads) -> None:
+    n = param.numel()
+    if n == 0:
+        return
+    C.launch(
+        adam_kernel,
+        C.threads_for(n, num_threads),
+        C.as_numpy(param),
+        C.as_numpy(grad),
+        C.as_numpy(exp_avg),
+        C.as_numpy(exp_avg_sq),
+        None if acc is None else C.as_numpy(acc),
+        None if out is None else C.as_numpy(out),
+        zero_acc,
+        *scalars,
+    )
+    C.bump_versions(param, exp_avg, exp_avg_sq, acc, out)
+
+
+def _check_state(param, grad, exp_avg, exp_avg_sq, out, acc=None) -> None:
+    C.check_tensor("param", param, C.STATE_DTYPES)
+    n = param.numel()
+    if acc is not None:
+        C.check_tensor("acc", acc, C.STATE_DTYPES, n)
+    C.check_tensor("grad", grad, C.GRAD_DTYPES, n)
+    C.check_tensor("exp_avg", exp_avg, C.STATE_DTYPES, n)
+    C.check_tensor("exp_avg_sq", exp_avg_sq, C.STATE_DTYPES, n)
+    if out is not None:
+        C.check_tensor("out", out, C.OUT_DTYPES, n)
+    written = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "out": out}
+    if acc is not None:
+        written["acc"] = acc
+    C.check_disjoint(written, {"grad": grad})
+
+
+def cpu_adam_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """One Adam/AdamW step on CPU tensors, in place, in one multithreaded pass (GIL released).
+
+    Args:
+        param: fp32, contiguous, any shape with n elements; updated in place.
+        grad: fp32, bf16 or fp16, contiguous, n elements; read only. Divided by ``grad_scale``.
+        exp_avg, exp_avg_sq: fp32, contiguous, n elements; the moments, updated in place.
+        step: this step's number (1 for the first step); must be >= 1 when ``bias_correction``.
+        lr, beta1, beta2, eps, weight_decay: as ``torch.optim.AdamW`` (0 <= beta < 1, others >= 0).
+        adamw: True: decoupled decay ``p *= 1 - lr*wd`` (``torch.optim.AdamW``); False: L2 decay
+            ``g += wd*p`` (``torch.optim.Adam``, DeepSpeed's ``adamw_mode=False``).
+        bias_correction: False drops both bias corrections (DeepSpeed's option).
+        grad_scale: > 0; the gradient used is ``grad / grad_scale`` (loss scale, accumulation count
+            and clip factor folded into one number).
+        out: optional fp32/bf16/fp16 tensor with n elements, contiguous; receives the updated
+            parameter, rounded to nearest even (inf/NaN preserved), equal to ``param.to(out.dtype)``.
+        num_threads: threads for this call (1..NUMBA_NUM_THREADS); None uses the calling thread's
+            ``numba.get_num_threads()``. Small tensors use fewer.
+
+    Tensors must not overlap in memory (except that grad may be any read-only tensor not written
+    here). Every argument is checked before anything is written: a ``TypeError``/``ValueError``
+    leaves all tensors unchanged. n = 0 is a no-op. Returns None.
+    """
+    _check_state(param, grad, exp_avg, exp_avg_sq, out)
+    scalars = _adam_scalars(
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        adamw=adamw,
+        bias_correction=bias_correction,
+        grad_scale=grad_scale,
+    )
+    num_threads = C.check_num_threads(num_threads)
+    _launch_adam(param, None, grad, exp_avg, exp_avg_sq, out, False, scalars, num_threads)
+
+
+def accumulate_adam_(
+    param: torch.Tensor,
+    acc: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    zero_acc: bool = False,
+    num_threads: int | None = None,
+) -> None:
+    """Add the last gradient of an interval into ``acc`` and take the Adam step with
+    ``(acc + grad) / grad_scale``, in the same pass (the update-boundary case of DESIGN.md 2.5).
+
+    Same as ``accumulate_(acc, grad)`` followed by ``cpu_adam_(param, acc, exp_avg, exp_avg_sq, ...,
+    grad_scale=grad_scale, out=out)``, reading and writing ``acc`` once instead of three times.
+
+    Args:
+        param, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw,
+        bias_correction, out, num_threads: as ``cpu_adam_``.
+        acc: fp32, contiguous, n elements: the accumulated gradient of the interval so far.
+            Afterwards it holds the full sum ``acc + grad`` (unscaled), so a caller can still read it
+            (checkpoint, norm, debugging); the caller zeroes or swaps it before the next interval.
+            With ``zero_acc=True`` it holds 0 instead, saving that separate zeroing pass.
+        grad: fp32, bf16 or fp16, n elements: the interval's last gradient; read only.
+        grad_scale: > 0; e.g. ``loss_scale * interval_length / clip_coef``.
+
+    Tensors must not overlap. Everything is checked before anything is written. n = 0 is a no-op.
+    """
+    _check_state(param, grad, exp_avg, exp_avg_sq, out, acc=acc)
+    scalars = _adam_scalars(
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        adamw=adamw,
+        bias_correction=bias_correction,
+        grad_scale=grad_scale,
+    )
+    zero_acc = C.check_bool("zero_acc", zero_acc)
+    num_threads = C.check_num_threads(num_threads)
+    _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, num_threads)
