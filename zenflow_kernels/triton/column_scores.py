@@ -130,6 +130,7 @@ def column_scores(grad: torch.Tensor, importance: str = "l2", *, rows_per_split:
         S, rows_per_split = _split(R, triton.cdiv(C, MULTI_BLOCK_C), grad.device)
     else:
         rows_per_split = V.integer("column_scores", "rows_per_split", rows_per_split, lo=1)
+        rows_per_split = max(rows_per_split, triton.cdiv(R, 65535))  # grid axis 1 holds at most 65535
         S = triton.cdiv(R, rows_per_split)
     dst = out if S == 1 else torch.empty((S, C), dtype=torch.float32, device=grad.device)
 
@@ -219,7 +220,6 @@ def multi_column_scores(grads, importance: str = "l2") -> list[torch.Tensor]:
             continue
         strips = triton.cdiv(C, MULTI_BLOCK_C)
         S, rps = _split(R, total_strips, dev)
-        S = triton.cdiv(R, rps)
         plans.append((i, S, rps, strips, part_size))
         if S > 1:
             part_size += S * C

@@ -46,7 +46,7 @@ def _select(s_ptr, stride, C, k, out_ptr, CHUNK: tl.constexpr):
     known = tl.zeros([], dtype=tl.uint32)  # bits of the threshold fixed so far
     need = k  # keys still to take among those matching `prefix`
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p  # constexpr: p is a static_range index
         hist = tl.zeros([256], dtype=tl.int32)
         for c0 in range(0, C, CHUNK):
             offs = c0 + lanes

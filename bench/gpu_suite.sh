@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# bench/gpu_suite.sh OUTDIR -- every kernel check that needs a GPU, in one run (designed for < 5 min
+# on an H200). Installs nothing; needs a Python with a CUDA build of torch, triton and pytest
+# (set PYTHON=... to choose it; default: .venv/bin/python if it sees a GPU, else python3).
+#
+#   1. the kernel tests compiled on the GPU (TRITON_INTERPRET=0: the "cuda" device of every test;
+#      autotuning off so each test shape is not benchmarked over every config)    -> OUTDIR/tests.txt
+#   2. the kernel benchmark with autotuning on                                    -> OUTDIR/kernels_gpu.{json,csv,png},
+#                                                                                    OUTDIR/bench.txt
+# OUTDIR/summary.txt gets one line per stage with its exit status and seconds; OUTDIR/env.txt the
+# GPU, driver and versions. A stage that fails or runs out of its time budget does not stop the next;
+# the benchmark writes its JSON after every section, so a cut-short run still leaves data.
+set -uo pipefail
+
+OUT=${1:?usage: bench/gpu_suite.sh OUTDIR}
+cd "$(dirname "$0")/.." || exit 2
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
+
+pick_python() {
+    if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; return; fi
+    if [[ -x .venv/bin/python ]] && .venv/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
+        2>/dev/null; then
+        echo .venv/bin/python
+    else
+        echo python3
+    fi
+}
+PY=$(pick_python)
+
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_INTERPRET=0                 # compiled kernels; tests/conftest.py only sets it when unset
+export PYTHONDONTWRITEBYTECODE=1
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$OUT/.triton-cache}"
+
+: > "$OUT/summary.txt"
+stage() {  # stage NAME SECONDS CMD... : run with a time budget, record status and duration
+    local name=$1 budget=$2
+    shift 2
+    local t0=$SECONDS
+    timeout --kill-after=10 "$budget" "$@"
+    local rc=$?
+    echo "$name rc=$rc seconds=$((SECONDS - t0)) budget=$budget$([[ $rc == 124 ]] && echo ' TIMED OUT')" \
+        | tee -a "$OUT/summary.txt"
+    return 0
+}
+
+{
+    date -u +%FT%TZ
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv 2>&1
+    "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__,
+'triton', triton.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name(0))" 2>&1
+} > "$OUT/env.txt"
+cat "$OUT/env.txt"
+
+if ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    echo "no CUDA device visible to $PY: nothing to do" | tee -a "$OUT/summary.txt"
+    exit 1
+fi
+
+# 1. kernel tests on the GPU (compilation dominates: a cold Triton cache compiles every variant once)
+if "$PY" -c "import pytest" 2>/dev/null; then
+    export ZENFLOW_TRITON_AUTOTUNE=0
+    stage tests 150 \
+        "$PY" -m pytest tests/test_triton_column_scores.py tests/test_triton_topk.py tests/test_triton_adamw.py \
+        tests/test_ops_validation.py tests/test_ops_dispatch.py -q -p no:cacheprovider --durations=15 -rs \
+        > "$OUT/tests.txt" 2>&1
+    tail -n 25 "$OUT/tests.txt"
+else
+    echo "tests rc=skipped (pytest is not installed for $PY)" | tee -a "$OUT/summary.txt"
+fi
+
+# 2. benchmark (autotuning on)
+export ZENFLOW_TRITON_AUTOTUNE=1
+stage bench 130 "$PY" -m bench.kernels --out "$OUT" > "$OUT/bench.txt" 2>&1
+cat "$OUT/bench.txt"
+
+rm -rf "$TRITON_CACHE_DIR"
+echo "results in $OUT:"
+ls -l "$OUT"
+cat "$OUT/summary.txt"
