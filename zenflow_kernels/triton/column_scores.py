@@ -41,7 +41,7 @@ def _c(block_r, block_c, warps, stages=3):
 
 
 # Row-major configs first (columns contiguous), then column-major ones (rows contiguous).
-_ROW_MAJOR = [_c(32, 128, 4), _c(16, 256, 4), _c(64, 128, 8), _c(32, 256, 8), _c(8, 512, 4), _c(64, 64, 4)]
+_ROW_MAJOR = [_c(32, 128, 4), _c(16, 256, 4), _c(64, 128, 8), _c(16, 256, 8), _c(8, 512, 4), _c(64, 64, 4)]
 _COL_MAJOR = [_c(128, 32, 4), _c(256, 16, 4), _c(256, 32, 8), _c(512, 8, 4)]
 _CONFIGS = _ROW_MAJOR + _COL_MAJOR
 
