@@ -164,6 +164,31 @@ def test_cpu_adam_matches_torch_100_steps(adamw, bias_correction, weight_decay, 
     assert (p - p0).abs().max() > 0.1  # the parameter did move: the comparison above is not vacuous
 
 
+def test_cpu_adam_beta_table():
+    """betas across their domain (beta1 < 0.5 takes torch's other lerp form; beta2 = 0 makes v = g^2)."""
+    n, failures = 257, []
+    for beta1 in (0.0, 0.3, 0.5, 0.9, 0.99):
+        for beta2 in (0.0, 0.5, 0.999, 0.9999):
+            p0, m, v, gen = make_state(n, 11)
+            grads = [torch.randn(n, generator=gen) for _ in range(30)]
+            tp = torch.nn.Parameter(p0.clone())
+            opt = torch.optim.AdamW([tp], lr=1e-2, betas=(beta1, beta2), eps=1e-8, weight_decay=0.1, foreach=False)
+            p = p0.clone()
+            for step, g in enumerate(grads, 1):
+                tp.grad = g
+                opt.step()
+                cpu_adam_(p, g, m, v, step=step, lr=1e-2, beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=0.1)
+            s = opt.state[tp]
+            for name, ours, theirs in zip(
+                ("param", "exp_avg", "exp_avg_sq"), (p, m, v), (tp.data, s["exp_avg"], s["exp_avg_sq"]), strict=True
+            ):
+                try:
+                    assert_scaled_close(ours, theirs, name)
+                except AssertionError as exc:
+                    failures.append((beta1, beta2, str(exc)))
+    assert not failures, failures
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, *DTYPES_16])
 @pytest.mark.parametrize("out_dtype", [None, torch.float32, *DTYPES_16])
 def test_cpu_adam_dtypes_grad_and_out(grad_dtype, out_dtype):
