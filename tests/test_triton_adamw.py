@@ -148,6 +148,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
+def same(a: torch.Tensor, b: torch.Tensor, device: str) -> bool:
+    """Two of our kernels on the same inputs: bit-identical under the interpreter (numpy, no FMA); when
+    compiled, separately compiled kernels may contract multiply-adds differently: within an fp32 ulp."""
+    if device == "cpu":
+        return torch.equal(a, b)
+    if a.dtype in (torch.bfloat16, torch.float16):
+        return ulps(a, b.float(), a.dtype) <= 1.0
+    return rel(a, b) <= 2.5e-7
+
+
 def ulps(a: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
     """|a - ref| in units in the last place of ``dtype`` at ``ref``."""
     mant = {torch.bfloat16: 8, torch.float16: 11}[dtype]
@@ -218,7 +228,8 @@ def test_fp32_sweep(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_params(device, dtype):
     """bf16/fp16 params: with a master, within one ulp of the fp32 result and equal to the rounded master;
-    without one, within one ulp of the torch path (same fp32 math, round to nearest even)."""
+    without one, within one ulp per step of the torch path (the same fp32 math rounded to nearest even
+    each step: an fp32 rounding difference can flip one rounding per step)."""
     rows = []
     for base in (Case(), Case(per_col=True, grad_scale=2.0), Case(k=None, R=4, C=40), Case(transposed=True)):
         lp = replace(base, pdtype=dtype, master=True)
@@ -237,7 +248,7 @@ def test_low_precision_params(device, dtype):
         a, b = run(plain, device, "triton"), run(plain, device, "torch")
         rows.append(("no master", base, {"ulps(kernel, torch)": ulps(a["param"], b["param"].float(), dtype),
                                          "m": rel(a["m"], b["m"]), "v": rel(a["v"], b["v"])}))
-    limits = {"ulps(param, fp32 master)": 1.0, "ulps(kernel, torch)": 1.0}
+    limits = {"ulps(param, fp32 master)": 1.0, "ulps(kernel, torch)": float(STEPS)}
     bad = [r for r in rows if any(val > limits.get(key, RTOL) for key, val in r[2].items())]
     assert not bad, "\n".join(map(str, bad))
 
@@ -250,7 +261,8 @@ def test_per_column_steps_equal_int_step(device):
     d = build(case, device)
     a = run(case, device, "triton", d)
     b = run(case, device, "triton", dict(d, step0=torch.full((case.k,), 7, dtype=torch.int64, device=device)))
-    assert rel(a["param"], b["param"]) <= RTOL and rel(a["m"], b["m"]) == 0.0 and rel(a["v"], b["v"]) == 0.0
+    assert rel(a["param"], b["param"]) <= RTOL
+    assert same(a["m"], b["m"], device) and same(a["v"], b["v"], device)  # moments do not see the step
 
 
 # eps = 0 below: the masked-off lanes of the tile (loaded as zeros, never stored) compute 0/0, which
@@ -274,7 +286,7 @@ def test_bias_correction_accuracy(device):
                                  weight_decay=0.0)
         exact = torch.tensor([-(1 - beta) / (1 - beta ** int(s)) for s in steps], dtype=torch.float64)
         worst = max(worst, rel(p.cpu()[0], exact))
-    assert worst <= 4e-7, worst
+    assert worst <= RTOL, worst  # a plain fp32 1 - beta**s would be off by ~1e-4 at beta=0.9999, s=1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -309,8 +321,9 @@ def _multi_args(cases, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_multi_equals_single_with_constant_launches(device):
-    """The multi-tensor kernel reproduces the per-tensor kernel bit for bit (per-tensor lr and weight
-    decay, mixed dtypes, dense and selected, masters and per-column steps), in one launch per group."""
+    """The multi-tensor kernel reproduces the per-tensor kernel (bit for bit when interpreted; see ``same``)
+    with per-tensor lr and weight decay, mixed dtypes, dense and selected, masters and per-column steps,
+    in one launch per group."""
     data, multi = _multi_args(MODEL, device)
     _, single = _multi_args(MODEL, device)
     b1, b2, eps = 0.9, 0.95, 1e-8
@@ -332,7 +345,7 @@ def test_multi_equals_single_with_constant_launches(device):
     for c, a, b in zip(MODEL, multi, single, strict=True):
         for key in ("param", "m", "v", "master"):
             if a[key] is not None:
-                assert torch.equal(a[key], b[key]), (c, key)
+                assert same(a[key], b[key], device), (c, key)
     moved = [not torch.equal(s["param"], d["param"]) for s, d in zip(multi, data, strict=True)]
     assert moved == [c.k != 0 for c in MODEL]
     # twice the tensors (same groups): the same launches

@@ -152,8 +152,10 @@ def test_multi_equals_single_and_launches_are_constant(device, importance):
     assert n_small == {"_multi_column_scores_kernel": 3, "_multi_sum_partials_kernel": 1}
     with ops.use_backend("triton"), count_launches() as n_large:
         ops.multi_column_scores(grads * 4, importance)
-    # 24 tensors: still one launch per dtype group; with 4x the column strips no tensor needs a row split
-    assert n_large == {"_multi_column_scores_kernel": 3}
+    # 24 tensors: still one launch per dtype group (plus at most one partial-sum launch for the fp32 group,
+    # depending on whether the machine is filled without splitting the tall matrix)
+    assert n_large["_multi_column_scores_kernel"] == 3
+    assert n_large.get("_multi_sum_partials_kernel", 0) <= 1 and len(n_large) <= 2
 
 
 @pytest.mark.parametrize("device", DEVICES)
