@@ -1,23 +1,24 @@
-"""What every host-kernel launcher does around its kernel: validate, view as numpy, pick threads, launch.
+"""What every host-kernel launcher does around its kernel: validate, view as numpy, launch.
 
 Validation happens completely before the kernel runs, so an error leaves every tensor untouched.
 Tensors are shared with numba without copies (``Tensor.numpy()``); bf16 is handed over as its
 ``int16`` bit pattern and fp16 as ``uint16`` (numba has no 16-bit float type, see ``_kernels``).
+The whole launcher costs ~15-25 us per call on this 2-core host (checks, views, numba dispatch): it
+is written for that (no ABC isinstance on the fast path, thread counts set inside the kernel).
 
 Threads. ``numba.set_num_threads`` is *thread-local*: it applies to launches from the calling
 thread only, and a new thread starts at ``NUMBA_NUM_THREADS`` (the launch default, by default the
-number of logical CPUs). The launchers therefore take ``num_threads=`` per call and set it in the
-calling thread for the duration of the call (restoring the previous value). Below
-``MIN_ELEMENTS_PER_THREAD`` elements per thread fewer threads are used: waking a thread costs more
-than it saves on a small tensor (measured on a 2-core host: ~3 us for a 1-thread launch against
-10-80 us for 2 threads).
+number of logical CPUs). The launchers therefore take ``num_threads=`` per call; the kernel sets it
+for its own launch and restores the caller's value. Below ``MIN_ELEMENTS_PER_THREAD`` (2^15)
+elements per thread fewer threads are used: waking a thread costs more than it saves on a small
+tensor (measured on a 2-core host: ~3 us for a 1-thread launch against 10-80 us for 2 threads).
 
 Threading layer. numba picks TBB, then OpenMP, then its own ``workqueue`` layer. TBB and OpenMP are
 thread-safe: two Python threads may launch kernels at the same time (the ZenFlow host worker runs
-Adam in the background while the main thread accumulates the next interval). ``workqueue`` is not:
+Adam in the background while another thread accumulates the next interval). ``workqueue`` is not:
 concurrent launches abort the process. When numba ends up on ``workqueue``, launches from this
 package are serialised with a lock (correct, just not concurrent); install ``tbb`` or an OpenMP
-runtime to avoid it. With GNU OpenMP (what numba uses here, shared with torch's OpenMP) the layer
+runtime to avoid it. With GNU OpenMP (what numba uses here, the same libgomp as torch's) the layer
 is not fork-safe: do not launch kernels in a child forked after the parent launched any.
 """
 
@@ -30,8 +31,6 @@ import threading
 import numba
 import numpy as np
 import torch
-
-MIN_ELEMENTS_PER_THREAD = 1 << 15
 
 STATE_DTYPES = (torch.float32,)
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,7 +45,7 @@ def check_tensor(name: str, t, dtypes, numel: int | None = None) -> None:
     """A contiguous, strided CPU tensor of one of ``dtypes`` (and ``numel`` elements, when given)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{name} must be a CPU tensor (host kernels), got a tensor on {t.device}")
     if t.layout != torch.strided:
         raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
@@ -61,28 +60,30 @@ def check_tensor(name: str, t, dtypes, numel: int | None = None) -> None:
         raise ValueError(f"{name} must have {numel} elements (like param), got {t.numel()} (shape {tuple(t.shape)})")
 
 
-def check_disjoint(written: dict, read: dict) -> None:
-    """Every written tensor's memory must not overlap any other tensor's (races, wrong results)."""
-    spans = {}
-    for name, t in {**written, **read}.items():
-        if t is not None and t.numel() > 0:
-            start = t.data_ptr()
-            spans[name] = (start, start + t.numel() * t.element_size())
-    names = list(spans)
-    for a_i, a in enumerate(names):
-        for b in names[a_i + 1 :]:
-            if a not in written and b not in written:
-                continue
-            (a0, a1), (b0, b1) = spans[a], spans[b]
-            if a0 < b1 and b0 < a1:
-                raise ValueError(f"{a} and {b} overlap in memory; the tensors a kernel writes must not share storage")
+def check_disjoint(tensors: dict) -> None:
+    """No two of the tensors (None entries skipped) share memory. Every launcher writes all of its
+    tensors but one (the gradient), so any overlap is a race or a wrong result."""
+    spans = []
+    for name, t in tensors.items():
+        if t is not None:
+            n = t.numel()
+            if n:
+                start = t.data_ptr()
+                spans.append((start, start + n * t.element_size(), name))
+    spans.sort()
+    reach, owner = -1, None
+    for start, end, name in spans:
+        if start < reach:
+            raise ValueError(f"{owner} and {name} overlap in memory; the tensors of one call must not share storage")
+        if end > reach:
+            reach, owner = end, name
 
 
 def check_real(
     name: str, value, *, lo: float | None = None, hi: float | None = None, hi_open: bool = False, lo_open: bool = False
 ) -> float:
     """A finite real number (not bool) within [lo, hi] (open ends where asked); returned as float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     v = float(value)
     if not math.isfinite(v):
@@ -96,7 +97,7 @@ def check_real(
 
 def check_int(name: str, value, *, lo: int) -> int:
     """An integer (Python or numpy, not bool) >= lo."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value!r}")
@@ -104,15 +105,15 @@ def check_int(name: str, value, *, lo: int) -> int:
 
 
 def check_bool(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
+    if type(value) is not bool and not isinstance(value, np.bool_):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
 
 
-def check_num_threads(num_threads) -> int | None:
-    """None (the calling thread's numba setting) or 1 <= num_threads <= NUMBA_NUM_THREADS."""
+def check_num_threads(num_threads) -> int:
+    """None -> 0 (the calling thread's numba setting), else 1 <= num_threads <= NUMBA_NUM_THREADS."""
     if num_threads is None:
-        return None
+        return 0
     n = check_int("num_threads", num_threads, lo=1)
     limit = numba.config.NUMBA_NUM_THREADS
     if n > limit:
@@ -126,12 +127,16 @@ def check_num_threads(num_threads) -> int | None:
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """Flat numpy view of a contiguous CPU tensor, sharing memory: fp32 as float32, bf16 as int16 bits,
     fp16 as uint16 bits."""
-    flat = t.detach().reshape(-1)
-    if flat.dtype == torch.bfloat16:
-        return flat.view(torch.int16).numpy()
-    if flat.dtype == torch.float16:
-        return flat.numpy().view(np.uint16)
-    return flat.numpy()
+    if t.requires_grad:
+        t = t.detach()
+    dtype = t.dtype
+    if dtype is torch.bfloat16:
+        a = t.view(torch.int16).numpy()
+    elif dtype is torch.float16:
+        a = t.numpy().view(np.uint16)
+    else:
+        a = t.numpy()
+    return a if a.ndim == 1 else a.reshape(-1)
 
 
 def bump_versions(*tensors) -> None:
@@ -142,10 +147,32 @@ def bump_versions(*tensors) -> None:
         torch.autograd.graph.increment_version(live)
 
 
+MIN_ELEMENTS_PER_THREAD = 1 << 15
+
 # numba's threading layer is only known after the first parallel launch; until it is known (and for
 # good when it is "workqueue", which aborts on concurrent launches) launches hold this lock.
 _LAUNCH_LOCK = threading.Lock()
 _serialise: bool | None = None
+_thread_fns = None
+
+
+def _get_thread_fns():
+    """(get, set) of the calling thread's numba thread count. numba's public functions take two
+    process-wide locks per call (~4 us each); once the layer is up, its ctypes entry points do the
+    same in well under a microsecond. Falls back to the public functions if numba moves them."""
+    global _thread_fns
+    if _thread_fns is None:
+        numba.get_num_threads()  # starts the threading layer
+        try:
+            from numba.np.ufunc import parallel
+
+            get, set_ = parallel._get_num_threads, parallel._set_num_threads
+            if not (callable(get) and callable(set_)) or get() != numba.get_num_threads():
+                raise AttributeError("unexpected numba internals")
+            _thread_fns = (get, set_)
+        except (ImportError, AttributeError):
+            _thread_fns = (numba.get_num_threads, numba.set_num_threads)
+    return _thread_fns
 
 
 def _resolve_layer() -> None:
@@ -156,17 +183,15 @@ def _resolve_layer() -> None:
         _serialise = None
 
 
-def threads_for(n: int, num_threads: int | None) -> int:
-    """Threads to use for ``n`` elements: the request (or the caller's numba setting), fewer when small."""
-    k = numba.get_num_threads() if num_threads is None else num_threads
-    return max(1, min(k, n // MIN_ELEMENTS_PER_THREAD))
-
-
-def launch(kernel, nthreads: int, *args):
-    """Run ``kernel(*args)`` on ``nthreads`` threads of the calling thread's numba pool (GIL released)."""
-    prev = numba.get_num_threads()
-    if nthreads != prev:
-        numba.set_num_threads(nthreads)
+def launch(kernel, n: int, nthreads: int, *args):
+    """Run ``kernel(*args)`` over ``n`` elements (GIL released while it runs) on ``nthreads`` threads
+    (0: the calling thread's numba setting), fewer when n is small; restores the caller's setting.
+    Serialised only on numba's workqueue layer."""
+    get, set_ = _get_thread_fns()
+    prev = get()
+    k = max(1, min(nthreads or prev, n // MIN_ELEMENTS_PER_THREAD))
+    if k != prev:
+        set_(k)
     try:
         if _serialise is False:
             return kernel(*args)
@@ -175,5 +200,5 @@ def launch(kernel, nthreads: int, *args):
             _resolve_layer()
             return result
     finally:
-        if nthreads != prev:
-            numba.set_num_threads(prev)
+        if k != prev:
+            set_(prev)

@@ -27,8 +27,9 @@ cache directory when that is not writable). numba invalidates a cached kernel on
 that defines it* changes, not when a helper it calls changes in another file: that is why every
 piece of numba code lives in this one module. Keep it that way.
 
-Threads. The kernels run on numba's threading layer with the calling thread's
-``numba.get_num_threads()``; the launchers (``adam.py``, ``accumulate.py``) set that per call.
+Threads. The kernels run on numba's threading layer with the calling thread's thread count; the
+launchers (``_common.launch``) set it per call. (Calling ``numba.set_num_threads`` inside a kernel
+would be cheaper still, but makes it uncacheable: numba embeds a ctypes pointer for it.)
 ``nogil=True``: the GIL is released for the whole kernel, so a background thread running one
 overlaps with Python and torch work in the main thread.
 """
@@ -239,7 +240,7 @@ def _ov_add_into(acc, i, g, zero_acc):
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels
+# Kernels (the thread count is the calling thread's numba setting; the launchers set it per call)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -252,29 +253,40 @@ def adam_kernel(
     acc,
     out,
     zero_acc,
-    inv_scale,
-    l2,
-    decay,
-    lerp_coeff,
-    lerp_small,
-    beta2,
-    one_minus_beta2,
-    inv_bc2_sqrt,
-    eps,
-    neg_step_size,
+    inv_scale64,
+    l2_64,
+    decay64,
+    one_minus_beta1_64,
+    beta2_64,
+    one_minus_beta2_64,
+    inv_bc2_sqrt64,
+    eps64,
+    neg_step_size64,
 ):
     """One fused pass of Adam/AdamW over n elements (all arrays 1-D, length n, contiguous).
 
-    The operations and their rounding follow torch's single-tensor Adam on CPU (fma where ATen's
+    The float64 hyper-parameters are rounded to float32 once, here; the loop is all float32. The
+    operations and their rounding follow torch's single-tensor Adam on CPU (fma where ATen's
     vectorised kernels use one), so m and v come out bit-identical to torch whenever g does:
 
     g = (acc[i] + grad[i] if acc else grad[i]) * inv_scale
     g = fma(p, l2, g)                              if l2 != 0 (Adam's L2 decay; AdamW passes l2 = 0)
-    m = fma(lerp_coeff, g - m, m if lerp_small else g)     (torch's lerp(m, g, 1 - beta1))
+    m = lerp(m, g, w): fma(w, g - m, m) if |w| < 0.5 else fma(w - 1, g - m, g)    (w = 1 - beta1, torch's)
     v = fma(one_minus_beta2 * g, g, v * beta2)             (v.mul_(beta2).addcmul_(g, g, 1 - beta2))
     p = p * decay + (neg_step_size * m) / (sqrt(v) * inv_bc2_sqrt + eps)   (decay = 1 - lr*wd for AdamW)
     out[i] = p (converted), when out is not None; acc[i] = the sum (or 0 with zero_acc).
     """
+    inv_scale = np.float32(inv_scale64)
+    l2 = np.float32(l2_64)
+    decay = np.float32(decay64)
+    w = np.float32(one_minus_beta1_64)
+    lerp_small = abs(w) < np.float32(0.5)
+    lerp_coeff = w if lerp_small else w - np.float32(1.0)
+    beta2 = np.float32(beta2_64)
+    one_minus_beta2 = np.float32(one_minus_beta2_64)
+    inv_bc2_sqrt = np.float32(inv_bc2_sqrt64)
+    eps = np.float32(eps64)
+    neg_step_size = np.float32(neg_step_size64)
     for i in prange(param.size):
         p = param[i]
         g = add_into(acc, i, load_f32(grad, i), zero_acc) * inv_scale

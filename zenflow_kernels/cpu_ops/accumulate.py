@@ -26,12 +26,12 @@ def accumulate_(acc: torch.Tensor, grad: torch.Tensor, *, num_threads: int | Non
     """
     C.check_tensor("acc", acc, C.STATE_DTYPES)
     C.check_tensor("grad", grad, C.GRAD_DTYPES, acc.numel())
-    C.check_disjoint({"acc": acc}, {"grad": grad})
-    num_threads = C.check_num_threads(num_threads)
+    C.check_disjoint({"acc": acc, "grad": grad})
+    nthreads = C.check_num_threads(num_threads)
     n = acc.numel()
     if n == 0:
         return
-    C.launch(accumulate_kernel, C.threads_for(n, num_threads), C.as_numpy(acc), C.as_numpy(grad))
+    C.launch(accumulate_kernel, n, nthreads, C.as_numpy(acc), C.as_numpy(grad))
     C.bump_versions(acc)
 
 
@@ -48,8 +48,8 @@ def sum_squares(x: torch.Tensor, *, num_threads: int | None = None) -> float:
     thread count (deterministic for a fixed count). n = 0 gives 0.0.
     """
     C.check_tensor("x", x, C.GRAD_DTYPES)
-    num_threads = C.check_num_threads(num_threads)
+    nthreads = C.check_num_threads(num_threads)
     n = x.numel()
     if n == 0:
         return 0.0
-    return float(C.launch(sum_squares_kernel, C.threads_for(n, num_threads), C.as_numpy(x)))
+    return float(C.launch(sum_squares_kernel, n, nthreads, C.as_numpy(x)))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from . import _common as C
@@ -38,7 +37,8 @@ from ._kernels import adam_kernel
 
 
 def _adam_scalars(*, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale) -> tuple:
-    """Validate the hyper-parameters; return the kernel's float32 scalars (inv_scale ... neg_step_size)."""
+    """Validate the hyper-parameters; return the kernel's scalars (float64; the kernel rounds them to
+    float32 once): inv_scale, l2, decay, 1 - beta1, beta2, 1 - beta2, 1/sqrt(bc2), eps, -lr/bc1."""
     bias_correction = C.check_bool("bias_correction", bias_correction)
     adamw = C.check_bool("adamw", adamw)
     step = C.check_int("step", step, lo=1 if bias_correction else 0)
@@ -53,31 +53,27 @@ def _adam_scalars(*, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_corr
         bc2 = 1.0 - beta2**step
     else:
         bc1 = bc2 = 1.0
-    f32 = np.float32
-    # torch's lerp(m, g, w): m + w*(g - m) for |w| < 0.5, else g + (w - 1)*(g - m), both as one fma
-    w = f32(1.0 - beta1)
-    lerp_small = bool(abs(w) < 0.5)
     return (
-        f32(1.0 / grad_scale),  # inv_scale
-        f32(0.0 if adamw else weight_decay),  # l2
-        f32(1.0 - lr * weight_decay if adamw else 1.0),  # decay
-        w if lerp_small else w - f32(1.0),  # lerp_coeff
-        lerp_small,
-        f32(beta2),
-        f32(1.0 - beta2),
-        f32(1.0 / math.sqrt(bc2)),  # inv_bc2_sqrt
-        f32(eps),
-        f32(-lr / bc1),  # neg_step_size
+        1.0 / grad_scale,  # inv_scale
+        0.0 if adamw else weight_decay,  # l2
+        1.0 - lr * weight_decay if adamw else 1.0,  # decay
+        1.0 - beta1,  # torch's lerp weight
+        beta2,
+        1.0 - beta2,
+        1.0 / math.sqrt(bc2),  # inv_bc2_sqrt
+        eps,
+        -lr / bc1,  # neg_step_size
     )
 
 
-def _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, num_threads) -> None:
+def _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, nthreads) -> None:
     n = param.numel()
     if n == 0:
         return
     C.launch(
         adam_kernel,
-        C.threads_for(n, num_threads),
+        n,
+        nthreads,
         C.as_numpy(param),
         C.as_numpy(grad),
         C.as_numpy(exp_avg),
@@ -100,10 +96,9 @@ def _check_state(param, grad, exp_avg, exp_avg_sq, out, acc=None) -> None:
     C.check_tensor("exp_avg_sq", exp_avg_sq, C.STATE_DTYPES, n)
     if out is not None:
         C.check_tensor("out", out, C.OUT_DTYPES, n)
-    written = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "out": out}
-    if acc is not None:
-        written["acc"] = acc
-    C.check_disjoint(written, {"grad": grad})
+    C.check_disjoint(
+        {"param": param, "acc": acc, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "out": out}
+    )
 
 
 def cpu_adam_(
