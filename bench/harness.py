@@ -213,3 +213,37 @@ def plt():
     import matplotlib.pyplot as pyplot
 
     return pyplot
+
+
+def machine_info_light() -> dict:
+    """:func:`machine_info` without importing the optional ``deepspeed`` (its import takes seconds and
+    logs a line): its version is read from the installed package metadata instead."""
+    import contextlib
+    import importlib.metadata
+
+    saved = sys.modules.get("deepspeed", _MISSING)
+    if saved is _MISSING:
+        sys.modules["deepspeed"] = None  # makes `import deepspeed` raise ImportError inside machine_info
+    try:
+        info = machine_info()
+    finally:
+        if saved is _MISSING:
+            del sys.modules["deepspeed"]
+    if info["versions"].get("deepspeed") is None:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            info["versions"]["deepspeed"] = importlib.metadata.version("deepspeed")
+    return info
+
+
+_MISSING = object()
+
+
+def write_json_light(path: str | os.PathLike, payload: dict) -> Path:
+    """:func:`write_json` with :func:`machine_info_light` as the machine entry when none is given
+    (``write_json`` computes ``machine_info()`` even when the payload already holds one)."""
+    payload = dict(payload)
+    if "machine" not in payload:
+        payload["machine"] = machine_info_light()
+    path = Path(path)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")
+    return path

@@ -1,0 +1,758 @@
+"""End-to-end benchmark and the ``make demo`` engine: fine-tune a small GPT on Python's own source.
+
+``python -m bench.e2e --demo`` (what ``make demo`` runs):
+
+1. reads a seeded selection of the standard library's source files (``bench.data``);
+2. pre-trains a byte-level GPT (``bench.model``) on the top-level modules, or loads that model from
+   the cache (``data/e2e/``, git-ignored) when an identical pre-training ran before;
+3. fine-tunes it on package sources three times, same data, same batches, same seed:
+   ``torch.optim.AdamW`` every step (``fused=True`` where the device supports it: CUDA, and CPU since
+   torch 2.4), synchronous ZeRO-Offload (host AdamW on the fp32 master every step; the training
+   thread waits, then the whole model is copied back), and ``ZenFlowAdamW`` (top-k columns every
+   step, the rest on the host every ``update_interval`` steps, overlapped);
+4. prints a table (steps/s, stall, host updates, final train and held-out loss), writes
+   ``e2e.json`` (every figure, the curves and the machine) and ``e2e.png`` (loss against wall time
+   and against step).
+
+Timing: the clock runs over the training steps only (data, forward, backward, optimizer step and
+the final ``flush()``); held-out evaluation runs *after* each run, on snapshots of the weights taken
+during it (the live weights, as training used them: ZenFlow's non-selected columns are then up to
+one interval stale; the last snapshot is taken after ``flush()``). Stall is the time the training
+thread waited for the host (``ZenFlowAdamW.stats()["stall_s"]``), reported as a share of the run's
+wall time. With ``--repeats R`` the runs are interleaved (A, B, C, A, B, C, ...) and the median
+steps/s is reported; the curves come from the repeat with the median wall time.
+
+Library use (the notebooks do this): ``prepare(cfg)`` returns the corpus, the pre-trained weights and
+the batches; ``train_run(spec, prep)`` runs one fine-tuning and returns its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from bench import harness
+from bench.data import Corpus, batch_starts, epoch_steps, eval_starts, load_corpus, windows
+from bench.model import SIZES, CharGPT, build_model, num_params
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CACHE = REPO / "data" / "e2e"
+QUICK_ENV = "ZENFLOW_NOTEBOOK_QUICK"  # "1": the notebooks' reduced mode (fewer steps, a tiny model)
+CACHE_ENV = "ZENFLOW_E2E_CACHE"  # overrides DEFAULT_CACHE (the tests point it at a temporary folder)
+
+
+def quick_mode() -> bool:
+    """Whether the notebooks run in their reduced mode (``ZENFLOW_NOTEBOOK_QUICK=1``)."""
+    return os.environ.get(QUICK_ENV, "").strip() not in ("", "0")
+
+
+def cache_dir() -> Path:
+    """Where pre-trained models are cached: ``$ZENFLOW_E2E_CACHE`` or ``data/e2e`` (git-ignored)."""
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
+
+
+# -- configuration ------------------------------------------------------------------------------------
+
+
+@dataclass
+class E2EConfig:
+    """Everything a fine-tuning comparison depends on (recorded in the JSON)."""
+
+    model: str = "small"
+    steps: int = 160
+    pretrain_steps: int = 300
+    lr: float = 1e-3
+    warmup_frac: float = 0.1  # linear learning-rate warm-up over this share of the fine-tuning steps
+    pretrain_lr: float = 3e-3
+    weight_decay: float = 0.01
+    topk_ratio: float = 0.1
+    update_interval: int | str = 4
+    overlap: bool = True
+    pt_reserved_cores_perc: float = 0.5
+    select_interval: int | None = None  # steps; None: once per epoch of the fine-tuning data
+    seed: int = 0
+    eval_points: int = 8
+    eval_windows: int = 48
+    pretrain_bytes: int = 1_000_000
+    train_bytes: int = 400_000
+    heldout_bytes: int = 100_000
+    device: str = "auto"
+    threads: int | None = None
+    repeats: int = 1
+    batch: int | None = None  # None: the model preset's batch
+    context: int | None = None  # None: the model preset's context
+
+    def size(self):
+        preset = SIZES[self.model]
+        return replace(preset, batch=self.batch or preset.batch, context=self.context or preset.context)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+@dataclass
+class RunSpec:
+    """One fine-tuning run: ``kind`` is "adamw", "offload" (synchronous ZeRO-Offload) or "zenflow"."""
+
+    name: str
+    kind: str
+    zenflow: dict = field(default_factory=dict)
+    label: str = ""
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "label": self.label or self.name, "zenflow": dict(self.zenflow)}
+
+
+def zenflow_block(cfg: E2EConfig, n_epoch: int, **overrides) -> dict:
+    """The ZenFlow config of a run: selection once per epoch (the paper's choice) unless
+    ``select_interval`` is set in steps; never the silent "never re-selected" case."""
+    block = dict(
+        topk_ratio=cfg.topk_ratio,
+        update_interval=cfg.update_interval,
+        overlap_step=cfg.overlap,
+        pt_reserved_cores_perc=cfg.pt_reserved_cores_perc,
+        full_warm_up_rounds=0,
+    )
+    if cfg.select_interval is None:
+        block.update(select_strategy="epoch", select_interval=1, steps_per_epoch=n_epoch)
+    else:
+        block.update(select_strategy="step", select_interval=cfg.select_interval)
+    block.update(overrides)
+    ui, si = block["update_interval"], block.get("select_interval")
+    if block["select_strategy"] == "step" and isinstance(ui, int) and si < ui:
+        block["select_interval"] = ui
+    if block["select_strategy"] == "epoch" and isinstance(ui, int) and n_epoch < ui:
+        block.update(select_strategy="step", select_interval=ui)
+    return block
+
+
+def offload_block(cfg: E2EConfig) -> dict:
+    """Synchronous ZeRO-Offload through the same optimizer: every step is a warm-up step (host AdamW
+    on the fp32 master of every parameter, the training thread waits, the whole model is copied back)."""
+    return dict(full_warm_up_rounds=10**9, overlap_step=False, select_strategy="step", select_interval=1,
+                update_interval=1)
+
+
+def default_specs(cfg: E2EConfig, n_epoch: int, cores_percs: Sequence[float] | None = None) -> list[RunSpec]:
+    """AdamW, synchronous offload, and ZenFlow (one ZenFlow run per ``pt_reserved_cores_perc``)."""
+    specs = [
+        RunSpec("adamw", "adamw", label="torch AdamW"),
+        RunSpec("offload", "offload", offload_block(cfg), label="sync offload"),
+    ]
+    percs = list(cores_percs) if cores_percs else [cfg.pt_reserved_cores_perc]
+    for perc in percs:
+        name = "zenflow" if len(percs) == 1 else f"zenflow_pt{perc:g}"
+        label = "ZenFlowAdamW" if len(percs) == 1 else f"ZenFlowAdamW (pt_reserved {perc:g})"
+        specs.append(RunSpec(name, "zenflow", zenflow_block(cfg, n_epoch, pt_reserved_cores_perc=perc), label))
+    return specs
+
+
+# -- preparation: corpus, pre-trained model, batches ----------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    cfg: E2EConfig
+    corpus: Corpus
+    device: torch.device
+    threads: int
+    state: dict  # pre-trained weights (CPU tensors)
+    pretrain: dict  # what the pre-training did (or the cache said)
+    starts: torch.Tensor  # [steps, batch] fine-tuning window starts
+    eval_x: torch.Tensor
+    eval_y: torch.Tensor
+    n_epoch: int
+
+
+def fused_supported(device: torch.device) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` steps on this device (checked by doing it once)."""
+    try:
+        p = torch.nn.Parameter(torch.zeros(2, device=device))
+        p.grad = torch.zeros_like(p)
+        torch.optim.AdamW([p], fused=True).step()
+        return True
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+def _cache_key(cfg: E2EConfig, corpus: Corpus) -> str:
+    payload = json.dumps(
+        dict(size=cfg.size().as_dict(), steps=cfg.pretrain_steps, lr=cfg.pretrain_lr, seed=cfg.seed,
+             data=corpus.pretrain.digest(), version=1),
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def pretrain(cfg: E2EConfig, corpus: Corpus, device: torch.device, cache_dir: Path | None, progress: bool) -> tuple:
+    """The starting model: AdamW on the pre-training split (cosine schedule), cached by its inputs."""
+    key = _cache_key(cfg, corpus)
+    path = cache_dir / f"pretrain-{cfg.model}-{key}.pt" if cache_dir is not None else None
+    if path is not None and path.exists():
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            return saved["state"], dict(saved["meta"], cached=True, cache_file=str(path))
+        except (OSError, RuntimeError, KeyError, EOFError):
+            pass  # a broken cache file is rebuilt
+    size = cfg.size()
+    model = build_model(size, seed=cfg.seed, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, weight_decay=cfg.weight_decay,
+                            fused=fused_supported(device))
+    warm = max(1, cfg.pretrain_steps // 20)
+
+    def lr_at(s):
+        if s < warm:
+            return (s + 1) / warm
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, cfg.pretrain_steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    starts = batch_starts(corpus.pretrain.nbytes, size.context, size.batch, cfg.pretrain_steps, cfg.seed + 1)
+    bar = Progress(cfg.pretrain_steps, "pre-train", enabled=progress)
+    t0 = time.perf_counter()
+    losses = []
+    model.train()
+    for s in range(cfg.pretrain_steps):
+        x, y = windows(corpus.pretrain.data, starts[s], size.context)
+        loss = model.loss(x.to(device), y.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(loss.item())
+        bar.update(s + 1, losses[-1])
+    bar.close()
+    meta = dict(steps=cfg.pretrain_steps, seconds=time.perf_counter() - t0, lr=cfg.pretrain_lr,
+                final_train_loss=statistics.fmean(losses[-max(1, len(losses) // 10):]) if losses else None,
+                cached=False, cache_file=str(path) if path is not None else None)
+    state = {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            torch.save({"state": state, "meta": meta}, tmp)
+            os.replace(tmp, path)
+        except OSError as exc:
+            print(f"warning: could not cache the pre-trained model in {str(path)!r}: {exc}", file=sys.stderr)
+    return state, meta
+
+
+def prepare(cfg: E2EConfig, cache_dir: str | Path | None = DEFAULT_CACHE, progress: bool = False) -> Prepared:
+    """Corpus, pre-trained weights (cached), fine-tuning batches and the held-out set for ``cfg``."""
+    device = cfg.resolved_device()
+    threads = cfg.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    corpus = load_corpus(cfg.seed, cfg.pretrain_bytes, cfg.train_bytes, cfg.heldout_bytes)
+    size = cfg.size()
+    state, meta = pretrain(cfg, corpus, device, Path(cache_dir) if cache_dir is not None else None, progress)
+    starts = batch_starts(corpus.train.nbytes, size.context, size.batch, cfg.steps, cfg.seed + 2)
+    ex, ey = windows(corpus.heldout.data, eval_starts(corpus.heldout.nbytes, size.context, cfg.eval_windows),
+                     size.context)
+    n_epoch = epoch_steps(corpus.train.nbytes, size.context, size.batch)
+    prep = Prepared(cfg, corpus, device, threads, state, meta, starts, ex, ey, n_epoch)
+    prep.pretrain["heldout_loss"] = heldout_loss(prep, state)
+    return prep
+
+
+# -- one fine-tuning run --------------------------------------------------------------------------------
+
+
+def make_model(prep: Prepared, state: dict | None = None) -> CharGPT:
+    model = build_model(prep.cfg.size(), seed=prep.cfg.seed, device=prep.device)
+    model.load_state_dict(state if state is not None else prep.state)
+    return model
+
+
+def make_optimizer(spec: RunSpec, model: torch.nn.Module, prep: Prepared):
+    cfg = prep.cfg
+    if spec.kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                 fused=fused_supported(prep.device))
+    if spec.kind in ("offload", "zenflow"):
+        from zenflow_kernels import ZenFlowAdamW
+
+        return ZenFlowAdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, zenflow=dict(spec.zenflow))
+    raise ValueError(f"run kind {spec.kind!r} is invalid: allowed 'adamw', 'offload', 'zenflow'")
+
+
+@torch.no_grad()
+def heldout_loss(prep: Prepared, state: dict, batch: int = 16) -> float:
+    """Mean next-byte loss (nats/byte) of weights ``state`` on the fixed held-out windows."""
+    model = make_model(prep, state)
+    model.eval()
+    total, n = 0.0, 0
+    for i in range(0, prep.eval_x.shape[0], batch):
+        x, y = prep.eval_x[i:i + batch].to(prep.device), prep.eval_y[i:i + batch].to(prep.device)
+        total += float(model.loss(x, y)) * x.shape[0]
+        n += x.shape[0]
+    return total / n
+
+
+def _eval_steps(steps: int, points: int) -> list[int]:
+    return sorted({round(i * steps / points) for i in range(points + 1)})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_run(
+    spec: RunSpec,
+    prep: Prepared,
+    steps: int | None = None,
+    progress: bool = False,
+    grad_hook: Callable[[int, torch.nn.Module, torch.optim.Optimizer], None] | None = None,
+    eval_points: int | None = None,
+    tag: str = "",
+) -> dict:
+    """Fine-tune the pre-trained model with one optimizer; return its figures and curves.
+
+    ``grad_hook(step, model, optimizer)`` (optional) runs after each backward, before the optimizer
+    step, off the clock (the selection-dynamics notebook reads the gradients there).
+    """
+    cfg = prep.cfg
+    steps = cfg.steps if steps is None else steps
+    if steps > prep.starts.shape[0]:
+        raise ValueError(f"steps={steps} is more than the {prep.starts.shape[0]} prepared batches")
+    size = cfg.size()
+    torch.set_num_threads(prep.threads)
+    model = make_model(prep)
+    model.train()
+    opt = make_optimizer(spec, model, prep)
+    warm = max(1, round(cfg.warmup_frac * steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    eval_at = set(_eval_steps(steps, eval_points or cfg.eval_points))
+    snapshots: list[tuple[int, float, dict]] = []
+
+    def snapshot(step: int, wall: float) -> None:
+        snapshots.append((step, wall, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}))
+
+    bar = Progress(steps, tag or spec.label or spec.name, enabled=progress)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    train_loss, wall_at = [], []
+    wall = 0.0
+    threads_during = None
+    zen = spec.kind != "adamw"
+    try:
+        if 0 in eval_at:
+            snapshots.append((0, 0.0, prep.state))
+        for s in range(steps):
+            t0 = time.perf_counter()
+            x, y = windows(prep.corpus.train.data, prep.starts[s], size.context)
+            loss = model.loss(x.to(prep.device), y.to(prep.device))
+            loss.backward()
+            if grad_hook is not None:
+                _sync(prep.device)
+                paused = time.perf_counter()
+                grad_hook(s, model, opt)
+                t0 += time.perf_counter() - paused
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            lv = loss.item()  # a device sync: the step is done
+            if s == steps - 1 and zen:
+                opt.flush()  # the last host update lands: part of the run, on the clock
+                _sync(prep.device)
+            wall += time.perf_counter() - t0
+            if threads_during is None:
+                threads_during = torch.get_num_threads()
+            train_loss.append(lv)
+            wall_at.append(wall)
+            if s + 1 in eval_at:
+                snapshot(s + 1, wall)
+            bar.update(s + 1, lv)
+        stats = opt.stats() if zen else None
+    finally:
+        if zen:
+            opt.close()
+        bar.close()
+    torch.set_num_threads(prep.threads)
+    evals = [{"step": st, "wall_s": w, "heldout_loss": heldout_loss(prep, sd)} for st, w, sd in snapshots]
+    tail = train_loss[-max(1, steps // 10):]
+    result = {
+        **spec.describe(),
+        "steps": steps,
+        "wall_s": wall,
+        "steps_per_s": steps / wall if wall > 0 else float("nan"),
+        "torch_threads": prep.threads,
+        "loadavg_1min_before": load_before,
+        "torch_threads_during_run": threads_during,
+        "final_train_loss": statistics.fmean(tail),
+        "final_heldout_loss": evals[-1]["heldout_loss"] if evals else float("nan"),
+        "train_loss": train_loss,
+        "wall_at_step": wall_at,
+        "evals": evals,
+    }
+    if zen:
+        result.update(
+            stall_s=stats["stall_s"],
+            stall_pct=100.0 * stats["stall_s"] / wall if wall > 0 else float("nan"),
+            host_updates=stats["host_updates"],
+            selections=stats["selections"],
+            host_update_s_mean=stats["host_update_s_mean"],
+            fast_path_s_mean=stats["fast_path_s_mean"],
+            optimizer_step_s_mean=stats["step_s_mean"],
+            optimizer_stall_fraction=stats["stall_fraction"],
+            overlap_fraction=stats["overlap_fraction"],
+            score_mass_captured=stats["score_mass_captured"],
+            selection_jaccard=[None if math.isnan(j) else j for j in stats["selection_jaccard"]],
+            selection_steps=stats["selection_steps"],
+        )
+    else:
+        result.update(stall_s=0.0, stall_pct=0.0, host_updates=0, selections=0)
+    return result
+
+
+# -- several runs, their comparison -----------------------------------------------------------------------
+
+
+def run_all(specs: Sequence[RunSpec], prep: Prepared, repeats: int = 1, progress: bool = False) -> list[dict]:
+    """Every spec ``repeats`` times, interleaved; per spec the repeat with the median wall time, with the
+    steps/s of every repeat and their median attached."""
+    done: dict[str, list[dict]] = {s.name: [] for s in specs}
+    total = repeats * len(specs)
+    for r in range(repeats):
+        for j, spec in enumerate(specs):
+            n = r * len(specs) + j + 1
+            tag = f"[{n}/{total}] {spec.label or spec.name}"
+            done[spec.name].append(train_run(spec, prep, progress=progress, tag=tag))
+    out = []
+    for spec in specs:
+        runs = sorted(done[spec.name], key=lambda d: d["wall_s"])
+        chosen = dict(runs[(len(runs) - 1) // 2])
+        chosen["repeats"] = [
+            {k: d[k] for k in ("wall_s", "steps_per_s", "stall_s", "stall_pct", "final_heldout_loss")}
+            for d in done[spec.name]
+        ]
+        chosen["steps_per_s_median"] = statistics.median(d["steps_per_s"] for d in done[spec.name])
+        chosen["stall_pct_median"] = statistics.median(d["stall_pct"] for d in done[spec.name])
+        out.append(chosen)
+    return out
+
+
+def _interp(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear value of (x, y) points at x (clamped at the ends)."""
+    points = sorted(points)
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return points[-1][1]
+
+
+def compare(runs: list[dict]) -> dict:
+    """Ratios against the baselines measured in the same process, and the goals of the optimizer issue."""
+    by = {r["name"]: r for r in runs}
+    adamw, offload = by.get("adamw"), by.get("offload")
+    out: dict = {"per_run": {}}
+    for r in runs:
+        row: dict = {"steps_per_s": r["steps_per_s_median"], "stall_pct": r["stall_pct_median"]}
+        if adamw is not None:
+            row["steps_per_s_vs_adamw"] = r["steps_per_s_median"] / adamw["steps_per_s_median"]
+            row["heldout_gap_vs_adamw_equal_steps"] = r["final_heldout_loss"] - adamw["final_heldout_loss"]
+            row["heldout_ratio_vs_adamw_equal_steps"] = r["final_heldout_loss"] / adamw["final_heldout_loss"]
+        if offload is not None:
+            row["steps_per_s_vs_offload"] = r["steps_per_s_median"] / offload["steps_per_s_median"]
+            t = min(r["wall_s"], offload["wall_s"])
+            mine = _interp([(e["wall_s"], e["heldout_loss"]) for e in r["evals"]], t)
+            theirs = _interp([(e["wall_s"], e["heldout_loss"]) for e in offload["evals"]], t)
+            row["equal_wall_time_s"] = t
+            row["heldout_at_equal_wall"] = mine
+            row["offload_heldout_at_equal_wall"] = theirs
+            row["heldout_gap_vs_offload_equal_wall"] = mine - theirs
+        out["per_run"][r["name"]] = row
+    goals = {}
+    for name, row in out["per_run"].items():
+        if not name.startswith("zenflow"):
+            continue
+        g = {"stall_lt_5pct": row["stall_pct"] < 5.0}
+        if "steps_per_s_vs_adamw" in row:
+            g["steps_per_s_ge_0p9_adamw"] = row["steps_per_s_vs_adamw"] >= 0.9
+        if "heldout_gap_vs_offload_equal_wall" in row:
+            g["heldout_le_offload_equal_wall"] = row["heldout_gap_vs_offload_equal_wall"] <= 0.0
+        goals[name] = g
+    out["goals"] = goals
+    return out
+
+
+# -- output ----------------------------------------------------------------------------------------------
+
+
+def _smooth(xs: list[float], k: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= k:
+            acc -= xs[i - k]
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Loss against wall time and against step: smoothed train loss (thin) and held-out loss (markers)."""
+    plt = harness.plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for j, r in enumerate(result["runs"]):
+        c = colors[j % len(colors)]
+        k = max(1, r["steps"] // 20)
+        smooth = _smooth(r["train_loss"], k)
+        steps = list(range(1, r["steps"] + 1))
+        axes[0].plot(r["wall_at_step"], smooth, color=c, lw=0.8, alpha=0.6)
+        axes[1].plot(steps, smooth, color=c, lw=0.8, alpha=0.6)
+        ev = r["evals"]
+        axes[0].plot([e["wall_s"] for e in ev], [e["heldout_loss"] for e in ev], "o-", color=c, lw=1.8,
+                     label=f"{r['label']} ({r['steps_per_s_median']:.2f} steps/s)")
+        axes[1].plot([e["step"] for e in ev], [e["heldout_loss"] for e in ev], "o-", color=c, lw=1.8, label=r["label"])
+    m = result["machine"]
+    where = m.get("gpu") or f"{m.get('cpu')}, {result['config']['threads']} threads"
+    axes[0].set(xlabel="wall time (s, training steps only)", ylabel="loss (nats/byte)",
+                title="loss against wall time")
+    axes[1].set(xlabel="step", ylabel="loss (nats/byte)", title="loss against step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    cfg = result["config"]
+    fig.suptitle(
+        f"fine-tuning a {cfg['model']} byte GPT ({result['model']['params']['total'] / 1e6:.2f} M params) on stdlib "
+        f"packages; markers: held-out, lines: train (smoothed); {where}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table(result: dict) -> str:
+    """The run table: one row per run, the figures the README cites."""
+    cmp = result["comparison"]["per_run"]
+    head = (f"{'run':<34}{'steps/s':>9}{'vs AdamW':>10}{'stall %':>9}{'host upd':>10}"
+            f"{'train loss':>12}{'held-out':>10}")
+    lines = [head, "-" * len(head)]
+    for r in result["runs"]:
+        c = cmp[r["name"]]
+        ratio = c.get("steps_per_s_vs_adamw", float("nan"))
+        lines.append(f"{r['label']:<34}{r['steps_per_s_median']:>9.2f}{ratio:>9.2f}x{r['stall_pct_median']:>9.1f}"
+                     f"{r['host_updates']:>10d}{r['final_train_loss']:>12.4f}{r['final_heldout_loss']:>10.4f}")
+    for name, row in cmp.items():
+        if name.startswith("zenflow") and "heldout_gap_vs_offload_equal_wall" in row:
+            lines.append(
+                f"{name}: at equal wall time ({row['equal_wall_time_s']:.1f} s) held-out"
+                f" {row['heldout_at_equal_wall']:.4f}"
+                f" vs sync offload {row['offload_heldout_at_equal_wall']:.4f}; at equal steps"
+                f" {row['heldout_gap_vs_adamw_equal_steps']:+.4f} vs AdamW")
+    return "\n".join(lines)
+
+
+class Progress:
+    """A plain stderr progress bar (redrawn in place on a terminal; a few lines otherwise)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True, stream=None, width: int = 28):
+        self.total, self.label, self.enabled, self.width = total, label, enabled, width
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self.last = -1.0
+        self.next_mark = 0.25
+
+    def update(self, n: int, loss: float | None = None) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        frac = n / self.total if self.total else 1.0
+        if self.tty:
+            if now - self.last < 0.1 and n < self.total:
+                return
+            self.last = now
+            fill = int(self.width * frac)
+            rate = n / (now - self.t0) if now > self.t0 else 0.0
+            tail = f" loss {loss:.3f}" if loss is not None else ""
+            self.stream.write(f"\r{self.label:<34} [{'#' * fill}{'.' * (self.width - fill)}] {n}/{self.total}"
+                              f" {rate:5.2f} it/s{tail}  ")
+            self.stream.flush()
+        elif frac >= self.next_mark or n == self.total:
+            while self.next_mark <= frac:
+                self.next_mark += 0.25
+            tail = f", loss {loss:.3f}" if loss is not None else ""
+            self.stream.write(f"{self.label}: {n}/{self.total} steps, {now - self.t0:.1f} s{tail}\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# -- command line ------------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block, exit status 2
+        self.exit(2, f"error: {message} (see python -m bench.e2e --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a non-negative integer")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1]")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return v
+
+
+def _interval(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
+def parser() -> argparse.ArgumentParser:
+    d = E2EConfig()
+    p = _Parser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--demo", action="store_true", help="the make-demo preset (the defaults below, progress bar on)")
+    p.add_argument("--model", choices=sorted(SIZES), default=d.model, help="model size preset")
+    p.add_argument("--steps", type=_positive_int, default=d.steps, help="fine-tuning steps per run")
+    p.add_argument("--pretrain-steps", type=_nonneg_int, default=d.pretrain_steps, help="pre-training steps (cached)")
+    p.add_argument("--lr", type=_positive_float, default=d.lr, help="fine-tuning learning rate")
+    p.add_argument("--topk-ratio", type=_fraction, default=d.topk_ratio, help="ZenFlow topk_ratio")
+    p.add_argument("--update-interval", type=_interval, default=d.update_interval, help="ZenFlow update_interval")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false", help="ZenFlow without overlap_step")
+    p.add_argument("--select-interval", type=_positive_int, default=None,
+                   help="re-select columns every N steps (default: once per epoch of the fine-tuning data)")
+    p.add_argument("--pt-reserved-cores-perc", type=_fraction, nargs="+", default=[d.pt_reserved_cores_perc],
+                   help="ZenFlow pt_reserved_cores_perc; several values: one ZenFlow run each")
+    p.add_argument("--runs", default="adamw,offload,zenflow",
+                   help="comma-separated subset of adamw, offload, zenflow")
+    p.add_argument("--repeats", type=_positive_int, default=d.repeats, help="interleaved repeats of every run")
+    p.add_argument("--batch", type=_positive_int, default=None, help="batch size (default: the preset's)")
+    p.add_argument("--context", type=_positive_int, default=None, help="context length (default: the preset's)")
+    p.add_argument("--eval-points", type=_positive_int, default=d.eval_points, help="held-out evaluations per run")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--out", default=None, help="output folder (default: bench/results)")
+    p.add_argument("--name", default="e2e", help="output file stem: NAME.json, NAME.png")
+    p.add_argument("--cache", default=str(cache_dir()), help="pre-trained model cache folder ('' disables it)")
+    p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _check_device(text: str) -> str:
+    if text == "auto":
+        return text
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise SystemExit(f"error: --device {text!r} is invalid: allowed auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise SystemExit(f"error: --device {text!r} is invalid: allowed auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {text!r} asked for CUDA, but torch sees no CUDA device here")
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    kinds = [k.strip() for k in args.runs.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("adamw", "offload", "zenflow")]
+    if bad or not kinds:
+        raise SystemExit(f"error: --runs {args.runs!r} is invalid: allowed a comma-separated subset of "
+                         "adamw, offload, zenflow")
+    if not all(c.isalnum() or c in "-_." for c in args.name):
+        raise SystemExit(f"error: --name {args.name!r} is invalid: allowed letters, digits, '-', '_' and '.'")
+    device = _check_device(args.device)
+    out = harness.output_dir(args.out)
+    cfg = E2EConfig(
+        model=args.model, steps=args.steps, pretrain_steps=args.pretrain_steps, lr=args.lr,
+        topk_ratio=args.topk_ratio, update_interval=args.update_interval, overlap=args.overlap,
+        pt_reserved_cores_perc=args.pt_reserved_cores_perc[0], select_interval=args.select_interval, seed=args.seed,
+        eval_points=args.eval_points, device=device, threads=args.threads, repeats=args.repeats,
+        batch=args.batch, context=args.context,
+    )
+    size = cfg.size()
+    if size.d_model % size.n_head:
+        raise SystemExit("error: the model's width is not a multiple of its heads")
+    progress = not args.quiet
+    t_start = time.perf_counter()
+    try:
+        prep = prepare(cfg, cache_dir=args.cache or None, progress=progress)
+    except RuntimeError as exc:
+        if "standard-library" in str(exc):
+            raise SystemExit(f"error: {exc}") from None
+        raise
+    specs = [s for s in default_specs(cfg, prep.n_epoch, args.pt_reserved_cores_perc) if s.kind in kinds]
+    runs = run_all(specs, prep, repeats=cfg.repeats, progress=progress)
+    model = make_model(prep)
+    result = {
+        "benchmark": "e2e",
+        "command": "python -m bench.e2e " + " ".join(sys.argv[1:] if argv is None else argv),
+        "config": {**asdict(cfg), "threads": prep.threads, "device": str(prep.device), "size": size.as_dict(),
+                   "epoch_steps": prep.n_epoch, "fused_adamw": fused_supported(prep.device),
+                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
+        "model": {"params": num_params(model)},
+        "corpus": prep.corpus.describe(),
+        "pretrain": prep.pretrain,
+        "runs": runs,
+        "comparison": compare(runs),
+        "machine": harness.machine_info_light(),
+    }
+    result["machine"]["loadavg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    result["total_s"] = time.perf_counter() - t_start
+    json_path = harness.write_json_light(out / f"{args.name}.json", result)
+    png_path = plot(result, out / f"{args.name}.png") if args.plot else None
+    print(table(result))
+    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else "") + f" ({result['total_s']:.0f} s in all)")
+    return 0
+
+
+def load(path: str | Path) -> dict:
+    """Read a result JSON written by :func:`main`."""
+    return json.loads(Path(path).read_text())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The benchmark entry points run end to end at a tiny size and write the data they promise.
+
+Each entry point runs as a subprocess (``python -m bench.<name>``), as a user runs it, into a temporary
+folder; the JSON it writes is checked for its fields and for sane values. ``TRITON_INTERPRET`` (set for
+the suite by conftest) is removed for these: benchmarks time the default path, never the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_module(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def finite(xs) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    err = proc.stderr.strip()
+    assert proc.returncode != 0, f"exit status 0 for a bad option; stderr: {err!r}"
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{err}"
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+# -- bench.e2e --------------------------------------------------------------------------------------------
+
+E2E_STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def e2e_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e")
+    proc = run_module(
+        "bench.e2e", "--model", "tiny", "--steps", str(E2E_STEPS), "--pretrain-steps", "0", "--threads", "1",
+        "--eval-points", "3", "--out", str(out / "results"), "--cache", str(out / "cache"), "--quiet",
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc, out / "results"
+
+
+def test_e2e_writes_json_png_and_table(e2e_result):
+    proc, out = e2e_result
+    assert (out / "e2e.png").read_bytes()[:8] == PNG_MAGIC
+    result = json.loads((out / "e2e.json").read_text())
+    for key in ("config", "model", "corpus", "pretrain", "runs", "comparison", "machine", "total_s"):
+        assert key in result, key
+    assert [r["name"] for r in result["runs"]] == ["adamw", "offload", "zenflow"]
+    assert result["corpus"]["train"]["bytes"] > 0 and result["corpus"]["heldout"]["bytes"] > 0
+    assert set(result["corpus"]["train"]["first_files"]).isdisjoint(result["corpus"]["heldout"]["first_files"])
+    header = proc.stdout.splitlines()[0]
+    for column in ("steps/s", "stall %", "host upd", "train loss", "held-out"):
+        assert column in header
+
+
+def test_e2e_runs_have_sane_figures(e2e_result):
+    result = json.loads((e2e_result[1] / "e2e.json").read_text())
+    for r in result["runs"]:
+        assert r["steps"] == E2E_STEPS and len(r["train_loss"]) == E2E_STEPS
+        assert r["wall_s"] > 0 and r["steps_per_s"] > 0 and r["steps_per_s_median"] > 0
+        assert finite(r["train_loss"]) and finite(r["wall_at_step"])
+        assert r["wall_at_step"] == sorted(r["wall_at_step"])
+        assert [e["step"] for e in r["evals"]] == [0, 8, 16, 24]
+        held = [e["heldout_loss"] for e in r["evals"]]
+        assert finite(held)
+        # from a random initialisation 24 steps must lower both losses
+        assert held[-1] < held[0] - 0.1, (r["name"], held)
+        assert sum(r["train_loss"][-6:]) < sum(r["train_loss"][:6]), r["name"]
+        assert 0.0 <= r["stall_pct"] < 100.0
+    by = {r["name"]: r for r in result["runs"]}
+    assert by["adamw"]["host_updates"] == 0
+    assert by["offload"]["host_updates"] == E2E_STEPS  # synchronous offload: a host AdamW every step
+    assert by["zenflow"]["host_updates"] == E2E_STEPS // 4  # update_interval 4
+    assert by["zenflow"]["selections"] >= 1 and by["zenflow"]["stall_s"] >= 0
+
+
+def test_e2e_sync_offload_is_adamw(e2e_result):
+    """The synchronous offload baseline runs AdamW on the fp32 host master: the same trajectory."""
+    result = json.loads((e2e_result[1] / "e2e.json").read_text())
+    by = {r["name"]: r for r in result["runs"]}
+    worst = max(abs(a - b) for a, b in zip(by["adamw"]["train_loss"], by["offload"]["train_loss"], strict=True))
+    assert worst < 1e-3, worst
+
+
+def test_e2e_comparison_ratios(e2e_result):
+    result = json.loads((e2e_result[1] / "e2e.json").read_text())
+    cmp = result["comparison"]
+    zen = cmp["per_run"]["zenflow"]
+    assert zen["steps_per_s_vs_adamw"] > 0 and zen["steps_per_s_vs_offload"] > 0
+    assert math.isfinite(zen["heldout_gap_vs_adamw_equal_steps"])
+    assert math.isfinite(zen["heldout_gap_vs_offload_equal_wall"]) and zen["equal_wall_time_s"] > 0
+    goals = {"stall_lt_5pct", "steps_per_s_ge_0p9_adamw", "heldout_le_offload_equal_wall"}
+    assert set(cmp["goals"]["zenflow"]) == goals
+    assert cmp["per_run"]["adamw"]["steps_per_s_vs_adamw"] == pytest.approx(1.0)
+
+
+def test_e2e_pretraining_is_cached(tmp_path):
+    from bench import e2e
+
+    cfg = e2e.E2EConfig(model="tiny", steps=2, pretrain_steps=3, eval_windows=4, pretrain_bytes=50_000,
+                        train_bytes=50_000, heldout_bytes=20_000, threads=1, device="cpu")
+    first = e2e.prepare(cfg, cache_dir=tmp_path)
+    second = e2e.prepare(cfg, cache_dir=tmp_path)
+    assert not first.pretrain["cached"] and second.pretrain["cached"]
+    assert len(list(tmp_path.glob("pretrain-tiny-*.pt"))) == 1
+    for k, v in first.state.items():
+        assert (v == second.state[k]).all(), k
+    other = e2e.prepare(e2e.E2EConfig(**{**cfg.__dict__, "pretrain_steps": 4}), cache_dir=tmp_path)
+    assert not other.pretrain["cached"]  # a different pre-training is a different cache entry
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--model", "huge"], "--model"),
+        (["--steps", "-3"], "--steps"),
+        (["--steps", "0"], "--steps"),
+        (["--runs", "adamw,sgd"], "--runs"),
+        (["--out", "{file}"], "not writable"),
+    ],
+    ids=["unknown-model", "negative-steps", "zero-steps", "unknown-run", "unwritable-out"],
+)
+def test_e2e_bad_options_one_line(tmp_path, args, fragment):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    args = [a.replace("{file}", str(blocker / "sub")) for a in args]
+    proc = run_module("bench.e2e", *args, "--cache", str(tmp_path / "cache"), timeout=120)
+    assert_one_line_error(proc, "error", fragment)
+    assert not (tmp_path / "cache").exists()  # nothing ran
+
+
+# -- bench.kernels and bench.cpu_adam (written by others; checked through their documented flags) ---------
+
+
+def test_kernels_quick(tmp_path):
+    proc = run_module("bench.kernels", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    files = sorted(tmp_path.glob("kernels*.json"))
+    assert files, list(tmp_path.iterdir())
+    result = json.loads(files[0].read_text())
+    assert result["complete"] is True and result["machine"]["python"]
+    assert result["rows"]
+    for row in result["rows"]:
+        assert row["ms"] > 0 and math.isfinite(row["ms"]), row
+        assert {"op", "shape", "dtype", "impl"} <= set(row)
+
+
+def test_cpu_adam_quick(tmp_path):
+    proc = run_module("bench.cpu_adam", "--quick", "--sizes", "65536", "--rounds", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "cpu_adam.json").read_text())
+    assert result["machine"]["python"] and result["config"]["sizes"] == [65536]
+    ours = [r for r in result["adam"] if r["candidate"] == "zenflow"]
+    assert ours, [r["candidate"] for r in result["adam"]]
+    for row in result["adam"]:
+        assert row["size"] == 65536 and row["median_s"] > 0 and row["mparams_per_s"] > 0, row
+    assert (tmp_path / "cpu_adam.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("module", ["bench.kernels", "bench.cpu_adam"])
+def test_other_benches_reject_bad_options(tmp_path, module):
+    proc = run_module(module, "--no-such-option", "--out", str(tmp_path), timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode != 0 and "Traceback" not in err, err
+    assert "error" in err.splitlines()[-1] and "--no-such-option" in err.splitlines()[-1], err
+    assert not list(tmp_path.glob("*.json"))
