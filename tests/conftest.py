@@ -9,5 +9,8 @@ rather than the kernels pin the fast torch path with ``ops.use_backend("torch")`
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Keep numba's first-compile cost out of repeated runs and its threads modest on 2-core machines.
+# Keep numba's threads modest on 2-core machines.
 os.environ.setdefault("NUMBA_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
+# torch and numba each bring an OpenMP runtime; with the default active wait, the idle threads of one
+# spin on the cores the other needs (10x slower steps on 2 cores). Must be set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
