@@ -481,6 +481,8 @@ def test_stats_are_measured_and_sane():
     assert len(s["fast_path_s"]) == 18 and all(x > 0 for x in s["fast_path_s"])
     assert len(s["host_update_s"]) == 6 and all(x > 0 for x in s["host_update_s"])
     assert 0 <= s["stall_fraction"] <= 1 and 0 <= s["overlap_fraction"] <= 1
+    assert s["wall_s"] >= s["step_s_mean"] * s["steps"] > 0  # wall time spans the whole run
+    assert s["stall_fraction"] == pytest.approx(s["stall_s"] / s["wall_s"])
     assert len(s["score_mass_captured"]) == 3 and all(0.1 < c <= 1 for c in s["score_mass_captured"])
     assert len(s["selection_jaccard"]) == 3 and all(0 <= j <= 1 for j in s["selection_jaccard"][1:])
     # the hot columns (4x-6x) dominate: the captured score mass is far above the 10% a random pick gets

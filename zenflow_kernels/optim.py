@@ -183,7 +183,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def stats(self) -> dict:
         """Telemetry: per-step fast-path time, host-update time, stall (time the training thread
-        waited for the host), overlap fraction, skipped steps, captured score mass, selection Jaccard."""
+        waited for the host; ``stall_fraction`` is of the wall time from the first ``step()`` to the end
+        of the last, forward and backward included), overlap fraction (share of host-update time hidden
+        behind training), skipped steps, the share of score mass the selected columns captured at each
+        selection, and the Jaccard overlap of each new selection with the previous one."""
         return self._stats.summary(self)
 
     # -- the step ----------------------------------------------------------------------------------
@@ -214,11 +217,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return loss
         coef = None if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
         t0 = time.perf_counter()
+        if self._stats.first_step_start is None:
+            self._stats.first_step_start = t0
         if self.schedule.is_warmup(self.t):
             self._warmup_step(active)
         else:
             self._zenflow_step(self.t, active, coef)
-        self._stats.step_seconds.append(time.perf_counter() - t0)
+        self._stats.last_step_end = time.perf_counter()
+        self._stats.step_seconds.append(self._stats.last_step_end - t0)
         self.t += 1
         return loss
 
@@ -696,6 +702,8 @@ class _Telemetry:
         self.fast_seconds: list[float] = []
         self.host_seconds: list[float] = []
         self.stall_seconds = 0.0
+        self.first_step_start: float | None = None  # wall clock of the run: training, not only step()
+        self.last_step_end: float | None = None
         self.selection_steps: list[int] = []
         self.jaccard: list[float] = []
         self.captured: list[float] = []
@@ -709,7 +717,7 @@ class _Telemetry:
         def mean(xs):
             return sum(xs) / len(xs) if xs else 0.0
 
-        step_total = sum(self.step_seconds)
+        wall = self.last_step_end - self.first_step_start if self.first_step_start is not None else 0.0
         host_total = sum(self.host_seconds)
         overlapped = opt.config.overlap_step
         hidden = max(0.0, host_total - self.stall_seconds) if overlapped else 0.0
@@ -718,13 +726,15 @@ class _Telemetry:
             "skipped_steps": opt.skipped_steps,
             "host_updates": opt.host_updates,
             "selections": opt.selections,
-            "step_s_mean": mean(self.step_seconds),
+            "wall_s": wall,
+            "step_s_mean": mean(self.step_seconds),  # inside step()
             "fast_path_s_mean": mean(self.fast_seconds),
             "fast_path_s": list(self.fast_seconds),
             "host_update_s_mean": mean(self.host_seconds),
             "host_update_s": list(self.host_seconds),
             "stall_s": self.stall_seconds,
-            "stall_fraction": self.stall_seconds / step_total if step_total > 0 else 0.0,
+            # of the wall time from the first step() to the end of the last: forward and backward included
+            "stall_fraction": self.stall_seconds / wall if wall > 0 else 0.0,
             "overlap_fraction": hidden / host_total if host_total > 0 else 0.0,
             "score_mass_captured": list(self.captured),
             "selection_jaccard": list(self.jaccard),
