@@ -19,9 +19,16 @@ thread starts at ``NUMBA_NUM_THREADS`` whatever the main thread set: pass ``num_
 ``len(host_cores)`` from ``split_cores``) from the worker. The kernels release the GIL, so a worker
 thread running them overlaps with torch work in the main thread; concurrent launches from several
 threads are safe on numba's OpenMP and TBB threading layers and are serialised on ``workqueue``
-(see ``_common``). On few cores, set ``OMP_WAIT_POLICY=PASSIVE`` in the environment (before torch is
-imported) when torch and the host worker run at the same time: with the default active wait, idle
-OpenMP threads of one pool spin on the cores the other pool needs (bench/cpu_adam.py shows it).
+(see ``_common``).
+
+Sharing cores with torch. numba's OpenMP layer and torch run two separate OpenMP runtimes (numba
+links the system libgomp, torch its bundled copy), and an idle OpenMP worker spin-waits for a few
+milliseconds after each parallel region. Give each side its own cores: ``split_cores`` then
+``torch.set_num_threads(len(train))`` in the training thread and ``num_threads=len(host)`` here.
+Measured on 2 cores, host Adam (2^22 params) in a worker thread next to 512x512 matmuls in the main
+thread, throughput as a fraction of each running alone, summed (2.0 = perfect overlap): 1 + 1
+threads 1.9-2.1; 2 + 2 threads (oversubscribed) 1.1-1.2, or 1.3 with ``OMP_WAIT_POLICY=PASSIVE``
+set before torch is imported; 1 host + 2 torch threads 1.1-1.2, 1.55-1.6 with PASSIVE.
 
 First call of each dtype combination compiles (about 1-2 s); compiled code is cached in
 ``__pycache__`` (``cache=True``) and loads in milliseconds afterwards.

@@ -4,22 +4,24 @@ Validation happens completely before the kernel runs, so an error leaves every t
 Tensors are shared with numba without copies (``Tensor.numpy()``); bf16 is handed over as its
 ``int16`` bit pattern and fp16 as ``uint16`` (numba has no 16-bit float type, see ``_kernels``).
 The whole launcher costs ~15-25 us per call on this 2-core host (checks, views, numba dispatch): it
-is written for that (no ABC isinstance on the fast path, thread counts set inside the kernel).
+is written for that (no ABC isinstance on the fast path, numba's thread count switched through its
+ctypes entry points rather than the public functions, which take two process-wide locks per call).
 
 Threads. ``numba.set_num_threads`` is *thread-local*: it applies to launches from the calling
 thread only, and a new thread starts at ``NUMBA_NUM_THREADS`` (the launch default, by default the
-number of logical CPUs). The launchers therefore take ``num_threads=`` per call; the kernel sets it
-for its own launch and restores the caller's value. Below ``MIN_ELEMENTS_PER_THREAD`` (2^15)
-elements per thread fewer threads are used: waking a thread costs more than it saves on a small
-tensor (measured on a 2-core host: ~3 us for a 1-thread launch against 10-80 us for 2 threads).
+number of logical CPUs). The launchers therefore take ``num_threads=`` per call, set it for the
+launch and restore the caller's value. Below ``MIN_ELEMENTS_PER_THREAD`` (2^16) elements per thread
+fewer threads are used: waking a thread costs more than it saves on a small tensor (measured on a
+2-core host: Adam on 2^16 params takes ~48 us on one thread and ~50 us on two).
 
 Threading layer. numba picks TBB, then OpenMP, then its own ``workqueue`` layer. TBB and OpenMP are
 thread-safe: two Python threads may launch kernels at the same time (the ZenFlow host worker runs
 Adam in the background while another thread accumulates the next interval). ``workqueue`` is not:
 concurrent launches abort the process. When numba ends up on ``workqueue``, launches from this
 package are serialised with a lock (correct, just not concurrent); install ``tbb`` or an OpenMP
-runtime to avoid it. With GNU OpenMP (what numba uses here, the same libgomp as torch's) the layer
-is not fork-safe: do not launch kernels in a child forked after the parent launched any.
+runtime to avoid it. With GNU OpenMP (what numba uses here: the system libgomp, a separate runtime
+from torch's bundled copy) the layer is not fork-safe: do not launch kernels in a child forked after
+the parent launched any.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def bump_versions(*tensors) -> None:
         torch.autograd.graph.increment_version(live)
 
 
-MIN_ELEMENTS_PER_THREAD = 1 << 15
+MIN_ELEMENTS_PER_THREAD = 1 << 16
 
 # numba's threading layer is only known after the first parallel launch; until it is known (and for
 # good when it is "workqueue", which aborts on concurrent launches) launches hold this lock.

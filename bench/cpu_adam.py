@@ -1,0 +1,539 @@
+"""Host Adam benchmark: zenflow_kernels.cpu_ops against torch, DeepSpeed and the memory roofline.
+
+    python -m bench.cpu_adam [--out DIR] [--quick] [--sizes 2^16 2^20 ...] [--rounds N]
+
+Three measurements, every candidate interleaved round by round with the others (this machine's speed
+drifts by 2x within minutes; only medians taken side by side compare):
+
+1. Plain fp32 AdamW step over n params, at 1 and 2 threads: ``cpu_adam_``, ``torch.optim.AdamW``
+   with ``fused=True`` and with ``foreach=True``, ``DeepSpeedCPUAdam`` (when deepspeed imports; with
+   ``DS_ACCELERATOR=cpu``), and the roofline: a numba loop with exactly Adam's memory traffic (read
+   param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq) and trivial arithmetic.
+   Effective bandwidth = 28 bytes/param * n / time (7 fp32 streams), the same formula for all.
+   All candidates update the same tensors (torch-allocated, 64-byte aligned), so none is favoured by
+   placement.
+2. The update-boundary pipeline of DESIGN.md 2.5: add the interval's last gradient (bf16, as it comes
+   from a bf16 model) into the fp32 accumulation buffer, unscale by ``interval * loss_scale / clip``,
+   AdamW, and write the bf16 copy of the weights. Fused: one ``accumulate_adam_(..., out=bf16)`` pass,
+   36 bytes/param (read p, acc, g16, m, v; write p, acc, m, v, out16). Separate passes, the way an
+   unfused offload step does it: ``acc.add_(g)``, ``acc.mul_(1/scale)``, Adam (torch fused or
+   DeepSpeed), ``out.copy_(p)``: 52 bytes/param, so the memory-bound speed-up is at most 52/36 = 1.44x.
+   Also with the accumulation buffer zeroed for the next interval on both sides (fused
+   ``zero_acc=True``; separate: one more ``acc.zero_()`` pass): 36 against 56 bytes, at most 1.56x.
+3. Thread scaling 1 -> 2 of every candidate (from 1.), and numba's first-call compile time with an
+   empty cache (a fresh clone) and with a warm one, each in a fresh process.
+
+Timing: ``bench.harness.interleaved`` per size and thread count (torch and numba set to the same
+count; switching counts between calls costs tens of microseconds in libgomp, so counts are not mixed
+within a round), ``calls_per_round`` = 2^22 / n so that a round takes milliseconds: torch and numba
+run two separate OpenMP runtimes here, and the first call after the other runtime's pays ~15-25 us
+while that runtime's idle workers stop spinning (measured), noise at that batch size. This machine
+is shared: every row records the CPU fraction other processes used while it was measured
+(``other_processes_cpu_fraction``), and ``--wait-quiet`` waits for an idle machine first.
+
+Results: ``cpu_adam.json`` (with the machine description) and ``cpu_adam.png`` in ``bench/results``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed can be imported
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+from bench.harness import interleaved, machine_info, output_dir, plt, write_json  # noqa: E402
+from zenflow_kernels.cpu_ops import accumulate_adam_, cpu_adam_  # noqa: E402
+from zenflow_kernels.cpu_ops._common import as_numpy  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ADAM_BYTES = 28  # read p, g, m, v + write p, m, v, fp32
+PIPE_BYTES = 36  # read p, acc, g(bf16), m, v + write p, acc, m, v, out(bf16)
+PIPE_SEPARATE_BYTES = 52  # add: 4+2+4, scale: 4+4, adam: 28, copy: 4+2
+HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+INTERVAL, LOSS_SCALE, CLIP = 4, 1024.0, 0.5
+GRAD_SCALE = INTERVAL * LOSS_SCALE / CLIP
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _roofline(p, g, m, v):
+    """Adam's exact memory traffic (read p, g, m, v; write p, m, v) with trivial arithmetic."""
+    for i in prange(p.size):
+        gi = g[i]
+        m[i] = m[i] + gi
+        v[i] = v[i] + gi
+        p[i] = p[i] + gi
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _pipeline_roofline(p, acc, g16, m, v, out16):
+    """The fused pipeline's exact traffic (read p, acc, g16, m, v; write p, acc, m, v, out16)."""
+    for i in prange(p.size):
+        a = acc[i] + np.float32(g16[i])
+        acc[i] = a
+        m[i] = m[i] + a
+        v[i] = v[i] + a
+        p[i] = p[i] + a
+        out16[i] = g16[i]
+
+
+def _deepspeed_adam():
+    """DeepSpeedCPUAdam, or None with the reason (it is an optional comparison, never a dependency)."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        probe = torch.nn.Parameter(torch.zeros(8))
+        probe.grad = torch.zeros(8)
+        DeepSpeedCPUAdam([probe], lr=1e-3).step()
+        return DeepSpeedCPUAdam, None
+    except Exception as exc:  # noqa: BLE001 - import or JIT build failures of an optional package
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+class State:
+    """One set of Adam tensors shared by every candidate (optimizer states injected, not copied)."""
+
+    def __init__(self, n: int, ds_cls):
+        gen = torch.Generator().manual_seed(0)
+        self.p = torch.randn(n, generator=gen)
+        self.g = torch.randn(n, generator=gen) * 1e-2
+        self.m = torch.zeros(n)
+        self.v = torch.zeros(n)
+        self.acc = torch.randn(n, generator=gen) * 1e-2
+        self.g16 = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
+        self.out16 = torch.empty(n, dtype=torch.bfloat16)
+        self.param = torch.nn.Parameter(self.p)  # shares p's memory
+        self.param.grad = self.g
+        self.step = 0
+        self.opts = {
+            "torch_fused": torch.optim.AdamW([self.param], betas=(0.9, 0.999), fused=True, **_torch_hyper()),
+            "torch_foreach": torch.optim.AdamW([self.param], betas=(0.9, 0.999), foreach=True, **_torch_hyper()),
+        }
+        if ds_cls is not None:
+            self.opts["deepspeed"] = ds_cls([self.param], betas=(0.9, 0.999), adamw_mode=True, **_torch_hyper())
+        for name, opt in self.opts.items():
+            step = 0 if name == "deepspeed" else torch.zeros((), dtype=torch.float32)
+            opt.state[self.param] = {"step": step, "exp_avg": self.m, "exp_avg_sq": self.v}
+        # the rooflines get their numpy views once: they measure memory, not call overhead
+        self.np_adam = [as_numpy(t) for t in (self.p, self.g, self.m, self.v)]
+        self.np_pipe = [as_numpy(t) for t in (self.p, self.acc, self.g16, self.m, self.v, self.out16)]
+
+    def ours(self, k: int):
+        self.step += 1
+        cpu_adam_(self.p, self.g, self.m, self.v, step=self.step, num_threads=k, **HYPER)
+
+    def roofline(self):
+        _roofline(*self.np_adam)
+
+    def torch_step(self, name: str):
+        self.param.grad = self.g
+        self.opts[name].step()
+
+    # the pipeline -----------------------------------------------------------------------------
+    def fused(self, k: int, zero_acc: bool = False):
+        self.step += 1
+        accumulate_adam_(
+            self.p,
+            self.acc,
+            self.g16,
+            self.m,
+            self.v,
+            step=self.step,
+            grad_scale=GRAD_SCALE,
+            out=self.out16,
+            zero_acc=zero_acc,
+            num_threads=k,
+            **HYPER,
+        )
+
+    def pipeline_roofline(self):
+        _pipeline_roofline(*self.np_pipe)
+
+    def separate(self, name: str, zero_acc: bool = False):
+        self.acc.add_(self.g16)
+        self.acc.mul_(1.0 / GRAD_SCALE)
+        self.param.grad = self.acc
+        self.opts[name].step()
+        self.out16.copy_(self.p)
+        if zero_acc:
+            self.acc.zero_()
+
+
+class OtherLoad:
+    """CPU time used by *other* processes while a block ran, as a fraction of all cores (this machine
+    is shared; a number well above 0 means that block's timings are suspect)."""
+
+    def __init__(self):
+        self._t0, self._busy0, self._own0 = self._sample()
+
+    @staticmethod
+    def _sample():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        tick = os.sysconf("SC_CLK_TCK")
+        own = sum(os.times()[:2])  # seconds of CPU of this process (user + system)
+        return time.perf_counter(), (sum(fields) - idle) / tick, own
+
+    def fraction(self) -> float:
+        t1, busy1, own1 = self._sample()
+        other = (busy1 - self._busy0) - (own1 - self._own0)
+        return max(0.0, other) / max(1e-9, (t1 - self._t0) * (os.cpu_count() or 1))
+
+
+def _wait_quiet(limit_s: float, threshold: float = 0.1) -> float:
+    """Wait (up to limit_s) until other processes use < threshold of the machine over 5 s; returns it."""
+    end = time.perf_counter() + limit_s
+    while True:
+        probe = OtherLoad()
+        time.sleep(5)
+        load = probe.fraction()
+        if load < threshold or time.perf_counter() > end:
+            return load
+
+
+def _torch_hyper() -> dict:
+    return {"lr": HYPER["lr"], "eps": HYPER["eps"], "weight_decay": HYPER["weight_decay"]}
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip()
+    if text.startswith("2^"):
+        return 2 ** int(text[2:])
+    return int(text)
+
+
+def _rate(n: int, t) -> float:
+    return n / t.median
+
+
+def _set_threads(k: int) -> None:
+    """The same thread count for torch (and DeepSpeed's OpenMP) and numba in this thread."""
+    torch.set_num_threads(k)
+    numba.set_num_threads(k)
+
+
+def _rows(timings: dict, n: int, k: int, calls: int, bytes_per_param: int, other_load: float) -> list[dict]:
+    return [
+        {
+            "size": n,
+            "threads": k,
+            "candidate": name,
+            "median_s": t.median,
+            "iqr_s": t.iqr,
+            "min_s": t.min,
+            "max_s": t.max,
+            "rounds": t.repeats,
+            "calls_per_round": calls,
+            "mparams_per_s": _rate(n, t) / 1e6,
+            "effective_gbps": _rate(n, t) * bytes_per_param / 1e9,
+            "other_processes_cpu_fraction": other_load,
+        }
+        for name, t in timings.items()
+    ]
+
+
+MAX_OTHER_LOAD = 0.1  # redo a block when other processes used more than this share of the CPUs
+
+
+def _measure(candidates: dict, n: int, k: int, rounds: int, bytes_per_param: int, attempts: int = 3) -> list[dict]:
+    """One interleaved block; redone (after waiting for quiet, up to ``attempts`` times) when other
+    processes took more than MAX_OTHER_LOAD of the machine while it ran. The rows say how it went."""
+    calls = max(1, (1 << 22) // n)
+    for attempt in range(1, attempts + 1):
+        load = OtherLoad()
+        timings = interleaved(candidates, rounds=rounds, warmup=2, calls_per_round=calls)
+        other = load.fraction()
+        if other <= MAX_OTHER_LOAD or attempt == attempts:
+            break
+        print(f"  n={n} threads={k}: other processes used {other:.0%} of the CPUs, measuring again", flush=True)
+        _wait_quiet(120)
+    rows = _rows(timings, n, k, calls, bytes_per_param, other)
+    for r in rows:
+        r["attempts"] = attempt
+    return rows
+
+
+def bench_adam(state: State, n: int, threads: list[int], rounds: int) -> list[dict]:
+    """Per thread count, every candidate interleaved (a thread count switch between calls costs tens of
+    microseconds in libgomp, so candidates at different counts are not mixed within one round)."""
+    rows = []
+    for k in threads:
+        _set_threads(k)
+        candidates = {"zenflow": lambda k=k: state.ours(k), "roofline": state.roofline}
+        for name in state.opts:
+            candidates[name] = lambda name=name: state.torch_step(name)
+        rows += _measure(candidates, n, k, rounds, ADAM_BYTES)
+    _add_ratios(rows, ["roofline", "deepspeed", "torch_fused"])
+    return rows
+
+
+def bench_pipeline(state: State, n: int, threads: list[int], rounds: int) -> list[dict]:
+    rows = []
+    for k in threads:
+        _set_threads(k)
+        candidates = {
+            "fused": lambda k=k: state.fused(k),
+            "fused_zero_acc": lambda k=k: state.fused(k, zero_acc=True),
+            "pipeline_roofline": state.pipeline_roofline,
+        }
+        for name in state.opts:
+            if name != "torch_foreach":
+                candidates[f"separate_{name}"] = lambda name=name: state.separate(name)
+                candidates[f"separate_{name}_zero_acc"] = lambda name=name: state.separate(name, zero_acc=True)
+        rows += _measure(candidates, n, k, rounds, PIPE_BYTES)
+    by = {(r["threads"], r["candidate"]): r for r in rows}
+    for r in rows:
+        zero = r["candidate"].endswith("zero_acc")
+        for base in ("torch_fused", "deepspeed"):
+            sep = by.get((r["threads"], f"separate_{base}{'_zero_acc' if zero else ''}"))
+            if sep is not None and r["candidate"].startswith("fused"):
+                r[f"speedup_vs_separate_{base}"] = sep["median_s"] / r["median_s"]
+        roof = by.get((r["threads"], "pipeline_roofline"))
+        r["ratio_to_roofline"] = roof["median_s"] / r["median_s"]
+    return rows
+
+
+def _add_ratios(rows: list[dict], bases: list[str]) -> None:
+    by = {(r["threads"], r["candidate"]): r for r in rows}
+    for r in rows:
+        for base in bases:
+            other = by.get((r["threads"], base))
+            if other is not None:
+                r[f"ratio_to_{base}"] = other["median_s"] / r["median_s"]  # > 1: faster than base
+
+
+def scaling(rows: list[dict]) -> list[dict]:
+    by = {(r["size"], r["candidate"], r["threads"]): r for r in rows}
+    out = []
+    for (size, cand, k), r in by.items():
+        if k == 1 and (size, cand, 2) in by:
+            out.append(
+                {"size": size, "candidate": cand, "speedup_2_over_1": r["median_s"] / by[size, cand, 2]["median_s"]}
+            )
+    return out
+
+
+_COMPILE_PROBE = textwrap.dedent(
+    """
+    import time, json
+    t0 = time.perf_counter()
+    import torch
+    from zenflow_kernels.cpu_ops import cpu_adam_, accumulate_adam_
+    t1 = time.perf_counter()
+    p, g, m, v = (torch.ones(1000) for _ in range(4))
+    cpu_adam_(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    t2 = time.perf_counter()
+    accumulate_adam_(p, torch.zeros(1000), g.bfloat16(), m, v, step=2, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                     weight_decay=0.0, out=torch.empty(1000, dtype=torch.bfloat16))
+    t3 = time.perf_counter()
+    times = {"import_s": t1 - t0, "cpu_adam_first_call_s": t2 - t1, "accumulate_adam_bf16_first_call_s": t3 - t2}
+    print(json.dumps(times))
+    """
+)
+
+
+def compile_times() -> dict:
+    """First-call times in fresh processes: with an empty numba cache (a fresh clone), then warm."""
+    import json
+
+    result = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+        for label in ("cold_cache", "warm_cache"):
+            out = subprocess.run(
+                [sys.executable, "-c", _COMPILE_PROBE],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=600,
+                cwd=REPO,
+            )
+            result[label] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def plot(payload: dict, path) -> None:
+    pyplot = plt()
+    fig, axes = pyplot.subplots(1, 3, figsize=(18, 5.2))
+    colors = {"zenflow": "C0", "roofline": "k", "torch_fused": "C1", "torch_foreach": "C2", "deepspeed": "C3"}
+    ax = axes[0]
+    for cand, color in colors.items():
+        for k, style in ((2, "-"), (1, ":")):
+            pts = sorted(
+                (r["size"], r["mparams_per_s"]) for r in payload["adam"] if r["candidate"] == cand and r["threads"] == k
+            )
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, color=color, marker="o", ms=3, label=f"{cand} ({k} thr)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("params")
+    ax.set_ylabel("M params/s (median, interleaved)")
+    ax.set_title("fp32 AdamW step (28 B/param)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+
+    ax = axes[1]
+    pipe_colors = {
+        "fused": "C0",
+        "fused_zero_acc": "C4",
+        "pipeline_roofline": "k",
+        "separate_torch_fused": "C1",
+        "separate_deepspeed": "C3",
+        "separate_torch_fused_zero_acc": "C5",
+        "separate_deepspeed_zero_acc": "C6",
+    }
+    for cand, color in pipe_colors.items():
+        pts = sorted(
+            (r["size"], r["mparams_per_s"])
+            for r in payload["pipeline"]
+            if r["candidate"] == cand and r["threads"] == max(payload["config"]["threads"])
+        )
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "-", color=color, marker="o", ms=3, label=cand)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("params")
+    ax.set_ylabel("M params/s")
+    ax.set_title(
+        f"update boundary: acc += g(bf16), unscale, AdamW, bf16 copy ({max(payload['config']['threads'])} thr)"
+    )
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+    ax = axes[2]
+    big = max(r["size"] for r in payload["scaling"])
+    rows = [r for r in payload["scaling"] if r["size"] == big]
+    ax.bar([r["candidate"] for r in rows], [r["speedup_2_over_1"] for r in rows], color="C0")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("time(1 thread) / time(2 threads)")
+    ax.set_title(f"thread scaling 1 -> 2 at {big} params")
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot.close(fig)
+
+
+def goals(adam: list[dict], pipeline: list[dict], size: int, threads: int) -> dict:
+    def pick(rows, cand):
+        return next((r for r in rows if r["size"] == size and r["candidate"] == cand and r["threads"] == threads), None)
+
+    ours = pick(adam, "zenflow")
+    fused = pick(pipeline, "fused")
+    fused_zero = pick(pipeline, "fused_zero_acc")
+    out = {"size": size, "threads": threads}
+    if ours:
+        out["adam_vs_roofline"] = {"measured": ours.get("ratio_to_roofline"), "goal": 0.95}
+        out["adam_vs_deepspeed"] = {"measured": ours.get("ratio_to_deepspeed"), "goal": 1.0}
+        out["adam_vs_torch_fused"] = {"measured": ours.get("ratio_to_torch_fused")}
+    if fused:
+        out["fused_pipeline_vs_separate_deepspeed"] = {
+            "measured": fused.get("speedup_vs_separate_deepspeed"),
+            "goal": 1.5,
+            "memory_bound_limit": PIPE_SEPARATE_BYTES / PIPE_BYTES,
+        }
+        out["fused_pipeline_vs_separate_torch_fused"] = {
+            "measured": fused.get("speedup_vs_separate_torch_fused"),
+            "goal": 1.5,
+            "memory_bound_limit": PIPE_SEPARATE_BYTES / PIPE_BYTES,
+        }
+    if fused_zero:
+        out["fused_zero_acc_vs_separate_deepspeed_zero_acc"] = {
+            "measured": fused_zero.get("speedup_vs_separate_deepspeed"),
+            "memory_bound_limit": (PIPE_SEPARATE_BYTES + 4) / PIPE_BYTES,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", default=None, help="output folder (default bench/results)")
+    ap.add_argument("--quick", action="store_true", help="three sizes, few rounds, no compile-time probe")
+    ap.add_argument("--sizes", nargs="+", default=None, help="param counts, e.g. 65536 or 2^20 (default 2^16..2^26)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per size (default 15, quick 5)")
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="first wait up to S seconds for other processes to go idle (shared machines)",
+    )
+    args = ap.parse_args(argv)
+    out_dir = output_dir(args.out)
+    sizes = (
+        [_parse_size(s) for s in args.sizes]
+        if args.sizes
+        else ([2**16, 2**20, 2**22] if args.quick else [2**16, 2**18, 2**20, 2**22, 2**24, 2**26])
+    )
+    rounds = args.rounds or (5 if args.quick else 15)
+    threads = [k for k in (1, 2) if k <= numba.config.NUMBA_NUM_THREADS and k <= (os.cpu_count() or 1)]
+    ds_cls, ds_reason = _deepspeed_adam()
+    if args.wait_quiet > 0:
+        print(f"other processes' CPU share before starting: {_wait_quiet(args.wait_quiet):.2f}", flush=True)
+    print(f"sizes {sizes}, threads {threads}, rounds {rounds}, deepspeed: {'yes' if ds_cls else ds_reason}", flush=True)
+
+    adam_rows, pipe_rows = [], []
+    for n in sizes:
+        t0 = time.perf_counter()
+        state = State(n, ds_cls)
+        adam_rows += bench_adam(state, n, threads, rounds)
+        pipe_rows += bench_pipeline(state, n, threads, rounds)
+        del state
+        big = [r for r in adam_rows if r["size"] == n and r["threads"] == max(threads)]
+        summary = ", ".join(f"{r['candidate']} {r['mparams_per_s']:.0f}" for r in big)
+        load = max(r["other_processes_cpu_fraction"] for r in adam_rows + pipe_rows if r["size"] == n)
+        print(
+            f"n={n}: M params/s at {max(threads)} threads: {summary} ({time.perf_counter() - t0:.0f}s, "
+            f"other processes used up to {load:.0%} of the CPUs)",
+            flush=True,
+        )
+
+    payload = {
+        "description": __doc__,
+        "bytes_per_param": {"adam": ADAM_BYTES, "pipeline_fused": PIPE_BYTES, "pipeline_separate": PIPE_SEPARATE_BYTES},
+        "config": {
+            "sizes": sizes,
+            "threads": threads,
+            "rounds": rounds,
+            "hyper": HYPER,
+            "pipeline": {
+                "interval": INTERVAL,
+                "loss_scale": LOSS_SCALE,
+                "clip": CLIP,
+                "grad_dtype": "bfloat16",
+                "out_dtype": "bfloat16",
+            },
+            "numba_threading_layer": numba.threading_layer(),
+            "NUMBA_NUM_THREADS": numba.config.NUMBA_NUM_THREADS,
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+            "deepspeed": "DeepSpeedCPUAdam" if ds_cls else ds_reason,
+        },
+        "adam": adam_rows,
+        "pipeline": pipe_rows,
+        "scaling": scaling(adam_rows) + scaling([{**r, "candidate": "pipeline_" + r["candidate"]} for r in pipe_rows]),
+        "machine": machine_info(),
+    }
+    goal_size = 2**24 if 2**24 in sizes else max(sizes)
+    payload["goals"] = goals(adam_rows, pipe_rows, goal_size, max(threads))
+    if not args.quick:
+        payload["compile"] = compile_times()
+    json_path = write_json(out_dir / "cpu_adam.json", payload)
+    plot(payload, out_dir / "cpu_adam.png")
+    print(f"goals at n={goal_size}: {payload['goals']}")
+    print(f"wrote {json_path} and {out_dir / 'cpu_adam.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
