@@ -20,9 +20,10 @@ Math (equal to ``torch.optim.AdamW``/``torch.optim.Adam`` with ``foreach=False``
 All scalars are computed in float64 and rounded to float32 once, as torch does, and every operation
 rounds like torch's single-tensor CPU path, with two exceptions that save a division each: the
 gradient is multiplied by the float32 reciprocal of grad_scale (exact, hence identical, for powers of
-two) and ``sqrt(v)`` by the reciprocal of ``sqrt(bc2)``. With grad_scale a power of two, m and v are
-bit-identical to torch's; the parameter differs by an ulp here and there (the reciprocal, and ATen's
-CPU sqrt, which is not correctly rounded). One pass costs one division and one square root per
+two) and ``sqrt(v)`` by the reciprocal of ``sqrt(bc2)``. Measured over 100 steps of AdamW with
+grad_scale a power of two, m and v stay bit-identical to torch 2.13's; the parameter differs by an
+ulp here and there (the reciprocal, and ATen's CPU sqrt, which is not correctly rounded). With
+adamw=False the L2 term carries those ulps of p into m and v. One pass costs one division and one square root per
 element: compute runs at ~2 G params/s per core here, above the memory roofline.
 """
 
