@@ -25,10 +25,11 @@ HYPER = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 
 
 @pytest.fixture(autouse=True)
-def torch_backend():
-    """The optimizer's logic, not the kernels, is under test here: use the fast torch path
-    (one test below runs the Triton kernels under the interpreter)."""
-    with use_backend("torch"):
+def cpu_backend():
+    """The optimizer's logic, not the kernels, is under test here: use the CPU fast path a user gets
+    (numba AdamW); the tests set TRITON_INTERPRET=1, which would otherwise send every op through the
+    slow Triton interpreter. One test below runs the same training through every backend."""
+    with use_backend("numba"):
         yield
 
 
@@ -451,7 +452,7 @@ def test_interpreter_exits_with_an_open_optimizer():
         import torch
         from zenflow_kernels import ZenFlowAdamW
         from zenflow_kernels.ops import use_backend
-        use_backend("torch")
+        use_backend("numba")
         ps = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
         opt = ZenFlowAdamW(ps, zenflow=dict(select_strategy="step", select_interval=4, update_interval=2,
                                             overlap_step=True))
@@ -532,17 +533,18 @@ def test_unsupported_uses_raise_clearly():
         opt.step()
 
 
-def test_triton_kernels_drive_the_optimizer_like_torch():
-    """The same run through the Triton kernels (interpreted on CPU) and through torch."""
+def test_every_backend_drives_the_optimizer_alike():
+    """The same run through numba, the torch reference and the Triton kernels (interpreted on CPU)."""
     grads = grad_sequence(8)
     zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2, overlap_step=True)
     results = []
-    for backend in ("torch", "triton"):
+    for backend in ("numba", "torch", "triton"):
         with use_backend(backend):
             zp = make_params(torch.bfloat16)
             with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
                 drive(opt, zp, grads)
                 opt.flush()
             results.append([p.detach().float() for p in zp])
-    for a, b in zip(*results, strict=True):
-        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-5)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-5)

@@ -3,15 +3,18 @@
 This module is the single dispatch point; callers never branch on the implementation:
 
 * CUDA tensors                                  -> Triton kernels (``zenflow_kernels.triton``)
-* CPU tensors                                   -> vectorised torch (``zenflow_kernels.torch_ops``)
+* CPU tensors                                   -> "numba": the AdamW ops as one fused numba pass
+                                                   per tensor (``cpu_ops.selective_adamw``), scores
+                                                   and top-k in vectorised torch
 * CPU tensors with ``TRITON_INTERPRET=1`` set   -> the Triton kernels, interpreted (tests)
 * any other device                              -> torch
 
-``use_backend("torch" | "triton" | "auto")`` overrides that choice. ``triton`` is imported lazily, on
-the first call that needs it, so this module imports where triton is missing (then "auto" uses torch
-and "triton" raises a ``RuntimeError`` saying why).
+``use_backend("torch" | "numba" | "triton" | "auto")`` overrides that choice; "torch" is the plain
+torch implementation of every op (``zenflow_kernels.torch_ops``, the reference beside the fast
+paths). ``triton`` is imported lazily, on the first call that needs it, so this module imports where
+triton is missing (then "auto" uses numba/torch and "triton" raises a ``RuntimeError`` saying why).
 
-Both implementations validate with the same code (``zenflow_kernels._validate``): the same
+Every implementation validates with the same code (``zenflow_kernels._validate``): the same
 ``TypeError``/``ValueError`` for the same bad input, always raised before anything is written; the
 multi-tensor forms validate every tensor before launching anything. Checks that read device data
 (index order and range, per-column step counts, NaN scores) synchronise with the device once per call;
@@ -38,14 +41,15 @@ __all__ = [
     "use_backend",
 ]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "numba", "triton")
 _backend: contextvars.ContextVar[str] = contextvars.ContextVar("zenflow_kernels_backend", default="auto")
 _triton_impl: SimpleNamespace | None = None
+_numba_impl: SimpleNamespace | None = None
 _triton_error: BaseException | None = None
 
 
 class use_backend:
-    """Force the implementation of every op in ``zenflow_kernels.ops``: "torch", "triton" or "auto".
+    """Force the implementation of every op in ``zenflow_kernels.ops``: "torch", "numba", "triton" or "auto".
 
     As a context manager the choice holds for the block and the previous one is restored on exit::
 
@@ -109,6 +113,23 @@ def _load_triton() -> SimpleNamespace | None:
     return _triton_impl
 
 
+def _load_numba() -> SimpleNamespace:
+    """The CPU fast path: numba AdamW, torch scores and top-k (numba is a dependency, imported late)."""
+    global _numba_impl
+    if _numba_impl is None:
+        from .cpu_ops import selective_adamw as sa
+
+        _numba_impl = SimpleNamespace(
+            column_scores=torch_ops.column_scores,
+            multi_column_scores=torch_ops.multi_column_scores,
+            topk_columns=torch_ops.topk_columns,
+            multi_topk_columns=torch_ops.multi_topk_columns,
+            selective_adamw_=sa.selective_adamw_,
+            multi_selective_adamw_=sa.multi_selective_adamw_,
+        )
+    return _numba_impl
+
+
 def _first_tensor(x) -> torch.Tensor | None:
     if isinstance(x, torch.Tensor):
         return x
@@ -123,6 +144,10 @@ def _impl(sample):
     t = _first_tensor(sample)
     if choice == "torch":
         return torch_ops
+    if choice == "numba":
+        if t is not None and t.device.type != "cpu":
+            raise RuntimeError(f'zenflow_kernels: backend "numba" runs on CPU tensors only, got {t.device.type}')
+        return _load_numba()
     if choice == "triton":
         impl = _load_triton()
         if impl is None:
@@ -138,6 +163,8 @@ def _impl(sample):
         impl = _load_triton()
         if impl is not None:
             return impl
+    if t is not None and t.device.type == "cpu":
+        return _load_numba()
     return torch_ops  # also for non-tensor input: its validation raises the TypeError
 
 

@@ -325,3 +325,91 @@ def convert_kernel(src, out):
     """out[i] = src[i] converted (src float32, bf16-as-int16 or fp16-as-uint16; out likewise)."""
     for i in prange(src.size):
         store_f32(out, i, load_f32(src, i))
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU fast path: AdamW on selected columns (compact state), also the dense vector update
+# ---------------------------------------------------------------------------------------------
+
+def column_of(idx, j):
+    """``idx[j]``, or ``j`` when idx is None (a dense update) (numba only)."""
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(column_of, inline="always")
+def _ov_column_of(idx, j):
+    if isinstance(idx, (types.NoneType, types.Omitted)):
+        return lambda idx, j: j
+    if isinstance(idx, types.Array):
+        return lambda idx, j: idx[j]
+    return None
+
+
+def load_master(master, s, param, i):
+    """``master[s]`` when a master is given, else ``float32(param[i])`` (numba only)."""
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(load_master, inline="always")
+def _ov_load_master(master, s, param, i):
+    if isinstance(master, (types.NoneType, types.Omitted)):
+        return lambda master, s, param, i: load_f32(param, i)
+    if isinstance(master, types.Array) and master.dtype == types.float32:
+        return lambda master, s, param, i: master[s]
+    return None
+
+@njit(**_JIT)
+def selective_adam_kernel(
+    param,
+    grad,
+    idx,
+    exp_avg,
+    exp_avg_sq,
+    master,
+    rows,
+    cols,
+    grad_scale64,
+    decay64,
+    one_minus_beta1_64,
+    beta2_64,
+    one_minus_beta2_64,
+    eps64,
+    neg_step_size,
+    bc2_sqrt,
+):
+    """AdamW on the columns ``idx`` (or all columns when ``idx`` is None) of a row-major
+    ``[rows, cols]`` parameter, with compact ``[rows, k]`` state; the CPU fast path of DESIGN.md
+    section 2 item 4. ``neg_step_size`` and ``bc2_sqrt`` are float32 ``[k]`` arrays (per-column bias
+    correction; all equal for a single step count).
+
+    The operation order is ``torch_ops._adamw``'s (torch.optim.AdamW's): ``g = grad / grad_scale``,
+    ``w *= decay``, ``m = lerp(m, g, 1 - beta1)``, ``v = v * beta2 + (1 - beta2) * g * g``,
+    ``w += neg_step_size * m / (sqrt(v) / bc2_sqrt + eps)``; ``w`` is the fp32 master when given (the
+    parameter then receives it rounded), else the parameter's value in float32.
+    """
+    k = exp_avg.size // rows if rows > 0 else 0
+    grad_scale = np.float32(grad_scale64)
+    decay = np.float32(decay64)
+    w1 = np.float32(one_minus_beta1_64)
+    lerp_small = abs(w1) < np.float32(0.5)
+    lerp_coeff = w1 if lerp_small else w1 - np.float32(1.0)
+    beta2 = np.float32(beta2_64)
+    one_minus_beta2 = np.float32(one_minus_beta2_64)
+    eps = np.float32(eps64)
+    for r in prange(rows):
+        base = r * cols
+        sbase = r * k
+        for j in range(k):
+            c = column_of(idx, j)
+            s = sbase + j
+            g = load_f32(grad, base + c) / grad_scale
+            w = load_master(master, s, param, base + c) * decay
+            m = exp_avg[s]
+            m = fma(lerp_coeff, g - m, m if lerp_small else g)
+            v = fma(one_minus_beta2 * g, g, exp_avg_sq[s] * beta2)
+            exp_avg[s] = m
+            exp_avg_sq[s] = v
+            w = w + (neg_step_size[j] * m) / (np.sqrt(v) / bc2_sqrt[j] + eps)
+            store_f32(master, s, w)
+            store_f32(param, base + c, w)
+

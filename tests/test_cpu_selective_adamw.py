@@ -1,0 +1,148 @@
+"""The CPU fast path (numba selective AdamW) against the torch implementation of the same contract."""
+
+import pytest
+import torch
+
+from zenflow_kernels import ops, torch_ops
+from zenflow_kernels.cpu_ops import selective_adamw as numba_ops
+
+SHAPES = [(1, 1), (1, 37), (29, 1), (7, 33), (64, 130)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_case(shape, dtype, dense, per_column, with_master, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    R, C = shape
+    param = (torch.randn(R, C, generator=g) * 0.5).to(dtype)
+    idx = None if dense else torch.randperm(C, generator=g)[: max(1, C // 3)].sort().values
+    k = C if dense else idx.numel()
+    cols = slice(None) if dense else idx
+    state = dict(
+        exp_avg=torch.randn(R, k, generator=g) * 0.1,
+        exp_avg_sq=torch.rand(R, k, generator=g) * 0.01,
+        master=param[:, cols].float().clone() if with_master else None,
+    )
+    step = torch.randint(1, 50, (k,), generator=g) if per_column else 7
+    grads = [torch.randn(R, C, generator=g).to(dtype) for _ in range(4)]
+    return param, idx, state, step, grads
+
+
+def run(impl, param, idx, state, step, grads, grad_scale):
+    param = param.clone()
+    st = {k: (None if v is None else v.clone()) for k, v in state.items()}
+    for n, g in enumerate(grads):
+        s = step + n if isinstance(step, torch.Tensor) else step + n
+        impl.selective_adamw_(param, g, idx, st["exp_avg"], st["exp_avg_sq"], step=s, lr=3e-2, beta1=0.9,
+                              beta2=0.99, eps=1e-8, weight_decay=0.05, master=st["master"], grad_scale=grad_scale)
+    return param, st
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_the_torch_path(shape, dtype):
+    failures = []
+    for dense in (False, True):
+        for per_column in (False, True):
+            for with_master in ((False, True) if dtype != torch.float32 else (False,)):
+                for grad_scale in (1.0, 3.0):
+                    case = make_case(shape, dtype, dense, per_column, with_master)
+                    p_ref, s_ref = run(torch_ops, *case, grad_scale)
+                    p_new, s_new = run(numba_ops, *case, grad_scale)
+                    tag = (dense, per_column, with_master, grad_scale)
+                    # moments: the same fp32 operations in the same order; the master is a weight (an ulp)
+                    for key, atol in (("exp_avg", 1e-9), ("exp_avg_sq", 1e-9), ("master", 1e-7)):
+                        if s_ref[key] is not None and not torch.allclose(s_new[key], s_ref[key], rtol=1e-6,
+                                                                         atol=atol):
+                            failures.append((tag, key, float((s_new[key] - s_ref[key]).abs().max())))
+                    # parameters: within an ulp of the parameter's dtype (ATen's sqrt is not correctly rounded)
+                    tol = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+                    if not torch.allclose(p_new.float(), p_ref.float(), rtol=tol, atol=1e-6):
+                        failures.append((tag, "param", float((p_new.float() - p_ref.float()).abs().max())))
+                    if not dense:  # columns that are not selected are never touched
+                        rest = torch.ones(shape[1], dtype=torch.bool)
+                        rest[case[1]] = False
+                        if not torch.equal(p_new[:, rest], case[0][:, rest]):
+                            failures.append((tag, "unselected columns changed", None))
+    assert not failures, failures
+
+
+def test_topk_one_on_the_numba_path_is_torch_adamw():
+    g = torch.Generator().manual_seed(4)
+    p = torch.nn.Parameter(torch.randn(6, 9, generator=g))
+    q = p.detach().clone()
+    m, v = torch.zeros(6, 9), torch.zeros(6, 9)
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1, foreach=False)
+    for step in range(1, 11):
+        grad = torch.randn(6, 9, generator=g)
+        p.grad = grad.clone()
+        opt.step()
+        numba_ops.selective_adamw_(q, grad, torch.arange(9), m, v, step=torch.full((9,), step), lr=1e-2, beta1=0.9,
+                                   beta2=0.999, eps=1e-8, weight_decay=0.1)
+        torch.testing.assert_close(q, p.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(m, opt.state[p]["exp_avg"], rtol=0, atol=0)
+        torch.testing.assert_close(v, opt.state[p]["exp_avg_sq"], rtol=0, atol=0)
+
+
+def test_strided_gradient_falls_back_and_agrees():
+    case = make_case((12, 20), torch.float32, False, True, False)
+    param, idx, state, step, grads = case
+    grads_t = [g.t().contiguous().t() for g in grads]  # same values, column-major strides
+    assert not grads_t[0].is_contiguous()
+    p_ref, _ = run(torch_ops, param, idx, state, step, grads, 1.0)
+    p_new, _ = run(numba_ops, param, idx, state, step, grads_t, 1.0)
+    torch.testing.assert_close(p_new, p_ref, rtol=1e-6, atol=1e-7)
+
+
+def test_multi_form_equals_single_calls():
+    cases = [make_case(s, d, dense, pc, d != torch.float32, seed=n)
+             for n, (s, d, dense, pc) in enumerate([((7, 33), torch.float32, False, True),
+                                                     ((1, 50), torch.bfloat16, True, False),
+                                                     ((20, 8), torch.float16, False, False)])]
+    singles = [run(numba_ops, *c, 2.0) for c in cases]
+    params = [c[0].clone() for c in cases]
+    states = [{k: (None if v is None else v.clone()) for k, v in c[2].items()} for c in cases]
+    for n in range(4):
+        numba_ops.multi_selective_adamw_(
+            params, [c[4][n] for c in cases], [c[1] for c in cases], [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states], steps=[c[3] + n for c in cases], lrs=3e-2, beta1=0.9, beta2=0.99,
+            eps=1e-8, weight_decays=[0.05] * 3, masters=[s["master"] for s in states], grad_scale=2.0)
+    for (p_single, s_single), p_multi, s_multi in zip(singles, params, states, strict=True):
+        assert torch.equal(p_single, p_multi)
+        assert torch.equal(s_single["exp_avg"], s_multi["exp_avg"])
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (dict(indices=torch.tensor([3, 1])), "not sorted ascending"),
+        (dict(indices=torch.tensor([1, 40])), "must be in"),
+        (dict(step=0), "step"),
+        (dict(exp_avg=torch.zeros(7, 3)), "exp_avg"),
+        (dict(lr=-1.0), "lr"),
+        (dict(grad=torch.zeros(7, 32)), "grad"),
+    ],
+)
+def test_errors_match_the_torch_path_and_write_nothing(mutate, match):
+    def call(impl):
+        param = torch.ones(7, 33)
+        args = dict(grad=torch.ones(7, 33), indices=torch.tensor([1, 3]), exp_avg=torch.zeros(7, 2),
+                    exp_avg_sq=torch.zeros(7, 2), step=1, lr=1e-2) | mutate
+        with pytest.raises((ValueError, TypeError), match=match) as info:
+            impl.selective_adamw_(param, args["grad"], args["indices"], args["exp_avg"], args["exp_avg_sq"],
+                                  step=args["step"], lr=args["lr"], beta1=0.9, beta2=0.99, eps=1e-8,
+                                  weight_decay=0.0)
+        assert torch.equal(param, torch.ones(7, 33)) and not args["exp_avg"].any()
+        return type(info.value), str(info.value)
+
+    assert call(numba_ops) == call(torch_ops)
+
+
+def test_cpu_dispatch_picks_numba_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    param = torch.zeros(3, 4)
+    assert ops._impl(param).selective_adamw_ is numba_ops.selective_adamw_
+    with ops.use_backend("torch"):
+        assert ops._impl(param) is torch_ops
+    with ops.use_backend("numba"):
+        assert ops._impl(param).multi_selective_adamw_ is numba_ops.multi_selective_adamw_
+        assert ops._impl(param).column_scores is torch_ops.column_scores
