@@ -16,7 +16,12 @@ accumulation equals torch's fp32 addition, and results do not depend on the thre
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -657,3 +662,33 @@ def test_concurrent_launches_from_two_threads():
     assert not any(t.is_alive() for t in threads)
     assert torch.equal(accs[0], expected) and torch.equal(accs[1], expected)
     assert norms[0] == norms[1] and len(norms[0]) == len(grads)
+
+
+_WORKQUEUE_SCRIPT = textwrap.dedent(
+    """
+    import threading, torch, numba
+    from zenflow_kernels.cpu_ops import accumulate_
+    n = 1 << 18
+    accs, g = [torch.zeros(n), torch.zeros(n)], torch.ones(n)
+    def work(k):
+        for _ in range(200):
+            accumulate_(accs[k], g, num_threads=2)
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    print(numba.threading_layer(), float(accs[0].min()), float(accs[1].max()))
+    """
+)
+
+
+def test_concurrent_launches_are_serialised_on_the_workqueue_layer():
+    """numba's workqueue layer aborts the process on concurrent launches (checked by hand: without
+    the launch lock this script dies with 'Concurrent access has been detected'); ours serialise."""
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue", "NUMBA_NUM_THREADS": "2"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKQUEUE_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["workqueue", "200.0", "200.0"], done.stdout
