@@ -72,7 +72,7 @@ class E2EConfig:
     model: str = "small"
     steps: int = 160
     pretrain_steps: int = 300
-    lr: float = 1e-3
+    lr: float = 3e-4
     warmup_frac: float = 0.1  # linear learning-rate warm-up over this share of the fine-tuning steps
     pretrain_lr: float = 3e-3
     weight_decay: float = 0.01
@@ -146,8 +146,14 @@ def offload_block(cfg: E2EConfig) -> dict:
                 update_interval=1)
 
 
-def default_specs(cfg: E2EConfig, n_epoch: int, cores_percs: Sequence[float] | None = None) -> list[RunSpec]:
-    """AdamW, synchronous offload, and ZenFlow (one ZenFlow run per ``pt_reserved_cores_perc``)."""
+def default_specs(
+    cfg: E2EConfig,
+    n_epoch: int,
+    cores_percs: Sequence[float] | None = None,
+    variants: Sequence[tuple[str, dict]] = (),
+) -> list[RunSpec]:
+    """AdamW, synchronous offload, and ZenFlow (one ZenFlow run per ``pt_reserved_cores_perc``), then one
+    more ZenFlow run per ``(name, overrides)`` variant (overrides: ZenFlow config fields)."""
     specs = [
         RunSpec("adamw", "adamw", label="torch AdamW"),
         RunSpec("offload", "offload", offload_block(cfg), label="sync offload"),
@@ -157,6 +163,9 @@ def default_specs(cfg: E2EConfig, n_epoch: int, cores_percs: Sequence[float] | N
         name = "zenflow" if len(percs) == 1 else f"zenflow_pt{perc:g}"
         label = "ZenFlowAdamW" if len(percs) == 1 else f"ZenFlowAdamW (pt_reserved {perc:g})"
         specs.append(RunSpec(name, "zenflow", zenflow_block(cfg, n_epoch, pt_reserved_cores_perc=perc), label))
+    for name, overrides in variants:
+        label = "ZenFlowAdamW " + ", ".join(f"{k}={v}" for k, v in overrides.items())
+        specs.append(RunSpec(f"zenflow_{name}", "zenflow", zenflow_block(cfg, n_epoch, **overrides), label))
     return specs
 
 
@@ -648,6 +657,29 @@ def _interval(text: str) -> int | str:
     return "auto" if text == "auto" else _positive_int(text)
 
 
+def _variant(text: str) -> tuple[str, dict]:
+    """NAME:field=value,field=value -> (NAME, {field: value}); values are JSON (true, 0.5, "auto") or text."""
+    name, sep, body = text.partition(":")
+    if not sep or not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:field=value[,field=value...]")
+    from zenflow_kernels import ZenFlowConfig
+
+    overrides = {}
+    for item in filter(None, body.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in ZenFlowConfig.field_names():
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not field=value with a ZenFlow config field")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    try:  # the values, checked now rather than after the pre-training
+        ZenFlowConfig.from_dict(zenflow_block(E2EConfig(), 10**6, **overrides))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return name, overrides
+
+
 def parser() -> argparse.ArgumentParser:
     d = E2EConfig()
     p = _Parser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0],
@@ -664,6 +696,8 @@ def parser() -> argparse.ArgumentParser:
                    help="re-select columns every N steps (default: once per epoch of the fine-tuning data)")
     p.add_argument("--pt-reserved-cores-perc", type=_fraction, nargs="+", default=[d.pt_reserved_cores_perc],
                    help="ZenFlow pt_reserved_cores_perc; several values: one ZenFlow run each")
+    p.add_argument("--variant", type=_variant, action="append", default=[], metavar="NAME:FIELD=VALUE,...",
+                   help="one more ZenFlow run with these config fields changed, e.g. sync:overlap_step=false")
     p.add_argument("--runs", default="adamw,offload,zenflow",
                    help="comma-separated subset of adamw, offload, zenflow")
     p.add_argument("--repeats", type=_positive_int, default=d.repeats, help="interleaved repeats of every run")
@@ -724,7 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "standard-library" in str(exc):
             raise SystemExit(f"error: {exc}") from None
         raise
-    specs = [s for s in default_specs(cfg, prep.n_epoch, args.pt_reserved_cores_perc) if s.kind in kinds]
+    specs = [s for s in default_specs(cfg, prep.n_epoch, args.pt_reserved_cores_perc, args.variant) if s.kind in kinds]
     runs = run_all(specs, prep, repeats=cfg.repeats, progress=progress)
     model = make_model(prep)
     result = {
