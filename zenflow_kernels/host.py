@@ -108,6 +108,7 @@ class HostShard:
         hyper: Sequence[dict],
         max_grad_norm: float | None,
         wait_before_write: Any = None,
+        last: dict[int, torch.Tensor] | None = None,
     ) -> dict:
         """AdamW on the host master of the parameters ``indices`` with the mean of acc[buf].
 
@@ -116,10 +117,21 @@ class HostShard:
         ``hyper[g]`` holds lr, beta1, beta2, eps, weight_decay of param group g (captured when the
         update was requested). ``wait_before_write`` (an object with ``synchronize()``, e.g. a CUDA
         event) guards the copy-out buffers while a previous write-back copy may still read them.
+
+        ``last`` maps parameters to the interval's last gradient (CPU tensors) not yet accumulated.
+        Without clipping it is added in the same pass as the step, which also zeroes the buffer
+        (``accumulate_adam_``: one pass instead of three); with clipping, whose norm needs the whole
+        sum first, it is accumulated beforehand.
         """
         t0 = time.perf_counter()
         acc, counts = self.acc[buf], self.acc_count[buf]
-        todo = [i for i in indices if counts[i] > 0]
+        last = dict(last or {})
+        if last and max_grad_norm is not None:
+            for i, grad in last.items():
+                self.accumulate(buf, i, grad)
+            last = {}
+        todo = [i for i in indices if counts[i] > 0 or i in last]
+        todo_set = set(todo)
         coef = 1.0
         if max_grad_norm is not None:
             total = 0.0
@@ -128,10 +140,26 @@ class HostShard:
             coef = min(1.0, max_grad_norm / (math.sqrt(total) + 1e-6))
         if wait_before_write is not None:
             wait_before_write.synchronize()
-        todo_set = set(todo)
+        for i, grad in last.items():  # fused: acc + last gradient, step, copy-out, acc = 0
+            s = self.slots[i]
+            h = hyper[s.group]
+            self.host_step[i] += 1
+            counts[i] += 1
+            cpu_ops.accumulate_adam_(
+                self.view(self.master, i).view(-1),
+                self.view(acc, i).view(-1),
+                grad.reshape(-1),
+                self.view(self.exp_avg, i).view(-1),
+                self.view(self.exp_avg_sq, i).view(-1),
+                step=self.host_step[i],
+                grad_scale=counts[i],
+                out=self.out_view(i).view(-1),
+                zero_acc=True,
+                **h,
+            )
         runs: list[list[Slot]] = []
         for s in self.order:  # merge neighbours that share group, dtype, step and count
-            if s.index not in todo_set:
+            if s.index not in todo_set or s.index in last:
                 continue
             key = (s.group, s.dtype, self.host_step[s.index], counts[s.index])
             prev = runs[-1][-1] if runs else None
@@ -142,7 +170,6 @@ class HostShard:
         for run in runs:
             lo, hi = run[0].offset, run[-1].offset + run[-1].numel
             first = run[0].index
-            h = hyper[run[0].group]
             step = self.host_step[first] + 1
             cpu_ops.cpu_adam_(
                 self.master[lo:hi],
@@ -150,20 +177,16 @@ class HostShard:
                 self.exp_avg[lo:hi],
                 self.exp_avg_sq[lo:hi],
                 step=step,
-                lr=h["lr"],
-                beta1=h["beta1"],
-                beta2=h["beta2"],
-                eps=h["eps"],
-                weight_decay=h["weight_decay"],
                 grad_scale=counts[first] / coef,
                 out=self.out[run[0].dtype][lo:hi],
+                **hyper[run[0].group],
             )
             for s in run:
                 self.host_step[s.index] = step
             acc[lo:hi].zero_()
         for i in todo:
             counts[i] = 0
-        return {"seconds": time.perf_counter() - t0, "params": len(todo), "runs": len(runs)}
+        return {"seconds": time.perf_counter() - t0, "params": len(todo), "runs": len(runs), "fused": len(last)}
 
 
 class HostWorkerError(RuntimeError):

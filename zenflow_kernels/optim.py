@@ -248,11 +248,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             for g in self.param_groups
         ]
 
+    def _fusable(self) -> bool:
+        """Can the host take this step's gradient straight into its update pass (CPU, synchronous)?"""
+        return not self._cuda
+
     def _warmup_step(self, active: list[int]) -> None:
         """ZeRO-Offload: every parameter gets a synchronous host AdamW step, then all of it is copied back."""
-        self._accumulate_all(active)
-        self._wait_accumulation()
-        result = self._host.update(self._acc_buf, active, self._hyper(), self.max_grad_norm, self._writeback_guard())
+        last = None
+        if self._fusable():
+            last = {i: self._params[i].grad for i in active}
+        else:
+            self._accumulate_all(active)
+            self._wait_accumulation()
+        result = self._host.update(
+            self._acc_buf, active, self._hyper(), self.max_grad_norm, self._writeback_guard(), last=last
+        )
         self._stats.host_seconds.append(result["seconds"])
         self._stats.stall_seconds += result["seconds"]
         self._write_back(active, whole=True)
@@ -277,10 +287,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._fast_step(matrices, vectors, coef)
         self._stats.fast_seconds.append(time.perf_counter() - t0)
 
-        self._accumulate_all(matrices)
         self.steps_accumulated += 1
         trigger = self._auto_vote(matrices) if self.schedule.is_auto else False
-        if self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger):
+        boundary = self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger)
+        if boundary and not self.config.overlap_step and self._fusable():
+            # the interval's last gradient goes straight into the host's update pass
+            self._host_update(last={i: self._params[i].grad for i in matrices})
+            return
+        self._accumulate_all(matrices)
+        if boundary:
             self._host_update()
 
     # -- fast path ---------------------------------------------------------------------------------
@@ -507,9 +522,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._cuda and self._last_accumulate is not None:
             self._timed_wait(self._accumulator, self._last_accumulate)
 
-    def _host_update(self) -> None:
-        """An update boundary: run the host AdamW now (sync) or hand it to the worker (overlap)."""
-        matrices = [i for i, p in enumerate(self._params) if p.dim() == 2 and self._host.acc_count[self._acc_buf][i]]
+    def _host_update(self, last: dict[int, torch.Tensor] | None = None) -> None:
+        """An update boundary: run the host AdamW now (sync) or hand it to the worker (overlap).
+        ``last``: gradients of this step not yet accumulated (synchronous CPU runs fuse them in)."""
+        last = last or {}
+        counts = self._host.acc_count[self._acc_buf]
+        matrices = [i for i, p in enumerate(self._params) if p.dim() == 2 and (counts[i] or i in last)]
         for p in self._params:
             st = self.state.get(p)
             if st and "auto_count" in st:
@@ -517,7 +535,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         hyper, buf = self._hyper(), self._acc_buf
         if not self.config.overlap_step:
             self._wait_accumulation()
-            result = self._host.update(buf, matrices, hyper, self.max_grad_norm, self._writeback_guard())
+            result = self._host.update(buf, matrices, hyper, self.max_grad_norm, self._writeback_guard(), last=last)
             self._stats.host_seconds.append(result["seconds"])
             self._stats.stall_seconds += result["seconds"]  # synchronous: the training thread waited
             self._write_back(matrices)
