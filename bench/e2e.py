@@ -10,6 +10,9 @@
    torch 2.4), synchronous ZeRO-Offload (host AdamW on the fp32 master every step; the training
    thread waits, then the whole model is copied back), and ``ZenFlowAdamW`` (top-k columns every
    step, the rest on the host every ``update_interval`` steps, overlapped);
+   Every run uses the same AdamW hyper-parameters (lr 3e-4 with a linear warm-up over the first 10%
+   of the steps, weight decay 0.01, no clipping); the ZenFlow run selects its columns once per epoch
+   of the fine-tuning data (``steps_per_epoch`` is passed, so nothing is silently never re-selected);
 4. prints a table (steps/s, stall, host updates, final train and held-out loss), writes
    ``e2e.json`` (every figure, the curves and the machine) and ``e2e.png`` (loss against wall time
    and against step).
@@ -111,6 +114,7 @@ class RunSpec:
     kind: str
     zenflow: dict = field(default_factory=dict)
     label: str = ""
+    threads: int | None = None  # torch threads for this run (None: the prepared count)
 
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, "label": self.label or self.name, "zenflow": dict(self.zenflow)}
@@ -151,13 +155,18 @@ def default_specs(
     n_epoch: int,
     cores_percs: Sequence[float] | None = None,
     variants: Sequence[tuple[str, dict]] = (),
+    baseline_threads: Sequence[int] = (),
 ) -> list[RunSpec]:
     """AdamW, synchronous offload, and ZenFlow (one ZenFlow run per ``pt_reserved_cores_perc``), then one
-    more ZenFlow run per ``(name, overrides)`` variant (overrides: ZenFlow config fields)."""
+    more ZenFlow run per ``(name, overrides)`` variant (overrides: ZenFlow config fields), and one more
+    AdamW run per entry of ``baseline_threads`` (AdamW at that many torch threads)."""
     specs = [
         RunSpec("adamw", "adamw", label="torch AdamW"),
         RunSpec("offload", "offload", offload_block(cfg), label="sync offload"),
     ]
+    for n in baseline_threads:
+        specs.append(RunSpec(f"adamw_t{n}", "adamw", label=f"torch AdamW, {n} thread{'s' if n > 1 else ''}",
+                             threads=n))
     percs = list(cores_percs) if cores_percs else [cfg.pt_reserved_cores_perc]
     for perc in percs:
         name = "zenflow" if len(percs) == 1 else f"zenflow_pt{perc:g}"
@@ -326,24 +335,26 @@ def train_run(
     grad_hook: Callable[[int, torch.nn.Module, torch.optim.Optimizer], None] | None = None,
     eval_points: int | None = None,
     tag: str = "",
+    evaluate: bool = True,
 ) -> dict:
     """Fine-tune the pre-trained model with one optimizer; return its figures and curves.
 
     ``grad_hook(step, model, optimizer)`` (optional) runs after each backward, before the optimizer
-    step, off the clock (the selection-dynamics notebook reads the gradients there).
+    step, off the clock (the selection-dynamics notebook reads the gradients there). ``evaluate=False``
+    skips the held-out evaluations (warm-up runs).
     """
     cfg = prep.cfg
     steps = cfg.steps if steps is None else steps
     if steps > prep.starts.shape[0]:
         raise ValueError(f"steps={steps} is more than the {prep.starts.shape[0]} prepared batches")
     size = cfg.size()
-    torch.set_num_threads(prep.threads)
+    torch.set_num_threads(spec.threads or prep.threads)
     model = make_model(prep)
     model.train()
     opt = make_optimizer(spec, model, prep)
     warm = max(1, round(cfg.warmup_frac * steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    eval_at = set(_eval_steps(steps, eval_points or cfg.eval_points))
+    eval_at = set(_eval_steps(steps, eval_points or cfg.eval_points)) if evaluate else set()
     snapshots: list[tuple[int, float, dict]] = []
 
     def snapshot(step: int, wall: float) -> None:
@@ -351,7 +362,7 @@ def train_run(
 
     bar = Progress(steps, tag or spec.label or spec.name, enabled=progress)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    train_loss, wall_at = [], []
+    train_loss, wall_at, opt_s = [], [], []
     wall = 0.0
     threads_during = None
     zen = spec.kind != "adamw"
@@ -368,7 +379,9 @@ def train_run(
                 paused = time.perf_counter()
                 grad_hook(s, model, opt)
                 t0 += time.perf_counter() - paused
+            t_opt = time.perf_counter()
             opt.step()
+            opt_s.append(time.perf_counter() - t_opt)  # on CUDA: the time of the call, not of the kernels
             opt.zero_grad(set_to_none=True)
             sched.step()
             lv = loss.item()  # a device sync: the step is done
@@ -396,9 +409,10 @@ def train_run(
         "steps": steps,
         "wall_s": wall,
         "steps_per_s": steps / wall if wall > 0 else float("nan"),
-        "torch_threads": prep.threads,
+        "torch_threads": spec.threads or prep.threads,
         "loadavg_1min_before": load_before,
         "torch_threads_during_run": threads_during,
+        "optimizer_step_call_s_mean": statistics.fmean(opt_s),
         "final_train_loss": statistics.fmean(tail),
         "final_heldout_loss": evals[-1]["heldout_loss"] if evals else float("nan"),
         "train_loss": train_loss,
@@ -428,9 +442,20 @@ def train_run(
 # -- several runs, their comparison -----------------------------------------------------------------------
 
 
+WARMUP_STEPS = 9  # untimed steps per run kind first: numba kernels compile (or load from cache) there
+
+
+def warm_up(specs: Sequence[RunSpec], prep: Prepared) -> None:
+    """A short untimed run of each spec, so that no timed run pays for first-call work (numba kernels
+    compiling or loading from their cache, allocator growth)."""
+    for spec in specs:
+        train_run(spec, prep, steps=min(WARMUP_STEPS, prep.starts.shape[0]), evaluate=False)
+
+
 def run_all(specs: Sequence[RunSpec], prep: Prepared, repeats: int = 1, progress: bool = False) -> list[dict]:
     """Every spec ``repeats`` times, interleaved; per spec the repeat with the median wall time, with the
-    steps/s of every repeat and their median attached."""
+    steps/s of every repeat and their median attached. :func:`warm_up` runs first."""
+    warm_up(specs, prep)
     done: dict[str, list[dict]] = {s.name: [] for s in specs}
     total = repeats * len(specs)
     for r in range(repeats):
@@ -698,6 +723,8 @@ def parser() -> argparse.ArgumentParser:
                    help="ZenFlow pt_reserved_cores_perc; several values: one ZenFlow run each")
     p.add_argument("--variant", type=_variant, action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                    help="one more ZenFlow run with these config fields changed, e.g. sync:overlap_step=false")
+    p.add_argument("--baseline-threads", type=_positive_int, nargs="+", default=[], metavar="N",
+                   help="one more AdamW run per value, at that many torch threads")
     p.add_argument("--runs", default="adamw,offload,zenflow",
                    help="comma-separated subset of adamw, offload, zenflow")
     p.add_argument("--repeats", type=_positive_int, default=d.repeats, help="interleaved repeats of every run")
@@ -758,7 +785,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "standard-library" in str(exc):
             raise SystemExit(f"error: {exc}") from None
         raise
-    specs = [s for s in default_specs(cfg, prep.n_epoch, args.pt_reserved_cores_perc, args.variant) if s.kind in kinds]
+    specs = default_specs(cfg, prep.n_epoch, args.pt_reserved_cores_perc, args.variant, args.baseline_threads)
+    specs = [s for s in specs if s.kind in kinds]
     runs = run_all(specs, prep, repeats=cfg.repeats, progress=progress)
     model = make_model(prep)
     result = {

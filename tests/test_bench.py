@@ -52,6 +52,7 @@ def e2e_result(tmp_path_factory):
     proc = run_module(
         "bench.e2e", "--model", "tiny", "--steps", str(E2E_STEPS), "--pretrain-steps", "0", "--threads", "1",
         "--eval-points", "3", "--out", str(out / "results"), "--cache", str(out / "cache"), "--quiet",
+        "--baseline-threads", "1",
     )
     assert proc.returncode == 0, proc.stderr
     return proc, out / "results"
@@ -63,7 +64,7 @@ def test_e2e_writes_json_png_and_table(e2e_result):
     result = json.loads((out / "e2e.json").read_text())
     for key in ("config", "model", "corpus", "pretrain", "runs", "comparison", "machine", "total_s"):
         assert key in result, key
-    assert [r["name"] for r in result["runs"]] == ["adamw", "offload", "zenflow"]
+    assert [r["name"] for r in result["runs"]] == ["adamw", "offload", "adamw_t1", "zenflow"]
     assert result["corpus"]["train"]["bytes"] > 0 and result["corpus"]["heldout"]["bytes"] > 0
     assert set(result["corpus"]["train"]["first_files"]).isdisjoint(result["corpus"]["heldout"]["first_files"])
     header = proc.stdout.splitlines()[0]
@@ -86,6 +87,8 @@ def test_e2e_runs_have_sane_figures(e2e_result):
         assert sum(r["train_loss"][-6:]) < sum(r["train_loss"][:6]), r["name"]
         assert 0.0 <= r["stall_pct"] < 100.0
     by = {r["name"]: r for r in result["runs"]}
+    assert by["adamw_t1"]["torch_threads_during_run"] == 1
+    assert by["adamw_t1"]["train_loss"] == pytest.approx(by["adamw"]["train_loss"], abs=1e-4)
     assert by["adamw"]["host_updates"] == 0
     assert by["offload"]["host_updates"] == E2E_STEPS  # synchronous offload: a host AdamW every step
     assert by["zenflow"]["host_updates"] == E2E_STEPS // 4  # update_interval 4
