@@ -96,9 +96,9 @@ class HostShard:
     def out_view(self, index: int) -> torch.Tensor:
         return self.view(self.out[self.slots[index].dtype], index)
 
-    def accumulate(self, buf: int, index: int, grad: torch.Tensor) -> None:
+    def accumulate(self, buf: int, index: int, grad: torch.Tensor, num_threads: int | None = None) -> None:
         """acc[buf] of parameter ``index`` += grad (a CPU tensor of any float dtype)."""
-        cpu_ops.accumulate_(self.view(self.acc[buf], index).view(-1), grad.reshape(-1))
+        cpu_ops.accumulate_(self.view(self.acc[buf], index).view(-1), grad.reshape(-1), num_threads=num_threads)
         self.acc_count[buf][index] += 1
 
     def update(

@@ -22,6 +22,7 @@ import time
 import weakref
 from typing import Any
 
+import numba
 import torch
 
 from . import cpu_ops, ops
@@ -128,6 +129,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._acc_buf = 0
         train_cores, host_cores = cpu_ops.split_cores(self.config.pt_reserved_cores_perc)
         self._host_cores = host_cores
+        # host kernels the training thread itself launches stay on the training side of the split
+        self._train_threads = min(len(train_cores), numba.config.NUMBA_NUM_THREADS) if overlap else None
         self._saved_torch_threads = None
         if overlap:
             self._updater = HostWorker(num_threads=len(host_cores), cores=host_cores, timeout=self.host_timeout)
@@ -182,11 +185,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._pending = []
 
     def stats(self) -> dict:
-        """Telemetry: per-step fast-path time, host-update time, stall (time the training thread
-        waited for the host; ``stall_fraction`` is of the wall time from the first ``step()`` to the end
-        of the last, forward and backward included), overlap fraction (share of host-update time hidden
-        behind training), skipped steps, the share of score mass the selected columns captured at each
-        selection, and the Jaccard overlap of each new selection with the previous one."""
+        """Telemetry of the run so far.
+
+        ``stall_s``: time the training thread spent on the host path instead of training: synchronous
+        host updates, gradient accumulation it does itself (CPU runs; ``accumulate_s``) and waits for the
+        background worker (``worker_wait_s``). ``stall_fraction``: that over the wall time from the first
+        ``step()`` to the end of the last, forward and backward included. ``overlap_fraction``: share of
+        the background host-update time the training thread did not wait for. Also per-step fast-path
+        time, host-update times, skipped steps, the share of score mass the selected columns captured
+        at each selection, and the Jaccard overlap of each new selection with the previous one.
+        """
         return self._stats.summary(self)
 
     # -- the step ----------------------------------------------------------------------------------
@@ -248,18 +256,24 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             for g in self.param_groups
         ]
 
-    def _fusable(self) -> bool:
-        """Can the host take this step's gradient straight into its update pass (CPU, synchronous)?"""
-        return not self._cuda
+    FUSE_MIN_NUMEL = 1 << 16
+    """A synchronous CPU update folds a parameter's last gradient into its AdamW pass (saving a pass over
+    the accumulation buffer) when it has at least this many elements; below, one merged AdamW call per
+    run of parameters costs less than a fused call per parameter."""
+
+    def _accumulate_or_defer(self, indices: list[int]) -> dict[int, torch.Tensor]:
+        """Accumulate this step's gradients, except those a synchronous CPU update will fuse into its
+        AdamW pass: returned as ``{index: grad}`` for ``HostShard.update(last=...)``."""
+        last = {}
+        if not self._cuda and self.max_grad_norm is None:
+            last = {i: self._params[i].grad for i in indices if self._params[i].numel() >= self.FUSE_MIN_NUMEL}
+        self._accumulate_all([i for i in indices if i not in last])
+        return last
 
     def _warmup_step(self, active: list[int]) -> None:
         """ZeRO-Offload: every parameter gets a synchronous host AdamW step, then all of it is copied back."""
-        last = None
-        if self._fusable():
-            last = {i: self._params[i].grad for i in active}
-        else:
-            self._accumulate_all(active)
-            self._wait_accumulation()
+        last = self._accumulate_or_defer(active)
+        self._wait_accumulation()
         result = self._host.update(
             self._acc_buf, active, self._hyper(), self.max_grad_norm, self._writeback_guard(), last=last
         )
@@ -290,9 +304,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.steps_accumulated += 1
         trigger = self._auto_vote(matrices) if self.schedule.is_auto else False
         boundary = self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger)
-        if boundary and not self.config.overlap_step and self._fusable():
-            # the interval's last gradient goes straight into the host's update pass
-            self._host_update(last={i: self._params[i].grad for i in matrices})
+        if boundary and not self.config.overlap_step:
+            self._host_update(last=self._accumulate_or_defer(matrices))
             return
         self._accumulate_all(matrices)
         if boundary:
@@ -479,9 +492,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _accumulate_all(self, indices: list[int]) -> None:
         """Add these parameters' gradients into the host accumulation buffer of the current interval."""
         host, buf = self._host, self._acc_buf
-        if not self._cuda:
+        if not self._cuda:  # the training thread does the host's work itself: it counts as stall
+            t0 = time.perf_counter()
             for i in indices:
-                host.accumulate(buf, i, self._params[i].grad)
+                host.accumulate(buf, i, self._params[i].grad, num_threads=self._train_threads)
+            seconds = time.perf_counter() - t0
+            self._stats.accumulate_seconds += seconds
+            self._stats.stall_seconds += seconds
             return
         # CUDA: the step's gradients go to a pinned staging area (a ring of two steps, laid out like the
         # host shard) on the D2H stream; the accumulate worker adds them once the copy event fires.
@@ -567,7 +584,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         try:
             return worker.wait(job)
         finally:
-            self._stats.stall_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self._stats.stall_seconds += seconds
+            self._stats.worker_wait_seconds += seconds
 
     def _drain(self) -> None:
         """Wait for the in-flight host update, if any (the wait counts as stall)."""
@@ -720,6 +739,8 @@ class _Telemetry:
         self.fast_seconds: list[float] = []
         self.host_seconds: list[float] = []
         self.stall_seconds = 0.0
+        self.accumulate_seconds = 0.0
+        self.worker_wait_seconds = 0.0
         self.first_step_start: float | None = None  # wall clock of the run: training, not only step()
         self.last_step_end: float | None = None
         self.selection_steps: list[int] = []
@@ -738,7 +759,7 @@ class _Telemetry:
         wall = self.last_step_end - self.first_step_start if self.first_step_start is not None else 0.0
         host_total = sum(self.host_seconds)
         overlapped = opt.config.overlap_step
-        hidden = max(0.0, host_total - self.stall_seconds) if overlapped else 0.0
+        hidden = max(0.0, host_total - self.worker_wait_seconds) if overlapped else 0.0
         return {
             "steps": opt.t,
             "skipped_steps": opt.skipped_steps,
@@ -751,6 +772,8 @@ class _Telemetry:
             "host_update_s_mean": mean(self.host_seconds),
             "host_update_s": list(self.host_seconds),
             "stall_s": self.stall_seconds,
+            "accumulate_s": self.accumulate_seconds,
+            "worker_wait_s": self.worker_wait_seconds,
             # of the wall time from the first step() to the end of the last: forward and backward included
             "stall_fraction": self.stall_seconds / wall if wall > 0 else 0.0,
             "overlap_fraction": hidden / host_total if host_total > 0 else 0.0,
