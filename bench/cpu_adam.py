@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
-from bench.harness import Timing, machine_info, output_dir, plt, write_json  # noqa: E402
+from bench.harness import OneLineParser, Timing, machine_info, output_dir, plt, write_json  # noqa: E402
 from zenflow_kernels.cpu_ops import accumulate_, accumulate_adam_, cpu_adam_  # noqa: E402
 from zenflow_kernels.cpu_ops._common import as_numpy  # noqa: E402
 
@@ -309,7 +309,7 @@ def _measure(candidates: dict, n: int, k: int, rounds: int, bytes_per_param: int
     return rows
 
 
-def bench_adam(state: State, n: int, threads: list[int], rounds: int) -> list[dict]:
+def bench_adam(state: State, n: int, threads: list[int], rounds: int, attempts: int = 3) -> list[dict]:
     """Per thread count, every candidate interleaved (a thread count switch between calls costs tens of
     microseconds in libgomp, so candidates at different counts are not mixed within one round)."""
     rows = []
@@ -318,12 +318,12 @@ def bench_adam(state: State, n: int, threads: list[int], rounds: int) -> list[di
         candidates = {"zenflow": lambda k=k: state.ours(k), "roofline": state.roofline}
         for name in state.opts:
             candidates[name] = lambda name=name: state.torch_step(name)
-        rows += _measure(candidates, n, k, rounds, ADAM_BYTES)
+        rows += _measure(candidates, n, k, rounds, ADAM_BYTES, attempts)
     _add_ratios(rows, ["roofline", "deepspeed", "torch_fused"])
     return rows
 
 
-def bench_pipeline(state: State, n: int, threads: list[int], rounds: int) -> list[dict]:
+def bench_pipeline(state: State, n: int, threads: list[int], rounds: int, attempts: int = 3) -> list[dict]:
     rows = []
     for k in threads:
         _set_threads(k)
@@ -336,7 +336,7 @@ def bench_pipeline(state: State, n: int, threads: list[int], rounds: int) -> lis
             if name != "torch_foreach":
                 candidates[f"separate_{name}"] = lambda k=k, name=name: state.separate(name, k)
                 candidates[f"separate_{name}_zero_acc"] = lambda k=k, name=name: state.separate(name, k, zero_acc=True)
-        rows += _measure(candidates, n, k, rounds, PIPE_BYTES)
+        rows += _measure(candidates, n, k, rounds, PIPE_BYTES, attempts)
     by = {(r["threads"], r["candidate"]): r for r in rows}
     for r in rows:
         zero = r["candidate"].endswith("zero_acc")
@@ -525,8 +525,10 @@ def goals(adam: list[dict], pipeline: list[dict], size: int, threads: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    ap = OneLineParser(
+        prog="python -m bench.cpu_adam",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     ap.add_argument("--quick", action="store_true", help="three sizes, few rounds, no compile-time probe")
@@ -557,8 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         t0 = time.perf_counter()
         state = State(n, ds_cls)
-        adam_rows += bench_adam(state, n, threads, rounds)
-        pipe_rows += bench_pipeline(state, n, threads, rounds)
+        attempts = 1 if args.quick else 3  # --quick never waits for a quiet machine
+        adam_rows += bench_adam(state, n, threads, rounds, attempts)
+        pipe_rows += bench_pipeline(state, n, threads, rounds, attempts)
         del state
         big = [r for r in adam_rows if r["size"] == n and r["threads"] == max(threads)]
         summary = ", ".join(f"{r['candidate']} {r['mparams_per_s']:.0f}" for r in big)

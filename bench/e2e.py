@@ -633,11 +633,6 @@ class Progress:
 # -- command line ------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block, exit status 2
-        self.exit(2, f"error: {message} (see python -m bench.e2e --help)\n")
-
-
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -707,7 +702,7 @@ def _variant(text: str) -> tuple[str, dict]:
 
 def parser() -> argparse.ArgumentParser:
     d = E2EConfig()
-    p = _Parser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0],
+    p = harness.OneLineParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--demo", action="store_true", help="the make-demo preset (the defaults below, progress bar on)")
     p.add_argument("--model", choices=sorted(SIZES), default=d.model, help="model size preset")

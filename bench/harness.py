@@ -9,6 +9,7 @@ description) and CSV; plots are drawn from that data, never from live objects.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -176,7 +177,8 @@ def output_dir(path: str | os.PathLike | None) -> Path:
 def write_json(path: str | os.PathLike, payload: dict) -> Path:
     """Write ``payload`` with a ``machine`` entry added (unless present) as indented JSON."""
     payload = dict(payload)
-    payload.setdefault("machine", machine_info())
+    if "machine" not in payload:  # machine_info() is slow (it imports optional packages): only when needed
+        payload["machine"] = machine_info()
     path = Path(path)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")
     return path
@@ -247,3 +249,10 @@ def write_json_light(path: str | os.PathLike, payload: dict) -> Path:
     path = Path(path)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")
     return path
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr (exit status 2), no usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")

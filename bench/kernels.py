@@ -27,7 +27,6 @@ need a GPU and the output says so. Results: ``kernels_<gpu|cpu>.json`` (with the
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 
@@ -281,7 +280,7 @@ def plot(rows: list[dict], path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n")[0])
+    ap = harness.OneLineParser(prog="python -m bench.kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes, layers and repeats")
     args = ap.parse_args(argv)

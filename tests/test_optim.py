@@ -514,6 +514,23 @@ def test_stats_are_measured_and_sane():
     assert min(s["score_mass_captured"]) > 0.3
 
 
+def test_selected_columns_accessor():
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2, full_warm_up_rounds=1)
+    zp = make_params()
+    with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
+        assert opt.selected_columns(zp[0]) is None
+        drive(opt, zp, grad_sequence(1))  # warm-up: nothing selected yet
+        assert opt.selected_columns(zp[0]) is None
+        drive(opt, zp, grad_sequence(2))
+        sel = opt.selected_columns(zp[0])
+        assert sel.dtype == torch.int64 and sel.numel() == 4 and torch.equal(sel, sel.sort().values)
+        assert opt.selected_columns(zp[1]) is None  # a vector: always on the fast path, no columns
+        sel[0] = -1  # a copy: the optimizer's state is untouched
+        assert opt.selected_columns(zp[0])[0] >= 0
+        with pytest.raises(ValueError, match="not a parameter of this optimizer"):
+            opt.selected_columns(torch.zeros(3, 3))
+
+
 def test_sync_stall_is_the_host_time_on_the_training_thread():
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=6, update_interval=3)
     zp = make_params()

@@ -184,6 +184,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._write_back(self._pending)
         self._pending = []
 
+    def selected_columns(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The columns of a matrix parameter currently on the fast path (int64, sorted ascending, on the
+        parameter's device; a copy), or None when it has none yet (before its first selection, during
+        warm-up, or for a vector parameter). Raises ValueError for a tensor this optimizer does not own."""
+        if not any(param is p for p in self._params):
+            raise ValueError("selected_columns: the tensor is not a parameter of this optimizer")
+        sel = self.state.get(param, {}).get("selected")
+        return None if sel is None else sel.clone()
+
     def stats(self) -> dict:
         """Telemetry of the run so far.
 
