@@ -132,6 +132,17 @@ def selective_adamw_(
     grad_scale=1.0,
     check_data: bool = True,
 ) -> None:
+    step, hp = adamw_args(param, grad, indices, exp_avg, exp_avg_sq, master, step, lr, beta1, beta2, eps,
+                          weight_decay, grad_scale, check_data)
+    _adamw(param, grad, indices, exp_avg, exp_avg_sq, master, step, *hp)
+
+
+def adamw_args(param, grad, indices, exp_avg, exp_avg_sq, master, step, lr, beta1, beta2, eps, weight_decay,
+               grad_scale, check_data):
+    """Validate a single-tensor selective AdamW call (shared with the numba launcher).
+
+    Returns ``(step, (lr, beta1, beta2, eps, weight_decay, grad_scale))``, step an int or the validated tensor.
+    """
     op = "selective_adamw_"
     hp = V.hyper(op, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
     _, step = V.adamw_input(op, None, param, grad, indices, exp_avg, exp_avg_sq, master, step)
@@ -141,8 +152,7 @@ def selective_adamw_(
             indices=[] if indices is None else [("indices", indices, param.shape[1])],
             steps=[("step", step)] if isinstance(step, torch.Tensor) else [],
         )
-    lr, beta1, beta2, eps, weight_decay, grad_scale = hp
-    _adamw(param, grad, indices, exp_avg, exp_avg_sq, master, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    return step, hp
 
 
 def multi_adamw_args(op, params, grads, indices_list, exp_avgs, exp_avg_sqs, steps, lrs, beta1, beta2, eps,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import _validate as V
 from .. import torch_ops
 from . import _common as C
 from ._kernels import selective_adam_kernel
@@ -74,17 +73,9 @@ def _launch(param, grad, indices, exp_avg, exp_avg_sq, master, step, lr, beta1, 
 def selective_adamw_(param, grad, indices, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
                      master=None, grad_scale=1.0, check_data: bool = True) -> None:
     """``ops.selective_adamw_`` for CPU tensors (see there for the contract)."""
-    op = "selective_adamw_"
-    hp = V.hyper(op, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
-    _, step = V.adamw_input(op, None, param, grad, indices, exp_avg, exp_avg_sq, master, step)
-    if check_data:
-        V.data(
-            op,
-            indices=[] if indices is None else [("indices", indices, param.shape[1])],
-            steps=[("step", step)] if isinstance(step, torch.Tensor) else [],
-        )
-    lr, beta1, beta2, eps, weight_decay, grad_scale = hp
-    _launch(param, grad, indices, exp_avg, exp_avg_sq, master, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    step, hp = torch_ops.adamw_args(param, grad, indices, exp_avg, exp_avg_sq, master, step, lr, beta1, beta2, eps,
+                                    weight_decay, grad_scale, check_data)
+    _launch(param, grad, indices, exp_avg, exp_avg_sq, master, step, *hp)
 
 
 def multi_selective_adamw_(params, grads, indices_list, exp_avgs, exp_avg_sqs, *, steps, lrs, beta1, beta2, eps,
