@@ -633,24 +633,8 @@ class Progress:
 # -- command line ------------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
-    return v
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a non-negative integer")
-    return v
+_positive_int = harness.int_at_least(1)
+_nonneg_int = harness.int_at_least(0)
 
 
 def _fraction(text: str) -> float:

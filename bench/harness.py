@@ -256,3 +256,18 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(minimum: int):
+    """An argparse ``type=``: an integer >= ``minimum``, with a one-line message otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= {minimum}")
+        return value
+
+    return parse
