@@ -158,15 +158,17 @@ class HostShard:
                 **h,
             )
         runs: list[list[Slot]] = []
-        for s in self.order:  # merge neighbours that share group, dtype, step and count
+        prev = None  # the previous slot in flat order, if it is in the current run
+        for s in self.order:  # merge flat neighbours that share group, dtype, step and count
             if s.index not in todo_set or s.index in last:
+                prev = None  # a run is one contiguous range: a slot left out ends it
                 continue
             key = (s.group, s.dtype, self.host_step[s.index], counts[s.index])
-            prev = runs[-1][-1] if runs else None
             if prev is not None and (prev.group, prev.dtype, self.host_step[prev.index], counts[prev.index]) == key:
                 runs[-1].append(s)
             else:
                 runs.append([s])
+            prev = s
         for run in runs:
             lo, hi = run[0].offset, run[-1].offset + run[-1].numel
             first = run[0].index
