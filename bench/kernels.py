@@ -20,8 +20,10 @@ Bytes (counted once, useful bytes only; GB/s = bytes / time / 1e9):
 ``copy_fraction`` = op GB/s / copy GB/s. Gathered columns touch whole 32-byte sectors, so the AdamW
 figure is a lower bound of the traffic the memory system really serves.
 
-On a CPU-only machine the torch paths are timed at modest sizes (harness.interleaved); the GPU figures
-need a GPU and the output says so. Results: ``kernels_<gpu|cpu>.json`` (with the machine), ``.csv``,
+On a CPU-only machine the CPU paths are timed at modest sizes (harness.interleaved): torch for scores and
+selection, and for selective AdamW both the numba kernels (what ``ops`` dispatches to on CPU; the multi
+form in one launch) and the torch implementation beside them. The GPU figures need a GPU and the output
+says so. Results: ``kernels_<gpu|cpu>.json`` (with the machine), ``.csv``,
 ``.png`` under ``--out`` (default ``bench/results``).
 """
 
@@ -34,13 +36,15 @@ import torch
 
 from bench import harness
 from zenflow_kernels import ops, torch_ops
+from zenflow_kernels.cpu_ops import selective_adamw as numba_ops
 
 GOALS = {
     "column_scores": ">= 85% of copy bandwidth for >= 4096x4096",
     "selective_adamw": ">= 3x DeepSpeed's path at topk_ratio 0.1",
     "selection": "<= 3 launches for ~224 matrices, faster than the torch loop",
 }
-NO_GPU_NOTE = ("No CUDA device: these are CPU timings of the torch paths at modest sizes. The Triton figures "
+NO_GPU_NOTE = ("No CUDA device: these are CPU timings of the CPU paths (torch, and numba for selective AdamW) at "
+               "modest sizes. The Triton figures "
                "(GB/s, fraction of copy bandwidth, speed-ups over DeepSpeed's path) need a GPU: run "
                "bench/gpu_suite.sh OUTDIR on one.")
 RATIO = 0.1
@@ -156,10 +160,8 @@ def bench_adamw(timer: Timer, shapes, device) -> list[dict]:
             m = torch.zeros(R, k, device=device)
             v = torch.zeros(R, k, device=device)
             w = p[:, idx].float() if master else None
-            impl_ops = ops if device == "cuda" else torch_ops
-
-            def ours(p=p, g=g, idx=idx, m=m, v=v, w=w, impl_ops=impl_ops):
-                impl_ops.selective_adamw_(p, g, idx, m, v, step=10, master=w, check_data=False, **HP)
+            def ours(impl_ops, p=p, g=g, idx=idx, m=m, v=v, w=w):
+                return lambda: impl_ops.selective_adamw_(p, g, idx, m, v, step=10, master=w, check_data=False, **HP)
 
             def deepspeed_path(fused: bool, p=p, g=g, idx=idx):
                 # DeepSpeed's ZenFlowSelectiveAdamW without offload: gather, AdamW on the copy, scatter.
@@ -177,7 +179,8 @@ def bench_adamw(timer: Timer, shapes, device) -> list[dict]:
 
                 return step
 
-            fns = {"ours": ours, "deepspeed path (foreach AdamW)": deepspeed_path(False)}
+            fns = {name: ours(impl_ops) for name, impl_ops in _ours_adamw(device).items()}
+            fns["deepspeed path (foreach AdamW)"] = deepspeed_path(False)
             if device == "cuda":
                 fns["deepspeed path (fused AdamW)"] = deepspeed_path(True)
             nbytes = R * k * (2 * p.element_size() + g.element_size() + 16 + (8 if master else 0)) + 8 * k
@@ -187,7 +190,7 @@ def bench_adamw(timer: Timer, shapes, device) -> list[dict]:
             for impl in [name for name in fns if name != "copy"]:
                 rows.append(dict(op="selective_adamw", shape=f"{R}x{C}", dtype=str(pdtype).replace("torch.", ""),
                                  master=master, k=k,
-                                 impl=impl if impl != "ours" else ("triton" if device == "cuda" else "torch_ops"),
+                                 impl=impl,
                                  ms=ms[impl], bytes=nbytes, gbps=gbps(nbytes, ms[impl]), copy_gbps=copy_bw,
                                  copy_fraction=gbps(nbytes, ms[impl]) / copy_bw,
                                  speedup_vs_deepspeed=ms["deepspeed path (foreach AdamW)"] / ms[impl]))
@@ -204,11 +207,10 @@ def bench_multi_adamw(timer: Timer, shapes, device, label) -> list[dict]:
     ms_ = [torch.zeros(r, len(i), device=device) for (r, _), i in zip(shapes, idxs, strict=True)]
     vs_ = [torch.zeros_like(m) for m in ms_]
     ws = [p[:, i].float() for p, i in zip(ps, idxs, strict=True)]
-    impl_ops = ops if device == "cuda" else torch_ops
-
-    def ours():
-        impl_ops.multi_selective_adamw_(ps, gs, idxs, ms_, vs_, steps=10, lrs=1e-4, beta1=0.9, beta2=0.999,
-                                        eps=1e-8, weight_decays=0.01, masters=ws, check_data=False)
+    def ours(impl_ops):
+        return lambda: impl_ops.multi_selective_adamw_(ps, gs, idxs, ms_, vs_, steps=10, lrs=1e-4, beta1=0.9,
+                                                       beta2=0.999, eps=1e-8, weight_decays=0.01, masters=ws,
+                                                       check_data=False)
 
     bufs = [p[:, i].clone().requires_grad_(True) for p, i in zip(ps, idxs, strict=True)]
     opt = torch.optim.AdamW(bufs, lr=1e-4, weight_decay=0.01, foreach=device == "cuda")
@@ -221,21 +223,34 @@ def bench_multi_adamw(timer: Timer, shapes, device, label) -> list[dict]:
         for p, i, b in zip(ps, idxs, bufs, strict=True):
             p[:, i] = b.detach()
 
-    n_launch = launches(ours) if device == "cuda" else None
-    ms = timer.many({"ours": ours, "deepspeed path": deepspeed_path})
-    return [dict(op="multi_selective_adamw", shape=label, dtype="bfloat16", master=True, impl=impl, ms=ms[key],
-                 matrices=len(shapes), launches=n_launch if key == "ours" else None,
+    fns = {f"{name} multi": ours(impl_ops) for name, impl_ops in _ours_adamw(device).items()}
+    n_launch = launches(fns["triton multi"]) if device == "cuda" else None
+    ms = timer.many(fns | {"deepspeed path": deepspeed_path})
+    return [dict(op="multi_selective_adamw", shape=label, dtype="bfloat16", master=True,
+                 impl="deepspeed path (foreach AdamW, one step for all)" if key == "deepspeed path" else key,
+                 ms=ms[key], matrices=len(shapes), launches=n_launch if key == "triton multi" else None,
                  speedup_vs_deepspeed=ms["deepspeed path"] / ms[key])
-            for key, impl in (("ours", "triton multi" if device == "cuda" else "torch_ops multi"),
-                              ("deepspeed path", "deepspeed path (foreach AdamW, one step for all)"))]
+            for key in ms]
+
+
+def _ours_adamw(device: str) -> dict:
+    """Our selective AdamW implementations on this device: the Triton kernel on CUDA; on CPU the numba
+    kernel (what ``ops`` dispatches to) and the torch implementation beside it."""
+    return {"triton": ops} if device == "cuda" else {"numba": numba_ops, "torch_ops": torch_ops}
 
 
 # ----------------------------------------------------------------------------------------------------
 
 
-def _role(impl: str) -> str:
-    if impl.startswith(("triton", "torch_ops")):
+ROLE_COLORS = {"ours": "C0", "baseline": "C1", "ours (torch reference)": "C2", "baseline (fused AdamW)": "C3"}
+
+
+def _role(row: dict) -> str:
+    impl = row["impl"]
+    if impl.startswith(("triton", "numba")):
         return "ours"
+    if impl.startswith("torch_ops"):  # the CPU path of scores and selection; beside numba for AdamW
+        return "ours" if row["op"] in ("column_scores", "selection") else "ours (torch reference)"
     return "baseline (fused AdamW)" if "fused" in impl else "baseline"
 
 
@@ -249,12 +264,12 @@ def plot(rows: list[dict], path, title: str) -> None:
     for ax, (names, title_) in zip(axes, panels, strict=True):
         sel = [r for r in rows if r["op"] in names]
         labels = list(dict.fromkeys((r["op"], r["shape"], r["dtype"]) for r in sel))
-        roles = list(dict.fromkeys(_role(r["impl"]) for r in sel))
+        roles = list(dict.fromkeys(_role(r) for r in sel))
         width = 0.8 / max(len(roles), 1)
         for j, role in enumerate(roles):
             xs, ys, notes = [], [], []
             for i, lab in enumerate(labels):
-                r = next((r for r in sel if (r["op"], r["shape"], r["dtype"]) == lab and _role(r["impl"]) == role),
+                r = next((r for r in sel if (r["op"], r["shape"], r["dtype"]) == lab and _role(r) == role),
                          None)
                 if r is None:
                     continue
@@ -263,7 +278,7 @@ def plot(rows: list[dict], path, title: str) -> None:
                 if role == "ours":
                     frac, sp = r.get("copy_fraction"), r.get("speedup_vs_deepspeed") or r.get("speedup_vs_torch")
                     notes.append(f"{frac:.0%}" if "column_scores" in names and frac else f"{sp:.1f}x" if sp else "")
-            bars = ax.bar(xs, ys, width, label=role)
+            bars = ax.bar(xs, ys, width, label=role, color=ROLE_COLORS.get(role))
             if role == "ours":
                 ax.bar_label(bars, notes, fontsize=7)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
@@ -338,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(payload["rows"], out / f"kernels_{tag}.png",
              f"zenflow_kernels ops on {device} ({'quick' if args.quick else 'full'}); " + (
                  "Triton vs torch/DeepSpeed baselines" if device == "cuda"
-                 else "torch paths only: GPU figures need a GPU"))
+                 else "CPU paths (torch; numba for selective AdamW): GPU figures need a GPU"))
     except ImportError as exc:  # matplotlib missing: the data files are the result
         print(f"no plot ({exc})")
     print(f"wrote {out / f'kernels_{tag}.json'}, .csv, .png")

@@ -3,9 +3,10 @@
 This module is the single dispatch point; callers never branch on the implementation:
 
 * CUDA tensors                                  -> Triton kernels (``zenflow_kernels.triton``)
-* CPU tensors                                   -> "numba": the AdamW ops as one fused numba pass
-                                                   per tensor (``cpu_ops.selective_adamw``), scores
-                                                   and top-k in vectorised torch
+* CPU tensors                                   -> "numba": the AdamW ops as fused numba kernels,
+                                                   the multi-tensor form in one launch
+                                                   (``cpu_ops.selective_adamw``), scores and top-k
+                                                   in vectorised torch
 * CPU tensors with ``TRITON_INTERPRET=1`` set   -> the Triton kernels, interpreted (tests)
 * any other device                              -> torch
 

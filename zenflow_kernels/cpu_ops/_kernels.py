@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 
 REDUCE_FASTMATH = {"reassoc", "contract", "nsz"}
@@ -358,6 +358,55 @@ def _ov_load_master(master, s, param, i):
         return lambda master, s, param, i: master[s]
     return None
 
+@intrinsic
+def pointer_at(typingctx, addr, proto):
+    """A typed pointer to the address ``addr`` (an integer), of ``proto``'s element type:
+    ``numba.carray(pointer_at(addr, proto), n)`` is an array over that memory."""
+    if not (isinstance(addr, types.Integer) and isinstance(proto, types.Array)):
+        return None
+    ptr = types.CPointer(proto.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(addr, proto), codegen
+
+
+def array_at(addr, n, proto):
+    """``n`` elements of ``proto``'s type at address ``addr`` as a 1-D array; None when proto is None
+    (numba only)."""
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(array_at, inline="always")
+def _ov_array_at(addr, n, proto):
+    if isinstance(proto, (types.NoneType, types.Omitted)):
+        return lambda addr, n, proto: None
+    if isinstance(proto, types.Array):
+        return lambda addr, n, proto: carray(pointer_at(addr, proto), n)
+    return None
+
+
+@njit(inline="always")
+def _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, base, sbase, j0, j1, neg_step_size, bc2_sqrt,
+                  coef_base, grad_scale, decay, lerp_coeff, lerp_small, beta2, one_minus_beta2, eps):
+    """AdamW on selected columns j0..j1-1 of one row: ``base`` is the row's offset in param/grad,
+    ``sbase`` in the compact state, ``coef_base`` the tensor's offset in the per-column coefficients."""
+    for j in range(j0, j1):
+        c = column_of(idx, j)
+        s = sbase + j
+        g = load_f32(grad, base + c) / grad_scale
+        w = load_master(master, s, param, base + c) * decay
+        m = exp_avg[s]
+        m = fma(lerp_coeff, g - m, m if lerp_small else g)
+        v = fma(one_minus_beta2 * g, g, exp_avg_sq[s] * beta2)
+        exp_avg[s] = m
+        exp_avg_sq[s] = v
+        w = w + (neg_step_size[coef_base + j] * m) / (np.sqrt(v) / bc2_sqrt[coef_base + j] + eps)
+        store_f32(master, s, w)
+        store_f32(param, base + c, w)
+
+
 @njit(**_JIT)
 def selective_adam_kernel(
     param,
@@ -397,19 +446,70 @@ def selective_adam_kernel(
     one_minus_beta2 = np.float32(one_minus_beta2_64)
     eps = np.float32(eps64)
     for r in prange(rows):
-        base = r * cols
-        sbase = r * k
-        for j in range(k):
-            c = column_of(idx, j)
-            s = sbase + j
-            g = load_f32(grad, base + c) / grad_scale
-            w = load_master(master, s, param, base + c) * decay
-            m = exp_avg[s]
-            m = fma(lerp_coeff, g - m, m if lerp_small else g)
-            v = fma(one_minus_beta2 * g, g, exp_avg_sq[s] * beta2)
-            exp_avg[s] = m
-            exp_avg_sq[s] = v
-            w = w + (neg_step_size[j] * m) / (np.sqrt(v) / bc2_sqrt[j] + eps)
-            store_f32(master, s, w)
-            store_f32(param, base + c, w)
+        _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, r * cols, r * k, 0, k, neg_step_size, bc2_sqrt,
+                      0, grad_scale, decay, lerp_coeff, lerp_small, beta2, one_minus_beta2, eps)
 
+
+# Columns of the address table of ``multi_selective_adam_kernel``.
+T_PARAM, T_GRAD, T_IDX, T_EXP_AVG, T_EXP_AVG_SQ, T_MASTER, T_ROWS, T_COLS, T_K, T_COEF = range(10)
+
+
+@njit(**_JIT)
+def multi_selective_adam_kernel(
+    table,
+    chunk_starts,
+    decay64,
+    neg_step_size,
+    bc2_sqrt,
+    param_proto,
+    grad_proto,
+    master_proto,
+    block,
+    grad_scale64,
+    one_minus_beta1_64,
+    beta2_64,
+    one_minus_beta2_64,
+    eps64,
+):
+    """``selective_adam_kernel`` over many tensors in one launch (the CPU multi-tensor form).
+
+    ``table`` is int64 ``[n, 10]``, one row per tensor (columns ``T_*``): the addresses of param,
+    grad, indices (0: dense, every column), exp_avg, exp_avg_sq and master (ignored when
+    ``master_proto`` is None), then rows, cols, k and the tensor's offset into the float32 per-column
+    coefficients ``neg_step_size`` / ``bc2_sqrt``; ``decay64[t]`` is 1 - lr*wd of tensor t. Every tensor
+    of a launch has param_proto's, grad_proto's and master_proto's element types (the launcher groups
+    them), and all memory is contiguous. The work items are (tensor, row, block of ``block`` selected
+    columns); tensor t owns items ``chunk_starts[t]`` to ``chunk_starts[t + 1] - 1``, so one long
+    vector is split as finely as a tall matrix.
+    """
+    grad_scale = np.float32(grad_scale64)
+    w1 = np.float32(one_minus_beta1_64)
+    lerp_small = abs(w1) < np.float32(0.5)
+    lerp_coeff = w1 if lerp_small else w1 - np.float32(1.0)
+    beta2 = np.float32(beta2_64)
+    one_minus_beta2 = np.float32(one_minus_beta2_64)
+    eps = np.float32(eps64)
+    state_proto = np.empty(0, dtype=np.float32)
+    idx_proto = np.empty(0, dtype=np.int64)
+    for c in prange(chunk_starts[chunk_starts.size - 1]):
+        t = np.searchsorted(chunk_starts, c, side="right") - 1
+        rows, cols, k = table[t, T_ROWS], table[t, T_COLS], table[t, T_K]
+        blocks = (k + block - 1) // block
+        local = c - chunk_starts[t]
+        r = local // blocks
+        j0 = (local - r * blocks) * block
+        j1 = min(k, j0 + block)
+        param = carray(pointer_at(table[t, T_PARAM], param_proto), rows * cols)
+        grad = carray(pointer_at(table[t, T_GRAD], grad_proto), rows * cols)
+        exp_avg = carray(pointer_at(table[t, T_EXP_AVG], state_proto), rows * k)
+        exp_avg_sq = carray(pointer_at(table[t, T_EXP_AVG_SQ], state_proto), rows * k)
+        master = array_at(table[t, T_MASTER], rows * k, master_proto)
+        decay = np.float32(decay64[t])
+        coef = table[t, T_COEF]
+        if table[t, T_IDX] != 0:
+            idx = carray(pointer_at(table[t, T_IDX], idx_proto), k)
+            _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, r * cols, r * k, j0, j1, neg_step_size,
+                          bc2_sqrt, coef, grad_scale, decay, lerp_coeff, lerp_small, beta2, one_minus_beta2, eps)
+        else:
+            _adam_columns(param, grad, None, exp_avg, exp_avg_sq, master, r * cols, r * k, j0, j1, neg_step_size,
+                          bc2_sqrt, coef, grad_scale, decay, lerp_coeff, lerp_small, beta2, one_minus_beta2, eps)
