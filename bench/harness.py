@@ -111,15 +111,17 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> str | None:
+    """HEAD's short hash, with "+dirty" when tracked library or bench code differs from it (results
+    written before their code is committed must not claim the older commit)."""
+    here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=5,
-        )
-        return out.stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
+                              timeout=5).stdout.strip()
+        if not head:
+            return None
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "zenflow_kernels",
+                                  "bench/*.py"], capture_output=True, text=True, cwd=here.parent, timeout=5)
+        return head + ("+dirty" if changed.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -313,6 +313,25 @@ def test_accumulate_adam_equals_accumulate_then_adam(grad_dtype, out_dtype, zero
         assert_scaled_close(ours, theirs, name)
 
 
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("n", [0, 1, 7, 100003])
+def test_cpu_adam_zero_grad_takes_the_same_step_and_zeroes_the_gradient(out_dtype, n):
+    p, m, v, gen = make_state(n, 9)
+    p2, m2, v2 = p.clone(), m.clone(), v.clone()
+    for step in range(1, 4):
+        g = torch.randn(n, generator=gen) * 3
+        g[: min(n, 2)] = -0.0  # negative zeros take the same step too
+        g2 = g.clone()
+        out = None if out_dtype is None else torch.zeros(n, dtype=out_dtype)
+        out2 = None if out_dtype is None else torch.zeros(n, dtype=out_dtype)
+        cpu_adam_(p, g, m, v, step=step, weight_decay=0.1, grad_scale=2.5, out=out, zero_grad=True, **HYPER)
+        cpu_adam_(p2, g2, m2, v2, step=step, weight_decay=0.1, grad_scale=2.5, out=out2, **HYPER)
+        assert torch.equal(bits(g), bits(torch.zeros(n))), "the gradient is +0.0 everywhere afterwards"
+        for a, b in zip((p, m, v, out), (p2, m2, v2, out2), strict=True):
+            assert a is None or torch.equal(bits(a), bits(b)), "zero_grad changed the step"
+    assert n == 0 or not torch.equal(p, make_state(n, 9)[0])
+
+
 # ---------------------------------------------------------------------------------------------
 # sum_squares
 # ---------------------------------------------------------------------------------------------
@@ -470,7 +489,16 @@ def _check_error(call, exc, words):
     assert not missing, f"message {message!r} lacks {missing}"
 
 
-@pytest.mark.parametrize("case", ADAM_ERRORS, ids=lambda c: f"{list(c[0]) or c[1]}-{c[2].__name__}")
+@pytest.mark.parametrize(
+    "case",
+    ADAM_ERRORS
+    + [
+        ({}, {"zero_grad": 1}, TypeError, ["zero_grad", "bool"]),
+        ({"grad": lambda: torch.randn(N).to(torch.bfloat16)}, {"zero_grad": True}, TypeError,
+         ["grad", "float32", "zero_grad", "bfloat16"]),
+    ],
+    ids=lambda c: f"{list(c[0]) or c[1]}-{c[2].__name__}",
+)
 def test_cpu_adam_errors_leave_everything_unchanged(case):
     t, kw = _apply(case, _tensors())
     before = _snapshot(t)

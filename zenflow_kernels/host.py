@@ -181,11 +181,11 @@ class HostShard:
                 step=step,
                 grad_scale=counts[first] / coef,
                 out=self.out[run[0].dtype][lo:hi],
+                zero_grad=True,  # never a torch op here: see cpu_adam_'s zero_grad
                 **hyper[run[0].group],
             )
             for s in run:
                 self.host_step[s.index] = step
-            acc[lo:hi].zero_()
         for i in todo:
             counts[i] = 0
         return {"seconds": time.perf_counter() - t0, "params": len(todo), "runs": len(runs), "fused": len(last)}

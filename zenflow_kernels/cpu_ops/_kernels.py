@@ -218,25 +218,40 @@ def _ov_store_f32(out, i, x):
     return None
 
 
-def add_into(acc, i, g, zero_acc):
-    """With an fp32 ``acc``: ``s = acc[i] + g``, store ``s`` (or 0 when zero_acc), return ``s``.
-    With ``acc=None``: return ``g`` (numba only)."""
+def take_grad(acc, grad, i, zero_acc):
+    """The gradient of element i (float32) and the accumulator's update (numba only):
+
+    * ``acc`` None: ``grad[i]``;
+    * both: ``s = acc[i] + grad[i]``, stored in ``acc[i]`` (or 0 with ``zero_acc``), returns ``s``;
+    * ``grad`` None: ``acc[i]`` (the accumulator is the gradient), zeroed with ``zero_acc``.
+    """
     raise NotImplementedError("numba-only helper")
 
 
-@overload(add_into, inline="always")
-def _ov_add_into(acc, i, g, zero_acc):
-    if isinstance(acc, (types.NoneType, types.Omitted)):
-        return lambda acc, i, g, zero_acc: g
-    if isinstance(acc, types.Array) and acc.dtype == types.float32:
+@overload(take_grad, inline="always")
+def _ov_take_grad(acc, grad, i, zero_acc):
+    no_acc = isinstance(acc, (types.NoneType, types.Omitted))
+    no_grad = isinstance(grad, (types.NoneType, types.Omitted))
+    if no_acc and not no_grad:
+        return lambda acc, grad, i, zero_acc: load_f32(grad, i)
+    if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
+        return None
+    if no_grad:
 
-        def impl(acc, i, g, zero_acc):
-            s = acc[i] + g
-            acc[i] = np.float32(0.0) if zero_acc else s
+        def impl(acc, grad, i, zero_acc):
+            s = acc[i]
+            if zero_acc:
+                acc[i] = np.float32(0.0)
             return s
 
         return impl
-    return None
+
+    def impl(acc, grad, i, zero_acc):
+        s = acc[i] + load_f32(grad, i)
+        acc[i] = np.float32(0.0) if zero_acc else s
+        return s
+
+    return impl
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +284,7 @@ def adam_kernel(
     operations and their rounding follow torch's single-tensor Adam on CPU (fma where ATen's
     vectorised kernels use one), so m and v come out bit-identical to torch whenever g does:
 
-    g = (acc[i] + grad[i] if acc else grad[i]) * inv_scale
+    g = take_grad(acc, grad, i, zero_acc) * inv_scale    (grad[i], acc[i] + grad[i], or acc[i] when grad is None)
     g = fma(p, l2, g)                              if l2 != 0 (Adam's L2 decay; AdamW passes l2 = 0)
     m = lerp(m, g, w): fma(w, g - m, m) if |w| < 0.5 else fma(w - 1, g - m, g)    (w = 1 - beta1, torch's)
     v = fma(one_minus_beta2 * g, g, v * beta2)             (v.mul_(beta2).addcmul_(g, g, 1 - beta2))
@@ -289,7 +304,7 @@ def adam_kernel(
     neg_step_size = np.float32(neg_step_size64)
     for i in prange(param.size):
         p = param[i]
-        g = add_into(acc, i, load_f32(grad, i), zero_acc) * inv_scale
+        g = take_grad(acc, grad, i, zero_acc) * inv_scale
         # l2 == 0 (AdamW, or no decay) must leave g untouched even when p is inf/NaN
         g = g if l2 == np.float32(0.0) else fma(p, l2, g)
         m = exp_avg[i]

@@ -76,7 +76,7 @@ def _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, 
         n,
         nthreads,
         C.as_numpy(param),
-        C.as_numpy(grad),
+        None if grad is None else C.as_numpy(grad),
         C.as_numpy(exp_avg),
         C.as_numpy(exp_avg_sq),
         None if acc is None else C.as_numpy(acc),
@@ -118,6 +118,7 @@ def cpu_adam_(
     bias_correction: bool = True,
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    zero_grad: bool = False,
     num_threads: int | None = None,
 ) -> None:
     """One Adam/AdamW step on CPU tensors, in place, in one multithreaded pass (GIL released).
@@ -135,6 +136,10 @@ def cpu_adam_(
             and clip factor folded into one number).
         out: optional fp32/bf16/fp16 tensor with n elements, contiguous; receives the updated
             parameter, rounded to nearest even (inf/NaN preserved), equal to ``param.to(out.dtype)``.
+        zero_grad: True zeroes ``grad`` in the same pass, after reading it: for an accumulation buffer
+            this step consumes (saves a separate zeroing pass; ``grad`` must then be fp32). The host
+            worker relies on it: a large torch op in a second thread would start a second OpenMP team
+            in torch's runtime, and its idle threads then slow every parallel op of the training thread.
         num_threads: threads for this call (1..NUMBA_NUM_THREADS); None uses the calling thread's
             ``numba.get_num_threads()``. Small tensors use fewer.
 
@@ -143,6 +148,10 @@ def cpu_adam_(
     leaves all tensors unchanged. n = 0 is a no-op. Returns None.
     """
     _check_state(param, grad, exp_avg, exp_avg_sq, out)
+    zero_grad = C.check_bool("zero_grad", zero_grad)
+    if zero_grad and grad.dtype != torch.float32:
+        raise TypeError(f"grad must have dtype float32 when zero_grad=True (it is zeroed in place), got "
+                        f"{str(grad.dtype).replace('torch.', '')}")
     scalars = _adam_scalars(
         step=step,
         lr=lr,
@@ -155,7 +164,10 @@ def cpu_adam_(
         grad_scale=grad_scale,
     )
     num_threads = C.check_num_threads(num_threads)
-    _launch_adam(param, None, grad, exp_avg, exp_avg_sq, out, False, scalars, num_threads)
+    if zero_grad:  # the kernel's accumulator path: g = acc[i], then acc[i] = 0
+        _launch_adam(param, grad, None, exp_avg, exp_avg_sq, out, True, scalars, num_threads)
+    else:
+        _launch_adam(param, None, grad, exp_avg, exp_avg_sq, out, False, scalars, num_threads)
 
 
 def accumulate_adam_(
