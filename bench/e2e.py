@@ -82,7 +82,9 @@ class E2EConfig:
     topk_ratio: float = 0.1
     update_interval: int | str = 4
     overlap: bool = True
-    pt_reserved_cores_perc: float = 0.5
+    # None: 1.0 on a CPU-only run, where training and the host worker share the cores and the worker
+    # takes what torch leaves free; 0.5 (DeepSpeed's default) with a GPU
+    pt_reserved_cores_perc: float | None = None
     select_interval: int | None = None  # steps; None: once per epoch of the fine-tuning data
     seed: int = 0
     eval_points: int = 8
@@ -99,6 +101,12 @@ class E2EConfig:
     def size(self):
         preset = SIZES[self.model]
         return replace(preset, batch=self.batch or preset.batch, context=self.context or preset.context)
+
+    def cores_perc(self) -> float:
+        """``pt_reserved_cores_perc`` for the ZenFlow runs (see the field)."""
+        if self.pt_reserved_cores_perc is not None:
+            return self.pt_reserved_cores_perc
+        return 1.0 if self.resolved_device().type == "cpu" else 0.5
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -127,7 +135,7 @@ def zenflow_block(cfg: E2EConfig, n_epoch: int, **overrides) -> dict:
         topk_ratio=cfg.topk_ratio,
         update_interval=cfg.update_interval,
         overlap_step=cfg.overlap,
-        pt_reserved_cores_perc=cfg.pt_reserved_cores_perc,
+        pt_reserved_cores_perc=cfg.cores_perc(),
         full_warm_up_rounds=0,
     )
     if cfg.select_interval is None:
@@ -167,7 +175,7 @@ def default_specs(
     for n in baseline_threads:
         specs.append(RunSpec(f"adamw_t{n}", "adamw", label=f"torch AdamW, {n} thread{'s' if n > 1 else ''}",
                              threads=n))
-    percs = list(cores_percs) if cores_percs else [cfg.pt_reserved_cores_perc]
+    percs = [cfg.cores_perc() if p is None else p for p in (cores_percs or [None])]
     for perc in percs:
         name = "zenflow" if len(percs) == 1 else f"zenflow_pt{perc:g}"
         label = "ZenFlowAdamW" if len(percs) == 1 else f"ZenFlowAdamW (pt_reserved {perc:g})"
@@ -699,7 +707,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--select-interval", type=_positive_int, default=None,
                    help="re-select columns every N steps (default: once per epoch of the fine-tuning data)")
     p.add_argument("--pt-reserved-cores-perc", type=_fraction, nargs="+", default=[d.pt_reserved_cores_perc],
-                   help="ZenFlow pt_reserved_cores_perc; several values: one ZenFlow run each")
+                   help="ZenFlow pt_reserved_cores_perc, default 1.0 on CPU (training and host share the cores), "
+                        "0.5 on CUDA; several values: one ZenFlow run each")
     p.add_argument("--variant", type=_variant, action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                    help="one more ZenFlow run with these config fields changed, e.g. sync:overlap_step=false")
     p.add_argument("--baseline-threads", type=_positive_int, nargs="+", default=[], metavar="N",
@@ -773,6 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "python -m bench.e2e " + " ".join(sys.argv[1:] if argv is None else argv),
         "config": {**asdict(cfg), "threads": prep.threads, "device": str(prep.device), "size": size.as_dict(),
                    "epoch_steps": prep.n_epoch, "fused_adamw": fused_supported(prep.device),
+                   "pt_reserved_cores_perc_resolved": cfg.cores_perc(),
                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
         "model": {"params": num_params(model)},
         "corpus": prep.corpus.describe(),

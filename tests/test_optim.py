@@ -458,6 +458,38 @@ def test_host_worker_runs_no_torch_compute(monkeypatch, max_grad_norm):
     assert not compute, compute
 
 
+@pytest.mark.parametrize("perc", [0.5, 1.0])
+def test_host_worker_threads_leave_the_training_threads_alone(monkeypatch, perc):
+    """The worker's numba threads: its own cores when the split gives it some, else (CPU-only, cores
+    shared with training) only what torch's threads leave free, at least one (see the test above for why)."""
+    import zenflow_kernels.optim as optim_module
+    from zenflow_kernels.cpu_ops import split_cores
+
+    made = []
+
+    class Recording(optim_module.HostWorker):
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(optim_module, "HostWorker", Recording)
+    train, host = split_cores(perc)
+    threads_before = torch.get_num_threads()
+    params = make_params()
+    zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=4, update_interval=2, overlap_step=True,
+                   pt_reserved_cores_perc=perc)
+    with ZenFlowAdamW(params, **HYPER, zenflow=zenflow) as opt:
+        drive(opt, params, grad_sequence(1))
+        if set(train) & set(host):  # shared: torch keeps its threads, the worker takes the rest
+            assert torch.get_num_threads() == threads_before
+            expected = max(1, len(set(train) | set(host)) - threads_before)
+        else:
+            assert torch.get_num_threads() == len(train)
+            expected = len(host)
+    assert [m["num_threads"] for m in made] == [expected]
+    assert torch.get_num_threads() == threads_before
+
+
 def test_dead_worker_is_detected_not_waited_on_forever():
     zp = make_params()
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True)

@@ -2,7 +2,8 @@
 
 Public API
     cpu_adam_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
-              adamw=True, bias_correction=True, grad_scale=1.0, out=None, num_threads=None)
+              adamw=True, bias_correction=True, grad_scale=1.0, out=None, zero_grad=False,
+              num_threads=None)
     accumulate_(acc, grad, *, num_threads=None)
     accumulate_adam_(param, acc, grad, exp_avg, exp_avg_sq, *, step, lr, ..., grad_scale=1.0,
                      out=None, zero_acc=False, num_threads=None)
@@ -21,14 +22,20 @@ thread running them overlaps with torch work in the main thread; concurrent laun
 threads are safe on numba's OpenMP and TBB threading layers and are serialised on ``workqueue``
 (see ``_common``).
 
-Sharing cores with torch. numba's OpenMP layer and torch run two separate OpenMP runtimes (numba
-links the system libgomp, torch its bundled copy), and an idle OpenMP worker spin-waits for a few
-milliseconds after each parallel region. Give each side its own cores: ``split_cores`` then
-``torch.set_num_threads(len(train))`` in the training thread and ``num_threads=len(host)`` here.
-Measured on 2 cores, host Adam (2^22 params) in a worker thread next to 512x512 matmuls in the main
-thread, throughput as a fraction of each running alone, summed (2.0 = perfect overlap): 1 + 1
-threads 1.9-2.1; 2 + 2 threads (oversubscribed) 1.1-1.2, or 1.3 with ``OMP_WAIT_POLICY=PASSIVE``
-set before torch is imported; 1 host + 2 torch threads 1.1-1.2, 1.55-1.6 with PASSIVE.
+Sharing cores with torch. torch is imported first (this package does so), and numba's OpenMP layer
+then binds to the libgomp torch loaded: one OpenMP runtime for both. A launch from the main thread
+reuses torch's thread team; a launch from another thread (the host worker) starts a second team that
+lives as long as that thread. Idle OpenMP threads spin for a while after each parallel region, but
+once the runtime's threads outnumber the cores it makes them sleep at once, and every parallel op of
+the training thread then pays a wake-up (measured on 2 cores: forward + backward of a small GPT 20-40%
+slower while a worker thread that ran a 2-thread kernel is alive; none with a 1-thread kernel, which
+starts no team). So give each side its own cores: ``split_cores`` then ``torch.set_num_threads(len(train))``
+in the training thread and ``num_threads=len(host)`` here; where the sides must share cores, give the
+worker only the threads torch leaves free, at least 1 (``ZenFlowAdamW`` does both). Measured on 2 cores,
+host Adam (2^22 params) in a worker thread next to 512x512 matmuls in the main thread, throughput as a
+fraction of each running alone, summed (2.0 = perfect overlap): 1 + 1 threads 1.9-2.1; 2 + 2 threads
+(oversubscribed) 1.1-1.2, or 1.3 with ``OMP_WAIT_POLICY=PASSIVE`` set before torch is imported;
+1 host + 2 torch threads 1.1-1.2, 1.55-1.6 with PASSIVE.
 
 First call of each dtype combination compiles (about 1-2 s); compiled code is cached in
 ``__pycache__`` (``cache=True``) and loads in milliseconds afterwards.
