@@ -254,6 +254,16 @@ def _ov_take_grad(acc, grad, i, zero_acc):
     return impl
 
 
+@njit(inline="always")
+def adam_constants(one_minus_beta1_64, beta2_64, one_minus_beta2_64, eps64):
+    """The loop constants every Adam kernel shares, rounded to float32 once: torch's lerp form for the
+    first moment (``lerp_coeff``, ``lerp_small``), then beta2, 1 - beta2 and eps."""
+    w = np.float32(one_minus_beta1_64)
+    lerp_small = abs(w) < np.float32(0.5)
+    lerp_coeff = w if lerp_small else w - np.float32(1.0)
+    return lerp_coeff, lerp_small, np.float32(beta2_64), np.float32(one_minus_beta2_64), np.float32(eps64)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels (the thread count is the calling thread's numba setting; the launchers set it per call)
 # ---------------------------------------------------------------------------------------------
@@ -294,13 +304,10 @@ def adam_kernel(
     inv_scale = np.float32(inv_scale64)
     l2 = np.float32(l2_64)
     decay = np.float32(decay64)
-    w = np.float32(one_minus_beta1_64)
-    lerp_small = abs(w) < np.float32(0.5)
-    lerp_coeff = w if lerp_small else w - np.float32(1.0)
-    beta2 = np.float32(beta2_64)
-    one_minus_beta2 = np.float32(one_minus_beta2_64)
+    lerp_coeff, lerp_small, beta2, one_minus_beta2, eps = adam_constants(
+        one_minus_beta1_64, beta2_64, one_minus_beta2_64, eps64
+    )
     inv_bc2_sqrt = np.float32(inv_bc2_sqrt64)
-    eps = np.float32(eps64)
     neg_step_size = np.float32(neg_step_size64)
     for i in prange(param.size):
         p = param[i]
@@ -454,12 +461,9 @@ def selective_adam_kernel(
     k = exp_avg.size // rows if rows > 0 else 0
     grad_scale = np.float32(grad_scale64)
     decay = np.float32(decay64)
-    w1 = np.float32(one_minus_beta1_64)
-    lerp_small = abs(w1) < np.float32(0.5)
-    lerp_coeff = w1 if lerp_small else w1 - np.float32(1.0)
-    beta2 = np.float32(beta2_64)
-    one_minus_beta2 = np.float32(one_minus_beta2_64)
-    eps = np.float32(eps64)
+    lerp_coeff, lerp_small, beta2, one_minus_beta2, eps = adam_constants(
+        one_minus_beta1_64, beta2_64, one_minus_beta2_64, eps64
+    )
     for r in prange(rows):
         _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, r * cols, r * k, 0, k, neg_step_size, bc2_sqrt,
                       0, grad_scale, decay, lerp_coeff, lerp_small, beta2, one_minus_beta2, eps)
@@ -498,12 +502,9 @@ def multi_selective_adam_kernel(
     vector is split as finely as a tall matrix.
     """
     grad_scale = np.float32(grad_scale64)
-    w1 = np.float32(one_minus_beta1_64)
-    lerp_small = abs(w1) < np.float32(0.5)
-    lerp_coeff = w1 if lerp_small else w1 - np.float32(1.0)
-    beta2 = np.float32(beta2_64)
-    one_minus_beta2 = np.float32(one_minus_beta2_64)
-    eps = np.float32(eps64)
+    lerp_coeff, lerp_small, beta2, one_minus_beta2, eps = adam_constants(
+        one_minus_beta1_64, beta2_64, one_minus_beta2_64, eps64
+    )
     state_proto = np.empty(0, dtype=np.float32)
     idx_proto = np.empty(0, dtype=np.int64)
     for c in prange(chunk_starts[chunk_starts.size - 1]):
