@@ -103,14 +103,7 @@ def _load_triton() -> SimpleNamespace | None:
         except ImportError as exc:  # triton missing or broken on this machine
             _triton_error = exc
         else:
-            _triton_impl = SimpleNamespace(
-                column_scores=cs.column_scores,
-                multi_column_scores=cs.multi_column_scores,
-                topk_columns=tk.topk_columns,
-                multi_topk_columns=tk.multi_topk_columns,
-                selective_adamw_=sa.selective_adamw_,
-                multi_selective_adamw_=sa.multi_selective_adamw_,
-            )
+            _triton_impl = _implementation(cs, tk, sa)
     return _triton_impl
 
 
@@ -120,15 +113,20 @@ def _load_numba() -> SimpleNamespace:
     if _numba_impl is None:
         from .cpu_ops import selective_adamw as sa
 
-        _numba_impl = SimpleNamespace(
-            column_scores=torch_ops.column_scores,
-            multi_column_scores=torch_ops.multi_column_scores,
-            topk_columns=torch_ops.topk_columns,
-            multi_topk_columns=torch_ops.multi_topk_columns,
-            selective_adamw_=sa.selective_adamw_,
-            multi_selective_adamw_=sa.multi_selective_adamw_,
-        )
+        _numba_impl = _implementation(torch_ops, torch_ops, sa)
     return _numba_impl
+
+
+def _implementation(scores, topk, adamw) -> SimpleNamespace:
+    """The six ops of one backend, taken from the modules that implement its scores, top-k and AdamW."""
+    return SimpleNamespace(
+        column_scores=scores.column_scores,
+        multi_column_scores=scores.multi_column_scores,
+        topk_columns=topk.topk_columns,
+        multi_topk_columns=topk.multi_topk_columns,
+        selective_adamw_=adamw.selective_adamw_,
+        multi_selective_adamw_=adamw.multi_selective_adamw_,
+    )
 
 
 def _first_tensor(x) -> torch.Tensor | None:
