@@ -132,16 +132,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # host kernels the training thread itself launches stay on the training side of the split
         self._train_threads = min(len(train_cores), numba.config.NUMBA_NUM_THREADS) if overlap else None
         self._saved_torch_threads = None
-        self._host_threads = len(host_cores)
+        host_threads = len(host_cores)
         if overlap and not self._cuda and set(train_cores) & set(host_cores):
             # CPU-only, cores shared with training: the worker takes only what torch leaves free. A numba
             # team started from a second thread joins torch's OpenMP runtime (numba binds to the libgomp
             # torch loaded); once its threads and torch's exceed the cores, libgomp stops idle threads
             # from spinning and every parallel op of the training thread pays a wake-up (measured on 2
             # cores: forward + backward 20-40% slower). One thread starts no team.
-            self._host_threads = max(1, len(set(train_cores) | set(host_cores)) - torch.get_num_threads())
+            host_threads = max(1, len(set(train_cores) | set(host_cores)) - torch.get_num_threads())
         if overlap:
-            self._updater = HostWorker(num_threads=self._host_threads, cores=host_cores, timeout=self.host_timeout)
+            self._updater = HostWorker(num_threads=host_threads, cores=host_cores, timeout=self.host_timeout)
             self._workers.append(self._updater)
             if set(train_cores) != set(host_cores):
                 self._saved_torch_threads = torch.get_num_threads()

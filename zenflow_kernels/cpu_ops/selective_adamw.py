@@ -35,11 +35,15 @@ def _coefficients(step, lr: float, beta1: float, beta2: float, k: int) -> tuple[
     """(-lr / (1 - beta1**s), sqrt(1 - beta2**s)) per column, float32 [k], from float64 as torch does
     (numpy: these are tiny vectors, where torch's per-op overhead would dominate)."""
     if isinstance(step, torch.Tensor):
-        s = step.numpy().astype(np.float64)
-        return (-lr / (1 - beta1**s)).astype(np.float32), np.sqrt(1 - beta2**s).astype(np.float32)
+        return _column_coefficients(step.numpy().astype(np.float64), lr, beta1, beta2)
     neg_step_size = -lr / (1 - beta1**step)
     bc2_sqrt = (1 - beta2**step) ** 0.5
     return np.full(k, neg_step_size, dtype=np.float32), np.full(k, bc2_sqrt, dtype=np.float32)
+
+
+def _column_coefficients(s: np.ndarray, lr, beta1: float, beta2: float) -> tuple[np.ndarray, np.ndarray]:
+    """The coefficients of float64 per-column step counts ``s`` (``lr`` a number or one per column)."""
+    return (-lr / (1 - beta1**s)).astype(np.float32), np.sqrt(1 - beta2**s).astype(np.float32)
 
 
 def _fusable(param: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -173,6 +177,5 @@ def _group_coefficients(items, ks, coef_base, beta1, beta2) -> tuple[np.ndarray,
         s = torch.cat([items[t][6] for t in per_column]).numpy().astype(np.float64)
         lr = np.repeat(np.array([items[t][7] for t in per_column], dtype=np.float64), ks[per_column])
         where = np.concatenate([np.arange(coef_base[t], coef_base[t] + ks[t]) for t in per_column])
-        neg_step_size[where] = (-lr / (1 - beta1**s)).astype(np.float32)
-        bc2_sqrt[where] = np.sqrt(1 - beta2**s).astype(np.float32)
+        neg_step_size[where], bc2_sqrt[where] = _column_coefficients(s, lr, beta1, beta2)
     return neg_step_size, bc2_sqrt
