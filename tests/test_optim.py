@@ -1,4 +1,9 @@
-"""ZenFlowAdamW against the reference algorithm, torch.optim.AdamW, checkpoints, faults and telemetry."""
+"""ZenFlowAdamW against the reference algorithm, torch.optim.AdamW, checkpoints, faults and telemetry.
+
+Tests that take ``device`` run once per link: "cpu" (the synchronous CPU link), "chaos0".."chaos2"
+(the asynchronous CPU link that runs the CUDA protocol, with seeded random delays: ``testing.chaos``)
+and, when CUDA is present, "cuda" (parameters on the GPU, the CUDA link, the Triton kernels).
+"""
 
 import copy
 import gc
@@ -18,28 +23,58 @@ from zenflow_kernels.config import ZenFlowWarning
 from zenflow_kernels.host import HostWorkerError
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
+from zenflow_kernels.testing import chaos
 
 # a small model's parameters: two linear layers with biases, a norm, and an embedding-like matrix
 SHAPES = [(24, 16), (24,), (12, 24), (12,), (12,), (40, 12)]
 HYPER = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 
 
+HAS_CUDA = torch.cuda.is_available()
+MODES = ["cpu", "chaos0", "chaos1", "chaos2"] + (["cuda"] if HAS_CUDA else [])
+
+
+def _mode(request) -> str:
+    callspec = getattr(request.node, "callspec", None)
+    return callspec.params.get("device", "cpu") if callspec else "cpu"
+
+
 @pytest.fixture(autouse=True)
-def cpu_backend():
-    """The optimizer's logic, not the kernels, is under test here: use the CPU fast path a user gets
+def cpu_backend(request):
+    """The optimizer's logic, not the kernels, is under test here: on CPU use the fast path a user gets
     (numba AdamW); the tests set TRITON_INTERPRET=1, which would otherwise send every op through the
-    slow Triton interpreter. One test below runs the same training through every backend."""
+    slow Triton interpreter. On CUDA the device rule picks Triton. One test below runs the same
+    training through every backend."""
+    if _mode(request) == "cuda":
+        yield
+        return
     with use_backend("numba"):
         yield
+
+
+@pytest.fixture(params=MODES)
+def device(request):
+    """Where the parameters live and which link moves them (see the module docstring): every optimizer
+    the test creates uses it."""
+    mode = request.param
+    if mode.startswith("chaos"):
+        with chaos(seed=int(mode[len("chaos"):])):
+            yield torch.device("cpu")
+    else:
+        yield torch.device(mode)
 
 
 def zenflow_threads():
     return [t for t in threading.enumerate() if t.name.startswith("zenflow")]
 
 
-def make_params(dtype=torch.float32, seed=0):
+def make_params(dtype=torch.float32, seed=0, device="cpu", shapes=SHAPES):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device, dtype)) for s in shapes]
+
+
+def snapshot(params):
+    return [p.detach().to("cpu", copy=True) for p in params]
 
 
 def grad_sequence(steps, seed=1, dtype=torch.float32):
@@ -66,9 +101,9 @@ def drive(opt, params, grads):
     history = []
     for step_grads in grads:
         for p, g in zip(params, step_grads, strict=True):
-            p.grad = None if g is None else g.clone().to(p.dtype)
+            p.grad = None if g is None else g.to(p.device, p.dtype, copy=True)
         opt.step()
-        history.append([p.detach().clone() for p in params])
+        history.append(snapshot(params))
     return history
 
 
@@ -99,8 +134,16 @@ def _ids(case):
     return f"k{topk}-u{upd}-{'ov' if ov else 'sync'}-{str(dt)[6:]}-wu{wu}-{strategy}{interval}e{epoch}-{imp}"
 
 
-@pytest.mark.parametrize("case", SWEEP, ids=_ids)
-def test_matches_reference(case):
+# every case on the synchronous CPU link and under chaos (the seed rotates), and on CUDA when present
+SWEEP_RUNS = [
+    pytest.param(case, mode, id=f"{_ids(case)}-{mode}")
+    for n, case in enumerate(SWEEP)
+    for mode in ("cpu", f"chaos{n % 3}") + (("cuda",) if HAS_CUDA else ())
+]
+
+
+@pytest.mark.parametrize("case, device", SWEEP_RUNS, indirect=["device"])
+def test_matches_reference(case, device):
     topk, upd, overlap, dtype, warmup, (strategy, interval, epoch), importance = case
     zenflow = dict(
         topk_ratio=topk,
@@ -117,24 +160,24 @@ def test_matches_reference(case):
         zenflow["steps_per_epoch"] = epoch
     steps = 30
     grads = grad_sequence(steps)
-    zp = make_params(dtype)
-    rp = [torch.nn.Parameter(p.detach().float()) for p in zp]  # the oracle runs fp32 on the same values
+    zp = make_params(dtype, device=device)
+    rp = [torch.nn.Parameter(p.detach().float().cpu()) for p in zp]  # the oracle runs fp32 on the same values
     ref = quiet(ReferenceZenFlow, rp, **HYPER, zenflow=zenflow, max_grad_norm=8.0)
     with quiet(ZenFlowAdamW, zp, **HYPER, zenflow=zenflow, max_grad_norm=8.0) as opt:
         for t, step_grads in enumerate(grads):
             for p, q, g in zip(zp, rp, step_grads, strict=True):
-                p.grad = g.to(dtype)
-                q.grad = p.grad.float()
+                p.grad = g.to(device, dtype)
+                q.grad = g.to(dtype).float()
             opt.step()
             ref.step()
-            for i, (p, q) in enumerate(zip(zp, rp, strict=True)):
+            for i, (p, q) in enumerate(zip(snapshot(zp), rp, strict=True)):
                 if dtype == torch.float32:
                     torch.testing.assert_close(
-                        p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, t=t, i=i: f"step {t} param {i}: {m}"
+                        p, q.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, t=t, i=i: f"step {t} param {i}: {m}"
                     )
                 else:  # within one bf16 ulp of the oracle's value rounded to bf16
                     torch.testing.assert_close(
-                        p.detach().float(),
+                        p.float(),
                         q.detach().to(dtype).float(),
                         rtol=2**-7,
                         atol=1e-5,
@@ -143,19 +186,22 @@ def test_matches_reference(case):
         assert (opt.t, opt.host_updates, opt.selections) == (ref.t, ref.host_updates, ref.selections)
         opt.flush()
         ref.flush()
-        for p, q in zip(zp, rp, strict=True):
+        for p, q in zip(snapshot(zp), rp, strict=True):
             tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-5)
-            torch.testing.assert_close(p.detach().float(), q.detach().to(dtype).float(), **tol)
+            torch.testing.assert_close(p.float(), q.detach().to(dtype).float(), **tol)
 
 
-def test_matches_reference_on_a_real_model():
-    """Gradients from an actual forward/backward (they depend on the weights)."""
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_matches_reference_on_a_real_model(device, warmup):
+    """Gradients from an actual forward/backward (they depend on the weights); on an asynchronous link
+    backward hooks start each gradient's copy early."""
     torch.manual_seed(0)
-    model_a = torch.nn.Sequential(
+    model_b = torch.nn.Sequential(
         torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8)
     )
-    model_b = copy.deepcopy(model_a)
-    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True)
+    model_a = copy.deepcopy(model_b).to(device)
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True,
+                   full_warm_up_rounds=warmup)
     ref = ReferenceZenFlow(model_b.parameters(), **HYPER, zenflow=zenflow)
     g = torch.Generator().manual_seed(5)
     with ZenFlowAdamW(model_a.parameters(), **HYPER, zenflow=zenflow) as opt:
@@ -163,65 +209,92 @@ def test_matches_reference_on_a_real_model():
             x, y = torch.randn(20, 16, generator=g), torch.randn(20, 8, generator=g)
             for model, o in ((model_a, opt), (model_b, ref)):
                 o.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()
+                torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
                 o.step()
-        for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(snapshot(model_a.parameters()), model_b.parameters(), strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
 
 
 # -- identities with torch.optim.AdamW ------------------------------------------------------------------
 
 
-def adamw_history(grads, **hyper):
-    ap = make_params()
+def adamw_history(grads, shapes=SHAPES, **hyper):
+    ap = make_params(shapes=shapes)
     return drive(torch.optim.AdamW(ap, **(HYPER | hyper), foreach=False), ap, grads)
 
 
+def adamw_tol(device):
+    """torch.optim.AdamW on CPU against our CPU kernels: a few ulps; against the Triton kernels (whose
+    bias corrections come from exp/log) a little more."""
+    return dict(rtol=1e-6, atol=1e-7) if device.type == "cpu" else dict(rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
-def test_topk_one_equals_adamw(overlap):
+def test_topk_one_equals_adamw(device, overlap):
     grads = grad_sequence(20)
-    zp = make_params()
+    zp = make_params(device=device)
     zenflow = dict(topk_ratio=1.0, select_strategy="step", select_interval=4, update_interval=2, overlap_step=overlap)
     with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
         for t, (z, a) in enumerate(zip(drive(opt, zp, grads), adamw_history(grads), strict=True)):
             for i, (x, y) in enumerate(zip(z, a, strict=True)):
-                torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=lambda m, t=t, i=i: f"step {t} p{i}: {m}")
+                torch.testing.assert_close(x, y, **adamw_tol(device), msg=lambda m, t=t, i=i: f"step {t} p{i}: {m}")
 
 
 @pytest.mark.parametrize("topk_ratio", [0.0, 0.1, 0.3, 0.5, 1.0])
-def test_single_selection_update_every_step_equals_adamw_at_any_topk(topk_ratio):
+def test_single_selection_update_every_step_equals_adamw_at_any_topk(device, topk_ratio):
     """Pins the whole fast/host split: host columns at interval 1, fast columns, vectors."""
     grads = grad_sequence(20)
-    zp = make_params()
+    zp = make_params(device=device)
     zenflow = dict(topk_ratio=topk_ratio, select_strategy="step", select_interval=10_000, update_interval=1)
     with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
         for t, (z, a) in enumerate(zip(drive(opt, zp, grads), adamw_history(grads), strict=True)):
             for i, (x, y) in enumerate(zip(z, a, strict=True)):
-                torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=lambda m, t=t, i=i: f"step {t} p{i}: {m}")
+                torch.testing.assert_close(x, y, **adamw_tol(device), msg=lambda m, t=t, i=i: f"step {t} p{i}: {m}")
 
 
-def test_lr_scheduler_matches_the_oracle():
+BIG_SHAPES = [(256, 300), (300,), (24, 16)]  # 76800 elements: at least ZenFlowAdamW.FUSE_MIN_NUMEL
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1e3])
+def test_update_every_step_equals_adamw_with_a_matrix_large_enough_to_fuse(device, max_grad_norm):
+    """A synchronous CPU update folds the last gradient of a large matrix into its AdamW pass instead of
+    accumulating it: the matrix must still be part of the update (its count includes that gradient).
+    ``max_grad_norm`` far above the norm must change nothing (the clip coefficient is capped at 1)."""
+    assert BIG_SHAPES[0][0] * BIG_SHAPES[0][1] >= ZenFlowAdamW.FUSE_MIN_NUMEL
+    g = torch.Generator().manual_seed(11)
+    grads = [[torch.randn(s, generator=g) for s in BIG_SHAPES] for _ in range(6)]
+    zp = make_params(device=device, shapes=BIG_SHAPES)
+    zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=10_000, update_interval=1)
+    with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow, max_grad_norm=max_grad_norm) as opt:
+        history = drive(opt, zp, grads)
+        assert opt.host_updates == 6
+    for t, (z, a) in enumerate(zip(history, adamw_history(grads, shapes=BIG_SHAPES), strict=True)):
+        for i, (x, y) in enumerate(zip(z, a, strict=True)):
+            torch.testing.assert_close(x, y, **adamw_tol(device), msg=lambda m, t=t, i=i: f"step {t} p{i}: {m}")
+
+
+def test_lr_scheduler_matches_the_oracle(device):
     grads = grad_sequence(24)
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=4, overlap_step=True)
-    zp, rp = make_params(), make_params()
+    zp, rp = make_params(device=device), make_params()
     ref = ReferenceZenFlow(rp, **HYPER, zenflow=zenflow)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=5, gamma=0.5)
     with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
         for step_grads in grads:
             for p, q, g in zip(zp, rp, step_grads, strict=True):
-                p.grad, q.grad = g.clone(), g.clone()
+                p.grad, q.grad = g.to(device, copy=True), g.clone()
             opt.step()
             ref.step()
             sched.step()
             ref_sched.step()
-            for p, q in zip(zp, rp, strict=True):
-                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+            for p, q in zip(snapshot(zp), rp, strict=True):
+                torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
         assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] < HYPER["lr"]
 
 
-def test_param_groups_missing_grads_and_closure():
-    zp, ap = make_params(), make_params()
+def test_param_groups_missing_grads_and_closure(device):
+    zp, ap = make_params(device=device), make_params()
 
     def groups(ps):
         return [{"params": ps[:3], "lr": 5e-3}, {"params": ps[3:], "weight_decay": 0.0}]
@@ -236,7 +309,7 @@ def test_param_groups_missing_grads_and_closure():
 
             def closure(step_grads=step_grads):
                 for p, g in zip(zp, step_grads, strict=True):
-                    p.grad = None if g is None else g.clone()
+                    p.grad = None if g is None else g.to(device, copy=True)
                 return torch.tensor(1.5)
 
             assert opt.step(closure).item() == 1.5
@@ -247,28 +320,28 @@ def test_param_groups_missing_grads_and_closure():
             assert all(p.grad is None or not p.grad.any() for p in zp)
             opt.zero_grad()
             assert all(p.grad is None for p in zp)
-        for x, y in zip(zp, ap, strict=True):
-            torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-6, atol=1e-7)
-        assert torch.equal(zp[4].detach(), make_params()[4].detach())
+        for x, y in zip(snapshot(zp), ap, strict=True):
+            torch.testing.assert_close(x, y.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(snapshot(zp)[4], make_params()[4].detach())
 
 
-def test_offloaded_fast_state_in_buckets_matches_resident_state():
+def test_offloaded_fast_state_in_buckets_matches_resident_state(device, monkeypatch):
     """offload=True keeps the fast-path state in host memory and streams it through the kernels in
-    buckets; a CPU-only run has nothing to move, so force the bucketed path and compare (on CPU the
-    "device" copies alias the host tensors: this checks the bucketing and bookkeeping, not transfers)."""
+    buckets. On the asynchronous CPU link and on CUDA it really is copied to the device and back (state
+    not copied back would be lost); on the synchronous CPU link there is nothing to move. Bit for bit
+    the same as resident state."""
+    monkeypatch.setattr(ZenFlowAdamW, "OFFLOAD_BUCKET_NUMEL", 100)  # several buckets for these shapes
     grads = grad_sequence(16)
-    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=5, update_interval=2, offload=True)
     runs = []
-    for forced in (False, True):
-        zp = make_params(torch.bfloat16)
+    for offload in (False, True):
+        zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=5, update_interval=2, offload=offload)
+        zp = make_params(torch.bfloat16, device=device)
         with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
-            opt._build()
-            if forced:
-                opt._offload = True
-                opt.OFFLOAD_BUCKET_NUMEL = 100  # several buckets for these shapes
-                assert len(opt._buckets(list(range(len(SHAPES))), [p.view(1, -1) for p in zp])) > 2
             runs.append(drive(opt, zp, grads))
-            assert all(st["exp_avg"].device.type == "cpu" for st in opt.state.values() if st)
+            assert opt._offload == (offload and opt.stats()["link"] != "cpu")
+            if opt._offload:
+                assert all(st["exp_avg"].device.type == "cpu" for st in opt.state.values() if st)
+                assert len(opt._buckets(list(range(len(SHAPES))), [p.view(1, -1) for p in zp])) > 2
     for t, (a, b) in enumerate(zip(*runs, strict=True)):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y), f"step {t}"
@@ -321,17 +394,17 @@ def test_fused_host_update_is_bit_identical_to_accumulate_then_step(monkeypatch)
     ],
     ids=["overlap", "auto-warmup", "sync"],
 )
-def test_checkpoint_mid_interval_resumes_bit_identically(zenflow, dtype):
+def test_checkpoint_mid_interval_resumes_bit_identically(device, zenflow, dtype):
     grads = grad_sequence(24)
-    zp = make_params(dtype)
+    zp = make_params(dtype, device=device)
     opt = ZenFlowAdamW(zp, **HYPER, zenflow=zenflow, max_grad_norm=10.0)
     drive(opt, zp, grads[:10])  # step 10: mid-interval, an overlapped host update in flight
     saved = copy.deepcopy(opt.state_dict())
-    saved_params = [p.detach().clone() for p in zp]
+    saved_params = snapshot(zp)
     straight = drive(opt, zp, grads[10:])
     opt.close()
 
-    fresh = [torch.nn.Parameter(p.clone()) for p in saved_params]
+    fresh = [torch.nn.Parameter(p.to(device)) for p in saved_params]
     other = dict(topk_ratio=0.5, select_strategy="step", select_interval=1, update_interval=1)
     with ZenFlowAdamW(fresh, lr=1.0, zenflow=other) as opt2:  # everything comes from the checkpoint
         opt2.load_state_dict(saved)
@@ -362,21 +435,24 @@ def test_state_dict_before_first_step_and_mismatched_load():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_non_finite_step_is_skipped_on_both_paths(bad, overlap):
+def test_non_finite_step_is_skipped_on_both_paths(device, bad, overlap):
     grads = grad_sequence(12)
-    zp = make_params()
     zenflow = dict(topk_ratio=0.2, select_strategy="step", select_interval=6, update_interval=3, overlap_step=overlap)
+    clean = make_params(device=device)
+    with ZenFlowAdamW(clean, **HYPER, zenflow=zenflow) as opt:
+        never_poisoned = drive(opt, clean, grads)
+    zp = make_params(device=device)
     with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
         drive(opt, zp, grads[:7])
-        before_params = [p.detach().clone() for p in zp]
+        before_params = snapshot(zp)
         before = copy.deepcopy(opt.state_dict())
         poisoned = [g.clone() for g in grads[7]]
         poisoned[0][3, 5] = bad  # on a matrix: both paths would see it
         drive(opt, zp, [poisoned])
         after = opt.state_dict()
         assert opt.skipped_steps == 1
-        for x, y in zip(before_params, zp, strict=True):
-            assert torch.equal(x, y.detach())
+        for x, y in zip(before_params, snapshot(zp), strict=True):
+            assert torch.equal(x, y)
         for idx, st in before["state"].items():
             for key, value in st.items():
                 other = after["state"][idx][key]
@@ -385,13 +461,17 @@ def test_non_finite_step_is_skipped_on_both_paths(bad, overlap):
             k: v for k, v in before["zenflow"].items() if k != "skipped_steps"
         }
         assert opt.stats()["skipped_steps"] == 1
+        # and the run goes on as if the poisoned step had never been
+        for t, (a, b) in enumerate(zip(drive(opt, zp, grads[7:]), never_poisoned[7:], strict=True)):
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x, y), f"step {7 + t}"
 
 
 # -- the background worker ----------------------------------------------------------------------------
 
 
-def test_worker_failure_surfaces_in_step_within_seconds():
-    zp = make_params()
+def test_worker_failure_surfaces_in_step_within_seconds(device):
+    zp = make_params(device=device)
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True)
     opt = ZenFlowAdamW(zp, **HYPER, zenflow=zenflow)
     grads = grad_sequence(8)
@@ -462,17 +542,17 @@ def test_host_worker_runs_no_torch_compute(monkeypatch, max_grad_norm):
 def test_host_worker_threads_leave_the_training_threads_alone(monkeypatch, perc):
     """The worker's numba threads: its own cores when the split gives it some, else (CPU-only, cores
     shared with training) only what torch's threads leave free, at least one (see the test above for why)."""
-    import zenflow_kernels.optim as optim_module
+    import zenflow_kernels.link as link_module
     from zenflow_kernels.cpu_ops import split_cores
 
     made = []
 
-    class Recording(optim_module.HostWorker):
+    class Recording(link_module.HostWorker):
         def __init__(self, **kwargs):
             made.append(kwargs)
             super().__init__(**kwargs)
 
-    monkeypatch.setattr(optim_module, "HostWorker", Recording)
+    monkeypatch.setattr(link_module, "HostWorker", Recording)
     train, host = split_cores(perc)
     threads_before = torch.get_num_threads()
     params = make_params()
@@ -490,8 +570,8 @@ def test_host_worker_threads_leave_the_training_threads_alone(monkeypatch, perc)
     assert torch.get_num_threads() == threads_before
 
 
-def test_dead_worker_is_detected_not_waited_on_forever():
-    zp = make_params()
+def test_dead_worker_is_detected_not_waited_on_forever(device):
+    zp = make_params(device=device)
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True)
     opt = ZenFlowAdamW(zp, **HYPER, zenflow=zenflow)
     grads = grad_sequence(8)
@@ -509,8 +589,8 @@ def test_dead_worker_is_detected_not_waited_on_forever():
     assert not zenflow_threads()
 
 
-def test_stuck_worker_times_out():
-    zp = make_params()
+def test_stuck_worker_times_out(device):
+    zp = make_params(device=device)
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=1, overlap_step=True)
     opt = ZenFlowAdamW(zp, **HYPER, zenflow=zenflow, host_timeout=0.5)
     release = threading.Event()
@@ -527,6 +607,30 @@ def test_stuck_worker_times_out():
         drive(opt, zp, grad_sequence(3))
     release.set()
     opt.close()
+
+
+def test_accumulation_failure_surfaces_within_seconds(device, monkeypatch):
+    """On an asynchronous link the accumulation runs in a worker: its failure reaches the training
+    thread at the next wait on it (the staging slot, the host update), with its traceback."""
+    from zenflow_kernels.host import HostShard
+
+    zp = make_params(device=device)
+    zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True)
+    opt = ZenFlowAdamW(zp, **HYPER, zenflow=zenflow)
+    drive(opt, zp, grad_sequence(1))
+
+    def broken_accumulate(*args, **kwargs):
+        raise RuntimeError("injected accumulation failure")
+
+    monkeypatch.setattr(HostShard, "accumulate", broken_accumulate)
+    t0 = time.perf_counter()
+    with pytest.raises((HostWorkerError, RuntimeError), match="injected accumulation failure") as info:
+        drive(opt, zp, grad_sequence(6))
+    assert time.perf_counter() - t0 < 10
+    assert "broken_accumulate" in str(info.value) or info.type is RuntimeError  # the traceback travels
+    monkeypatch.undo()
+    opt.close()
+    assert not zenflow_threads()
 
 
 def test_no_thread_outlives_the_optimizer():

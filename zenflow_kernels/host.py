@@ -51,9 +51,8 @@ class Slot:
         return len(self.shape) == 2
 
 
-def _empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    t = torch.zeros(numel, dtype=dtype)
-    return t.pin_memory() if pin else t
+def _zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype)
 
 
 class HostShard:
@@ -63,10 +62,21 @@ class HostShard:
         params: the parameters, in the optimizer's order.
         groups: ``groups[i]`` is the param-group index of ``params[i]``.
         num_acc: 1, or 2 for double-buffered accumulation (overlap).
-        pin: allocate pinned memory (when CUDA is present).
+        alloc: ``alloc(numel, dtype)`` returns a zeroed flat host tensor (the link's: pinned memory
+            when the parameters are on a GPU).
+
+    The shard holds data only. Which parameters were accumulated how often in an interval is the
+    training thread's bookkeeping, handed to :meth:`update` as ``counts``.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], groups: Sequence[int], *, num_acc: int, pin: bool):
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        groups: Sequence[int],
+        *,
+        num_acc: int,
+        alloc: Callable[[int, torch.dtype], torch.Tensor] = _zeros,
+    ):
         order = sorted(range(len(params)), key=lambda i: (groups[i], params[i].dim() != 2, i))
         slots: dict[int, Slot] = {}
         offset = 0
@@ -77,13 +87,12 @@ class HostShard:
         self.numel = offset
         self.slots = slots  # by parameter index
         self.order = [slots[i] for i in order]  # by flat offset
-        self.master = _empty(offset, torch.float32, pin)
-        self.exp_avg = _empty(offset, torch.float32, pin)
-        self.exp_avg_sq = _empty(offset, torch.float32, pin)
-        self.acc = [_empty(offset, torch.float32, pin) for _ in range(num_acc)]
-        self.out = {dt: _empty(offset, dt, pin) for dt in {p.dtype for p in params}}
-        self.host_step = [0] * len(params)
-        self.acc_count = [[0] * len(params) for _ in range(num_acc)]
+        self.master = alloc(offset, torch.float32)
+        self.exp_avg = alloc(offset, torch.float32)
+        self.exp_avg_sq = alloc(offset, torch.float32)
+        self.acc = [alloc(offset, torch.float32) for _ in range(num_acc)]
+        self.out = {dt: alloc(offset, dt) for dt in {p.dtype for p in params}}
+        self.host_step = [0] * len(params)  # owned like the master: by the host update in flight
         with torch.no_grad():
             for i, p in enumerate(params):
                 self.view(self.master, i).copy_(p.detach())
@@ -99,24 +108,26 @@ class HostShard:
     def accumulate(self, buf: int, index: int, grad: torch.Tensor, num_threads: int | None = None) -> None:
         """acc[buf] of parameter ``index`` += grad (a CPU tensor of any float dtype)."""
         cpu_ops.accumulate_(self.view(self.acc[buf], index).view(-1), grad.reshape(-1), num_threads=num_threads)
-        self.acc_count[buf][index] += 1
 
     def update(
         self,
         buf: int,
-        indices: Sequence[int],
+        counts: dict[int, int],
         hyper: Sequence[dict],
         max_grad_norm: float | None,
         wait_before_write: Any = None,
         last: dict[int, torch.Tensor] | None = None,
     ) -> dict:
-        """AdamW on the host master of the parameters ``indices`` with the mean of acc[buf].
+        """AdamW on the host master of the parameters in ``counts`` with the mean of acc[buf].
 
-        Clips by the global norm of those mean gradients when ``max_grad_norm`` is set, writes the
-        updated weights into the copy-out buffers, zeroes the accumulation and returns timings.
-        ``hyper[g]`` holds lr, beta1, beta2, eps, weight_decay of param group g (captured when the
-        update was requested). ``wait_before_write`` (an object with ``synchronize()``, e.g. a CUDA
-        event) guards the copy-out buffers while a previous write-back copy may still read them.
+        ``counts[i]`` is the number of gradients parameter ``i`` received in this interval, the one in
+        ``last`` included (the training thread's count, taken when it requested the update; parameters
+        with a count of 0 are skipped). Clips by the global norm of those mean gradients when
+        ``max_grad_norm`` is set, writes the updated weights into the copy-out buffers, zeroes the
+        accumulation and returns timings. ``hyper[g]`` holds lr, beta1, beta2, eps, weight_decay of
+        param group g (captured when the update was requested). ``wait_before_write`` (a completion
+        with ``wait()``: the last write-back's) guards the copy-out buffers while a previous write-back
+        copy may still read them.
 
         ``last`` maps parameters to the interval's last gradient (CPU tensors) not yet accumulated.
         Without clipping it is added in the same pass as the step, which also zeroes the buffer
@@ -124,13 +135,13 @@ class HostShard:
         sum first, it is accumulated beforehand.
         """
         t0 = time.perf_counter()
-        acc, counts = self.acc[buf], self.acc_count[buf]
+        acc = self.acc[buf]
         last = dict(last or {})
         if last and max_grad_norm is not None:
             for i, grad in last.items():
                 self.accumulate(buf, i, grad)
             last = {}
-        todo = [i for i in indices if counts[i] > 0 or i in last]
+        todo = [i for i, n in counts.items() if n > 0]
         todo_set = set(todo)
         coef = 1.0
         if max_grad_norm is not None:
@@ -139,12 +150,10 @@ class HostShard:
                 total += cpu_ops.sum_squares(self.view(acc, i)) / counts[i] ** 2
             coef = min(1.0, max_grad_norm / (math.sqrt(total) + 1e-6))
         if wait_before_write is not None:
-            wait_before_write.synchronize()
+            wait_before_write.wait()
         for i, grad in last.items():  # fused: acc + last gradient, step, copy-out, acc = 0
             s = self.slots[i]
-            h = hyper[s.group]
             self.host_step[i] += 1
-            counts[i] += 1
             cpu_ops.accumulate_adam_(
                 self.view(self.master, i).view(-1),
                 self.view(acc, i).view(-1),
@@ -155,7 +164,7 @@ class HostShard:
                 grad_scale=counts[i],
                 out=self.out_view(i).view(-1),
                 zero_acc=True,
-                **h,
+                **hyper[s.group],
             )
         runs: list[list[Slot]] = []
         prev = None  # the previous slot in flat order, if it is in the current run
@@ -186,8 +195,6 @@ class HostShard:
             )
             for s in run:
                 self.host_step[s.index] = step
-        for i in todo:
-            counts[i] = 0
         return {"seconds": time.perf_counter() - t0, "params": len(todo), "runs": len(runs), "fused": len(last)}
 
 

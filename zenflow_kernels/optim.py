@@ -10,9 +10,11 @@ interval stale, never more). The training thread waits for the host only at that
 re-selection (the in-flight update is drained before columns change hands) and when saving; every
 wait is timed (``stats()["stall_s"]``).
 
-On a CUDA device, gradients go to pinned host memory on a copy stream and are accumulated by a
-second worker thread, and write-backs are copied on another stream; on a CPU-only run the same code
-path runs with plain copies.
+This module is the algorithm. Moving gradients to the host, weights back, and the fast-path state
+with ``offload`` is the link's (``link.py``: CUDA streams and pinned staging, plain CPU copies, or the
+asynchronous CPU test link); this module holds no stream, event or pinned buffer. The bookkeeping the
+algorithm decides with (what was accumulated in this interval, how often, what is pending) lives
+here, on the training thread.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 
 from . import cpu_ops, ops
 from .config import ZenFlowConfig, check_adamw_hyperparameters
-from .host import HostShard, HostWorker, HostWorkerError
+from .host import HostWorkerError
+from .link import RingLink, current_chaos, make_link
 from .schedule import Schedule, resolve_schedule
 
 __all__ = ["ZenFlowAdamW", "HostWorkerError"]
@@ -84,7 +87,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.selections = 0
         self.steps_accumulated = 0
         self._closed = False
-        self._workers: list[HostWorker] = []
+        self._chaos = current_chaos()  # testing.chaos: a CPU run uses the asynchronous test link
         self._inflight = None  # the overlapped host update still running (or done, not yet waited)
         self._pending: list[int] = []  # parameters whose host result awaits its write-back
         self._stats = _Telemetry()
@@ -118,49 +121,59 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise ValueError("ZenFlowAdamW: a parameter appears more than once")
 
     def _build(self) -> None:
-        """Lay out the host shard and start the workers (at the first step, like torch's lazy state)."""
+        """Lay out the host shard, pick the link and start the workers (at the first step, like torch's
+        lazy state)."""
         self.device = self._params[0].device if self._params else torch.device("cpu")
-        self._cuda = self.device.type == "cuda"
-        # offload: the fast path's Adam state lives in pinned host memory and visits the device bucket
-        # by bucket around the fast step (on a CPU-only run host memory is the device: nothing moves)
-        self._offload = self.config.offload and self._cuda
         overlap = self.config.overlap_step
-        self._host = HostShard(self._params, self._group_of, num_acc=2 if overlap else 1, pin=self._cuda)
-        self._acc_buf = 0
         train_cores, host_cores = cpu_ops.split_cores(self.config.pt_reserved_cores_perc)
-        self._host_cores = host_cores
         # host kernels the training thread itself launches stay on the training side of the split
         self._train_threads = min(len(train_cores), numba.config.NUMBA_NUM_THREADS) if overlap else None
         self._saved_torch_threads = None
         host_threads = len(host_cores)
-        if overlap and not self._cuda and set(train_cores) & set(host_cores):
+        if overlap and self.device.type == "cpu" and set(train_cores) & set(host_cores):
             # CPU-only, cores shared with training: the worker takes only what torch leaves free. A numba
             # team started from a second thread joins torch's OpenMP runtime (numba binds to the libgomp
             # torch loaded); once its threads and torch's exceed the cores, libgomp stops idle threads
             # from spinning and every parallel op of the training thread pays a wake-up (measured on 2
             # cores: forward + backward 20-40% slower). One thread starts no team.
             host_threads = max(1, len(set(train_cores) | set(host_cores)) - torch.get_num_threads())
-        if overlap:
-            self._updater = HostWorker(num_threads=host_threads, cores=host_cores, timeout=self.host_timeout)
-            self._workers.append(self._updater)
-            if set(train_cores) != set(host_cores):
-                self._saved_torch_threads = torch.get_num_threads()
-                torch.set_num_threads(max(1, len(train_cores)))
-        if self._cuda:
-            self._accumulator = HostWorker(
-                num_threads=len(host_cores), cores=host_cores, timeout=self.host_timeout, name="zenflow-accumulate"
-            )
-            self._workers.append(self._accumulator)
-            self._d2h_stream = torch.cuda.Stream(self.device)
-            self._h2d_stream = torch.cuda.Stream(self.device)
-            self._staging = [None, None]  # pinned gradient staging, ring of two
-            self._staging_jobs = [None, None]
-            self._staging_slot = 0
-            self._last_accumulate = None
-            self._writeback_event = None
+        if overlap and set(train_cores) != set(host_cores):
+            self._saved_torch_threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, len(train_cores)))
+        self._link = make_link(
+            self._params,
+            self._group_of,
+            self.device,
+            overlap=overlap,
+            host_threads=host_threads,
+            train_threads=self._train_threads,
+            cores=host_cores,
+            timeout=self.host_timeout,
+            chaos=self._chaos,
+        )
+        self._host = self._link.host
+        # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket
+        # around the fast step (on a CPU link host memory is the device: nothing moves)
+        self._offload = self.config.offload and self._link.moves_state
+        self._acc_buf = 0
+        # the training thread's ledger: gradients counted into each accumulation buffer this interval
+        self._counts = [[0] * len(self._params) for _ in self._host.acc]
+        # an asynchronous link starts each gradient's copy as soon as backward produces it
+        hooks = []
+        if isinstance(self._link, RingLink):
+            ref = weakref.ref(self)
+            hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
         # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
-        self._finalizer = weakref.finalize(self, _shutdown, list(self._workers), self._saved_torch_threads)
+        self._finalizer = weakref.finalize(self, _shutdown, self._link, self._saved_torch_threads, hooks)
         self._built = True
+
+    def _grad_ready(self, i: int, p: torch.Tensor) -> None:
+        """Backward finished parameter ``i``'s gradient: start its copy to the host if the host path will
+        need it at the coming step (every parameter in warm-up, matrices after). step() re-copies it if
+        it changes before then (another micro-batch, clipping, unscaling)."""
+        if self._closed or (p.dim() != 2 and not self.schedule.is_warmup(self.t)):
+            return
+        self._link.stage(i, p.grad)
 
     # -- the public surface ------------------------------------------------------------------------
 
@@ -175,7 +188,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._closed:
             return
         try:
-            if self._built and not any(w._failed for w in self._workers):
+            if self._built and not self._link.failed:
                 self.flush()
         finally:
             self._closed = True
@@ -191,6 +204,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._drain()
         self._write_back(self._pending)
         self._pending = []
+        self._link.join()
 
     def selected_columns(self, param: torch.Tensor) -> torch.Tensor | None:
         """The columns of a matrix parameter currently on the fast path (int64, sorted ascending, on the
@@ -226,8 +240,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 loss = closure()
         if not self._built:
             self._build()
-        for w in self._workers:
-            w.check()
+        self._link.check()
         active = [i for i, p in enumerate(self._params) if p.grad is not None]
         for i in active:
             g = self._params[i].grad
@@ -239,6 +252,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         norm = self._grad_norm(active)
         if not math.isfinite(norm):
             self.skipped_steps += 1
+            self._link.discard()
             return loss
         coef = None if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
         t0 = time.perf_counter()
@@ -248,6 +262,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._warmup_step(active)
         else:
             self._zenflow_step(self.t, active, coef)
+        self._link.join()  # the write-backs of this step are visible to whatever runs next
         self._stats.last_step_end = time.perf_counter()
         self._stats.step_seconds.append(self._stats.last_step_end - t0)
         self.t += 1
@@ -278,24 +293,41 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     the accumulation buffer) when it has at least this many elements; below, one merged AdamW call per
     run of parameters costs less than a fused call per parameter."""
 
-    def _accumulate_or_defer(self, indices: list[int]) -> dict[int, torch.Tensor]:
-        """Accumulate this step's gradients, except those a synchronous CPU update will fuse into its
-        AdamW pass: returned as ``{index: grad}`` for ``HostShard.update(last=...)``."""
-        last = {}
-        if not self._cuda and self.max_grad_norm is None:
-            last = {i: self._params[i].grad for i in indices if self._params[i].numel() >= self.FUSE_MIN_NUMEL}
-        self._accumulate_all([i for i in indices if i not in last])
+    def _accumulate(self, indices: list[int], *, fuse: bool = False) -> dict[int, torch.Tensor]:
+        """Add these parameters' gradients into the current accumulation buffer (through the link) and
+        count them. With ``fuse`` (a synchronous update follows at once) a CPU link may hand large
+        gradients back un-accumulated, ``{index: grad}``, for ``HostShard.update(last=...)``."""
+        buf = self._acc_buf
+        fuse_min = self.FUSE_MIN_NUMEL if fuse and self.max_grad_norm is None else None
+        last = self._link.accumulate([(i, self._params[i].grad) for i in indices], buf, fuse_min_numel=fuse_min)
+        counts = self._counts[buf]
+        for i in indices:
+            counts[i] += 1
         return last
+
+    def _take_counts(self, indices) -> dict[int, int]:
+        """This interval's counts of these parameters (those with any), reset for the next use of the buffer."""
+        counts = self._counts[self._acc_buf]
+        taken = {i: counts[i] for i in indices if counts[i]}
+        for i in taken:
+            counts[i] = 0
+        return taken
+
+    def _sync_host_update(self, counts: dict[int, int], last: dict[int, torch.Tensor]) -> None:
+        """A host update on the training thread, once every accumulation issued has landed."""
+        accumulated = self._link.accumulation()
+        if accumulated is not None:
+            self._link.wait(accumulated)
+        result = self._host.update(
+            self._acc_buf, counts, self._hyper(), self.max_grad_norm, self._link.copy_out_guard(), last=last
+        )
+        self._stats.host_seconds.append(result["seconds"])
+        self._stats.sync_host_seconds += result["seconds"]  # synchronous: the training thread waited
 
     def _warmup_step(self, active: list[int]) -> None:
         """ZeRO-Offload: every parameter gets a synchronous host AdamW step, then all of it is copied back."""
-        last = self._accumulate_or_defer(active)
-        self._wait_accumulation()
-        result = self._host.update(
-            self._acc_buf, active, self._hyper(), self.max_grad_norm, self._writeback_guard(), last=last
-        )
-        self._stats.host_seconds.append(result["seconds"])
-        self._stats.stall_seconds += result["seconds"]
+        last = self._accumulate(active, fuse=True)
+        self._sync_host_update(self._take_counts(active), last)
         self._write_back(active, whole=True)
         self.host_updates += 1
 
@@ -322,9 +354,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         trigger = self._auto_vote(matrices) if self.schedule.is_auto else False
         boundary = self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger)
         if boundary and not self.config.overlap_step:
-            self._host_update(last=self._accumulate_or_defer(matrices))
+            self._host_update(last=self._accumulate(matrices, fuse=True))
             return
-        self._accumulate_all(matrices)
+        self._accumulate(matrices)
         if boundary:
             self._host_update()
 
@@ -334,11 +366,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     """With ``offload``, the fast-path state moves to the device in buckets of at most this many elements."""
 
     def _to_state(self, t: torch.Tensor) -> torch.Tensor:
-        """Where fast-path Adam state is kept: the device, or pinned host memory with ``offload``."""
-        if not self._offload:
-            return t.to(self.device)
-        t = t.to("cpu")
-        return t.pin_memory() if torch.cuda.is_available() else t
+        """Where fast-path Adam state is kept: the device, or host memory (the link's) with ``offload``."""
+        return self._link.new_host_state(t) if self._offload else t.to(self.device)
 
     def _init_vector(self, i: int) -> None:
         """A vector joins the fast path with the Adam state the host gave it during warm-up."""
@@ -435,7 +464,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 state = [[xs[j] for j in bucket] for xs in (ms, vs, masters)]
                 if self._offload:  # stream this bucket's state in; it goes back out after the update
                     host_state = state
-                    state = [[None if t is None else t.to(self.device, non_blocking=True) for t in xs] for xs in state]
+                    state = [[None if t is None else self._link.to_device(t) for t in xs] for xs in state]
                 ops.multi_selective_adamw_(
                     [params[j] for j in bucket],
                     [grads[j] for j in bucket],
@@ -456,7 +485,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     for dst_list, src_list in zip(host_state, state, strict=True):
                         for dst, src in zip(dst_list, src_list, strict=True):
                             if dst is not None:
-                                dst.copy_(src, non_blocking=True)
+                                self._link.to_host_(dst, src)
 
     def _buckets(self, chosen: list[int], ms: list[torch.Tensor]) -> list[list[int]]:
         """All at once, or (offload) buckets of at most OFFLOAD_BUCKET_NUMEL state elements."""
@@ -506,110 +535,44 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # -- host path ---------------------------------------------------------------------------------
 
-    def _accumulate_all(self, indices: list[int]) -> None:
-        """Add these parameters' gradients into the host accumulation buffer of the current interval."""
-        host, buf = self._host, self._acc_buf
-        if not self._cuda:  # the training thread does the host's work itself: it counts as stall
-            t0 = time.perf_counter()
-            for i in indices:
-                host.accumulate(buf, i, self._params[i].grad, num_threads=self._train_threads)
-            seconds = time.perf_counter() - t0
-            self._stats.accumulate_seconds += seconds
-            self._stats.stall_seconds += seconds
-            return
-        # CUDA: the step's gradients go to a pinned staging area (a ring of two steps, laid out like the
-        # host shard) on the D2H stream; the accumulate worker adds them once the copy event fires.
-        slot = self._staging_slot
-        if self._staging_jobs[slot] is not None:
-            self._timed_wait(self._accumulator, self._staging_jobs[slot])
-        if self._staging[slot] is None:
-            self._staging[slot] = {dt: torch.empty(host.numel, dtype=dt).pin_memory() for dt in host.out}
-        staging = self._staging[slot]
-        stream = self._d2h_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        views = []
-        with torch.cuda.stream(stream):
-            for i in indices:
-                g = self._params[i].grad
-                view = host.view(staging.setdefault(g.dtype, torch.empty(host.numel, dtype=g.dtype).pin_memory()), i)
-                view.copy_(g, non_blocking=True)
-                g.record_stream(stream)  # the allocator keeps g alive until the copy is done
-                views.append((i, view))
-            event = torch.cuda.Event()
-            event.record(stream)
-
-        def job():
-            event.synchronize()
-            for i, view in views:
-                host.accumulate(buf, i, view)
-
-        self._staging_jobs[slot] = self._last_accumulate = self._accumulator.submit(job)
-        self._staging_slot ^= 1
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if not set_to_none and getattr(self, "_cuda", False):
-            # gradients zeroed in place must not be touched before their D2H copy has been read
-            torch.cuda.current_stream(self.device).wait_stream(self._d2h_stream)
+        if not set_to_none and self._built:
+            self._link.before_grad_write()  # copies still reading the gradients finish first
         super().zero_grad(set_to_none=set_to_none)
-
-    def _wait_accumulation(self) -> None:
-        if self._cuda and self._last_accumulate is not None:
-            self._timed_wait(self._accumulator, self._last_accumulate)
 
     def _host_update(self, last: dict[int, torch.Tensor] | None = None) -> None:
         """An update boundary: run the host AdamW now (sync) or hand it to the worker (overlap).
         ``last``: gradients of this step not yet accumulated (synchronous CPU runs fuse them in)."""
-        last = last or {}
-        counts = self._host.acc_count[self._acc_buf]
-        matrices = [i for i, p in enumerate(self._params) if p.dim() == 2 and (counts[i] or i in last)]
+        counts = self._take_counts([i for i, p in enumerate(self._params) if p.dim() == 2])
         for p in self._params:
             st = self.state.get(p)
             if st and "auto_count" in st:
                 st.update(auto_selected=0.0, auto_unselected=0.0, auto_count=0)
-        hyper, buf = self._hyper(), self._acc_buf
         if not self.config.overlap_step:
-            self._wait_accumulation()
-            result = self._host.update(buf, matrices, hyper, self.max_grad_norm, self._writeback_guard(), last=last)
-            self._stats.host_seconds.append(result["seconds"])
-            self._stats.stall_seconds += result["seconds"]  # synchronous: the training thread waited
-            self._write_back(matrices)
+            self._sync_host_update(counts, last or {})
+            self._write_back(list(counts))
         else:
             self._drain()
             self._write_back(self._pending)  # the previous interval's result lands now
-            after = self._last_accumulate if self._cuda else None
-            guard = self._writeback_guard()
-            host, max_norm, accumulator = self._host, self.max_grad_norm, getattr(self, "_accumulator", None)
+            accumulated, guard = self._link.accumulation(), self._link.copy_out_guard()
+            hyper, buf, host, max_norm = self._hyper(), self._acc_buf, self._host, self.max_grad_norm
 
             def job():
-                if after is not None:
-                    accumulator.wait(after)
-                return host.update(buf, matrices, hyper, max_norm, wait_before_write=guard)
+                if accumulated is not None:
+                    accumulated.wait()
+                return host.update(buf, counts, hyper, max_norm, wait_before_write=guard)
 
-            self._inflight = self._updater.submit(job)
-            self._pending = matrices
+            self._inflight = self._link.submit_update(job)
+            self._pending = list(counts)
             self._acc_buf ^= 1  # the next interval accumulates into the other buffer
         self.host_updates += 1
         self.steps_accumulated = 0
-
-    def _writeback_guard(self):
-        """The event of the last write-back copy (CUDA), which a host update must wait for before it
-        overwrites the copy-out buffers; None on CPU, where copies are synchronous."""
-        return self._writeback_event if self._cuda else None
-
-    def _timed_wait(self, worker: HostWorker, job) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return worker.wait(job)
-        finally:
-            seconds = time.perf_counter() - t0
-            self._stats.stall_seconds += seconds
-            self._stats.worker_wait_seconds += seconds
 
     def _drain(self) -> None:
         """Wait for the in-flight host update, if any (the wait counts as stall)."""
         if self._inflight is not None:
             job, self._inflight = self._inflight, None
-            result = self._timed_wait(self._updater, job)
+            result = self._link.wait(job)
             self._stats.host_seconds.append(result["seconds"])
 
     @torch.no_grad()
@@ -618,25 +581,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         whole parameter (warm-up)."""
         if not indices:
             return
-        stream = self._h2d_stream if self._cuda else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
-            for i in indices:
-                p = self._params[i]
-                src = self._host.out_view(i)
-                st = self.state.get(p) or {}
-                sel = None if whole or p.dim() != 2 else st.get("selected")
-                if sel is None or sel.numel() == 0:
-                    p.copy_(src, non_blocking=True)
-                    continue
-                keep = p[:, sel]  # the fast path owns these columns: preserve what it wrote
-                p.copy_(src, non_blocking=True)
-                p[:, sel] = keep
-        if stream is not None:
-            self._writeback_event = torch.cuda.Event()
-            self._writeback_event.record(stream)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+        items = []
+        for i in indices:
+            p = self._params[i]
+            sel = None if whole or p.dim() != 2 else (self.state.get(p) or {}).get("selected")
+            items.append((p, self._host.out_view(i), sel))
+        self._link.write_back(items)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -656,9 +606,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         zenflow.update(config=self.config.to_dict(), schedule=self.schedule.to_dict(), max_grad_norm=self.max_grad_norm)
         if self._built:
             self._drain()
-            self._wait_accumulation()
-            if self._cuda:
-                torch.cuda.synchronize(self.device)  # offloaded state and write-backs are copied asynchronously
+            self._link.synchronize()  # accumulation, write-backs and offloaded state have all landed
             host = self._host
             for i, p in enumerate(self._params):
                 st = {
@@ -670,7 +618,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     host_exp_avg_sq=host.view(host.exp_avg_sq, i).clone(),
                     host_step=host.host_step[i],
                     acc=host.view(host.acc[self._acc_buf], i).clone(),
-                    acc_count=host.acc_count[self._acc_buf][i],
+                    acc_count=self._counts[self._acc_buf][i],
                     pending=i in self._pending,
                 )
                 state[i] = st
@@ -699,8 +647,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 )
         if self._built:  # start from a clean slate: land nothing, keep nothing
             self._drain()
+            self._stats.retire(self._link)
             self._finalizer()
-            self._workers, self._built, self._inflight = [], False, None
+            self._built, self._inflight = False, None
         self.config, self.schedule, self.max_grad_norm = config, schedule, zenflow["max_grad_norm"]
         for saved, g in zip(groups, self.param_groups, strict=True):
             g.update({k: v for k, v in saved.items() if k != "params"})
@@ -720,7 +669,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             host.view(host.exp_avg_sq, i).copy_(st["host_exp_avg_sq"])
             host.view(host.acc[self._acc_buf], i).copy_(st["acc"])
             host.host_step[i] = int(st["host_step"])
-            host.acc_count[self._acc_buf][i] = int(st["acc_count"])
+            self._counts[self._acc_buf][i] = int(st["acc_count"])
             if st["pending"]:
                 self._pending.append(i)
                 host.out_view(i).copy_(st["host_master"])  # what the finished update wrote
@@ -735,19 +684,24 @@ _FAST_STATE_KEYS = frozenset({"exp_avg", "exp_avg_sq", "master"})
 _HOST_KEYS = frozenset({"host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "acc", "acc_count", "pending"})
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
+def _grad_ready_hook(ref: weakref.ref, i: int):
+    def hook(p: torch.Tensor) -> None:
+        opt = ref()  # a weak reference: the hook must not keep the optimizer alive
+        if opt is not None:
+            opt._grad_ready(i, p)
 
-    def __exit__(self, *exc):
-        return False
+    return hook
 
 
-def _shutdown(workers: list[HostWorker], torch_threads: int | None) -> None:
-    for w in workers:
-        w.close()
+def _shutdown(link, torch_threads: int | None, hooks) -> None:
+    for handle in hooks:
+        handle.remove()
+    link.close()
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
+
+
+_LINK_COUNTERS = ("waited_s", "accumulate_s", "d2h_bytes", "h2d_bytes")
 
 
 class _Telemetry:
@@ -755,14 +709,18 @@ class _Telemetry:
         self.step_seconds: list[float] = []
         self.fast_seconds: list[float] = []
         self.host_seconds: list[float] = []
-        self.stall_seconds = 0.0
-        self.accumulate_seconds = 0.0
-        self.worker_wait_seconds = 0.0
+        self.sync_host_seconds = 0.0  # host updates run on the training thread
+        self.link_totals = dict.fromkeys(_LINK_COUNTERS, 0.0)  # of links replaced by load_state_dict
         self.first_step_start: float | None = None  # wall clock of the run: training, not only step()
         self.last_step_end: float | None = None
         self.selection_steps: list[int] = []
         self.jaccard: list[float] = []
         self.captured: list[float] = []
+
+    def retire(self, link) -> None:
+        """Keep a link's counters before it is replaced."""
+        for name in _LINK_COUNTERS:
+            self.link_totals[name] += getattr(link, name)
 
     def record_selection(self, t: int, jaccards: list[float], captured: float) -> None:
         self.selection_steps.append(t)
@@ -774,9 +732,14 @@ class _Telemetry:
             return sum(xs) / len(xs) if xs else 0.0
 
         wall = self.last_step_end - self.first_step_start if self.first_step_start is not None else 0.0
+        link = opt._link if opt._built else None
+        moved = {name: total + (getattr(link, name) if link else 0) for name, total in self.link_totals.items()}
+        waited, accumulated = moved["waited_s"], moved["accumulate_s"]
+        # stall: the training thread did host work itself or waited for it, instead of training
+        stall = self.sync_host_seconds + accumulated + waited
         host_total = sum(self.host_seconds)
         overlapped = opt.config.overlap_step
-        hidden = max(0.0, host_total - self.worker_wait_seconds) if overlapped else 0.0
+        hidden = max(0.0, host_total - waited) if overlapped else 0.0
         return {
             "steps": opt.t,
             "skipped_steps": opt.skipped_steps,
@@ -788,13 +751,20 @@ class _Telemetry:
             "fast_path_s": list(self.fast_seconds),
             "host_update_s_mean": mean(self.host_seconds),
             "host_update_s": list(self.host_seconds),
-            "stall_s": self.stall_seconds,
-            "accumulate_s": self.accumulate_seconds,
-            "worker_wait_s": self.worker_wait_seconds,
+            "stall_s": stall,
+            "accumulate_s": accumulated,
+            "worker_wait_s": waited,
             # of the wall time from the first step() to the end of the last: forward and backward included
-            "stall_fraction": self.stall_seconds / wall if wall > 0 else 0.0,
+            "stall_fraction": stall / wall if wall > 0 else 0.0,
             "overlap_fraction": hidden / host_total if host_total > 0 else 0.0,
             "score_mass_captured": list(self.captured),
             "selection_jaccard": list(self.jaccard),
             "selection_steps": list(self.selection_steps),
+            # what the link moved: gradients device -> host, weights host -> device (on a CPU link the
+            # same logical bytes, copied within host memory)
+            "link": link.kind if link is not None else None,
+            "d2h_bytes": int(moved["d2h_bytes"]),
+            "h2d_bytes": int(moved["h2d_bytes"]),
+            "d2h_bytes_per_step": moved["d2h_bytes"] / opt.t if opt.t else 0.0,
+            "h2d_bytes_per_step": moved["h2d_bytes"] / opt.t if opt.t else 0.0,
         }

@@ -1,0 +1,248 @@
+"""The link (device <-> host movement) and its asynchronous CPU test link (``testing.chaos``).
+
+The optimizer tests in test_optim.py run under every link; here: chaos is bit-identical to the
+synchronous link across the config space, staging memory is allocated once, backward hooks start
+copies that step() reuses only while the gradient is unchanged, the host shard's layout, and the
+chaos context's own contract.
+"""
+
+import copy
+import threading
+
+import pytest
+import torch
+from test_optim import HYPER, SHAPES, drive, grad_sequence, make_params, snapshot
+
+from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.host import ALIGN, HostShard
+from zenflow_kernels.link import Chaos, CpuLink, RingLink, _Delays, current_chaos
+from zenflow_kernels.ops import use_backend
+from zenflow_kernels.testing import chaos
+
+
+@pytest.fixture(autouse=True)
+def numba_backend():
+    with use_backend("numba"):
+        yield
+
+
+def zenflow_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("zenflow")]
+
+
+CONFIGS = {
+    "overlap": dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=3, overlap_step=True),
+    "sync-warmup": dict(topk_ratio=0.2, select_strategy="step", select_interval=6, update_interval=2,
+                        full_warm_up_rounds=3),
+    "auto-offload": dict(topk_ratio=0.25, select_strategy="step", select_interval=9, update_interval="auto",
+                         overlap_step=True, offload=True, max_update_interval=4, auto_ratio=0.5),
+    "every-step": dict(topk_ratio=0.3, select_strategy="step", select_interval=5, update_interval=1,
+                       overlap_step=True),
+    "topk0": dict(topk_ratio=0.0, select_strategy="step", select_interval=4, update_interval=2, overlap_step=True),
+}
+
+
+@pytest.mark.parametrize("clip", [None, 5.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_chaos_is_bit_identical_to_the_synchronous_link(name, dtype, clip):
+    """The asynchronous link with random delays must give the synchronous link's bits at every step,
+    with some gradients missing now and then (counts that differ between parameters)."""
+    grads = grad_sequence(26)
+    for t, step in enumerate(grads):
+        if t % 5 == 2:
+            step[2] = None  # a matrix without a gradient in some intervals
+        if t % 7 == 3:
+            step[3] = None  # a vector too
+    runs, links = [], []
+    for seed in (None, 0, 1, 2):
+        zp = make_params(dtype)
+        if seed is None:
+            opt = ZenFlowAdamW(zp, **HYPER, zenflow=CONFIGS[name], max_grad_norm=clip)
+        else:
+            with chaos(seed=seed):
+                opt = ZenFlowAdamW(zp, **HYPER, zenflow=CONFIGS[name], max_grad_norm=clip)
+        with opt:
+            history = drive(opt, zp, grads)
+            opt.flush()
+            history.append(snapshot(zp))
+            state = opt.state_dict()
+            links.append(opt.stats()["link"])
+        runs.append((history, state))
+    assert links == ["cpu", "cpu-async", "cpu-async", "cpu-async"]
+    (base, base_state), others = runs[0], runs[1:]
+    for seed, (history, state) in enumerate(others):
+        for t, (a, b) in enumerate(zip(base, history, strict=True)):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                assert torch.equal(x, y), f"seed {seed}: step {t} param {i} differs from the synchronous link"
+        for idx, st in base_state["state"].items():
+            for key, value in st.items():
+                other = state["state"][idx][key]
+                same = torch.equal(value, other) if torch.is_tensor(value) else value == other
+                assert same, f"seed {seed}: state {idx}.{key}"
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,), (torch.float32, torch.bfloat16)])
+def test_staging_is_allocated_once_per_slot_and_gradient_dtype(dtypes):
+    """A ring of two staging slots, one flat buffer per gradient dtype each, allocated at first use and
+    reused for the whole run (allocating them per step or per parameter would cost a whole-model
+    pinned allocation each time on a GPU)."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtypes[n % len(dtypes)]))
+              for n, s in enumerate(SHAPES)]
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2, overlap_step=True,
+                   full_warm_up_rounds=2)
+    with chaos(seed=0):
+        opt = ZenFlowAdamW(params, **HYPER, zenflow=zenflow)
+    with opt:
+        drive(opt, params, grad_sequence(12))
+        link = opt._link
+        assert isinstance(link, RingLink)
+        expected = sum(RingLink.RING * link.host.numel * torch.empty(0, dtype=dt).element_size() for dt in dtypes)
+        assert link.staging_bytes == expected
+        buffers = [id(b) for slot in link._slots for b in slot.values()]
+        drive(opt, params, grad_sequence(6))
+        assert [id(b) for slot in link._slots for b in slot.values()] == buffers
+        assert link.staging_bytes == expected
+
+
+def _train(model, opt, batches, micro, clip):
+    history = []
+    for batch in batches:
+        opt.zero_grad()
+        for x, y in batch[:micro]:  # gradient accumulation: several backward passes per step
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # changes the gradients in place
+        opt.step()
+        history.append(snapshot(model.parameters()))
+    return history
+
+
+@pytest.mark.parametrize("micro, clip", [(1, False), (2, False), (2, True)])
+def test_backward_hooks_start_copies_that_step_reuses_only_if_unchanged(monkeypatch, micro, clip):
+    """On an asynchronous link each gradient's copy starts from its post-accumulate-grad hook. A
+    gradient changed after its hook (another micro-batch accumulated into it, clipping) is copied again
+    by step(): results stay bit-identical to the synchronous link, and the copies are counted."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 6))
+    g = torch.Generator().manual_seed(1)
+    batches = [[(torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)) for _ in range(2)]
+               for _ in range(14)]
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2, overlap_step=True,
+                   full_warm_up_rounds=1)
+    calls = []
+    real_stage = RingLink._stage
+    monkeypatch.setattr(RingLink, "_stage", lambda self, items: calls.extend(items) or real_stage(self, items))
+    runs = []
+    for seed in (None, 3):
+        model = copy.deepcopy(base)
+        if seed is None:
+            opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow)
+        else:
+            with chaos(seed=seed):
+                opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow)
+        with opt:
+            runs.append(_train(model, opt, batches, micro, clip))
+    for t, (a, b) in enumerate(zip(*runs, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), f"step {t} param {i}"
+    # the first step builds the optimizer after its backward: step() copies all 4 tensors (warm-up).
+    # Then a hook copy per backward: all 4 tensors in warm-up, the 2 matrices after; clipping after the
+    # hooks makes step() copy each tensor it needs once more.
+    steps_after_warmup = len(batches) - 1
+    expected = 4 + micro * 2 * steps_after_warmup + (2 * steps_after_warmup if clip else 0)
+    assert len(calls) == expected
+
+
+def test_asynchronous_link_threads_stop_at_close():
+    zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True)
+    with chaos(seed=0):
+        opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow)
+    drive(opt, opt._params, grad_sequence(5))
+    names = sorted(t.name for t in zenflow_threads())
+    assert names == ["zenflow-accumulate", "zenflow-d2h", "zenflow-h2d", "zenflow-host"]
+    opt.close()
+    assert not zenflow_threads()
+
+
+def test_links_are_chosen_by_device_and_chaos():
+    zenflow = dict(select_strategy="step", select_interval=4, update_interval=2)
+    with ZenFlowAdamW(make_params(), zenflow=zenflow) as opt:
+        drive(opt, opt._params, grad_sequence(1))
+        assert isinstance(opt._link, CpuLink) and opt.stats()["link"] == "cpu"
+    with chaos(seed=1, max_delay=0):
+        assert current_chaos().seed == 1
+        opt = ZenFlowAdamW(make_params(), zenflow=zenflow)
+    assert current_chaos() is None
+    with opt:  # created inside the block: keeps the asynchronous link after it
+        drive(opt, opt._params, grad_sequence(1))
+        assert isinstance(opt._link, RingLink) and opt.stats()["link"] == "cpu-async"
+
+
+def test_bytes_moved_are_counted():
+    """Gradients of the matrices (and, in warm-up, of every parameter) go to the host at each step;
+    weights come back at each host update."""
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=3, overlap_step=False,
+                   full_warm_up_rounds=1)
+    sizes = [torch.Size(s).numel() * 4 for s in SHAPES]
+    matrices = sum(n for n, s in zip(sizes, SHAPES, strict=True) if len(s) == 2)
+    for seed in (None, 0):
+        if seed is None:
+            opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow)
+        else:
+            with chaos(seed=seed):
+                opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow)
+        with opt:
+            drive(opt, opt._params, grad_sequence(7))
+            s = opt.stats()
+        # step 0: warm-up, everything both ways; steps 1-6: matrices down, two host updates bring them back
+        assert s["d2h_bytes"] == sum(sizes) + 6 * matrices
+        assert s["h2d_bytes"] == sum(sizes) + 2 * matrices
+        assert s["d2h_bytes_per_step"] == pytest.approx(s["d2h_bytes"] / 7)
+
+
+def test_host_shard_layout_is_aligned_and_disjoint():
+    """Every parameter starts on a 64-byte boundary of each flat fp32 buffer; ranges never overlap;
+    within a group the matrices come first (one numba call per run of parameters)."""
+    shapes = [(3, 5), (7,), (1, 1), (13, 3), (2,), (17,), (5, 9)]
+    params = [torch.zeros(s) for s in shapes]
+    groups = [0, 0, 0, 1, 1, 0, 1]
+    host = HostShard(params, groups, num_acc=2)
+    spans = sorted((s.offset, s.offset + s.numel) for s in host.slots.values())
+    for (_, hi), (next_lo, _) in zip(spans, spans[1:], strict=False):
+        assert hi <= next_lo
+    assert spans[-1][1] <= host.numel
+    for i, slot in host.slots.items():
+        assert slot.offset % ALIGN == 0, (i, slot.offset)
+        for flat in (host.master, host.exp_avg, host.exp_avg_sq, *host.acc):
+            assert host.view(flat, i).data_ptr() % 64 == 0, (i, slot.offset)
+        assert host.view(host.master, i).shape == params[i].shape
+    order = [(s.group, len(s.shape) != 2) for s in host.order]
+    assert order == sorted(order)
+
+
+def test_chaos_delays_follow_the_seed():
+    def draws(seed):
+        delays = _Delays(Chaos(seed=seed, max_delay=0.01))
+        return [delays.draw() for _ in range(50)]
+
+    assert draws(4) == draws(4) and draws(4) != draws(5)
+    assert all(min(before, after) >= 0 and before + after <= 0.01 + 1e-12 for before, after in draws(4))
+    assert max(b + a for b, a in draws(4)) > 0.005  # the range is used, not only its bottom
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(seed=1.5), TypeError, "seed=1.5"),
+        (dict(seed=True), TypeError, "seed=True"),
+        (dict(max_delay=-1), ValueError, "max_delay=-1"),
+        (dict(max_delay=float("inf")), ValueError, "max_delay=inf"),
+        (dict(max_delay="1"), ValueError, "max_delay='1'"),
+    ],
+)
+def test_chaos_rejects_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match), chaos(**kwargs):
+        pass
+    assert current_chaos() is None

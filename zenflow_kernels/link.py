@@ -1,0 +1,580 @@
+"""Device <-> host movement for ZenFlowAdamW (DESIGN.md sections 4 and 6): one protocol, three links.
+
+The optimizer decides *what* moves and *when* (the algorithm); a link moves it and hands back
+completions. Every asynchronous operation returns or records a handle, and nothing is read before
+its handle was waited on. The training thread keeps all bookkeeping (what was accumulated in which
+interval, counts, what is pending); a link never changes anything the optimizer decides with.
+
+One interval on a GPU (``overlap_step=True``), time running right::
+
+    training thread   backward -(hooks)-> stage(g_i) ... step: fast step | accumulate() | boundary: wait U(n-1),
+                                                                             write_back(), update U(n)
+    D2H stream          g_i -> staging[s] (own dtype) ... marker --+
+    accumulate worker                                 wait marker; acc[b] += staging[s]  (then slot s is free)
+    update worker                                        wait last accumulate of b; AdamW(acc[b]); wait guard;
+                                                         write out; acc[b] = 0
+    H2D stream                                       out -> non-selected columns -> event (= the guard);
+                                                     the device's later work waits for it
+
+Buffers and their owners (who writes, who reads, which wait hands them over):
+
+* staging slot ``s`` (a ring of two, one flat buffer per gradient dtype, allocated once): written by
+  the D2H copies of one step, read by that step's accumulate job; the training thread writes slot
+  ``s`` again only after waiting for that job (``_claim``).
+* ``acc[b]``: written by the accumulate jobs of the intervals that use ``b`` (in order, one worker),
+  read and zeroed by that interval's host update, which first waits for the last of those jobs; the
+  training thread reads it only after draining (checkpoints).
+* copy-out buffers ``out``: written by a host update only after the previous write-back's handle
+  (the copy-out guard) completed, read by the write-back copies.
+* master and moments: owned by the host update in flight; the training thread touches them only
+  after waiting for it (drain).
+
+Links:
+
+* :class:`CpuLink` (CPU parameters): plain synchronous copies; the training thread accumulates
+  itself (and may fold the interval's last gradient into a synchronous update).
+* :class:`RingLink` over a :class:`CudaEngine`: pinned staging, D2H/H2D streams, events.
+* :class:`RingLink` over a :class:`ThreadEngine`: the same protocol on CPU, each stream a thread
+  running its copies in order, each event a future, with optional seeded random delays before and
+  after every asynchronous piece of work (:func:`zenflow_kernels.testing.chaos`). An ordering bug
+  that a GPU would expose (a read before a copy finished, a count read before a worker ran, a slot
+  reused while a copy still reads it) then gives a wrong number on CPU, where the oracle sees it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .host import HostShard, HostWorker
+
+__all__ = ["Chaos", "CpuLink", "CudaEngine", "RingLink", "ThreadEngine", "make_link"]
+
+
+# -- completions -------------------------------------------------------------------------------------
+
+
+class Done:
+    """A completion that has already happened (synchronous work)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any = None):
+        self.result = result
+
+    def wait(self) -> Any:
+        return self.result
+
+
+class Future:
+    """A job on a :class:`HostWorker`; ``wait()`` is bounded by the worker's timeout and re-raises the
+    job's failure with its traceback. Safe to wait on from any thread, any number of times."""
+
+    __slots__ = ("worker", "job")
+
+    def __init__(self, worker: HostWorker, job):
+        self.worker, self.job = worker, job
+
+    def wait(self) -> Any:
+        return self.worker.wait(self.job)
+
+
+class Event:
+    """A CUDA event recorded on a copy stream."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+# -- chaos: seeded delays ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chaos:
+    """Seeded random delays for the asynchronous CPU link (see :func:`zenflow_kernels.testing.chaos`)."""
+
+    seed: int = 0
+    max_delay: float = 0.005
+
+
+_CHAOS: contextvars.ContextVar[Chaos | None] = contextvars.ContextVar("zenflow_kernels_chaos", default=None)
+
+
+def current_chaos() -> Chaos | None:
+    """The chaos settings in force here (``testing.chaos``), or None."""
+    return _CHAOS.get()
+
+
+class _Delays:
+    """Draws (before, after) sleeps for each asynchronous job, on the submitting thread, so one seed
+    gives one sequence of delays whatever the threads then do."""
+
+    def __init__(self, chaos: Chaos):
+        self._rng = random.Random(chaos.seed)
+        self._max = chaos.max_delay
+
+    def draw(self) -> tuple[float, float]:
+        """Seconds to sleep before a job's work and after it, together at most ``max_delay``. Half the
+        jobs run at once: a reader that lags while its writer races ahead is what uncovers a missing
+        wait, and uniform delays on every thread would mostly cancel out."""
+        if self._rng.random() < 0.5:
+            return 0.0, 0.0
+        total = self._rng.uniform(0.0, self._max)
+        before = total * self._rng.random()
+        return before, total - before
+
+    def wrap(self, fn: Callable) -> Callable:
+        before, after = self.draw()
+
+        def delayed(*args):
+            time.sleep(before)  # the work starts late: a writer that did not wait for its reader loses
+            result = fn(*args)
+            time.sleep(after)  # and completes late: a reader that did not wait reads stale data
+            return result
+
+        return delayed
+
+
+# -- engines: where copies run ---------------------------------------------------------------------------
+
+
+class CudaEngine:
+    """Pinned host memory, a D2H and an H2D stream on ``device``, events as completions."""
+
+    moves_state = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._d2h = torch.cuda.Stream(device)
+        self._h2d = torch.cuda.Stream(device)
+
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype).pin_memory()
+
+    def _current(self):
+        return torch.cuda.current_stream(self.device)
+
+    def d2h(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Enqueue ``dst.copy_(src)`` for each pair after the device work issued so far."""
+        self._d2h.wait_stream(self._current())
+        with torch.cuda.stream(self._d2h):
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(self._d2h)  # the allocator keeps src alive until the copy ran
+
+    def d2h_marker(self) -> Event:
+        """A completion for every D2H copy enqueued so far."""
+        event = torch.cuda.Event()
+        event.record(self._d2h)
+        return Event(event)
+
+    def h2d(self, work: Callable[[], None]) -> Event:
+        """Run ``work`` (copies into device tensors) on the H2D stream after the device work issued so
+        far; later device work waits for it (stream order, no host wait)."""
+        self._h2d.wait_stream(self._current())
+        with torch.cuda.stream(self._h2d):
+            work()
+            event = torch.cuda.Event()
+            event.record(self._h2d)
+        self._current().wait_stream(self._h2d)
+        return Event(event)
+
+    def device_waits_for_d2h(self) -> None:
+        self._current().wait_stream(self._d2h)
+
+    def join(self) -> None:
+        """The training thread may touch device tensors (nothing to do: the device waits in order)."""
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
+
+    def to_host_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)  # on the current stream: ordered before the next fetch
+
+    def new_host_state(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to("cpu").pin_memory()
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadEngine:
+    """The CUDA engine's protocol on CPU: each stream is a thread running its jobs in order, an event
+    is a future, and "later device work waits for the H2D copy" becomes a wait the training thread
+    does before it next touches the parameters (:meth:`join`)."""
+
+    moves_state = True
+
+    def __init__(self, *, timeout: float | None, delays: _Delays | None):
+        self._delays = delays
+        self._d2h = HostWorker(timeout=timeout, name="zenflow-d2h")
+        self._h2d = HostWorker(timeout=timeout, name="zenflow-h2d")
+        self.workers = [self._d2h, self._h2d]
+        self._device_waits: list[Future] = []  # H2D copies the parameters' next reader must wait for
+        self._last_d2h: Future | None = None
+
+    def _submit(self, worker: HostWorker, fn: Callable) -> Future:
+        if self._delays is not None:
+            fn = self._delays.wrap(fn)
+        return Future(worker, worker.submit(fn))
+
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype)
+
+    def d2h(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        pairs = list(copies)  # holds src alive until the copy ran (the allocator's record_stream)
+
+        def copy():
+            for dst, src in pairs:
+                dst.copy_(src)
+
+        self._last_d2h = self._submit(self._d2h, copy)
+
+    def d2h_marker(self) -> Future:
+        self._last_d2h = self._submit(self._d2h, _nothing)
+        return self._last_d2h
+
+    def h2d(self, work: Callable[[], None]) -> Future:
+        def run():
+            with torch.no_grad():  # grad mode is per thread: the work writes into parameters
+                work()
+
+        handle = self._submit(self._h2d, run)
+        self._device_waits.append(handle)
+        return handle
+
+    def device_waits_for_d2h(self) -> None:
+        if self._last_d2h is not None:
+            self._last_d2h.wait()
+
+    def join(self) -> None:
+        waits, self._device_waits = self._device_waits, []
+        for handle in waits:
+            handle.wait()
+
+    def synchronize(self) -> None:
+        self.join()
+        self.device_waits_for_d2h()
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()  # a real copy: state not copied back would be lost, as on a GPU
+
+    def to_host_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def new_host_state(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to("cpu", copy=True)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+
+def _nothing() -> None:
+    return None
+
+
+# -- links -----------------------------------------------------------------------------------------------
+
+
+class _Link:
+    """What both links share: the host shard, the update worker (overlap), timed waits, counters."""
+
+    kind = ""
+    moves_state = False
+
+    def __init__(self, host: HostShard, *, overlap: bool, host_threads: int, cores, timeout: float | None):
+        self.host = host
+        self.workers: list[HostWorker] = []
+        self._updater = None
+        if overlap:
+            self._updater = HostWorker(num_threads=host_threads, cores=cores, timeout=timeout)
+            self.workers.append(self._updater)
+        self.waited_s = 0.0  # the training thread blocked on asynchronous work
+        self.accumulate_s = 0.0  # the training thread accumulated gradients itself
+        self.d2h_bytes = 0  # bytes moved device -> host (gradients) and host -> device (weights)
+        self.h2d_bytes = 0
+
+    def wait(self, handle) -> Any:
+        """Wait for a completion on the training thread; the time counts as stall."""
+        t0 = time.perf_counter()
+        try:
+            return handle.wait()
+        finally:
+            self.waited_s += time.perf_counter() - t0
+
+    def submit_update(self, fn: Callable) -> Future:
+        """Run a host update in the background (``overlap_step``); returns its completion."""
+        return Future(self._updater, self._updater.submit(fn))
+
+    @property
+    def failed(self) -> bool:
+        return any(w._failed is not None for w in self.workers)
+
+    def check(self) -> None:
+        """Re-raise a background failure seen earlier (a failed link stays failed)."""
+        for w in self.workers:
+            w.check()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+    @staticmethod
+    def _write_back_work(items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> Callable:
+        def work():
+            for p, src, keep_columns in items:
+                if keep_columns is None or keep_columns.numel() == 0:
+                    p.copy_(src, non_blocking=True)
+                    continue
+                keep = p[:, keep_columns]  # the fast path owns these columns: preserve what it wrote
+                p.copy_(src, non_blocking=True)
+                p[:, keep_columns] = keep
+
+        return work
+
+    def _count_write_back(self, items) -> None:
+        self.h2d_bytes += sum(src.numel() * src.element_size() for _, src, _ in items)
+
+
+class CpuLink(_Link):
+    """Parameters on CPU: plain copies on the training thread, which also accumulates."""
+
+    kind = "cpu"
+
+    def __init__(self, host: HostShard, *, train_threads: int | None, **kwargs):
+        super().__init__(host, **kwargs)
+        self._train_threads = train_threads
+
+    def stage(self, i: int, grad: torch.Tensor) -> None:
+        """Nothing to start early: accumulation reads the gradient where it is."""
+
+    def accumulate(
+        self, items: Sequence[tuple[int, torch.Tensor]], buf: int, *, fuse_min_numel: int | None = None
+    ) -> dict[int, torch.Tensor]:
+        """acc[buf] += grad for each ``(index, grad)``, now. With ``fuse_min_numel`` the gradients of
+        at least that many elements are returned instead, for a synchronous update to fold into its
+        AdamW pass (``HostShard.update(last=...)``)."""
+        t0 = time.perf_counter()
+        last = {}
+        for i, grad in items:
+            self.d2h_bytes += grad.numel() * grad.element_size()
+            if fuse_min_numel is not None and grad.numel() >= fuse_min_numel:
+                last[i] = grad
+            else:
+                self.host.accumulate(buf, i, grad, num_threads=self._train_threads)
+        self.accumulate_s += time.perf_counter() - t0
+        return last
+
+    def discard(self) -> None:
+        pass
+
+    def accumulation(self) -> None:
+        """The completion of the accumulation issued so far (None: it is done)."""
+        return None
+
+    def copy_out_guard(self) -> None:
+        return None
+
+    def write_back(self, items) -> None:
+        self._write_back_work(items)()
+        self._count_write_back(items)
+
+    def before_grad_write(self) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def to_host_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst is not src:
+            dst.copy_(src)
+
+    def new_host_state(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+class RingLink(_Link):
+    """Asynchronous movement through a staging ring, an accumulate worker and an engine's streams."""
+
+    RING = 2
+
+    def __init__(self, host: HostShard, engine, *, kind: str, delays: _Delays | None = None, **kwargs):
+        super().__init__(host, **kwargs)
+        self.kind = kind
+        self.moves_state = engine.moves_state
+        self._engine = engine
+        self._delays = delays
+        self._accumulator = HostWorker(
+            num_threads=kwargs["host_threads"], cores=kwargs["cores"], timeout=kwargs["timeout"],
+            name="zenflow-accumulate",
+        )
+        self.workers += [self._accumulator] + list(getattr(engine, "workers", []))
+        # staging slot s: one flat buffer per gradient dtype, laid out like the host shard, allocated once.
+        # Written by the D2H copies of one step, read by that step's accumulate job; reused only after
+        # that job completed (_claim).
+        self._slots: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in range(self.RING)]
+        self._slot_reader: list[Future | None] = [None] * self.RING
+        self._slot = 0
+        self._claimed = False
+        self._staged: dict[int, tuple[torch.Tensor, int]] = {}  # index -> (grad, its version) copied this step
+        self._last_accumulate: Future | None = None
+        self._guard = None  # completion of the last write-back: the copy-out buffers are free after it
+        self.staging_bytes = 0  # host staging allocated (once per slot and dtype)
+
+    def _submit(self, worker: HostWorker, fn: Callable) -> Future:
+        if self._delays is not None:
+            fn = self._delays.wrap(fn)
+        return Future(worker, worker.submit(fn))
+
+    def submit_update(self, fn: Callable) -> Future:
+        return self._submit(self._updater, fn)
+
+    def _claim(self) -> None:
+        """Own the current staging slot: its previous reader (an accumulate job) must be done."""
+        if not self._claimed:
+            reader = self._slot_reader[self._slot]
+            if reader is not None:
+                self.wait(reader)
+            self._claimed = True
+
+    def _staging(self, dtype: torch.dtype) -> torch.Tensor:
+        slot = self._slots[self._slot]
+        buf = slot.get(dtype)
+        if buf is None:
+            buf = slot[dtype] = self._engine.alloc(self.host.numel, dtype)
+            self.staging_bytes += buf.numel() * buf.element_size()
+        return buf
+
+    def stage(self, i: int, grad: torch.Tensor) -> None:
+        """Start copying parameter ``i``'s gradient into the current staging slot (from a backward hook,
+        as soon as backward produced it)."""
+        self._stage([(i, grad)])
+
+    def _stage(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        self._claim()
+        copies = []
+        for i, grad in items:
+            copies.append((self.host.view(self._staging(grad.dtype), i), grad))
+            self._staged[i] = (grad, grad._version)
+            self.d2h_bytes += grad.numel() * grad.element_size()
+        self._engine.d2h(copies)
+
+    def accumulate(self, items, buf: int, *, fuse_min_numel: int | None = None) -> dict:
+        """acc[buf] += grad for each ``(index, grad)``, in the background: the copies not started by
+        :meth:`stage` (or whose gradient changed since) start now, then an accumulate job adds the slot
+        once every copy completed. The slot advances. Returns ``{}`` (nothing is left to fuse)."""
+        missing = []
+        for i, grad in items:
+            seen = self._staged.get(i)
+            if seen is None or seen[0] is not grad or seen[1] != grad._version:
+                missing.append((i, grad))
+        if missing:
+            self._stage(missing)
+        views = [(i, self.host.view(self._slots[self._slot][grad.dtype], i)) for i, grad in items]
+        self._staged = {}
+        if not views:
+            return {}
+        copied = self._engine.d2h_marker()
+        host = self.host
+
+        def add():
+            copied.wait()
+            for i, view in views:
+                host.accumulate(buf, i, view)
+
+        self._last_accumulate = self._slot_reader[self._slot] = self._submit(self._accumulator, add)
+        self._slot ^= 1
+        self._claimed = False
+        return {}
+
+    def discard(self) -> None:
+        """Forget what was staged this step (a skipped step): the slot is written again next step."""
+        self._staged = {}
+
+    def accumulation(self) -> Future | None:
+        """The completion of every accumulation issued so far (jobs run in order)."""
+        return self._last_accumulate
+
+    def copy_out_guard(self):
+        return self._guard
+
+    def write_back(self, items) -> None:
+        self._guard = self._engine.h2d(self._write_back_work(items))
+        self._count_write_back(items)
+
+    def before_grad_write(self) -> None:
+        """Gradients are about to be written in place: the copies reading them must finish first."""
+        self._engine.device_waits_for_d2h()
+
+    def join(self) -> None:
+        t0 = time.perf_counter()
+        self._engine.join()
+        self.waited_s += time.perf_counter() - t0
+
+    def synchronize(self) -> None:
+        if self._last_accumulate is not None:
+            self.wait(self._last_accumulate)
+        self._engine.synchronize()
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return self._engine.to_device(t)
+
+    def to_host_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._engine.to_host_(dst, src)
+
+    def new_host_state(self, t: torch.Tensor) -> torch.Tensor:
+        return self._engine.new_host_state(t)
+
+    def close(self) -> None:
+        super().close()
+        self._engine.close()
+
+
+def make_link(
+    params: Sequence[torch.Tensor],
+    groups: Sequence[int],
+    device: torch.device,
+    *,
+    overlap: bool,
+    host_threads: int,
+    train_threads: int | None,
+    cores,
+    timeout: float | None,
+    chaos: Chaos | None,
+):
+    """The link for parameters on ``device``: CUDA -> RingLink(CudaEngine); CPU -> CpuLink, or, when
+    ``chaos`` is given, RingLink(ThreadEngine) with its delays."""
+    common = dict(overlap=overlap, host_threads=host_threads, cores=cores, timeout=timeout)
+    num_acc = 2 if overlap else 1
+    if device.type == "cuda":
+        engine = CudaEngine(device)
+        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc)
+        return RingLink(host, engine, kind="cuda", **common)
+    if chaos is not None:
+        delays = _Delays(chaos) if chaos.max_delay > 0 else None
+        engine = ThreadEngine(timeout=timeout, delays=delays)
+        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc)
+        return RingLink(host, engine, kind="cpu-async", delays=delays, **common)
+    host = HostShard(params, groups, num_acc=num_acc)
+    return CpuLink(host, train_threads=train_threads, **common)

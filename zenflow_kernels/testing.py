@@ -1,0 +1,47 @@
+"""Test helpers for code built on zenflow_kernels.
+
+:func:`chaos` runs the GPU's asynchronous protocol on CPU with seeded random delays, so ordering bugs
+(a read before a copy finished, a count taken before a worker ran, a buffer reused too early) show up
+as wrong numbers in a CPU test instead of only on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+from .link import _CHAOS, Chaos
+
+__all__ = ["chaos"]
+
+
+@contextlib.contextmanager
+def chaos(seed: int = 0, max_delay: float = 0.005) -> Iterator[Chaos]:
+    """Every ``ZenFlowAdamW`` created inside this block whose parameters are on CPU uses the asynchronous
+    CPU link instead of the synchronous one: the protocol of the CUDA link (a staging ring, a D2H and an
+    H2D copy thread standing in for the streams, an accumulation worker, completions as futures, and
+    the same waits), with a random delay of up to ``max_delay`` seconds, drawn from ``seed``, split
+    before and after every asynchronous job: gradient staging, accumulation, host update, write-back.
+
+    Results stay bit-identical to the synchronous CPU link for the same inputs; a difference is an
+    ordering bug. ``max_delay=0`` keeps the threads and drops the sleeps. Optimizers on CUDA are not
+    affected (they use the CUDA link). The setting is read when an optimizer is created and is per
+    thread (a ``contextvars.ContextVar``), like ``ops.use_backend``::
+
+        with chaos(seed=3):
+            opt = ZenFlowAdamW(model.parameters(), zenflow=dict(overlap_step=True, ...))
+        train(model, opt)   # the optimizer keeps the asynchronous link after the block
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"chaos: seed={seed!r} is invalid: allowed an integer")
+    if isinstance(max_delay, bool) or not isinstance(max_delay, (int, float)) or not (
+        math.isfinite(max_delay) and max_delay >= 0
+    ):
+        raise ValueError(f"chaos: max_delay={max_delay!r} is invalid: allowed a finite number of seconds >= 0")
+    settings = Chaos(seed=seed, max_delay=float(max_delay))
+    token = _CHAOS.set(settings)
+    try:
+        yield settings
+    finally:
+        _CHAOS.reset(token)
