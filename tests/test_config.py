@@ -32,6 +32,8 @@ ACCEPTED = [
     ("overlap_step", False, False),
     ("offload", True, True),
     ("offload", False, False),
+    ("device_accumulation", True, True),
+    ("device_accumulation", False, False),
     ("auto_ratio", 0, 0.0),
     ("auto_ratio", 0.5, 0.5),
     ("auto_ratio", 1, 1.0),
@@ -81,6 +83,8 @@ REJECTED = [
     ("overlap_step", None),
     ("offload", 0),
     ("offload", "yes"),
+    ("device_accumulation", 1),
+    ("device_accumulation", "true"),
     ("auto_ratio", -0.01),
     ("auto_ratio", 1.01),
     ("auto_ratio", False),
@@ -163,6 +167,7 @@ def test_defaults_follow_deepspeed():
         "pt_reserved_cores_perc": 0.5,
         "importance": "l2",
         "max_update_interval": DEFAULT_MAX_UPDATE_INTERVAL,
+        "device_accumulation": False,
     }
 
 

@@ -109,6 +109,34 @@ class HostShard:
         """acc[buf] of parameter ``index`` += grad (a CPU tensor of any float dtype)."""
         cpu_ops.accumulate_(self.view(self.acc[buf], index).view(-1), grad.reshape(-1), num_threads=num_threads)
 
+    def runs(self, indices) -> list[tuple[int, int]]:
+        """``[lo, hi)`` flat ranges covering exactly these parameters (and the alignment padding between
+        flat neighbours), one per run of parameters adjacent in the layout."""
+        chosen = set(indices)
+        spans: list[list[int]] = []
+        prev_end = None
+        for s in self.order:
+            if s.index not in chosen:
+                prev_end = None
+                continue
+            if prev_end is not None:
+                spans[-1][1] = s.offset + s.numel
+            else:
+                spans.append([s.offset, s.offset + s.numel])
+            prev_end = spans[-1][1]
+        return [(lo, hi) for lo, hi in spans]
+
+    def accumulate_flat(self, buf: int, staged: dict[torch.dtype, torch.Tensor], indices) -> None:
+        """acc[buf] += a staging area laid out like this shard (one flat buffer per gradient dtype; the
+        padding between parameters holds zeros), for these parameters: one call per run of flat
+        neighbours that share a gradient dtype instead of one per parameter."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, dtype in indices:
+            by_dtype.setdefault(dtype, []).append(i)
+        for dtype, chosen in by_dtype.items():
+            for lo, hi in self.runs(chosen):
+                cpu_ops.accumulate_(self.acc[buf][lo:hi], staged[dtype][lo:hi])
+
     def update(
         self,
         buf: int,

@@ -380,6 +380,16 @@ class CpuLink(_Link):
         self.accumulate_s += time.perf_counter() - t0
         return last
 
+    def upload(self, items: Sequence[tuple[int, torch.Tensor]], buf: int) -> None:
+        """acc[buf] <- a device-side sum for each ``(index, sum)`` (acc[buf] holds nothing of this
+        interval), then the sums are zeroed for the next interval (``device_accumulation``)."""
+        t0 = time.perf_counter()
+        for i, total in items:
+            self.host.view(self.host.acc[buf], i).copy_(total)
+            total.zero_()
+            self.d2h_bytes += total.numel() * total.element_size()
+        self.accumulate_s += time.perf_counter() - t0
+
     def discard(self) -> None:
         pass
 
@@ -438,7 +448,7 @@ class RingLink(_Link):
         self._slot = 0
         self._claimed = False
         self._staged: dict[int, tuple[torch.Tensor, int]] = {}  # index -> (grad, its version) copied this step
-        self._last_accumulate: Future | None = None
+        self._last_accumulate = None  # completion of every accumulation issued so far
         self._guard = None  # completion of the last write-back: the copy-out buffers are free after it
         self.staging_bytes = 0  # host staging allocated (once per slot and dtype)
 
@@ -491,22 +501,32 @@ class RingLink(_Link):
                 missing.append((i, grad))
         if missing:
             self._stage(missing)
-        views = [(i, self.host.view(self._slots[self._slot][grad.dtype], i)) for i, grad in items]
+        chosen = [(i, grad.dtype) for i, grad in items]
         self._staged = {}
-        if not views:
+        if not chosen:
             return {}
         copied = self._engine.d2h_marker()
-        host = self.host
+        host, staged = self.host, self._slots[self._slot]
 
         def add():
             copied.wait()
-            for i, view in views:
-                host.accumulate(buf, i, view)
+            host.accumulate_flat(buf, staged, chosen)
 
         self._last_accumulate = self._slot_reader[self._slot] = self._submit(self._accumulator, add)
         self._slot ^= 1
         self._claimed = False
         return {}
+
+    def upload(self, items: Sequence[tuple[int, torch.Tensor]], buf: int) -> None:
+        """acc[buf] <- a device-side sum for each ``(index, sum)``, copied straight into the (pinned)
+        accumulation buffer, which holds nothing of this interval; the copies' completion is the
+        accumulation's. The device zeroes the sums once the copies have read them."""
+        self._engine.d2h([(self.host.view(self.host.acc[buf], i), total) for i, total in items])
+        self._last_accumulate = self._engine.d2h_marker()
+        self._engine.device_waits_for_d2h()
+        for _, total in items:
+            total.zero_()
+            self.d2h_bytes += total.numel() * total.element_size()
 
     def discard(self) -> None:
         """Forget what was staged this step (a skipped step): the slot is written again next step."""

@@ -89,6 +89,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._closed = False
         self._chaos = current_chaos()  # testing.chaos: a CPU run uses the asynchronous test link
         self._inflight = None  # the overlapped host update still running (or done, not yet waited)
+        self._plan = None  # the fast step's per-selection lists (_fast_plan)
         self._pending: list[int] = []  # parameters whose host result awaits its write-back
         self._stats = _Telemetry()
 
@@ -156,6 +157,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # around the fast step (on a CPU link host memory is the device: nothing moves)
         self._offload = self.config.offload and self._link.moves_state
         self._acc_buf = 0
+        # device_accumulation: the interval's matrix gradients are summed here (fp32, laid out like the
+        # host shard) and uploaded once per update; only the training thread's device work touches it
+        self._device_acc = (
+            torch.zeros(self._host.numel, dtype=torch.float32, device=self.device)
+            if self.config.device_accumulation else None
+        )
         # the training thread's ledger: gradients counted into each accumulation buffer this interval
         self._counts = [[0] * len(self._params) for _ in self._host.acc]
         # an asynchronous link starts each gradient's copy as soon as backward produces it
@@ -171,7 +178,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Backward finished parameter ``i``'s gradient: start its copy to the host if the host path will
         need it at the coming step (every parameter in warm-up, matrices after). step() re-copies it if
         it changes before then (another micro-batch, clipping, unscaling)."""
-        if self._closed or (p.dim() != 2 and not self.schedule.is_warmup(self.t)):
+        if self._closed or (
+            not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_acc is not None)
+        ):
             return
         self._link.stage(i, p.grad)
 
@@ -244,10 +253,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         active = [i for i, p in enumerate(self._params) if p.grad is not None]
         for i in active:
             g = self._params[i].grad
-            if g.is_sparse or g.shape != self._params[i].shape or g.device != self.device:
+            p = self._params[i]
+            if g.is_sparse or g.shape != p.shape or g.device != self.device or g.dtype not in _PARAM_DTYPES:
                 raise ValueError(
-                    f"ZenFlowAdamW: gradient of parameter {i} ({tuple(g.shape)}, {g.device}, sparse={g.is_sparse}) is "
-                    f"invalid: allowed a dense gradient of shape {tuple(self._params[i].shape)} on {self.device}"
+                    f"ZenFlowAdamW: gradient of parameter {i} ({tuple(g.shape)}, {g.dtype}, {g.device}, "
+                    f"sparse={g.is_sparse}) is invalid: allowed a dense float32, bfloat16 or float16 gradient of "
+                    f"shape {tuple(p.shape)} on {self.device}"
                 )
         norm = self._grad_norm(active)
         if not math.isfinite(norm):
@@ -277,16 +288,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return float(torch.stack(norms).double().pow(2).sum().sqrt())
 
     def _hyper(self) -> list[dict]:
-        return [
-            dict(
-                lr=float(g["lr"]),
-                beta1=g["betas"][0],
-                beta2=g["betas"][1],
-                eps=g["eps"],
-                weight_decay=g["weight_decay"],
-            )
-            for g in self.param_groups
-        ]
+        """Each param group's AdamW numbers as they are now (a scheduler may have changed them), checked:
+        the kernels are called without per-tensor validation."""
+        out = []
+        for gi, g in enumerate(self.param_groups):
+            lr = float(g["lr"])
+            check_adamw_hyperparameters(lr, g["betas"], g["eps"], g["weight_decay"], where=f"ZenFlowAdamW group {gi}")
+            out.append(dict(lr=lr, beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                            weight_decay=g["weight_decay"]))
+        return out
 
     FUSE_MIN_NUMEL = 1 << 16
     """A synchronous CPU update folds a parameter's last gradient into its AdamW pass (saving a pass over
@@ -304,6 +314,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for i in indices:
             counts[i] += 1
         return last
+
+    def _accumulate_on_device(self, indices: list[int]) -> None:
+        """``device_accumulation``: add these gradients into the device-side sums of the interval."""
+        host, acc = self._host, self._device_acc
+        torch._foreach_add_([host.view(acc, i) for i in indices], [self._params[i].grad for i in indices])
+        counts = self._counts[self._acc_buf]
+        for i in indices:
+            counts[i] += 1
 
     def _take_counts(self, indices) -> dict[int, int]:
         """This interval's counts of these parameters (those with any), reset for the next use of the buffer."""
@@ -347,16 +365,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._reselect(reselect)
 
         t0 = time.perf_counter()
-        self._fast_step(matrices, vectors, coef)
+        self._fast_step(set(active), self._hyper(), coef)
         self._stats.fast_seconds.append(time.perf_counter() - t0)
 
         self.steps_accumulated += 1
         trigger = self._auto_vote(matrices) if self.schedule.is_auto else False
         boundary = self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger)
-        if boundary and not self.config.overlap_step:
+        if self._device_acc is not None:
+            self._accumulate_on_device(matrices)
+        elif boundary and not self.config.overlap_step:
             self._host_update(last=self._accumulate(matrices, fuse=True))
             return
-        self._accumulate(matrices)
+        else:
+            self._accumulate(matrices)
         if boundary:
             self._host_update()
 
@@ -379,6 +400,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         st["step"] = host.host_step[i]
         if p.dtype != torch.float32:
             st["master"] = self._to_state(host.view(host.master, i).reshape(1, n).clone())
+        self._plan = None
 
     @torch.no_grad()
     def _reselect(self, indices: list[int]) -> None:
@@ -427,77 +449,91 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             captured += float(s[new].sum()) if k else 0.0
             total += float(s.sum())
         self._stats.record_selection(self.t, jaccards, captured / total if total > 0 else float("nan"))
+        self._plan = None
 
-    def _fast_step(self, matrices: list[int], vectors: list[int], coef: float | None) -> None:
-        """One fused multi-tensor AdamW over the selected columns of every matrix and every vector."""
-        params, grads, idx, ms, vs, steps, masters, lrs, wds, keys = [], [], [], [], [], [], [], [], [], []
-        for i in matrices + vectors:
-            p = self._params[i]
-            st = self.state[p]
-            g = self.param_groups[self._group_of[i]]
-            if p.dim() == 2:
-                if st["selected"].numel() == 0:
-                    continue
-                st["step"].add_(1)
-                params.append(p)
-                grads.append(p.grad)
-                idx.append(st["selected"])
-                steps.append(st["step"])
+    def _fast_plan(self) -> tuple[list, torch.Tensor | None]:
+        """What the fast step needs of each parameter on the fast path, built once per selection (not per
+        step): ``(index, param [R, C] or [1, n], is_matrix, state)`` for every parameter with fast-path
+        state, and one int64 tensor holding the per-column step counts of all those matrices (each
+        matrix's ``state["step"]`` becomes a view of it, so one ``add_`` advances them all)."""
+        if self._plan is not None:
+            return self._plan
+        entries, steps = [], []
+        for i, p in enumerate(self._params):
+            st = self.state.get(p)
+            if not st or "exp_avg" not in st:
+                continue
+            if p.dim() != 2:
+                entries.append((i, p.view(1, -1), False, st))
+            elif st["selected"].numel():
+                entries.append((i, p, True, st))
+                steps.append(st)
+        flat = None
+        if steps:
+            flat = torch.cat([st["step"] for st in steps])
+            offset = 0
+            for st in steps:
+                k = st["step"].numel()
+                st["step"] = flat[offset : offset + k]
+                offset += k
+        self._plan = (entries, flat)
+        return self._plan
+
+    def _fast_step(self, active: set[int], hyper: list[dict], coef: float | None) -> None:
+        """One fused multi-tensor AdamW over the selected columns of every active matrix and every active
+        vector (one launch set per distinct (beta1, beta2, eps) of the param groups: usually one)."""
+        entries, flat_steps = self._fast_plan()
+        if len(active) < len(self._params):
+            entries = [e for e in entries if e[0] in active]
+            for _, _, is_matrix, st in entries:
+                if is_matrix:
+                    st["step"].add_(1)
+        elif flat_steps is not None:
+            flat_steps.add_(1)
+        items, keys = [], []
+        for i, pv, is_matrix, st in entries:
+            h = hyper[self._group_of[i]]
+            if is_matrix:
+                grad, idx = pv.grad, st["selected"]
             else:
                 st["step"] += 1
-                params.append(p.view(1, -1))
-                grads.append(p.grad.reshape(1, -1))
-                idx.append(None)
-                steps.append(st["step"])
-            ms.append(st["exp_avg"])
-            vs.append(st["exp_avg_sq"])
-            masters.append(st.get("master"))
-            lrs.append(float(g["lr"]))
-            wds.append(g["weight_decay"])
-            keys.append((g["betas"][0], g["betas"][1], g["eps"]))
-        if not params:
-            return
+                grad, idx = self._params[i].grad.view(1, -1), None
+            items.append(
+                (pv, grad, idx, st["exp_avg"], st["exp_avg_sq"], st.get("master"), st["step"], h["lr"],
+                 h["weight_decay"])
+            )
+            keys.append((h["beta1"], h["beta2"], h["eps"]))
         grad_scale = 1.0 if coef is None else 1.0 / coef
-        for key in dict.fromkeys(keys):  # one launch set per distinct (beta1, beta2, eps): usually one
-            chosen = [j for j, kk in enumerate(keys) if kk == key]
-            for bucket in self._buckets(chosen, ms):
-                state = [[xs[j] for j in bucket] for xs in (ms, vs, masters)]
+        for key in dict.fromkeys(keys):
+            chosen = [item for item, kk in zip(items, keys, strict=True) if kk == key]
+            for bucket in self._buckets(chosen):
                 if self._offload:  # stream this bucket's state in; it goes back out after the update
-                    host_state = state
-                    state = [[None if t is None else self._link.to_device(t) for t in xs] for xs in state]
-                ops.multi_selective_adamw_(
-                    [params[j] for j in bucket],
-                    [grads[j] for j in bucket],
-                    [idx[j] for j in bucket],
-                    state[0],
-                    state[1],
-                    steps=[steps[j] for j in bucket],
-                    lrs=[lrs[j] for j in bucket],
-                    beta1=key[0],
-                    beta2=key[1],
-                    eps=key[2],
-                    weight_decays=[wds[j] for j in bucket],
-                    masters=state[2],
-                    grad_scale=grad_scale,
-                    check_data=False,
-                )
+                    moved = [
+                        (p, g, idx, *(None if t is None else self._link.to_device(t) for t in (m, v, w)), *rest)
+                        for p, g, idx, m, v, w, *rest in bucket
+                    ]
+                else:
+                    moved = bucket
+                ops.multi_selective_adamw_items_(moved, beta1=key[0], beta2=key[1], eps=key[2],
+                                                 grad_scale=grad_scale)
                 if self._offload:
-                    for dst_list, src_list in zip(host_state, state, strict=True):
-                        for dst, src in zip(dst_list, src_list, strict=True):
+                    for home, there in zip(bucket, moved, strict=True):
+                        for dst, src in zip(home[3:6], there[3:6], strict=True):
                             if dst is not None:
                                 self._link.to_host_(dst, src)
 
-    def _buckets(self, chosen: list[int], ms: list[torch.Tensor]) -> list[list[int]]:
+    def _buckets(self, items: list[tuple]) -> list[list[tuple]]:
         """All at once, or (offload) buckets of at most OFFLOAD_BUCKET_NUMEL state elements."""
         if not self._offload:
-            return [chosen]
+            return [items]
         buckets, size = [[]], 0
-        for j in chosen:
-            if buckets[-1] and size + ms[j].numel() > self.OFFLOAD_BUCKET_NUMEL:
+        for item in items:
+            numel = item[3].numel()
+            if buckets[-1] and size + numel > self.OFFLOAD_BUCKET_NUMEL:
                 buckets.append([])
                 size = 0
-            buckets[-1].append(j)
-            size += ms[j].numel()
+            buckets[-1].append(item)
+            size += numel
         return buckets
 
     def _auto_vote(self, matrices: list[int]) -> bool:
@@ -543,7 +579,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _host_update(self, last: dict[int, torch.Tensor] | None = None) -> None:
         """An update boundary: run the host AdamW now (sync) or hand it to the worker (overlap).
         ``last``: gradients of this step not yet accumulated (synchronous CPU runs fuse them in)."""
-        counts = self._take_counts([i for i, p in enumerate(self._params) if p.dim() == 2])
+        matrices = [i for i, p in enumerate(self._params) if p.dim() == 2]
+        if self._device_acc is not None:  # the interval's sums cross to the host now, once
+            counted = self._counts[self._acc_buf]
+            self._link.upload([(i, self._host.view(self._device_acc, i)) for i in matrices if counted[i]],
+                              self._acc_buf)
+        counts = self._take_counts(matrices)
         for p in self._params:
             st = self.state.get(p)
             if st and "auto_count" in st:
@@ -590,6 +631,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # -- checkpoints -------------------------------------------------------------------------------
 
+    def _interval_sums(self) -> torch.Tensor:
+        """The flat buffer holding the current interval's gradient sums (device or host)."""
+        return self._device_acc if self._device_acc is not None else self._host.acc[self._acc_buf]
+
     _COUNTERS = ("t", "skipped_steps", "host_updates", "selections", "steps_accumulated")
 
     @torch.no_grad()
@@ -617,7 +662,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     host_exp_avg=host.view(host.exp_avg, i).clone(),
                     host_exp_avg_sq=host.view(host.exp_avg_sq, i).clone(),
                     host_step=host.host_step[i],
-                    acc=host.view(host.acc[self._acc_buf], i).clone(),
+                    acc=host.view(self._interval_sums(), i).to("cpu", copy=True),
                     acc_count=self._counts[self._acc_buf][i],
                     pending=i in self._pending,
                 )
@@ -657,6 +702,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             setattr(self, name, int(zenflow[name]))
         self.state.clear()
         self._pending = []
+        self._plan = None
         if not zenflow.get("built"):
             return
         self._build()
@@ -667,7 +713,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             host.view(host.master, i).copy_(st["host_master"])
             host.view(host.exp_avg, i).copy_(st["host_exp_avg"])
             host.view(host.exp_avg_sq, i).copy_(st["host_exp_avg_sq"])
-            host.view(host.acc[self._acc_buf], i).copy_(st["acc"])
+            host.view(self._interval_sums(), i).copy_(st["acc"])
             host.host_step[i] = int(st["host_step"])
             self._counts[self._acc_buf][i] = int(st["acc_count"])
             if st["pending"]:

@@ -212,5 +212,10 @@ def multi_selective_adamw_(
     items, (beta1, beta2, eps, grad_scale) = multi_adamw_args(
         "multi_selective_adamw_", params, grads, indices_list, exp_avgs, exp_avg_sqs, steps, lrs, beta1, beta2, eps,
         weight_decays, masters, grad_scale, check_data)
+    multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
+
+
+def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale) -> None:
+    """The work of ``multi_selective_adamw_`` on items as :func:`multi_adamw_args` returns them."""
     for p, g, idx, m, v, w, step, lr, wd in items:
         _adamw(p, g, idx, m, v, w, step, lr, beta1, beta2, eps, wd, grad_scale)

@@ -100,6 +100,11 @@ def multi_selective_adamw_(params, grads, indices_list, exp_avgs, exp_avg_sqs, *
     items, (beta1, beta2, eps, grad_scale) = torch_ops.multi_adamw_args(
         "multi_selective_adamw_", params, grads, indices_list, exp_avgs, exp_avg_sqs, steps, lrs, beta1, beta2, eps,
         weight_decays, masters, grad_scale, check_data)
+    multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
+
+
+def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale) -> None:
+    """The launches of ``multi_selective_adamw_`` for items as ``torch_ops.multi_adamw_args`` returns them."""
     groups: dict[tuple, list] = {}
     for item in items:
         p, g, idx, m, v, w, s, lr, wd = item

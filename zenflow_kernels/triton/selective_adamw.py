@@ -225,6 +225,13 @@ def multi_selective_adamw_(params, grads, indices_list, exp_avgs, exp_avg_sqs, *
     items, (beta1, beta2, eps, grad_scale) = multi_adamw_args(
         "multi_selective_adamw_", params, grads, indices_list, exp_avgs, exp_avg_sqs, steps, lrs, beta1, beta2, eps,
         weight_decays, masters, grad_scale, check_data)
+    multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
+
+
+def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale) -> None:
+    """The launches of ``multi_selective_adamw_`` for items as ``multi_adamw_args`` returns them."""
+    if not items:
+        return
     groups: dict[tuple, list] = {}
     for p, g, idx, m, v, w, step, lr, wd in items:
         R, K = m.shape
@@ -243,7 +250,7 @@ def multi_selective_adamw_(params, grads, indices_list, exp_avgs, exp_avg_sqs, *
             irows.append(irow + [unit])
             frows.append(frow)
             unit += triton.cdiv(irow[7], br) * triton.cdiv(irow[8], bk)
-        dev = params[0].device
+        dev = items[0][0].device
         launch(_multi_selective_adamw_kernel, (unit,), device_table(irows, dev),
                device_table(frows, dev, torch.float32), len(irows), search_steps(len(irows)),
                1 - beta1, beta2, 1 - beta2, _log(beta1), _log(beta2), eps, grad_scale,
