@@ -97,6 +97,7 @@ class E2EConfig:
     repeats: int = 1
     batch: int | None = None  # None: the model preset's batch
     context: int | None = None  # None: the model preset's context
+    autocast: str | None = None  # "bf16": forward and backward under torch.autocast (parameters stay fp32)
 
     def size(self):
         preset = SIZES[self.model]
@@ -116,7 +117,8 @@ class E2EConfig:
 
 @dataclass
 class RunSpec:
-    """One fine-tuning run: ``kind`` is "adamw", "offload" (synchronous ZeRO-Offload) or "zenflow"."""
+    """One fine-tuning run: ``kind`` is "adamw", "offload" (synchronous ZeRO-Offload through ZenFlowAdamW),
+    "zenflow", or "deepspeed" (a DeepSpeed engine, ``zenflow`` then holds its whole config; bench.gpu)."""
 
     name: str
     kind: str
@@ -310,7 +312,16 @@ def make_optimizer(spec: RunSpec, model: torch.nn.Module, prep: Prepared):
         from zenflow_kernels import ZenFlowAdamW
 
         return ZenFlowAdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, zenflow=dict(spec.zenflow))
-    raise ValueError(f"run kind {spec.kind!r} is invalid: allowed 'adamw', 'offload', 'zenflow'")
+    if spec.kind == "deepspeed":
+        from bench import deepspeed_runs
+
+        return deepspeed_runs.Engine(model, spec.zenflow, prep)
+    raise ValueError(f"run kind {spec.kind!r} is invalid: allowed 'adamw', 'offload', 'zenflow', 'deepspeed'")
+
+
+def autocast(cfg: E2EConfig, device: torch.device):
+    """The forward's precision context: bf16 autocast when ``cfg.autocast == "bf16"``, else nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
 
 
 @torch.no_grad()
@@ -321,7 +332,8 @@ def heldout_loss(prep: Prepared, state: dict, batch: int = 16) -> float:
     total, n = 0.0, 0
     for i in range(0, prep.eval_x.shape[0], batch):
         x, y = prep.eval_x[i:i + batch].to(prep.device), prep.eval_y[i:i + batch].to(prep.device)
-        total += float(model.loss(x, y)) * x.shape[0]
+        with autocast(prep.cfg, prep.device):
+            total += float(model.loss(x, y)) * x.shape[0]
         n += x.shape[0]
     return total / n
 
@@ -359,9 +371,14 @@ def train_run(
     torch.set_num_threads(spec.threads or prep.threads)
     model = make_model(prep)
     model.train()
+    if prep.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(prep.device)
     opt = make_optimizer(spec, model, prep)
     warm = max(1, round(cfg.warmup_frac * steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    # a DeepSpeed engine keeps the learning rate it was configured with (the GPU preset uses a constant one)
+    sched = None
+    if spec.kind != "deepspeed":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     eval_at = set(_eval_steps(steps, eval_points or cfg.eval_points)) if evaluate else set()
     snapshots: list[tuple[int, float, dict]] = []
 
@@ -373,15 +390,20 @@ def train_run(
     train_loss, wall_at, opt_s = [], [], []
     wall = 0.0
     threads_during = None
-    zen = spec.kind != "adamw"
+    zen = spec.kind in ("offload", "zenflow")
+    backward = getattr(opt, "backward", None)  # a DeepSpeed engine runs its own backward
     try:
         if 0 in eval_at:
             snapshots.append((0, 0.0, prep.state))
         for s in range(steps):
             t0 = time.perf_counter()
             x, y = windows(prep.corpus.train.data, prep.starts[s], size.context)
-            loss = model.loss(x.to(prep.device), y.to(prep.device))
-            loss.backward()
+            with autocast(cfg, prep.device):
+                loss = model.loss(x.to(prep.device), y.to(prep.device))
+            if backward is not None:
+                backward(loss)
+            else:
+                loss.backward()
             if grad_hook is not None:
                 _sync(prep.device)
                 paused = time.perf_counter()
@@ -391,7 +413,8 @@ def train_run(
             opt.step()
             opt_s.append(time.perf_counter() - t_opt)  # on CUDA: the time of the call, not of the kernels
             opt.zero_grad(set_to_none=True)
-            sched.step()
+            if sched is not None:
+                sched.step()
             lv = loss.item()  # a device sync: the step is done
             if s == steps - 1 and zen:
                 opt.flush()  # the last host update lands: part of the run, on the clock
@@ -405,8 +428,9 @@ def train_run(
                 snapshot(s + 1, wall)
             bar.update(s + 1, lv)
         stats = opt.stats() if zen else None
+        peak = torch.cuda.max_memory_allocated(prep.device) if prep.device.type == "cuda" else None
     finally:
-        if zen:
+        if zen or spec.kind == "deepspeed":
             opt.close()
         bar.close()
     torch.set_num_threads(prep.threads)
@@ -423,6 +447,8 @@ def train_run(
         "optimizer_step_call_s_mean": statistics.fmean(opt_s),
         "final_train_loss": statistics.fmean(tail),
         "final_heldout_loss": evals[-1]["heldout_loss"] if evals else float("nan"),
+        "step_ms": [1e3 * (b - a) for a, b in zip([0.0] + wall_at[:-1], wall_at, strict=True)],
+        "peak_device_bytes": peak,
         "train_loss": train_loss,
         "wall_at_step": wall_at,
         "evals": evals,
@@ -441,9 +467,15 @@ def train_run(
             score_mass_captured=stats["score_mass_captured"],
             selection_jaccard=[None if math.isnan(j) else j for j in stats["selection_jaccard"]],
             selection_steps=stats["selection_steps"],
+            d2h_bytes_per_step=stats["d2h_bytes_per_step"],
+            h2d_bytes_per_step=stats["h2d_bytes_per_step"],
         )
+    elif spec.kind == "deepspeed":
+        result.update(stall_s=float("nan"), stall_pct=float("nan"), host_updates=0, selections=0,
+                      d2h_bytes_per_step=float("nan"), h2d_bytes_per_step=float("nan"))
     else:
-        result.update(stall_s=0.0, stall_pct=0.0, host_updates=0, selections=0)
+        result.update(stall_s=0.0, stall_pct=0.0, host_updates=0, selections=0, d2h_bytes_per_step=0.0,
+                      h2d_bytes_per_step=0.0)
     return result
 
 
@@ -697,8 +729,13 @@ def parser() -> argparse.ArgumentParser:
     p = harness.OneLineParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--demo", action="store_true", help="the make-demo preset (the defaults below, progress bar on)")
-    p.add_argument("--model", choices=sorted(SIZES), default=d.model, help="model size preset")
-    p.add_argument("--steps", type=_positive_int, default=d.steps, help="fine-tuning steps per run")
+    p.add_argument("--preset", choices=["gpu"], default=None,
+                   help="gpu: the GPU benchmark (bench.gpu_e2e: 152 M model, AdamW / sync offload / ZenFlowAdamW / "
+                        "DeepSpeed, e2e_gpu.json); needs CUDA unless --device cpu")
+    p.add_argument("--model", choices=sorted(SIZES), default=None, help=f"model size preset (default {d.model}; "
+                   "gpt152m with --preset gpu)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help=f"fine-tuning steps per run (default {d.steps}; 40 timed steps with --preset gpu)")
     p.add_argument("--pretrain-steps", type=_nonneg_int, default=d.pretrain_steps, help="pre-training steps (cached)")
     p.add_argument("--lr", type=_positive_float, default=d.lr, help="fine-tuning learning rate")
     p.add_argument("--topk-ratio", type=_fraction, default=d.topk_ratio, help="ZenFlow topk_ratio")
@@ -753,10 +790,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "adamw, offload, zenflow")
     if not all(c.isalnum() or c in "-_." for c in args.name):
         raise SystemExit(f"error: --name {args.name!r} is invalid: allowed letters, digits, '-', '_' and '.'")
+    if args.preset == "gpu":
+        if args.device != "auto":
+            _check_device(args.device)
+        from bench import gpu_e2e
+
+        return gpu_e2e.main(args)
     device = _check_device(args.device)
     out = harness.output_dir(args.out)
+    d = E2EConfig()
     cfg = E2EConfig(
-        model=args.model, steps=args.steps, pretrain_steps=args.pretrain_steps, lr=args.lr,
+        model=args.model or d.model, steps=args.steps or d.steps, pretrain_steps=args.pretrain_steps, lr=args.lr,
         topk_ratio=args.topk_ratio, update_interval=args.update_interval, overlap=args.overlap,
         pt_reserved_cores_perc=args.pt_reserved_cores_perc[0], select_interval=args.select_interval, seed=args.seed,
         eval_points=args.eval_points, device=device, threads=args.threads, repeats=args.repeats,

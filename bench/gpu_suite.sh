@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# bench/gpu_suite.sh OUTDIR -- every kernel check that needs a GPU, in one run (designed for < 5 min
-# on an H200). Installs nothing; needs a Python with a CUDA build of torch, triton and pytest
-# (set PYTHON=... to choose it; default: .venv/bin/python if it sees a GPU, else python3).
+# bench/gpu_suite.sh OUTDIR -- every check that needs a GPU, in one run (budgeted to 6 minutes on an H200).
+# Installs nothing; needs a Python with a CUDA build of torch, triton, numba and pytest (set PYTHON=... to
+# choose it; default: .venv/bin/python if it sees a GPU, else python3).
 #
-#   1. the kernel tests compiled on the GPU (TRITON_INTERPRET=0: the "cuda" device of every test;
+#   1. the optimizer tests with CUDA parameters (the "cuda" case of every test that takes a device:
+#      the oracle sweep, AdamW identities, checkpoints, NaN skip, faults; compiled Triton kernels,
+#      the CUDA link's streams, events and pinned staging)                        -> OUTDIR/optim_tests.txt
+#   2. the GPU end-to-end benchmark (python -m bench.e2e --preset gpu)           -> OUTDIR/e2e_gpu.{json,png},
+#                                                                                    OUTDIR/e2e_gpu.txt
+#   3. the kernel tests compiled on the GPU (TRITON_INTERPRET=0: the "cuda" device of every test;
 #      autotuning off so each test shape is not benchmarked over every config)    -> OUTDIR/tests.txt
-#   2. the kernel benchmark with autotuning on                                    -> OUTDIR/kernels_gpu.{json,csv,png},
+#   4. the kernel benchmark with autotuning on                                    -> OUTDIR/kernels_gpu.{json,csv,png},
 #                                                                                    OUTDIR/bench.txt
 # OUTDIR/summary.txt gets one line per stage with its exit status and seconds; OUTDIR/env.txt the
 # GPU, driver and versions. A stage that fails or runs out of its time budget does not stop the next;
-# the benchmark writes its JSON after every section, so a cut-short run still leaves data.
+# the benchmarks write their JSON as they go, so a cut-short run still leaves data.
 set -uo pipefail
 
 OUT=${1:?usage: bench/gpu_suite.sh OUTDIR}
@@ -58,10 +63,28 @@ if ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/de
     exit 1
 fi
 
-# 1. kernel tests on the GPU (compilation dominates: a cold Triton cache compiles every variant once)
-if "$PY" -c "import pytest" 2>/dev/null; then
+have_pytest=1
+"$PY" -c "import pytest" 2>/dev/null || have_pytest=0
+
+# 1. the optimizer tests with CUDA parameters
+if [[ $have_pytest == 1 ]]; then
     export ZENFLOW_TRITON_AUTOTUNE=0
-    stage tests 150 \
+    stage optim_tests 100 \
+        "$PY" -m pytest tests/test_optim.py -k cuda -q -p no:cacheprovider --durations=10 -rs \
+        > "$OUT/optim_tests.txt" 2>&1
+    tail -n 25 "$OUT/optim_tests.txt"
+else
+    echo "optim_tests rc=skipped (pytest is not installed for $PY)" | tee -a "$OUT/summary.txt"
+fi
+
+# 2. the GPU end-to-end benchmark
+export ZENFLOW_TRITON_AUTOTUNE=0
+stage e2e_gpu 120 "$PY" -m bench.e2e --preset gpu --out "$OUT" --quiet > "$OUT/e2e_gpu.txt" 2>&1
+cat "$OUT/e2e_gpu.txt"
+
+# 3. kernel tests on the GPU (compilation dominates: a cold Triton cache compiles every variant once)
+if [[ $have_pytest == 1 ]]; then
+    stage tests 100 \
         "$PY" -m pytest tests/test_triton_column_scores.py tests/test_triton_topk.py tests/test_triton_adamw.py \
         tests/test_ops_validation.py tests/test_ops_dispatch.py -q -p no:cacheprovider --durations=15 -rs \
         > "$OUT/tests.txt" 2>&1
@@ -70,10 +93,10 @@ else
     echo "tests rc=skipped (pytest is not installed for $PY)" | tee -a "$OUT/summary.txt"
 fi
 
-# 2. benchmark (autotuning on)
+# 4. kernel benchmark (autotuning on)
 export ZENFLOW_TRITON_AUTOTUNE=1
-stage bench 130 "$PY" -m bench.kernels --out "$OUT" > "$OUT/bench.txt" 2>&1
-cat "$OUT/bench.txt"
+stage bench 40 "$PY" -m bench.kernels --out "$OUT" > "$OUT/bench.txt" 2>&1
+tail -n 40 "$OUT/bench.txt"
 
 rm -rf "$TRITON_CACHE_DIR"
 echo "results in $OUT:"

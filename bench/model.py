@@ -37,6 +37,8 @@ SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(d_model=64, n_layer=2, n_head=4, context=64, batch=16),
     "small": ModelSize(d_model=128, n_layer=3, n_head=4, context=96, batch=16),
     "base": ModelSize(d_model=256, n_layer=4, n_head=8, context=96, batch=8),
+    # the GPU benchmark's model (bench.gpu_e2e): 152 M parameters
+    "gpt152m": ModelSize(d_model=1024, n_layer=12, n_head=16, context=256, batch=16),
 }
 
 

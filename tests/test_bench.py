@@ -153,6 +153,41 @@ def test_e2e_bad_options_one_line(tmp_path, args, fragment):
 # -- bench.kernels and bench.cpu_adam (written by others; checked through their documented flags) ---------
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_gpu_preset_says_it_needs_a_gpu(tmp_path):
+    proc = run_module("bench.e2e", "--preset", "gpu", "--out", str(tmp_path), timeout=120)
+    assert_one_line_error(proc, "needs a CUDA GPU", "--device cpu")
+    assert not list(tmp_path.iterdir())
+
+
+def test_gpu_preset_runs_its_code_path_on_cpu(tmp_path):
+    """The GPU benchmark's runs, figures and goals, on CPU at a tiny size (the GPU run is bench/gpu_suite.sh's)."""
+    steps = 6
+    proc = run_module("bench.e2e", "--preset", "gpu", "--device", "cpu", "--model", "tiny", "--steps", str(steps),
+                      "--threads", "1", "--out", str(tmp_path), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "e2e_gpu.json").read_text())
+    assert (tmp_path / "e2e_gpu.png").read_bytes()[:8] == PNG_MAGIC
+    assert data["config"]["autocast"] == "bf16" and data["config"]["pretrain_steps"] == 0
+    names = list(data["summary"])
+    assert names[:4] == ["adamw", "offload", "zenflow", "zenflow_devacc"]
+    assert ("ds_zenflow" in names) == (data["deepspeed_skipped"] is None)
+    runs = {r["name"]: r for r in data["runs"]}
+    for name, row in data["summary"].items():
+        assert len(runs[name]["step_ms"]) == steps and finite(runs[name]["step_ms"])
+        assert row["ms_per_step_median"] > 0 and row["ms_per_step_mean"] > 0
+        assert math.isfinite(row["final_train_loss"]) and math.isfinite(row["final_heldout_loss"])
+    assert data["summary"]["adamw"]["d2h_bytes_per_step"] == 0
+    # the same ZenFlow run with device-side sums: the same losses, fewer gradient bytes to the host
+    zen, dev = data["summary"]["zenflow"], data["summary"]["zenflow_devacc"]
+    assert runs["zenflow"]["train_loss"] == runs["zenflow_devacc"]["train_loss"]
+    assert 0 < dev["d2h_bytes_per_step"] < zen["d2h_bytes_per_step"]
+    assert data["summary"]["offload"]["h2d_bytes_per_step"] > zen["h2d_bytes_per_step"] > 0
+    assert set(data["goals"]) == {"step_le_1p25x_adamw", "speed_ge_4x_sync_offload", "stall_lt_5pct",
+                                  "faster_than_deepspeed_zenflow", "step_call_le_2ms"}
+    assert "goals:" in proc.stdout and "ZenFlowAdamW" in proc.stdout
+
+
 def test_kernels_quick(tmp_path):
     proc = run_module("bench.kernels", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr

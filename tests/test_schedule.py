@@ -181,3 +181,92 @@ def test_schedule_round_trips_through_dict():
 def test_accepts_dict_config():
     sched, _ = resolve_quietly({"select_strategy": "step", "select_interval": 5, "update_interval": 5})
     assert sched.select_interval == 5 and sched.update_interval == 5
+
+
+class _Loader:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+# (config fields, resolve_schedule keyword arguments) -> every field of the resolved Schedule and how many
+# ZenFlowWarnings; the whole table is asserted at once
+RESOLUTION = [
+    (dict(select_strategy="auto", update_interval=2), dict(steps_per_epoch=7),
+     dict(warmup=0, select_strategy="epoch", select_interval=7, update_interval=2, auto_bound=None,
+          steps_per_epoch=7, steps_per_epoch_source="argument"), 0),
+    (dict(select_strategy="epoch", select_interval="auto", update_interval=1, steps_per_epoch=5), {},
+     dict(warmup=0, select_strategy="epoch", select_interval=5, update_interval=1, auto_bound=None,
+          steps_per_epoch=5, steps_per_epoch_source="config"), 0),
+    (dict(select_strategy="epoch", select_interval=3, update_interval="auto", max_update_interval=4), dict(
+        dataloader=_Loader(2)),
+     dict(warmup=0, select_strategy="epoch", select_interval=6, update_interval="auto", auto_bound=4,
+          steps_per_epoch=2, steps_per_epoch_source="dataloader"), 0),
+    (dict(select_strategy="epoch", select_interval=1, update_interval="auto", max_update_interval=9,
+          full_warm_up_rounds=3), dict(steps_per_epoch=1),
+     dict(warmup=3, select_strategy="epoch", select_interval=1, update_interval="auto", auto_bound=1,
+          steps_per_epoch=1, steps_per_epoch_source="argument"), 0),
+    (dict(select_strategy="epoch", select_interval=2, update_interval="auto", max_update_interval=6), dict(
+        dataloader=_Loader(0)),
+     dict(warmup=0, select_strategy="epoch", select_interval=0, update_interval="auto", auto_bound=6,
+          steps_per_epoch=None, steps_per_epoch_source=None), 1),
+    (dict(select_strategy="step", select_interval=4, update_interval=2), dict(steps_per_epoch=3),
+     dict(warmup=0, select_strategy="step", select_interval=4, update_interval=2, auto_bound=None,
+          steps_per_epoch=None, steps_per_epoch_source=None), 0),
+    (dict(select_strategy="auto", select_interval=5, update_interval=3, full_warm_up_rounds=2), {},
+     dict(warmup=2, select_strategy="epoch", select_interval=0, update_interval=3, auto_bound=None,
+          steps_per_epoch=None, steps_per_epoch_source=None), 2),
+]
+
+
+def test_resolution_table_every_field():
+    got, expected = [], []
+    for fields, kwargs, schedule, n_warnings in RESOLUTION:
+        sched, notes = resolve_quietly(ZenFlowConfig(**fields), **kwargs)
+        row = {k: v for k, v in sched.to_dict().items() if k != "warnings"}
+        got.append((row, len(notes), list(sched.warnings) == notes))
+        expected.append((schedule, n_warnings, True))
+    assert got == expected
+
+
+def test_never_reselected_messages_are_exact():
+    def message(**kwargs):
+        _, notes = resolve_quietly(ZenFlowConfig(select_strategy="epoch", select_interval=1, full_warm_up_rounds=3),
+                                   **kwargs)
+        assert len(notes) == 1
+        return notes[0]
+
+    tail = (", so select_interval resolves to 0: the important columns are chosen once, at step 3, and never "
+            "re-selected. To re-select, set zenflow.steps_per_epoch, hand over the dataloader or its length "
+            "(steps_per_epoch=len(loader)), or use select_strategy='step' with an integer select_interval.")
+    head = "zenflow: select_strategy='epoch' measures select_interval in epochs, but the epoch length is unknown"
+    assert message() == head + " (no steps_per_epoch and no dataloader)" + tail
+    assert message(dataloader=_Loader(0)) == head + " (the dataloader handed over is empty)" + tail
+    assert message(dataloader=iter([])) == head + " (the dataloader of type list_iterator has no len())" + tail
+
+
+def test_warnings_point_at_the_caller():
+    with pytest.warns(ZenFlowWarning) as record:
+        resolve_schedule(ZenFlowConfig())
+    assert record[0].filename == __file__
+
+
+def test_boundary_details():
+    sched, _ = resolve_quietly(ZenFlowConfig(select_strategy="step", select_interval=8, update_interval="auto",
+                                             max_update_interval=3, full_warm_up_rounds=2))
+    assert not any(sched.is_update_boundary(t, steps_accumulated=99, auto_trigger=True) for t in range(2))
+    assert not sched.is_update_boundary(2, steps_accumulated=1)  # no vote given: no vote
+    assert sched.is_update_boundary(2, steps_accumulated=1, auto_trigger=True)
+    # the forced boundaries count steps from the end of warm-up: bound 3, and the step before each selection
+    assert sched.update_steps(20) == [4, 7, 9, 12, 15, 17]
+    with pytest.raises(ValueError, match=r"^is_update_boundary with update_interval='auto' needs steps_accumulated$"):
+        sched.is_update_boundary(5)
+
+
+def test_schedule_from_a_dict_without_warnings():
+    sched, _ = resolve_quietly(ZenFlowConfig(select_strategy="step", select_interval=4, update_interval=2))
+    data = sched.to_dict()
+    del data["warnings"]  # written before the field existed
+    assert Schedule.from_dict(data) == sched

@@ -131,14 +131,12 @@ class Schedule:
 def _dataloader_length(dataloader: Any) -> tuple[int | None, str]:
     """len(dataloader) when it has one; (None, reason) when it has none or it is empty."""
     try:
-        n = len(dataloader)
+        n = len(dataloader)  # Python guarantees an int >= 0 (a __len__ returning anything else raises)
     except TypeError:
         return None, f" (the dataloader of type {type(dataloader).__name__} has no len())"
-    if not _is_int(n) or n < 0:  # a broken __len__; Python itself rejects negatives
-        raise ZenFlowConfigError(f"len(dataloader)={n!r} is invalid: allowed an integer >= 0")
     if n == 0:
         return None, " (the dataloader handed over is empty)"
-    return int(n), ""
+    return n, ""
 
 
 def resolve_schedule(

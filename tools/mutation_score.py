@@ -1,0 +1,91 @@
+"""Print the mutation score of the last ``mutmut run`` (``make mutation``).
+
+Reads ``mutmut results --all true`` (run in the repository root), counts the outcome of every mutant
+per module, leaves out the mutants judged equivalent in ``tools/mutation_equivalent.txt`` (one mutant
+name per line, then ``#`` and why no test can tell it from the original), and prints the score:
+killed / (all - equivalent), and the survivors left to look at. Exit status 0 when the score reaches
+``--goal`` (default 0.90), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+KILLED = {"killed", "timeout", "segfault"}  # a timeout or a crash is a detected mutant too
+
+
+def equivalent(path: Path) -> dict[str, str]:
+    out = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            name, _, why = line.partition("#")
+            if name.strip():
+                out[name.strip()] = why.strip()
+    return out
+
+
+def results(mutmut: str) -> dict[str, str]:
+    proc = subprocess.run([mutmut, "results", "--all", "true"], capture_output=True, text=True, check=True)
+    out = {}
+    for line in proc.stdout.splitlines():
+        name, sep, status = line.strip().rpartition(": ")
+        if sep:
+            out[name] = status.strip()
+    return out
+
+
+def module_of(name: str) -> str:
+    return name.split(".x", 1)[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mutmut", default=str(Path(sys.executable).with_name("mutmut")))
+    ap.add_argument("--equivalent", type=Path, default=HERE / "mutation_equivalent.txt")
+    ap.add_argument("--goal", type=float, default=0.90)
+    args = ap.parse_args(argv)
+    status = results(args.mutmut)
+    if not status:
+        print("no mutmut results: run `mutmut run` first (make mutation does)")
+        return 1
+    equiv = equivalent(args.equivalent)
+    stale = sorted(set(equiv) - set(status))
+    table: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    survivors = []
+    for name, st in sorted(status.items()):
+        mod = module_of(name)
+        if name in equiv:
+            table[mod]["equivalent"] += 1
+        elif st in KILLED:
+            table[mod]["killed"] += 1
+        else:
+            table[mod][st] += 1
+            survivors.append((name, st))
+    print(f"{'module':<34}{'killed':>8}{'equivalent':>12}{'survived':>10}{'other':>8}{'score':>8}")
+    tot_k = tot_n = 0
+    for mod, c in sorted(table.items()):
+        n = sum(c.values()) - c["equivalent"]
+        other = n - c["killed"] - c["survived"]
+        tot_k += c["killed"]
+        tot_n += n
+        print(f"{mod:<34}{c['killed']:>8}{c['equivalent']:>12}{c['survived']:>10}{other:>8}"
+              f"{c['killed'] / n if n else 1.0:>8.1%}")
+    score = tot_k / tot_n if tot_n else 1.0
+    print(f"score: {tot_k} of {tot_n} non-equivalent mutants killed = {score:.1%} (goal {args.goal:.0%}); "
+          f"{sum(c['equivalent'] for c in table.values())} judged equivalent ({args.equivalent.name})")
+    if survivors:
+        print("not killed (`mutmut show NAME` shows the change):")
+        for name, st in survivors:
+            print(f"  {st:<10} {name}")
+    if stale:
+        print(f"{len(stale)} names in {args.equivalent.name} are no longer mutants (the code moved): review them")
+    return 0 if score >= args.goal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
