@@ -1,5 +1,6 @@
 """The select/update schedule: the resolution table of the select-interval fix, warnings, boundaries."""
 
+import os
 import warnings
 
 import pytest
@@ -250,7 +251,10 @@ def test_never_reselected_messages_are_exact():
 def test_warnings_point_at_the_caller():
     with pytest.warns(ZenFlowWarning) as record:
         resolve_schedule(ZenFlowConfig())
-    assert record[0].filename == __file__
+    if "MUTANT_UNDER_TEST" in os.environ:  # mutmut puts a trampoline frame between the caller and the library
+        assert "zenflow_kernels" not in record[0].filename, record[0].filename
+    else:
+        assert record[0].filename == __file__
 
 
 def test_boundary_details():

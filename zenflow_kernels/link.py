@@ -60,18 +60,6 @@ __all__ = ["Chaos", "CpuLink", "CudaEngine", "RingLink", "ThreadEngine", "make_l
 # -- completions -------------------------------------------------------------------------------------
 
 
-class Done:
-    """A completion that has already happened (synchronous work)."""
-
-    __slots__ = ("result",)
-
-    def __init__(self, result: Any = None):
-        self.result = result
-
-    def wait(self) -> Any:
-        return self.result
-
-
 class Future:
     """A job on a :class:`HostWorker`; ``wait()`` is bounded by the worker's timeout and re-raises the
     job's failure with its traceback. Safe to wait on from any thread, any number of times."""
@@ -227,11 +215,6 @@ class ThreadEngine:
         self._device_waits: list[Future] = []  # H2D copies the parameters' next reader must wait for
         self._last_d2h: Future | None = None
 
-    def _submit(self, worker: HostWorker, fn: Callable) -> Future:
-        if self._delays is not None:
-            fn = self._delays.wrap(fn)
-        return Future(worker, worker.submit(fn))
-
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype)
 
@@ -242,10 +225,10 @@ class ThreadEngine:
             for dst, src in pairs:
                 dst.copy_(src)
 
-        self._last_d2h = self._submit(self._d2h, copy)
+        self._last_d2h = _submit(self._d2h, copy, self._delays)
 
     def d2h_marker(self) -> Future:
-        self._last_d2h = self._submit(self._d2h, _nothing)
+        self._last_d2h = _submit(self._d2h, _nothing, self._delays)
         return self._last_d2h
 
     def h2d(self, work: Callable[[], None]) -> Future:
@@ -253,7 +236,7 @@ class ThreadEngine:
             with torch.no_grad():  # grad mode is per thread: the work writes into parameters
                 work()
 
-        handle = self._submit(self._h2d, run)
+        handle = _submit(self._h2d, run, self._delays)
         self._device_waits.append(handle)
         return handle
 
@@ -286,6 +269,11 @@ class ThreadEngine:
 
 def _nothing() -> None:
     return None
+
+
+def _submit(worker: HostWorker, fn: Callable, delays: _Delays | None) -> Future:
+    """Queue ``fn`` on ``worker`` (with chaos delays around it, if any); its completion."""
+    return Future(worker, worker.submit(delays.wrap(fn) if delays is not None else fn))
 
 
 # -- links -----------------------------------------------------------------------------------------------
@@ -356,10 +344,6 @@ class CpuLink(_Link):
 
     kind = "cpu"
 
-    def __init__(self, host: HostShard, *, train_threads: int | None, **kwargs):
-        super().__init__(host, **kwargs)
-        self._train_threads = train_threads
-
     def stage(self, i: int, grad: torch.Tensor) -> None:
         """Nothing to start early: accumulation reads the gradient where it is."""
 
@@ -370,13 +354,18 @@ class CpuLink(_Link):
         at least that many elements are returned instead, for a synchronous update to fold into its
         AdamW pass (``HostShard.update(last=...)``)."""
         t0 = time.perf_counter()
-        last = {}
+        last, sums, grads = {}, [], []
         for i, grad in items:
             self.d2h_bytes += grad.numel() * grad.element_size()
             if fuse_min_numel is not None and grad.numel() >= fuse_min_numel:
                 last[i] = grad
             else:
-                self.host.accumulate(buf, i, grad, num_threads=self._train_threads)
+                sums.append(self.host.view(self.host.acc[buf], i))
+                grads.append(grad)
+        if sums:
+            # one call for all (fp32 additions, the same bits as cpu_ops.accumulate_): the training thread
+            # is torch's own, so torch's threads are the right ones here, unlike in a worker thread
+            torch._foreach_add_(sums, grads)
         self.accumulate_s += time.perf_counter() - t0
         return last
 
@@ -452,13 +441,8 @@ class RingLink(_Link):
         self._guard = None  # completion of the last write-back: the copy-out buffers are free after it
         self.staging_bytes = 0  # host staging allocated (once per slot and dtype)
 
-    def _submit(self, worker: HostWorker, fn: Callable) -> Future:
-        if self._delays is not None:
-            fn = self._delays.wrap(fn)
-        return Future(worker, worker.submit(fn))
-
     def submit_update(self, fn: Callable) -> Future:
-        return self._submit(self._updater, fn)
+        return _submit(self._updater, fn, self._delays)
 
     def _claim(self) -> None:
         """Own the current staging slot: its previous reader (an accumulate job) must be done."""
@@ -512,7 +496,7 @@ class RingLink(_Link):
             copied.wait()
             host.accumulate_flat(buf, staged, chosen)
 
-        self._last_accumulate = self._slot_reader[self._slot] = self._submit(self._accumulator, add)
+        self._last_accumulate = self._slot_reader[self._slot] = _submit(self._accumulator, add, self._delays)
         self._slot ^= 1
         self._claimed = False
         return {}
@@ -578,7 +562,6 @@ def make_link(
     *,
     overlap: bool,
     host_threads: int,
-    train_threads: int | None,
     cores,
     timeout: float | None,
     chaos: Chaos | None,
@@ -597,4 +580,4 @@ def make_link(
         host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc)
         return RingLink(host, engine, kind="cpu-async", delays=delays, **common)
     host = HostShard(params, groups, num_acc=num_acc)
-    return CpuLink(host, train_threads=train_threads, **common)
+    return CpuLink(host, **common)

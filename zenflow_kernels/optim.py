@@ -24,7 +24,6 @@ import time
 import weakref
 from typing import Any
 
-import numba
 import torch
 
 from . import cpu_ops, ops
@@ -127,8 +126,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.device = self._params[0].device if self._params else torch.device("cpu")
         overlap = self.config.overlap_step
         train_cores, host_cores = cpu_ops.split_cores(self.config.pt_reserved_cores_perc)
-        # host kernels the training thread itself launches stay on the training side of the split
-        self._train_threads = min(len(train_cores), numba.config.NUMBA_NUM_THREADS) if overlap else None
         self._saved_torch_threads = None
         host_threads = len(host_cores)
         if overlap and self.device.type == "cpu" and set(train_cores) & set(host_cores):
@@ -147,7 +144,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self.device,
             overlap=overlap,
             host_threads=host_threads,
-            train_threads=self._train_threads,
             cores=host_cores,
             timeout=self.host_timeout,
             chaos=self._chaos,
