@@ -625,7 +625,8 @@ def test_accumulation_failure_surfaces_within_seconds(device, monkeypatch):
     def broken_accumulate(*args, **kwargs):
         raise RuntimeError("injected accumulation failure")
 
-    monkeypatch.setattr(cpu_ops, "accumulate_", broken_accumulate)
+    monkeypatch.setattr(cpu_ops, "accumulate_", broken_accumulate)  # the asynchronous links' accumulation
+    monkeypatch.setattr(torch, "_foreach_add_", broken_accumulate)  # the synchronous CPU link's
     t0 = time.perf_counter()
     with pytest.raises((HostWorkerError, RuntimeError), match="injected accumulation failure") as info:
         drive(opt, zp, grad_sequence(6))

@@ -18,6 +18,10 @@ Device kernels (CUDA -> Triton; CPU -> torch; TRITON_INTERPRET=1 -> Triton on CP
 
 Host kernels (numba, multithreaded, release the GIL), see ``cpu_ops``
     cpu_adam_, accumulate_, accumulate_adam_, sum_squares, split_cores
+
+Testing (``zenflow_kernels.testing``)
+    chaos(seed, max_delay) -- optimizers created inside run the GPU's asynchronous protocol on CPU,
+                              with seeded random delays (``link.py`` holds that protocol)
 """
 
 from __future__ import annotations

@@ -283,7 +283,8 @@ class _Link:
     """What both links share: the host shard, the update worker (overlap), timed waits, counters."""
 
     kind = ""
-    moves_state = False
+    moves_state = False  # the fast-path state has a home apart from the device (offload can move it)
+    asynchronous = False  # copies complete later: gradients are worth staging from backward hooks
 
     def __init__(self, host: HostShard, *, overlap: bool, host_threads: int, cores, timeout: float | None):
         self.host = host
@@ -417,6 +418,7 @@ class RingLink(_Link):
     """Asynchronous movement through a staging ring, an accumulate worker and an engine's streams."""
 
     RING = 2
+    asynchronous = True
 
     def __init__(self, host: HostShard, engine, *, kind: str, delays: _Delays | None = None, **kwargs):
         super().__init__(host, **kwargs)

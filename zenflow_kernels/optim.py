@@ -29,7 +29,7 @@ import torch
 from . import cpu_ops, ops
 from .config import ZenFlowConfig, check_adamw_hyperparameters
 from .host import HostWorkerError
-from .link import RingLink, current_chaos, make_link
+from .link import current_chaos, make_link
 from .schedule import Schedule, resolve_schedule
 
 __all__ = ["ZenFlowAdamW", "HostWorkerError"]
@@ -163,7 +163,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._counts = [[0] * len(self._params) for _ in self._host.acc]
         # an asynchronous link starts each gradient's copy as soon as backward produces it
         hooks = []
-        if isinstance(self._link, RingLink):
+        if self._link.asynchronous:
             ref = weakref.ref(self)
             hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
         # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
