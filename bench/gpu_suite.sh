@@ -69,7 +69,7 @@ have_pytest=1
 # 1. the optimizer tests with CUDA parameters
 if [[ $have_pytest == 1 ]]; then
     export ZENFLOW_TRITON_AUTOTUNE=0
-    stage optim_tests 100 \
+    stage optim_tests 110 \
         "$PY" -m pytest tests/test_optim.py -k cuda -q -p no:cacheprovider --durations=10 -rs \
         > "$OUT/optim_tests.txt" 2>&1
     tail -n 25 "$OUT/optim_tests.txt"
@@ -79,7 +79,7 @@ fi
 
 # 2. the GPU end-to-end benchmark
 export ZENFLOW_TRITON_AUTOTUNE=0
-stage e2e_gpu 120 "$PY" -m bench.e2e --preset gpu --out "$OUT" --quiet > "$OUT/e2e_gpu.txt" 2>&1
+stage e2e_gpu 110 "$PY" -m bench.e2e --preset gpu --out "$OUT" --quiet > "$OUT/e2e_gpu.txt" 2>&1
 cat "$OUT/e2e_gpu.txt"
 
 # 3. kernel tests on the GPU (compilation dominates: a cold Triton cache compiles every variant once)
