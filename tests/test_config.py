@@ -204,17 +204,24 @@ def test_frozen_and_replace():
         (0.0, 100, 0),
         (0.1, 100, 10),
         (0.29, 100, 29),
-        (0.1, 9, 0),
+        (0.1, 9, 1),  # max(1, 0): a narrow matrix still gets one fast column
+        (0.1, 4, 1),  # a LoRA factor
+        (1e-6, 1, 1),
         (0.1, 10, 1),
+        (0.19, 10, 1),
+        (0.2, 10, 2),
         (1.0, 7, 7),
-        (0.5, 1, 0),
+        (1.0, 1, 1),
+        (0.5, 1, 1),
+        (0.0, 1, 0),
+        (0.0, 0, 0),
         (0.3, 10, 3),
         (0.7, 10, 7),
         (0.01, 4096, 40),
         (0.1, 0, 0),
     ],
 )
-def test_num_selected_is_floor_of_the_decimal(ratio, columns, k):
+def test_num_selected_is_max_one_floor_of_the_decimal(ratio, columns, k):
     assert ZenFlowConfig(topk_ratio=ratio).num_selected(columns) == k
 
 

@@ -70,8 +70,8 @@ def _check_bool(field: str, value: Any) -> bool:
 class ZenFlowConfig:
     """Every ZenFlow setting (DESIGN.md sections 2-3). Field defaults follow DeepSpeed's.
 
-    topk_ratio: fraction of each matrix's columns on the fast path, ``k = floor(topk_ratio * C)``;
-        0 and 1 are legal (1 makes ZenFlow plain AdamW).
+    topk_ratio: fraction of each matrix's columns on the fast path, ``k = max(1, floor(topk_ratio * C))``
+        (``num_selected``); 0 turns the fast path off, 1 makes ZenFlow plain AdamW.
     select_strategy: ``"auto"`` (= ``"epoch"`` with ``select_interval = 1``), ``"step"`` or ``"epoch"``.
     select_interval: ``"auto"`` or an integer >= 1, in steps (``"step"``) or epochs (``"epoch"``).
         An integer given with ``"auto"`` is ignored with a :class:`ZenFlowWarning` at resolution.
@@ -189,11 +189,15 @@ class ZenFlowConfig:
     # -- derived values ---------------------------------------------------------------------------
 
     def num_selected(self, num_columns: int) -> int:
-        """``k = floor(topk_ratio * C)``, computed on the decimal the user wrote (0.29 * 100 is 29,
+        """``k = max(1, floor(topk_ratio * C))`` when ``topk_ratio > 0`` (DeepSpeed's rule: a narrow matrix,
+        such as a LoRA factor with 4 columns, still gets one fast column), 0 when ``topk_ratio == 0`` or
+        the matrix has no columns. The floor is taken of the decimal the user wrote (0.29 * 100 is 29,
         not the 28 that binary floating point gives)."""
         if not _is_int(num_columns) or num_columns < 0:
             raise ValueError(f"num_columns={num_columns!r} is invalid: allowed an integer >= 0")
-        return int(math.floor(Fraction(repr(self.topk_ratio)) * int(num_columns)))
+        if self.topk_ratio == 0 or num_columns == 0:
+            return 0
+        return max(1, int(math.floor(Fraction(repr(self.topk_ratio)) * int(num_columns))))
 
 
 def _check_int_or_auto(field: str, value: Any) -> int | str:

@@ -179,6 +179,8 @@ def column_scores(grad: torch.Tensor, importance: str = "l2") -> torch.Tensor:
         A new float32 tensor ``[C]`` on ``grad``'s device: ``s[c] = sum_r g[r, c]**2`` (or ``|g[r, c]|``),
         accumulated in float32. ``grad`` is not modified.
     """
+    if torch.compiler.is_compiling() and isinstance(grad, torch.Tensor) and isinstance(importance, str):
+        return torch.ops.zenflow_kernels.column_scores(grad, importance)
     return _impl(grad).column_scores(grad, importance)
 
 
@@ -196,6 +198,9 @@ def topk_columns(scores: torch.Tensor, k: int, *, check_data: bool = True) -> to
         A new int64 tensor ``[k]``: the selected column numbers, sorted ascending; among equal scores the
         lower index wins. ``k == 0`` gives an empty tensor, ``k == C`` every column.
     """
+    compiling = torch.compiler.is_compiling()
+    if compiling and isinstance(scores, torch.Tensor) and _is_int(k) and isinstance(check_data, bool):
+        return torch.ops.zenflow_kernels.topk_columns(scores, k, check_data)
     return _impl(scores).topk_columns(scores, k, check_data=check_data)
 
 
@@ -240,6 +245,14 @@ def selective_adamw_(
         grad_scale: the gradient is divided by this (``> 0``): loss-scale unscaling and clipping folded in.
         check_data: check ``indices`` and a ``step`` tensor (one device synchronisation); False skips it.
     """
+    if torch.compiler.is_compiling() and _fits_selective_adamw_schema(
+            param, grad, indices, exp_avg, exp_avg_sq, master, step, lr, beta1, beta2, eps, weight_decay,
+            grad_scale, check_data):
+        per_col = isinstance(step, torch.Tensor)
+        torch.ops.zenflow_kernels.selective_adamw_(
+            param, grad, indices, exp_avg, exp_avg_sq, step if per_col else None, 0 if per_col else step, lr, beta1,
+            beta2, eps, weight_decay, master, grad_scale, check_data)
+        return
     _impl(param).selective_adamw_(
         param, grad, indices, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay, master=master, grad_scale=grad_scale, check_data=check_data)
@@ -302,3 +315,83 @@ def multi_selective_adamw_items_(items, *, beta1: float, beta2: float, eps: floa
     checks (about 60 us a tensor) on every step; wrong input here is undefined behaviour."""
     if items:
         _impl(items[0][0]).multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
+
+
+# -- torch.library custom ops ----------------------------------------------------------------------------
+#
+# torch.ops.zenflow_kernels.{column_scores, topk_columns, selective_adamw_}: the single-tensor ops as
+# opaque nodes for torch.compile (a fake implementation gives the output's shape; selective_adamw_
+# declares what it writes), so a compiled function that calls the public ops traces without a graph
+# break: the public functions route to these while dynamo traces them, and call the implementation
+# directly in eager mode (the custom-op dispatch costs ~0.1 ms a call in Python). Validation and the
+# device dispatch run inside, when the op runs, with the same errors as eager.
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _fits_selective_adamw_schema(param, grad, indices, exp_avg, exp_avg_sq, master, step, lr, beta1, beta2, eps,
+                                 weight_decay, grad_scale, check_data) -> bool:
+    """Whether the arguments have the custom op's types (otherwise the eager path raises the usual error)."""
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    optional = (indices, master)
+    return (all(isinstance(t, torch.Tensor) for t in tensors)
+            and all(t is None or isinstance(t, torch.Tensor) for t in optional)
+            and (isinstance(step, torch.Tensor) or _is_int(step))
+            and all(_is_real(x) for x in (lr, beta1, beta2, eps, weight_decay, grad_scale))
+            and isinstance(check_data, bool))
+
+
+@torch.library.custom_op("zenflow_kernels::column_scores", mutates_args=())
+def _column_scores_op(grad: torch.Tensor, importance: str) -> torch.Tensor:
+    return _impl(grad).column_scores(grad, importance)
+
+
+@_column_scores_op.register_fake
+def _(grad, importance):
+    return grad.new_empty((grad.shape[1],), dtype=torch.float32)
+
+
+@torch.library.custom_op("zenflow_kernels::topk_columns", mutates_args=())
+def _topk_columns_op(scores: torch.Tensor, k: int, check_data: bool) -> torch.Tensor:
+    return _impl(scores).topk_columns(scores, k, check_data=check_data)
+
+
+@_topk_columns_op.register_fake
+def _(scores, k, check_data):
+    return scores.new_empty((k,), dtype=torch.int64)
+
+
+@torch.library.custom_op("zenflow_kernels::selective_adamw_", mutates_args=("param", "exp_avg", "exp_avg_sq", "master"))
+def _selective_adamw_op(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step_per_column: torch.Tensor | None,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    master: torch.Tensor | None,
+    grad_scale: float,
+    check_data: bool,
+) -> None:
+    _impl(param).selective_adamw_(
+        param, grad, indices, exp_avg, exp_avg_sq, step=step if step_per_column is None else step_per_column, lr=lr,
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, master=master, grad_scale=grad_scale,
+        check_data=check_data)
+
+
+@_selective_adamw_op.register_fake
+def _(param, grad, indices, exp_avg, exp_avg_sq, step_per_column, step, lr, beta1, beta2, eps, weight_decay, master,
+      grad_scale, check_data):
+    return None

@@ -200,6 +200,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if self._built:
                 self._finalizer()
 
+    @torch.compiler.disable
     @torch.no_grad()
     def flush(self) -> None:
         """Wait for any in-flight host update and write back every pending result, so the live weights
@@ -235,6 +236,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # -- the step ----------------------------------------------------------------------------------
 
+    # torch.compile(opt.step) runs the step eagerly, as torch's own optimizers' host-side work does: it
+    # drives threads, streams and numba kernels, nothing a graph can hold
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         if self._closed:
@@ -567,6 +571,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # -- host path ---------------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not set_to_none and self._built:
             self._link.before_grad_write()  # copies still reading the gradients finish first
