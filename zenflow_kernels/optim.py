@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 import weakref
 from typing import Any
 
 import torch
 
 from . import cpu_ops, ops
-from .config import ZenFlowConfig, check_adamw_hyperparameters
+from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters
 from .host import HostWorkerError
 from .link import current_chaos, make_link
 from .schedule import Schedule, resolve_schedule
@@ -89,6 +90,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._chaos = current_chaos()  # testing.chaos: a CPU run uses the asynchronous test link
         self._inflight = None  # the overlapped host update still running (or done, not yet waited)
         self._plan = None  # the fast step's per-selection lists (_fast_plan)
+        # after loading a torch.optim.AdamW/Adam state dict: a matrix's first selection takes its columns'
+        # Adam state from the host (the imported moments and step) instead of starting them from zero
+        self._seed_from_host = False
         self._pending: list[int] = []  # parameters whose host result awaits its write-back
         self._stats = _Telemetry()
 
@@ -187,6 +191,25 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "ZenFlowAdamW cannot be copied or pickled (copy.copy, copy.deepcopy, pickle, torch.save(opt)): it owns "
+            "background threads, host buffers and, on a GPU, streams. Save opt.state_dict() and load it into a new "
+            "ZenFlowAdamW with load_state_dict() instead"
+        )
+
+    def __repr__(self) -> str:
+        base = super().__repr__()  # "ZenFlowAdamW (\nParameter Group 0\n    ...\n)"
+        zen = "".join(f"    {k}: {v!r}\n" for k, v in self.config.to_dict().items())
+        return f"{base[:-1]}ZenFlow\n{zen}    max_grad_norm: {self.max_grad_norm!r}\n)"
+
+    def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
+        """Give the epoch length, in optimizer steps (batches divided by gradient-accumulation steps,
+        rounded up), when it was not known at construction: ``select_strategy="epoch"``/``"auto"`` then
+        re-selects columns every ``select_interval`` epochs instead of never. The schedule is resolved again
+        (boundaries count from step 0); the ``ZenFlowCallback`` integrations call this for you."""
+        self.schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch)
 
     def close(self) -> None:
         """Land any in-flight host update and stop the background workers (idempotent)."""
@@ -422,6 +445,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # a low-precision matrix keeps an fp32 master of its selected columns; entering columns take
             # the host master's value (the live weight is that value, rounded)
             master = master_view[:, new.cpu()].to(self.device) if p.dtype != torch.float32 else None
+            if old is None and self._seed_from_host:  # continuing an imported AdamW run
+                cols = new.cpu()
+                m.copy_(host.view(host.exp_avg, i)[:, cols])
+                v.copy_(host.view(host.exp_avg_sq, i)[:, cols])
+                steps.fill_(host.host_step[i])
             if old is not None and old.numel():
                 # sorted index sets: position of each new column in the old set, if it was there
                 pos = torch.searchsorted(old, new).clamp_(max=old.numel() - 1)
@@ -649,7 +677,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             groups.append(packed)
         state: dict[int, dict] = {}
         zenflow = {name: getattr(self, name) for name in self._COUNTERS}
-        zenflow.update(config=self.config.to_dict(), schedule=self.schedule.to_dict(), max_grad_norm=self.max_grad_norm)
+        zenflow.update(config=self.config.to_dict(), schedule=self.schedule.to_dict(), max_grad_norm=self.max_grad_norm,
+                       seed_from_host=self._seed_from_host)
         if self._built:
             self._drain()
             self._link.synchronize()  # accumulation, write-backs and offloaded state have all landed
@@ -673,13 +702,30 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a :meth:`state_dict` (config, schedule and counters included: the saved run continues)."""
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
-            raise ValueError("ZenFlowAdamW.load_state_dict: the param groups do not match this optimizer's")
-        for saved, g in zip(groups, self.param_groups, strict=True):
-            if len(saved["params"]) != len(g["params"]):
-                raise ValueError("ZenFlowAdamW.load_state_dict: a param group's size does not match")
+        """Restore a :meth:`state_dict` (config, schedule and counters included: the saved run continues;
+        a saved config or ``max_grad_norm`` that differs from this optimizer's is reported with a
+        :class:`ZenFlowWarning` first). A ``torch.optim.AdamW`` (or ``Adam``) state dict starts ZenFlow
+        from its moments and step counts instead (see :meth:`_load_adam`). Anything else is an error, and
+        nothing is changed before every check passed."""
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) or not \
+                isinstance(state_dict.get("state"), dict):
+            raise ValueError(
+                "ZenFlowAdamW.load_state_dict: expected a state dict with 'state' and 'param_groups' (from "
+                f"ZenFlowAdamW.state_dict() or torch.optim.AdamW/Adam.state_dict()), got {type(state_dict).__name__}"
+                + (f" with keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict) else "")
+            )
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"ZenFlowAdamW.load_state_dict: the state dict has {len(groups)} param groups, this optimizer "
+                f"{len(self.param_groups)}: the param groups do not match this optimizer's"
+            )
+        for gi, (saved, g) in enumerate(zip(groups, self.param_groups, strict=True)):
+            if len(saved.get("params", ())) != len(g["params"]):
+                raise ValueError(f"ZenFlowAdamW.load_state_dict: param group {gi}'s size does not match")
+        if "zenflow" not in state_dict:
+            self._load_adam(state_dict)
+            return
         zenflow = state_dict["zenflow"]
         config = ZenFlowConfig.from_dict(zenflow["config"])
         schedule = Schedule.from_dict(zenflow["schedule"])
@@ -691,19 +737,24 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     f"ZenFlowAdamW.load_state_dict: parameter {idx} was saved with shape "
                     f"{tuple(st['host_master'].shape)}, this one is {tuple(p.shape)}"
                 )
-        if self._built:  # start from a clean slate: land nothing, keep nothing
-            self._drain()
-            self._stats.retire(self._link)
-            self._finalizer()
-            self._built, self._inflight = False, None
+        changed = [f"zenflow.{k}={v!r} (this optimizer: {getattr(self.config, k)!r})"
+                   for k, v in config.to_dict().items() if getattr(self.config, k) != v]
+        if zenflow["max_grad_norm"] != self.max_grad_norm:
+            changed.append(f"max_grad_norm={zenflow['max_grad_norm']!r} (this optimizer: {self.max_grad_norm!r})")
+        if changed:
+            warnings.warn(
+                "ZenFlowAdamW.load_state_dict: the checkpoint's settings replace this optimizer's: "
+                + "; ".join(changed) + ". The saved run continues as it was configured",
+                ZenFlowWarning,
+                stacklevel=2,
+            )
+        self._reset()
         self.config, self.schedule, self.max_grad_norm = config, schedule, zenflow["max_grad_norm"]
+        self._seed_from_host = bool(zenflow.get("seed_from_host", False))
         for saved, g in zip(groups, self.param_groups, strict=True):
             g.update({k: v for k, v in saved.items() if k != "params"})
         for name in self._COUNTERS:
             setattr(self, name, int(zenflow[name]))
-        self.state.clear()
-        self._pending = []
-        self._plan = None
         if not zenflow.get("built"):
             return
         self._build()
@@ -725,6 +776,73 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 k: (self._to_state(v) if k in _FAST_STATE_KEYS else v.to(self.device)) if torch.is_tensor(v) else v
                 for k, v in fast.items()
             }
+
+    def _reset(self) -> None:
+        """A clean slate before a load: land nothing, keep nothing, stop the workers."""
+        if self._built:
+            self._drain()
+            self._stats.retire(self._link)
+            self._finalizer()
+            self._built, self._inflight = False, None
+        self.state.clear()
+        self._pending = []
+        self._plan = None
+
+    def _load_adam(self, state_dict: dict) -> None:
+        """Continue a ``torch.optim.AdamW`` (or ``Adam``) run: the host takes its moments and step counts as
+        if warm-up had produced them, vectors join the fast path with them, and each matrix's first
+        selection takes its columns' moments and steps from the host, so that ``topk_ratio=1`` (or one
+        selection with ``update_interval=1``) continues exactly as AdamW would. The param groups'
+        hyper-parameters are the saved ones, as torch's own ``load_state_dict`` does; ZenFlow's schedule
+        starts at step 0 (warm-up rounds included)."""
+        where = "ZenFlowAdamW.load_state_dict"
+        groups = state_dict["param_groups"]
+        for gi, g in enumerate(groups):
+            missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in g]
+            if missing:
+                raise ValueError(f"{where}: param group {gi} has no {missing}: neither a ZenFlowAdamW nor a "
+                                 "torch.optim.AdamW/Adam state dict")
+            for flag in ("amsgrad", "maximize"):
+                if g.get(flag):
+                    raise ValueError(f"{where}: param group {gi} was saved with {flag}=True, which ZenFlowAdamW "
+                                     f"does not do: only plain AdamW/Adam state can be continued")
+            if not g.get("decoupled_weight_decay", True) and g["weight_decay"] != 0:
+                raise ValueError(
+                    f"{where}: param group {gi} is torch.optim.Adam with weight_decay={g['weight_decay']} (an L2 "
+                    "term in the gradient); ZenFlowAdamW decays decoupled (AdamW) and cannot continue it exactly: "
+                    "continue from a torch.optim.AdamW run, or an Adam run without weight decay"
+                )
+            check_adamw_hyperparameters(float(g["lr"]), g["betas"], g["eps"], g["weight_decay"],
+                                        where=f"{where} group {gi}")
+        order = [i for g in groups for i in g["params"]]
+        imported = {}
+        for idx, st in state_dict["state"].items():
+            if idx not in order:
+                raise ValueError(f"{where}: state of parameter {idx!r}, which no param group lists")
+            i = order.index(idx)
+            p = self._params[i]
+            if not isinstance(st, dict) or not {"exp_avg", "exp_avg_sq", "step"} <= set(st):
+                held = sorted(st) if isinstance(st, dict) else repr(st)
+                raise ValueError(f"{where}: the state of parameter {i} holds {held}, not AdamW's exp_avg, "
+                                 "exp_avg_sq and step")
+            for key in ("exp_avg", "exp_avg_sq"):
+                if tuple(st[key].shape) != tuple(p.shape):
+                    raise ValueError(f"{where}: parameter {i}'s {key} has shape {tuple(st[key].shape)}, the "
+                                     f"parameter {tuple(p.shape)}")
+            step = int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"])
+            imported[i] = (st["exp_avg"], st["exp_avg_sq"], step)
+        self._reset()
+        for saved, g in zip(groups, self.param_groups, strict=True):
+            g.update(lr=saved["lr"], betas=tuple(saved["betas"]), eps=saved["eps"], weight_decay=saved["weight_decay"])
+        for name in self._COUNTERS:
+            setattr(self, name, 0)
+        self._build()
+        host = self._host
+        for i, (m, v, step) in imported.items():
+            host.view(host.exp_avg, i).copy_(m)
+            host.view(host.exp_avg_sq, i).copy_(v)
+            host.host_step[i] = step
+        self._seed_from_host = True
 
 
 _FAST_STATE_KEYS = frozenset({"exp_avg", "exp_avg_sq", "master"})

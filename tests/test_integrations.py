@@ -1,0 +1,232 @@
+"""ZenFlowCallback under the Hugging Face Trainer and Lightning: models built from configs, synthetic
+data, a few steps on CPU. What they save and evaluate holds flushed weights, a resumed run continues
+exactly, the epoch length arrives, and importing the package imports neither framework."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.ops import use_backend
+
+
+@pytest.fixture(autouse=True)
+def numba_backend():
+    with use_backend("numba"):
+        yield
+
+
+def test_importing_the_package_imports_no_framework():
+    code = (
+        "import sys, zenflow_kernels, zenflow_kernels.integrations, zenflow_kernels.optim\n"
+        "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+ZEN = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=3, overlap_step=True)
+
+
+# -- Hugging Face Trainer ---------------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n, length=16, vocab=64, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def tiny_gpt2(seed=0):
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def hf_trainer(tmp_path, model, optimizers=(None, None), cls_kwargs=None, callbacks=(), **args):
+    from zenflow_kernels.integrations.transformers import ZenFlowCallback
+
+    defaults = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=8, save_steps=4,
+                    save_strategy="steps", eval_strategy="steps", eval_steps=4, logging_steps=100, report_to=[],
+                    use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    kwargs = dict(optimizers=optimizers)
+    if cls_kwargs is not None:
+        kwargs = dict(optimizer_cls_and_kwargs=cls_kwargs)
+    return transformers.Trainer(
+        model=model, args=transformers.TrainingArguments(**(defaults | args)), train_dataset=Tokens(40),
+        eval_dataset=Tokens(8, seed=1), callbacks=[ZenFlowCallback(), *callbacks], **kwargs)
+
+
+def flat_weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class RecordAtSave(transformers.TrainerCallback):
+    """After each save: the weights the model held, and whether a flush would still change them."""
+
+    def __init__(self):
+        self.saved = {}
+
+    def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):
+        from zenflow_kernels.integrations import find_zenflow
+
+        before = flat_weights(model)
+        opt = find_zenflow(optimizer)
+        opt.flush()
+        self.saved[state.global_step] = (before, flat_weights(model))
+
+
+@pytest.mark.parametrize("with_callback", [True, False])
+def test_hf_checkpoints_hold_flushed_weights(tmp_path, with_callback):
+    from safetensors.torch import load_file
+
+    model = tiny_gpt2()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, zenflow=ZEN)
+    record = RecordAtSave()
+    trainer = hf_trainer(tmp_path, model, optimizers=(opt, None), callbacks=[record])
+    if not with_callback:  # the control: without it, saved weights are stale
+        trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks
+                                              if type(c).__name__ != "ZenFlowCallback"]
+    trainer.train()
+    before, flushed = record.saved[4]
+    on_disk = load_file(str(tmp_path / "checkpoint-4" / "model.safetensors"))
+    same = all(torch.equal(on_disk[k], flushed[k]) for k in on_disk)
+    assert same == with_callback
+    assert all(torch.equal(before[k], flushed[k]) for k in before) == with_callback
+    if with_callback:
+        assert opt._closed  # flushed and closed at the end of training
+        final = load_file(str(tmp_path / "checkpoint-8" / "model.safetensors"))
+        assert all(torch.equal(final[k], model.state_dict()[k]) for k in final)
+    else:
+        opt.close()
+
+
+def test_hf_resume_from_a_checkpoint_is_exact(tmp_path):
+    straight_model = tiny_gpt2()
+    hf_trainer(tmp_path / "a", straight_model, cls_kwargs=(ZenFlowAdamW, dict(lr=1e-2, zenflow=ZEN))).train()
+    straight = flat_weights(straight_model)
+
+    first = tiny_gpt2()
+    hf_trainer(tmp_path / "b", first, cls_kwargs=(ZenFlowAdamW, dict(lr=1e-2, zenflow=ZEN)), max_steps=8).train()
+    resumed_model = tiny_gpt2(seed=5)  # other weights: everything must come from the checkpoint
+    trainer = hf_trainer(tmp_path / "b", resumed_model, cls_kwargs=(ZenFlowAdamW, dict(lr=1e-2, zenflow=ZEN)))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-4"))
+    resumed = flat_weights(resumed_model)
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+
+
+def test_hf_hands_over_the_epoch_length_in_optimizer_steps(tmp_path):
+    zen = dict(topk_ratio=0.25, select_strategy="epoch", select_interval=1, update_interval=1)
+    model = tiny_gpt2()
+    with pytest.warns(Warning, match="never re-selected"):  # unknown at construction, said so
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, zenflow=zen)
+    trainer = hf_trainer(tmp_path, model, optimizers=(opt, None), gradient_accumulation_steps=3, max_steps=4,
+                         save_strategy="no", eval_strategy="no")
+    trainer.train()
+    # 40 samples / batch 4 = 10 batches per epoch; 3 accumulation steps: 4 optimizer steps per epoch
+    assert opt.schedule.steps_per_epoch == math.ceil(10 / 3) == 4
+    assert opt.schedule.select_interval == 4 and opt.selections == 1
+
+
+# -- Lightning ----------------------------------------------------------------------------------------------
+
+L = pytest.importorskip("lightning.pytorch")
+
+
+class TinyModule(L.LightningModule):
+    def __init__(self, zenflow, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 6))
+        self.zenflow = zenflow
+        self.flushed_at_save = {}
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("val", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return ZenFlowAdamW(self.parameters(), lr=1e-2, zenflow=self.zenflow)
+
+
+def pairs(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(n, 12, generator=g), torch.randn(n, 6, generator=g))
+
+
+def lightning_trainer(tmp_path, max_steps=8, **kw):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from zenflow_kernels.integrations.lightning import ZenFlowCallback
+
+    # a checkpoint at the end of each epoch (4 steps): a plain DataLoader cannot resume mid-epoch
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path), every_n_epochs=1, save_top_k=-1, filename="{step}")
+    defaults = dict(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, callbacks=[ZenFlowCallback(), ckpt], num_sanity_val_steps=0,
+                    limit_val_batches=2, deterministic=True)
+    return L.Trainer(**(defaults | kw))
+
+
+def loader(n=16, batch=4, seed=0):
+    return torch.utils.data.DataLoader(pairs(n, seed), batch_size=batch)
+
+
+def test_lightning_checkpoints_hold_flushed_weights_and_resume_exactly(tmp_path):
+    module = TinyModule(ZEN)
+    trainer = lightning_trainer(tmp_path / "a")
+    trainer.fit(module, loader(), loader(8, seed=1))
+    opt = trainer.optimizers[0]
+    assert opt._closed
+    final = {k: v.clone() for k, v in module.state_dict().items()}
+    ckpt = torch.load(tmp_path / "a" / "step=4.ckpt", weights_only=False)
+    # the weights in the checkpoint are the flushed ones: loading the optimizer state marks nothing pending
+    assert not any(st.get("pending") for st in ckpt["optimizer_states"][0]["state"].values())
+
+    resumed = TinyModule(ZEN, seed=3)
+    lightning_trainer(tmp_path / "b").fit(resumed, loader(), loader(8, seed=1),
+                                          ckpt_path=str(tmp_path / "a" / "step=4.ckpt"))
+    for k, v in resumed.state_dict().items():
+        assert torch.equal(v, final[k]), k
+    end = torch.load(tmp_path / "a" / "step=8.ckpt", weights_only=False)
+    for k, v in end["state_dict"].items():
+        assert torch.equal(v, final[k]), k
+
+
+def test_lightning_without_the_callback_saves_stale_weights(tmp_path):
+    """The control of the test above: the same run without ZenFlowCallback checkpoints weights that still
+    await a host update (pending), and closes nothing."""
+    module = TinyModule(ZEN)
+    trainer = lightning_trainer(tmp_path)
+    trainer.callbacks[:] = [c for c in trainer.callbacks if type(c).__name__ != "ZenFlowCallback"]
+    trainer.fit(module, loader(), loader(8, seed=1))
+    ckpt = torch.load(tmp_path / "step=4.ckpt", weights_only=False)
+    assert any(st.get("pending") for st in ckpt["optimizer_states"][0]["state"].values())
+    assert not trainer.optimizers[0]._closed
+    trainer.optimizers[0].close()
+
+
+def test_lightning_hands_over_the_epoch_length(tmp_path):
+    zen = dict(topk_ratio=0.25, select_strategy="epoch", select_interval=1, update_interval=1)
+    module = TinyModule(zen)
+    trainer = lightning_trainer(tmp_path, max_steps=4, accumulate_grad_batches=3, limit_val_batches=0)
+    with pytest.warns(Warning, match="never re-selected"):
+        trainer.fit(module, loader(40))
+    # 40 samples / batch 4 = 10 batches; 3 accumulation steps: ceil(10 / 3) = 4 optimizer steps per epoch
+    assert trainer.optimizers[0].schedule.steps_per_epoch == 4

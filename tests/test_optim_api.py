@@ -1,0 +1,172 @@
+"""ZenFlowAdamW's surface beyond step(): copies, repr, the epoch length, and loading other state dicts."""
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from test_optim import HYPER, drive, grad_sequence, make_params, snapshot
+
+from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.config import ZenFlowWarning
+from zenflow_kernels.ops import use_backend
+
+
+@pytest.fixture(autouse=True)
+def numba_backend():
+    with use_backend("numba"):
+        yield
+
+
+ZEN = dict(topk_ratio=0.2, select_strategy="step", select_interval=6, update_interval=3, overlap_step=True)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle", "torch.save"])
+@pytest.mark.parametrize("stepped", [False, True])
+def test_copies_raise_a_clear_error_naming_state_dict(tmp_path, how, stepped):
+    params = make_params()
+    with ZenFlowAdamW(params, **HYPER, zenflow=ZEN) as opt:
+        if stepped:
+            drive(opt, params, grad_sequence(4))
+        before = snapshot(params)
+        copier = {
+            "deepcopy": copy.deepcopy,
+            "copy": copy.copy,
+            "pickle": pickle.dumps,
+            "torch.save": lambda o: torch.save(o, tmp_path / "opt.pt"),
+        }[how]
+        with pytest.raises(TypeError, match=r"cannot be copied or pickled.*state_dict\(\).*load_state_dict\(\)"):
+            copier(opt)
+        # and the original is untouched and trains on
+        assert all(torch.equal(a, b) for a, b in zip(before, snapshot(params), strict=True))
+        drive(opt, params, grad_sequence(2))
+
+
+def test_repr_shows_the_zenflow_settings_beside_the_groups():
+    opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=ZEN, max_grad_norm=2.5)
+    text = repr(opt)
+    assert text.startswith("ZenFlowAdamW (\nParameter Group 0\n") and text.endswith(")")
+    assert "    lr: 0.02\n" in text
+    for key, value in opt.config.to_dict().items():
+        assert f"\n    {key}: {value!r}\n" in text, key
+    assert "\n    max_grad_norm: 2.5\n" in text
+    opt.close()
+
+
+def test_set_steps_per_epoch_turns_never_reselected_into_per_epoch():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ZenFlowWarning)  # the "never re-selected" warning of the constructor
+        opt = ZenFlowAdamW(make_params(), zenflow=dict(select_strategy="epoch", select_interval=2, update_interval=2))
+    assert opt.schedule.select_interval == 0
+    opt.set_steps_per_epoch(5)
+    assert (opt.schedule.select_interval, opt.schedule.steps_per_epoch) == (10, 5)
+    assert opt.schedule.steps_per_epoch_source == "argument"
+    with pytest.raises(ValueError, match="steps_per_epoch=0"):
+        opt.set_steps_per_epoch(0)
+    assert opt.schedule.select_interval == 10  # unchanged by the failed call
+    opt.close()
+
+
+# -- continuing a torch.optim.AdamW run --------------------------------------------------------------------
+
+
+def _adamw_then(grads, split, make_opt):
+    """AdamW for ``split`` steps; then (a) AdamW on, (b) ZenFlowAdamW loaded from AdamW's state dict."""
+    params = make_params()
+    adam = torch.optim.AdamW(params, **HYPER, foreach=False)
+    drive(adam, params, grads[:split])
+    saved = copy.deepcopy(adam.state_dict())
+    start = snapshot(params)
+    straight = drive(adam, params, grads[split:])
+    fresh = [torch.nn.Parameter(x.clone()) for x in start]
+    opt = make_opt(fresh)
+    opt.load_state_dict(saved)
+    return straight, fresh, opt
+
+
+@pytest.mark.parametrize(
+    "zenflow",
+    [
+        dict(topk_ratio=1.0, select_strategy="step", select_interval=4, update_interval=2, overlap_step=True),
+        dict(topk_ratio=0.3, select_strategy="step", select_interval=10_000, update_interval=1),
+        dict(topk_ratio=0.0, select_strategy="step", select_interval=10_000, update_interval=1),
+        dict(topk_ratio=0.3, select_strategy="step", select_interval=10_000, update_interval=1, full_warm_up_rounds=2),
+    ],
+    ids=["topk1", "single-selection", "host-only", "warm-up"],
+)
+def test_a_torch_adamw_state_dict_continues_as_adamw(zenflow):
+    grads = grad_sequence(16)
+    lr_before = 1e-5
+    straight, fresh, opt = _adamw_then(
+        grads, 6, lambda ps: ZenFlowAdamW(ps, lr=lr_before, zenflow=zenflow))
+    with opt:
+        assert opt.param_groups[0]["lr"] == HYPER["lr"]  # the saved hyper-parameters, as torch does
+        resumed = drive(opt, fresh, grads[6:])
+    for t, (a, b) in enumerate(zip(straight, resumed, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-7, msg=lambda m, t=t, i=i: f"step {6 + t} p{i}: {m}")
+
+
+def test_an_imported_run_checkpoints_and_resumes_before_its_first_selection():
+    grads = grad_sequence(12)
+    zen = dict(topk_ratio=1.0, select_strategy="step", select_interval=4, update_interval=2, full_warm_up_rounds=1)
+    straight, fresh, opt = _adamw_then(grads, 5, lambda ps: ZenFlowAdamW(ps, zenflow=zen))
+    saved = copy.deepcopy(opt.state_dict())  # built, nothing selected yet: the seeding must survive the save
+    assert saved["zenflow"]["seed_from_host"] is True
+    opt.close()
+    again = [torch.nn.Parameter(x.detach().clone()) for x in fresh]
+    with ZenFlowAdamW(again, zenflow=zen) as opt2:
+        opt2.load_state_dict(saved)
+        resumed = drive(opt2, again, grads[5:])
+    for a, b in zip(straight, resumed, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-7)
+
+
+def _adam_state(**group):
+    params = make_params()
+    adam = torch.optim.AdamW(params, **HYPER)
+    drive(adam, params, grad_sequence(2))
+    sd = copy.deepcopy(adam.state_dict())
+    sd["param_groups"][0].update(group)
+    return sd
+
+
+@pytest.mark.parametrize(
+    "state_dict, match",
+    [
+        (_adam_state(amsgrad=True), "amsgrad=True"),
+        (_adam_state(maximize=True), "maximize=True"),
+        (_adam_state(decoupled_weight_decay=False), r"torch.optim.Adam with weight_decay=0.05 \(an L2 term"),
+        ({"state": {}, "param_groups": [{"params": list(range(6))}]},
+         r"has no \['lr', 'betas', 'eps', 'weight_decay'\]"),
+        ({"state": {0: {"momentum_buffer": torch.zeros(24, 16)}},
+          "param_groups": [{"params": list(range(6)), "lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8,
+                            "weight_decay": 0.0}]}, "not AdamW's exp_avg"),
+        ({"weights": 1}, r"expected a state dict with 'state' and 'param_groups'.*\['weights'\]"),
+        ([1, 2], "got list"),
+        ({"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]}, "has 2 param groups, this optimizer 1"),
+    ],
+    ids=["amsgrad", "maximize", "adam-l2", "no-hyper", "sgd", "no-groups", "not-a-dict", "groups"],
+)
+def test_other_state_dicts_are_clear_errors_that_change_nothing(state_dict, match):
+    params = make_params()
+    grads = grad_sequence(6)
+    with ZenFlowAdamW(params, **HYPER, zenflow=ZEN) as opt:
+        drive(opt, params, grads[:3])
+        before = copy.deepcopy(opt.state_dict())
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(state_dict)
+        after = opt.state_dict()
+        assert after["zenflow"] == before["zenflow"] and after["param_groups"] == before["param_groups"]
+        drive(opt, params, grads[3:])  # and it trains on
+
+
+def test_an_adam_state_dict_without_weight_decay_is_accepted():
+    params = make_params()
+    adam = torch.optim.Adam(params, lr=1e-2)
+    drive(adam, params, grad_sequence(2))
+    with ZenFlowAdamW(make_params(), zenflow=ZEN) as opt:
+        opt.load_state_dict(adam.state_dict())
+        assert opt.param_groups[0]["weight_decay"] == 0 and opt._host.host_step[0] == 2
