@@ -12,7 +12,7 @@ drifts by 2x within minutes; only medians taken side by side compare):
    Effective bandwidth = 28 bytes/param * n / time (7 fp32 streams), the same formula for all.
    All candidates update the same tensors (torch-allocated, 64-byte aligned), so none is favoured by
    placement.
-2. The update-boundary pipeline of DESIGN.md 2.5: add the interval's last gradient (bf16, as it comes
+2. The update-boundary pipeline of docs/design.md 2.5: add the interval's last gradient (bf16, as it comes
    from a bf16 model) into the fp32 accumulation buffer, unscale by ``interval * loss_scale / clip``,
    AdamW, and write the bf16 copy of the weights. Fused: one ``accumulate_adam_(..., out=bf16)`` pass,
    36 bytes/param (read p, acc, g16, m, v; write p, acc, m, v, out16). Separate passes, the way an

@@ -15,7 +15,7 @@ columns itself (``fast``: a memory-bound Adam over ``k * P`` parameters in HBM).
 them and the result crosses back, all while the GPU computes the next interval. Where the
 accumulation happens is a choice (``accumulate_on``):
 
-- ``"host"`` (the paper's description, DESIGN.md 2.5 and this library): the gradients cross PCIe
+- ``"host"`` (the paper's description, docs/design.md 2.5 and this library): the gradients cross PCIe
   every step in the background and the CPU adds them into its buffer, ``S`` passes per interval;
 - ``"gpu"``: the GPU sums them in its gradient buffer and they cross once per interval (how we read
   DeepSpeed's ``zenflow_stage_1_and_2.py``: the host buffer is *copied* into at the boundary).

@@ -119,7 +119,7 @@ def test_resolved_select_interval_below_update_interval_rejected():
 
 
 def brute_boundaries(warmup, select_interval, update_interval, steps):
-    """DESIGN.md section 3 written out literally, as an independent check."""
+    """docs/design.md section 3 written out literally, as an independent check."""
     sel, upd = [], []
     for t in range(steps):
         if t >= warmup and (t == warmup or (select_interval != 0 and (t - warmup) % select_interval == 0)):

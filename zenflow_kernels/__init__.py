@@ -5,10 +5,10 @@ are imported only by the pieces that need them):
 
 Configuration and schedule (pure Python)
     ZenFlowConfig, ZenFlowConfigError, ZenFlowWarning    -- every ZenFlow field, validated
-    resolve_schedule, Schedule                           -- select/update boundaries (DESIGN.md section 3)
+    resolve_schedule, Schedule                           -- select/update boundaries (docs/design.md section 3)
 
 The algorithm
-    ReferenceZenFlow   -- the slow, readable oracle of DESIGN.md sections 2-3
+    ReferenceZenFlow   -- the slow, readable oracle of docs/design.md sections 2-3
     ZenFlowAdamW       -- the drop-in torch.optim optimizer (fast path on device, host update behind)
 
 Device kernels (CUDA -> Triton; CPU -> torch; TRITON_INTERPRET=1 -> Triton on CPU), see ``ops``

@@ -1,4 +1,4 @@
-"""ZenFlow configuration: every field of DESIGN.md section 3, validated, with DeepSpeed-compatible input.
+"""ZenFlow configuration: every field of docs/design.md section 3, validated, with DeepSpeed-compatible input.
 
 A :class:`ZenFlowConfig` is immutable and valid by construction: each field is checked in
 ``__post_init__`` and a bad value raises :class:`ZenFlowConfigError` naming the field, the value and
@@ -68,7 +68,7 @@ def _check_bool(field: str, value: Any) -> bool:
 
 @dataclass(frozen=True)
 class ZenFlowConfig:
-    """Every ZenFlow setting (DESIGN.md sections 2-3). Field defaults follow DeepSpeed's.
+    """Every ZenFlow setting (docs/design.md sections 2-3). Field defaults follow DeepSpeed's.
 
     topk_ratio: fraction of each matrix's columns on the fast path, ``k = max(1, floor(topk_ratio * C))``
         (``num_selected``); 0 turns the fast path off, 1 makes ZenFlow plain AdamW.

@@ -1,4 +1,4 @@
-"""Device <-> host movement for ZenFlowAdamW (DESIGN.md sections 4 and 6): one protocol, three links.
+"""Device <-> host movement for ZenFlowAdamW (docs/design.md sections 4-5): one protocol, three links.
 
 The optimizer decides *what* moves and *when* (the algorithm); a link moves it and hands back
 completions. Every asynchronous operation returns or records a handle, and nothing is read before

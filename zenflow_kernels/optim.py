@@ -1,4 +1,4 @@
-"""ZenFlowAdamW: the drop-in ``torch.optim`` optimizer (DESIGN.md sections 2-3, oracle: reference.py).
+"""ZenFlowAdamW: the drop-in ``torch.optim`` optimizer (docs/design.md sections 2-3, oracle: reference.py).
 
 Every step, on the parameters' device: one fused multi-tensor AdamW over the selected columns of
 every matrix and over every vector parameter (``ops.multi_selective_adamw_``), and the step's
@@ -668,7 +668,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly (DESIGN.md section 2 item 7); drains any in-flight host
+        """Everything needed to continue exactly (docs/design.md section 2 item 7); drains any in-flight host
         update first (its result stays pending, as it would without the save)."""
         groups = []
         for gi, g in enumerate(self.param_groups):

@@ -1,4 +1,4 @@
-"""ReferenceZenFlow: a plain, slow, readable torch implementation of DESIGN.md sections 2-3.
+"""ReferenceZenFlow: a plain, slow, readable torch implementation of docs/design.md sections 2-3.
 
 This is the oracle every fast path is tested against, so it favours being obviously right over
 being fast: no threads, no kernels, no flat buffers, per-parameter Python loops, float32 or float64
@@ -18,7 +18,7 @@ Per matrix parameter ``W [R, C]`` (state in ``self.state[W]``):
 Vector parameters (anything not 2-D) keep one plain AdamW state (``exp_avg``, ``exp_avg_sq``,
 ``step``): host-updated during warm-up, on the fast path after, without a break.
 
-Decisions this implementation pins down where DESIGN.md leaves room (the fast path must agree):
+Decisions this implementation pins down where docs/design.md leaves room (the fast path must agree):
 
 * a skipped (non-finite) step does not advance ``t``; ``skipped_steps`` counts it;
 * a parameter whose ``.grad`` is None at a step takes no part in it (no fast update, nothing

@@ -1,4 +1,4 @@
-"""When ZenFlow selects columns and when the host updates: DESIGN.md section 3, as pure functions of t.
+"""When ZenFlow selects columns and when the host updates: docs/design.md section 3, as pure functions of t.
 
 ``t`` counts optimizer steps from 0 (skipped non-finite steps do not count). ``Wu`` is
 ``full_warm_up_rounds`` and ``I`` the resolved select interval in steps (0 = never re-selected).
@@ -144,7 +144,7 @@ def resolve_schedule(
     steps_per_epoch: int | None = None,
     dataloader: Any = None,
 ) -> Schedule:
-    """Resolve ``config``'s select/update intervals into a :class:`Schedule` (DESIGN.md section 3).
+    """Resolve ``config``'s select/update intervals into a :class:`Schedule` (docs/design.md section 3).
 
     Emits each applicable :class:`ZenFlowWarning` once; raises :class:`ZenFlowConfigError` for an
     invalid ``steps_per_epoch`` (config or argument), conflicting epoch lengths, or a resolved select

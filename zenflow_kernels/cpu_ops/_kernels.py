@@ -449,7 +449,7 @@ def selective_adam_kernel(
     bc2_sqrt,
 ):
     """AdamW on the columns ``idx`` (or all columns when ``idx`` is None) of a row-major
-    ``[rows, cols]`` parameter, with compact ``[rows, k]`` state; the CPU fast path of DESIGN.md
+    ``[rows, cols]`` parameter, with compact ``[rows, k]`` state; the CPU fast path of docs/design.md
     section 2 item 4. ``neg_step_size`` and ``bc2_sqrt`` are float32 ``[k]`` arrays (per-column bias
     correction; all equal for a single step count).
 

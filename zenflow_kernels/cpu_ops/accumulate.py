@@ -1,6 +1,6 @@
 """Host gradient accumulation and sum of squares: one multithreaded numba pass each (GIL released).
 
-``accumulate_`` is the per-step half of DESIGN.md section 2 item 5 (each step's gradient is added
+``accumulate_`` is the per-step half of docs/design.md section 2 item 5 (each step's gradient is added
 into the host accumulation buffer); ``sum_squares`` gives the squared norm for clipping (item 6) and,
 because its result is non-finite exactly when the input holds inf/NaN, the skip decision too, in
 the same single read of the data.

@@ -1,6 +1,6 @@
 """Host Adam/AdamW: one fused, multithreaded numba pass over fp32 master weights and moments.
 
-Serves DESIGN.md section 2 item 5 (the slow path): at an update boundary the host steps the fp32
+Serves docs/design.md section 2 item 5 (the slow path): at an update boundary the host steps the fp32
 master copy with the mean accumulated gradient. ``accumulate_adam_`` folds the last gradient of the
 interval into the accumulation buffer in the same pass, and ``out=`` writes the updated parameter in
 the device's dtype in the same pass, ready for the host-to-device copy. One read of p, g, m, v and
@@ -191,7 +191,7 @@ def accumulate_adam_(
     num_threads: int | None = None,
 ) -> None:
     """Add the last gradient of an interval into ``acc`` and take the Adam step with
-    ``(acc + grad) / grad_scale``, in the same pass (the update-boundary case of DESIGN.md 2.5).
+    ``(acc + grad) / grad_scale``, in the same pass (the update-boundary case of docs/design.md 2.5).
 
     Same as ``accumulate_(acc, grad)`` followed by ``cpu_adam_(param, acc, exp_avg, exp_avg_sq, ...,
     grad_scale=grad_scale, out=out)``, reading and writing ``acc`` once instead of three times.
