@@ -8,6 +8,7 @@ chaos context's own contract.
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -198,6 +199,71 @@ def test_device_accumulation_is_bit_identical_and_moves_less(overlap, dtype):
     per_step = (sum(matrices) * 20 - matrices[1] * 4) * size
     assert moved[0] == everything + per_step
     assert moved[1:] == [everything + 5 * sum(matrices) * 4] * 3
+
+
+def test_zeroing_gradients_in_place_waits_for_their_copies(monkeypatch):
+    """``zero_grad(set_to_none=False)`` writes into the gradients a D2H copy may still be reading: it must
+    wait for the copies first. Copies slowed to 50 ms make the race certain without the wait."""
+    from zenflow_kernels.link import ThreadEngine, _submit
+
+    def slow_d2h(self, copies):
+        pairs = list(copies)
+
+        def late():
+            time.sleep(0.05)
+            for dst, src in pairs:
+                dst.copy_(src)
+
+        self._last_d2h = _submit(self._d2h, late, None)
+
+    monkeypatch.setattr(ThreadEngine, "d2h", slow_d2h)
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2)
+    grads = grad_sequence(8)
+    runs = []
+    for seed in (None, 0):
+        zp = make_params()
+        if seed is None:
+            opt = ZenFlowAdamW(zp, **HYPER, zenflow=zenflow)
+        else:
+            with chaos(seed=seed, max_delay=0):
+                opt = ZenFlowAdamW(zp, **HYPER, zenflow=zenflow)
+        history = []
+        with opt:
+            for step_grads in grads:
+                for p, g in zip(zp, step_grads, strict=True):
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.copy_(g)  # gradients written in place, as backward accumulates into them
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+                history.append(snapshot(zp))
+        runs.append(history)
+    for t, (a, b) in enumerate(zip(*runs, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), f"step {t} param {i}"
+
+
+def test_cpu_link_times_the_host_work_it_does_on_the_training_thread(monkeypatch):
+    """accumulate() and upload() add their own duration to ``accumulate_s`` (a clock ticking 1 s per read)."""
+    import zenflow_kernels.link as link_module
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(link_module.time, "perf_counter", lambda: float(next(ticks)))
+    params = make_params()
+    link = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=False, host_threads=1,
+                                 cores=None, timeout=10, chaos=None)
+    grads = [(i, torch.ones_like(p)) for i, p in enumerate(params)]
+    link.accumulate(grads, 0)
+    link.accumulate(grads, 0)
+    assert link.accumulate_s == 2.0
+    sums = [(0, torch.full_like(params[0], 3.0))]
+    link.upload(sums, 0)
+    assert link.accumulate_s == 3.0
+    assert torch.equal(link.host.view(link.host.acc[0], 0), torch.full_like(params[0], 3.0))
+    assert not sums[0][1].any()  # zeroed for the next interval
+    assert torch.equal(link.host.view(link.host.acc[0], 1), torch.full_like(params[1], 2.0))
+    link.close()
 
 
 def test_asynchronous_link_threads_stop_at_close():

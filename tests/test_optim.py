@@ -273,6 +273,59 @@ def test_update_every_step_equals_adamw_with_a_matrix_large_enough_to_fuse(devic
             torch.testing.assert_close(x, y, **adamw_tol(device), msg=lambda m, t=t, i=i: f"step {t} p{i}: {m}")
 
 
+def _auto_case(name):
+    """(shapes, zenflow overrides, gradient of step t) for Zen-auto scenarios whose votes hinge on details."""
+    g = torch.Generator().manual_seed(7)
+    if name == "full-matrix-first":  # a matrix with k == C does not vote, and must not stop the others voting
+        shapes = [(3, 1), (4, 6), (4,)]
+        return shapes, dict(topk_ratio=0.34, auto_ratio=0.5), lambda t: [torch.randn(s, generator=g) for s in shapes]
+    if name == "single-voter":
+        shapes = [(4, 6), (4,)]
+        return shapes, dict(topk_ratio=0.34, auto_ratio=1.0), lambda t: [torch.randn(s, generator=g) for s in shapes]
+    if name == "exact-tie":  # a matrix with two equal columns needs an update at once (>=); half the voters suffice
+        shapes = [(3, 2), (4, 6)]
+
+        def grads(t):
+            tie = torch.full((3, 2), 0.5)
+            other = torch.ones(4, 6)
+            other[:, :2] = 40.0  # the selected columns dominate: no need yet
+            return [tie, other]
+
+        return shapes, dict(topk_ratio=0.5, auto_ratio=0.5), grads
+    if name == "small-gradients":  # magnitudes far below 1: any offset in the running sums shows
+        shapes = [(4, 6), (5, 3)]
+        return shapes, dict(topk_ratio=0.34, auto_ratio=0.5), lambda t: [1e-3 * torch.randn(s, generator=g)
+                                                                         for s in shapes]
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("name", ["full-matrix-first", "single-voter", "exact-tie", "small-gradients"])
+def test_zen_auto_votes_match_the_oracle(device, name):
+    shapes, overrides, grads_at = _auto_case(name)
+    zenflow = dict(select_strategy="step", select_interval=12, update_interval="auto", max_update_interval=6,
+                   overlap_step=False) | overrides
+    zp = make_params(device=device, shapes=shapes)
+    rp = make_params(shapes=shapes)
+    ref = ReferenceZenFlow(rp, **HYPER, zenflow=zenflow)
+    boundaries, ref_boundaries = [], []
+    with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
+        for t in range(12):
+            for p, q, gr in zip(zp, rp, grads_at(t), strict=True):
+                p.grad, q.grad = gr.to(device), gr.clone()
+            before = (opt.host_updates, ref.host_updates)
+            opt.step()
+            ref.step()
+            boundaries.append(opt.host_updates - before[0])
+            ref_boundaries.append(ref.host_updates - before[1])
+            for i, (x, y) in enumerate(zip(snapshot(zp), rp, strict=True)):
+                torch.testing.assert_close(x, y.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, t=t, i=i: f"{t} {i}: {m}")
+    assert boundaries == ref_boundaries
+    if name == "exact-tie":  # the tied matrix needs an update at every step, and its vote is enough
+        assert boundaries == [1] * 12
+    else:
+        assert 0 < sum(boundaries) < 12  # the votes decided something: neither never nor always
+
+
 def test_lr_scheduler_matches_the_oracle(device):
     grads = grad_sequence(24)
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=4, overlap_step=True)
@@ -684,14 +737,21 @@ def test_interpreter_exits_with_an_open_optimizer():
 # -- telemetry, errors, the Triton path ----------------------------------------------------------------
 
 
-def test_stats_are_measured_and_sane():
+def test_stats_are_measured_and_sane(device):
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=6, update_interval=3, overlap_step=True)
-    zp = make_params()
+    zp = make_params(device=device)
     with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
+        t0 = time.perf_counter()
         drive(opt, zp, grad_sequence(18))
         opt.flush()  # the last interval's update was still in flight
+        elapsed = time.perf_counter() - t0
         s = opt.stats()
     assert s["steps"] == 18 and s["host_updates"] == 6 and s["selections"] == 3 and s["skipped_steps"] == 0
+    assert s["wall_s"] <= elapsed
+    assert s["fast_path_s_mean"] == pytest.approx(sum(s["fast_path_s"]) / 18)
+    assert s["host_update_s_mean"] == pytest.approx(sum(s["host_update_s"]) / 6)
+    # overlapped, no warm-up: the stall is the accumulation the training thread did and its waits
+    assert s["stall_s"] == pytest.approx(s["accumulate_s"] + s["worker_wait_s"])
     assert len(s["fast_path_s"]) == 18 and all(x > 0 for x in s["fast_path_s"])
     assert len(s["host_update_s"]) == 6 and all(x > 0 for x in s["host_update_s"])
     assert 0 <= s["stall_fraction"] <= 1 and 0 <= s["overlap_fraction"] <= 1
@@ -701,6 +761,36 @@ def test_stats_are_measured_and_sane():
     assert len(s["selection_jaccard"]) == 3 and all(0 <= j <= 1 for j in s["selection_jaccard"][1:])
     # the hot columns (4x-6x) dominate: the captured score mass is far above the 10% a random pick gets
     assert min(s["score_mass_captured"]) > 0.3
+
+
+def test_stats_before_the_first_step_are_zero():
+    zenflow = dict(select_strategy="step", select_interval=4, update_interval=2)
+    opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow)
+    opt.zero_grad()  # nothing built yet: nothing to wait for
+    opt.zero_grad(set_to_none=False)
+    s = opt.stats()
+    assert s["steps"] == 0 and s["wall_s"] == 0.0 and s["stall_s"] == 0.0 and s["stall_fraction"] == 0.0
+    assert s["fast_path_s_mean"] == 0.0 and s["host_update_s_mean"] == 0.0 and s["step_s_mean"] == 0.0
+    assert s["link"] is None and s["d2h_bytes"] == 0 and s["h2d_bytes"] == 0 and s["d2h_bytes_per_step"] == 0.0
+    opt.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_fraction_counts_the_hidden_host_time(overlap):
+    """With training work between boundaries an overlapped host update hides behind it; a synchronous one
+    hides nothing."""
+    zp = make_params()
+    zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=100, update_interval=3, overlap_step=overlap)
+    with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
+        for step_grads in grad_sequence(12):
+            time.sleep(0.01)  # "forward and backward"
+            drive(opt, zp, [step_grads])
+        s = opt.stats()
+    assert s["host_updates"] == 4
+    if overlap:
+        assert s["overlap_fraction"] > 0.5, s["overlap_fraction"]
+    else:
+        assert s["overlap_fraction"] == 0.0
 
 
 def test_selection_telemetry_is_exact_on_a_constructed_run(device):
@@ -792,7 +882,7 @@ def test_selected_columns_accessor():
         assert opt.selected_columns(zp[1]) is None  # a vector: always on the fast path, no columns
         sel[0] = -1  # a copy: the optimizer's state is untouched
         assert opt.selected_columns(zp[0])[0] >= 0
-        with pytest.raises(ValueError, match="not a parameter of this optimizer"):
+        with pytest.raises(ValueError, match=r"^selected_columns: the tensor is not a parameter of this optimizer$"):
             opt.selected_columns(torch.zeros(3, 3))
 
 

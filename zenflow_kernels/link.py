@@ -181,6 +181,11 @@ class CudaEngine:
     def device_waits_for_d2h(self) -> None:
         self._current().wait_stream(self._d2h)
 
+    def after_d2h(self, work: Callable[[], None]) -> None:
+        """Device work (``work`` enqueues it) that must follow every D2H copy issued so far."""
+        self.device_waits_for_d2h()
+        work()
+
     def join(self) -> None:
         """The training thread may touch device tensors (nothing to do: the device waits in order)."""
 
@@ -244,6 +249,18 @@ class ThreadEngine:
         if self._last_d2h is not None:
             self._last_d2h.wait()
 
+    def after_d2h(self, work: Callable[[], None]) -> None:
+        """Device work that must follow every D2H copy issued so far: queued behind them on the D2H thread
+        (the training thread does not wait, as a GPU's host would not); it waits at :meth:`join`."""
+
+        def run():
+            with torch.no_grad():
+                work()
+
+        handle = _submit(self._d2h, run, self._delays)
+        self._last_d2h = handle
+        self._device_waits.append(handle)
+
     def join(self) -> None:
         waits, self._device_waits = self._device_waits, []
         for handle in waits:
@@ -260,7 +277,7 @@ class ThreadEngine:
         dst.copy_(src)
 
     def new_host_state(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to("cpu", copy=True)
+        return t  # already a CPU tensor of the caller's own: host memory here
 
     def close(self) -> None:
         for w in self.workers:
@@ -509,10 +526,9 @@ class RingLink(_Link):
         accumulation's. The device zeroes the sums once the copies have read them."""
         self._engine.d2h([(self.host.view(self.host.acc[buf], i), total) for i, total in items])
         self._last_accumulate = self._engine.d2h_marker()
-        self._engine.device_waits_for_d2h()
-        for _, total in items:
-            total.zero_()
-            self.d2h_bytes += total.numel() * total.element_size()
+        sums = [total for _, total in items]
+        self._engine.after_d2h(lambda: torch._foreach_zero_(sums))  # the next interval starts from zero
+        self.d2h_bytes += sum(total.numel() * total.element_size() for total in sums)
 
     def discard(self) -> None:
         """Forget what was staged this step (a skipped step): the slot is written again next step."""

@@ -369,7 +369,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """ZeRO-Offload: every parameter gets a synchronous host AdamW step, then all of it is copied back."""
         last = self._accumulate(active, fuse=True)
         self._sync_host_update(self._take_counts(active), last)
-        self._write_back(active, whole=True)
+        self._write_back(active)  # nothing is selected during warm-up: whole parameters
         self.host_updates += 1
 
     def _zenflow_step(self, t: int, active: list[int], coef: float | None) -> None:
@@ -646,15 +646,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._stats.host_seconds.append(result["seconds"])
 
     @torch.no_grad()
-    def _write_back(self, indices: list[int], whole: bool = False) -> None:
-        """Live weights <- the host copy-out buffers: the non-selected columns of each matrix, or the
-        whole parameter (warm-up)."""
+    def _write_back(self, indices: list[int]) -> None:
+        """Live weights <- the host copy-out buffers: the non-selected columns of each matrix with a
+        selection, the whole parameter otherwise (vectors, warm-up)."""
         if not indices:
             return
         items = []
         for i in indices:
             p = self._params[i]
-            sel = None if whole or p.dim() != 2 else (self.state.get(p) or {}).get("selected")
+            sel = (self.state.get(p) or {}).get("selected")
             items.append((p, self._host.out_view(i), sel))
         self._link.write_back(items)
 
@@ -773,7 +773,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 host.out_view(i).copy_(st["host_master"])  # what the finished update wrote
             fast = {k: v for k, v in st.items() if k not in _HOST_KEYS}
             self.state[p] = {
-                k: (self._to_state(v) if k in _FAST_STATE_KEYS else v.to(self.device)) if torch.is_tensor(v) else v
+                # copies: the optimizer must not share storage with the caller's state dict
+                k: (self._to_state(v.clone()) if k in _FAST_STATE_KEYS else v.to(self.device, copy=True))
+                if torch.is_tensor(v) else v
                 for k, v in fast.items()
             }
 
