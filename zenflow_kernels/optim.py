@@ -333,15 +333,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         buf = self._acc_buf
         fuse_min = self.FUSE_MIN_NUMEL if fuse and self.max_grad_norm is None else None
         last = self._link.accumulate([(i, self._params[i].grad) for i in indices], buf, fuse_min_numel=fuse_min)
-        counts = self._counts[buf]
-        for i in indices:
-            counts[i] += 1
+        self._count(indices)
         return last
 
     def _accumulate_on_device(self, indices: list[int]) -> None:
         """``device_accumulation``: add these gradients into the device-side sums of the interval."""
         host, acc = self._host, self._device_acc
         torch._foreach_add_([host.view(acc, i) for i in indices], [self._params[i].grad for i in indices])
+        self._count(indices)
+
+    def _count(self, indices: list[int]) -> None:
+        """The ledger: one more gradient of each of these parameters in the current interval."""
         counts = self._counts[self._acc_buf]
         for i in indices:
             counts[i] += 1
