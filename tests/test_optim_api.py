@@ -170,3 +170,26 @@ def test_an_adam_state_dict_without_weight_decay_is_accepted():
     with ZenFlowAdamW(make_params(), zenflow=ZEN) as opt:
         opt.load_state_dict(adam.state_dict())
         assert opt.param_groups[0]["weight_decay"] == 0 and opt._host.host_step[0] == 2
+
+
+def test_a_narrow_matrix_gets_one_fast_column_like_the_oracle():
+    """k = max(1, floor(topk_ratio * C)): a LoRA-like factor with 4 columns at topk_ratio=0.1 gets one fast
+    column in the optimizer and in the oracle alike, and the two agree step by step."""
+    from zenflow_kernels.reference import ReferenceZenFlow
+
+    shapes = [(16, 4), (4, 16), (16,)]
+    zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=4, update_interval=2)
+    g = torch.Generator().manual_seed(2)
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(8)]
+    zp, rp = make_params(shapes=shapes), make_params(shapes=shapes)
+    ref = ReferenceZenFlow(rp, **HYPER, zenflow=zenflow)
+    with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
+        for step_grads in grads:
+            for p, q, gr in zip(zp, rp, step_grads, strict=True):
+                p.grad, q.grad = gr.clone(), gr.clone()
+            opt.step()
+            ref.step()
+            assert opt.selected_columns(zp[0]).numel() == 1 and opt.selected_columns(zp[1]).numel() == 1
+            assert torch.equal(opt.selected_columns(zp[0]), ref.state[rp[0]]["selected"])
+            for x, y in zip(snapshot(zp), rp, strict=True):
+                torch.testing.assert_close(x, y.detach(), rtol=1e-5, atol=1e-6)
