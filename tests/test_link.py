@@ -266,6 +266,33 @@ def test_cpu_link_times_the_host_work_it_does_on_the_training_thread(monkeypatch
     link.close()
 
 
+def test_chaos_delays_every_kind_of_asynchronous_job(monkeypatch):
+    """Under chaos every asynchronous completion gets its draw of delays: the gradient copies and their
+    marker, the accumulation, the host update and the write-back (a kind left out would let its ordering
+    bugs pass unseen)."""
+    wrapped = []
+    real_wrap = _Delays.wrap
+    monkeypatch.setattr(_Delays, "wrap", lambda self, fn: wrapped.append(fn.__name__) or real_wrap(self, fn))
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2, overlap_step=True)
+    with chaos(seed=0):
+        opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow)
+    with opt:
+        drive(opt, opt._params, grad_sequence(5))
+    # per step: the copies, their marker, the accumulation; per update: the host update, the write-back
+    assert {"copy", "_nothing", "add", "job", "run"} <= set(wrapped), sorted(set(wrapped))
+    assert wrapped.count("add") == 5 and wrapped.count("job") == 2
+
+
+def test_host_shard_runs_merge_flat_neighbours():
+    params = [torch.zeros(s) for s in [(3, 5), (7,), (2, 2), (4,)]]
+    host = HostShard(params, [0, 0, 0, 0], num_acc=1)  # flat order: matrix 0, matrix 2, vector 1, vector 3
+    lo0, lo2, lo1 = host.slots[0].offset, host.slots[2].offset, host.slots[1].offset
+    assert host.runs([0, 2]) == [(lo0, lo2 + 4)]  # neighbours: one span, the padding between included
+    assert host.runs([0, 1]) == [(lo0, lo0 + 15), (lo1, lo1 + 7)]  # matrix 2 between them: two spans
+    assert host.runs([2, 0, 1]) == [(lo0, lo1 + 7)]
+    assert host.runs([]) == []
+
+
 def test_asynchronous_link_threads_stop_at_close():
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True)
     with chaos(seed=0):
@@ -311,6 +338,7 @@ def test_bytes_moved_are_counted():
         assert s["d2h_bytes"] == sum(sizes) + 6 * matrices
         assert s["h2d_bytes"] == sum(sizes) + 2 * matrices
         assert s["d2h_bytes_per_step"] == pytest.approx(s["d2h_bytes"] / 7)
+        assert s["h2d_bytes_per_step"] == pytest.approx(s["h2d_bytes"] / 7)
 
 
 def test_host_shard_layout_is_aligned_and_disjoint():

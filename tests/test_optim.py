@@ -772,6 +772,7 @@ def test_stats_before_the_first_step_are_zero():
     assert s["steps"] == 0 and s["wall_s"] == 0.0 and s["stall_s"] == 0.0 and s["stall_fraction"] == 0.0
     assert s["fast_path_s_mean"] == 0.0 and s["host_update_s_mean"] == 0.0 and s["step_s_mean"] == 0.0
     assert s["link"] is None and s["d2h_bytes"] == 0 and s["h2d_bytes"] == 0 and s["d2h_bytes_per_step"] == 0.0
+    assert s["h2d_bytes_per_step"] == 0.0 and s["overlap_fraction"] == 0.0 and s["host_update_s"] == []
     opt.close()
 
 
