@@ -293,6 +293,51 @@ def test_host_shard_runs_merge_flat_neighbours():
     assert host.runs([]) == []
 
 
+@pytest.mark.parametrize("stuck", ["d2h", "h2d"])
+def test_a_stuck_copy_times_out_with_host_timeout(monkeypatch, stuck):
+    """The copy threads of the asynchronous link obey host_timeout like the workers: a copy that never
+    completes ends the step with an error within seconds, not a hang."""
+    from zenflow_kernels.host import HostWorkerError
+    from zenflow_kernels.link import ThreadEngine, _submit
+
+    release = threading.Event()
+
+    def stuck_copy(self, work):  # the copy job hangs in its thread (the training thread goes on)
+        worker = self._d2h if stuck == "d2h" else self._h2d
+        handle = _submit(worker, lambda: release.wait(20), None)
+        if stuck == "d2h":
+            self._last_d2h = handle
+        else:
+            self._device_waits.append(handle)
+            return handle
+
+    monkeypatch.setattr(ThreadEngine, stuck, stuck_copy)
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=1)
+    with chaos(seed=0, max_delay=0):
+        opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow, host_timeout=0.5)
+    t0 = time.perf_counter()
+    with pytest.raises(HostWorkerError, match="host_timeout=0.5"):
+        drive(opt, opt._params, grad_sequence(4))
+    assert time.perf_counter() - t0 < 10
+    release.set()
+    opt.close()
+
+
+def test_in_place_zeroing_before_any_copy_is_fine():
+    """A first step skipped for a NaN stages nothing: zeroing gradients in place then has no copy to wait for."""
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2)
+    with chaos(seed=0):
+        opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow)
+    with opt:
+        grads = grad_sequence(3)
+        grads[0][0][0, 0] = float("nan")
+        drive(opt, opt._params, grads[:1])
+        assert opt.skipped_steps == 1
+        opt.zero_grad(set_to_none=False)
+        drive(opt, opt._params, grads[1:])
+        assert opt.t == 2
+
+
 def test_asynchronous_link_threads_stop_at_close():
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True)
     with chaos(seed=0):
