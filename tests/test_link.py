@@ -246,10 +246,13 @@ def test_zeroing_gradients_in_place_waits_for_their_copies(monkeypatch):
 
 def test_cpu_link_times_the_host_work_it_does_on_the_training_thread(monkeypatch):
     """accumulate() and upload() add their own duration to ``accumulate_s`` (a clock ticking 1 s per read)."""
+    import types
+
     import zenflow_kernels.link as link_module
 
     ticks = iter(range(1000))
-    monkeypatch.setattr(link_module.time, "perf_counter", lambda: float(next(ticks)))
+    monkeypatch.setattr(link_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks)),
+                                                                 sleep=time.sleep))
     params = make_params()
     link = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=False, host_threads=1,
                                  cores=None, timeout=10, chaos=None)
@@ -293,9 +296,9 @@ def test_host_shard_runs_merge_flat_neighbours():
     assert host.runs([]) == []
 
 
-@pytest.mark.parametrize("stuck", ["d2h", "h2d"])
+@pytest.mark.parametrize("stuck", ["d2h", "h2d", "accumulate"])
 def test_a_stuck_copy_times_out_with_host_timeout(monkeypatch, stuck):
-    """The copy threads of the asynchronous link obey host_timeout like the workers: a copy that never
+    """Every thread of the asynchronous link obeys host_timeout: a copy or an accumulation that never
     completes ends the step with an error within seconds, not a hang."""
     from zenflow_kernels.host import HostWorkerError
     from zenflow_kernels.link import ThreadEngine, _submit
@@ -311,7 +314,10 @@ def test_a_stuck_copy_times_out_with_host_timeout(monkeypatch, stuck):
             self._device_waits.append(handle)
             return handle
 
-    monkeypatch.setattr(ThreadEngine, stuck, stuck_copy)
+    if stuck == "accumulate":
+        monkeypatch.setattr(HostShard, "accumulate_flat", lambda *args: release.wait(20))
+    else:
+        monkeypatch.setattr(ThreadEngine, stuck, stuck_copy)
     zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=1)
     with chaos(seed=0, max_delay=0):
         opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow, host_timeout=0.5)
@@ -334,8 +340,57 @@ def test_in_place_zeroing_before_any_copy_is_fine():
         drive(opt, opt._params, grads[:1])
         assert opt.skipped_steps == 1
         opt.zero_grad(set_to_none=False)
+        assert opt.state_dict()["zenflow"]["t"] == 0  # nothing accumulated yet: nothing to wait for
         drive(opt, opt._params, grads[1:])
         assert opt.t == 2
+
+
+def test_the_training_thread_waits_are_timed(monkeypatch):
+    """Every wait of the training thread on asynchronous work adds its duration to ``waited_s`` (a clock
+    ticking 1 s per read, in the link module only)."""
+    import types
+
+    import zenflow_kernels.link as link_module
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(link_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks)),
+                                                                 sleep=time.sleep))
+    params = make_params()
+    link = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=True, host_threads=1,
+                                 cores=None, timeout=10, chaos=link_module.Chaos(seed=0, max_delay=0))
+    done = link.submit_update(lambda: 7)
+    assert link.wait(done) == 7 and link.waited_s == 1.0
+    link.write_back([(params[1], link.host.out_view(1), None)])
+    link.join()
+    assert link.waited_s == 2.0
+    link.join()
+    assert link.waited_s == 3.0
+    link.close()
+
+
+def test_every_thread_of_the_asynchronous_link_gets_its_share(monkeypatch):
+    """The accumulation worker runs with the host worker's threads and cores; the copy threads run no numba."""
+    import zenflow_kernels.link as link_module
+
+    made = []
+
+    class Recording(link_module.HostWorker):
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(link_module, "HostWorker", Recording)
+    params = make_params()
+    link = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=True, host_threads=3,
+                                 cores=[0], timeout=7, chaos=link_module.Chaos())
+    by_name = {m.get("name", "zenflow-host"): m for m in made}
+    assert sorted(by_name) == ["zenflow-accumulate", "zenflow-d2h", "zenflow-h2d", "zenflow-host"]
+    for name in ("zenflow-host", "zenflow-accumulate"):
+        assert (by_name[name]["num_threads"], by_name[name]["cores"], by_name[name]["timeout"]) == (3, [0], 7)
+    for name in ("zenflow-d2h", "zenflow-h2d"):
+        assert by_name[name].get("num_threads") is None and by_name[name]["timeout"] == 7
+    assert len(link.workers) == 4
+    link.close()
 
 
 def test_asynchronous_link_threads_stop_at_close():

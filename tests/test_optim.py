@@ -412,15 +412,17 @@ def test_fused_host_update_is_bit_identical_to_accumulate_then_step(monkeypatch)
     grads = grad_sequence(14)
     zenflow = dict(topk_ratio=0.2, select_strategy="step", select_interval=6, update_interval=3, full_warm_up_rounds=2)
     runs, calls = [], []
-    for threshold in (1, 10**12, 300):  # 300: some tensors fused, others merged around them
+    for threshold in (1, 10**12, 300, 288):  # 300: some tensors fused, others merged around them; 288: one
+        # matrix has exactly that many elements (at least the threshold fuses)
         zp = make_params(torch.bfloat16)
         with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
             opt.FUSE_MIN_NUMEL = threshold
             runs.append(drive(opt, zp, grads))
         calls.append(len(fused_calls))
-    # warm-up: 2 steps x 6 tensors; then 4 boundaries x 3 matrices, all fused; then none; then the two
-    # matrices of more than 300 elements
-    assert calls == [2 * 6 + 4 * 3, 2 * 6 + 4 * 3, 2 * 6 + 4 * 3 + 2 * 2 + 4 * 2]
+    # cumulative: warm-up 2 steps x 6 tensors, then 4 boundaries x 3 matrices, all fused; then none; then the
+    # two matrices of more than 300 elements; then all three matrices (288, 384 and 480 elements)
+    all_fused = 2 * 6 + 4 * 3
+    assert calls == [all_fused, all_fused, all_fused + 2 * 2 + 4 * 2, all_fused + 2 * 2 + 4 * 2 + 2 * 3 + 4 * 3]
     for other in runs[1:]:
         for t, (a, b) in enumerate(zip(runs[0], other, strict=True)):
             for x, y in zip(a, b, strict=True):

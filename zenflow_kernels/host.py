@@ -231,20 +231,18 @@ class HostWorkerError(RuntimeError):
 
 
 class _Job:
-    __slots__ = ("fn", "args", "done", "result", "error", "tb", "submitted", "started", "finished")
+    __slots__ = ("fn", "args", "done", "result", "error", "tb")
 
     def __init__(self, fn: Callable, args: tuple):
         self.fn, self.args = fn, args
         self.done = threading.Event()
         self.result = self.error = self.tb = None
-        self.submitted = time.perf_counter()
-        self.started = self.finished = None
 
 
 _STOP = object()
 
 
-def _worker_loop(jobs: queue.Queue, num_threads: int | None, cores: Sequence[int] | None) -> None:
+def _worker_loop(jobs: queue.Queue, num_threads: int | None, cores: Sequence[int] | None, failures: list) -> None:
     # Module-level on purpose: the thread must hold no reference to the optimizer.
     if cores and hasattr(os, "sched_setaffinity"):
         with contextlib.suppress(OSError):
@@ -257,15 +255,14 @@ def _worker_loop(jobs: queue.Queue, num_threads: int | None, cores: Sequence[int
         job = jobs.get()
         if job is _STOP:
             return
-        job.started = time.perf_counter()
         try:
             job.result = job.fn(*job.args)
         except Exception as exc:  # kept and re-raised in the caller
             job.error, job.tb = exc, traceback.format_exc()
+            failures.append(job)  # the worker is failed from now on, even if nobody waits for this job
         except BaseException:  # SystemExit and the like end the thread: the job is never done
             job.tb = traceback.format_exc()
             return
-        job.finished = time.perf_counter()
         job.done.set()
 
 
@@ -291,11 +288,18 @@ class HostWorker:
     ):
         self.timeout, self.poll = timeout, poll
         self._jobs: queue.Queue = queue.Queue()
+        self._failures: list[_Job] = []  # appended by the thread: every job that raised
+        self._dead: _Job | None = None  # the job a caller saw the thread die under
         self._thread = threading.Thread(
-            target=_worker_loop, args=(self._jobs, num_threads, list(cores) if cores else None), name=name, daemon=True
+            target=_worker_loop, args=(self._jobs, num_threads, list(cores) if cores else None, self._failures),
+            name=name, daemon=True,
         )
         self._thread.start()
-        self._failed: _Job | None = None
+
+    @property
+    def _failed(self) -> _Job | None:
+        """The first failure: a job that raised, or the worker's death; None while healthy."""
+        return self._failures[0] if self._failures else self._dead
 
     @property
     def alive(self) -> bool:
@@ -314,7 +318,7 @@ class HostWorker:
         start = time.perf_counter()
         while not job.done.wait(self.poll):
             if not self.alive:
-                self._failed = job
+                self._dead = job
                 raise HostWorkerError(
                     "zenflow host worker thread died before finishing a host update; the optimizer cannot continue"
                     + (f":\n{job.tb}" if job.tb else "")
@@ -324,12 +328,13 @@ class HostWorker:
                     f"zenflow host update did not finish within host_timeout={self.timeout} s; the worker is stuck"
                 )
         if job.error is not None:
-            self._failed = job
             raise HostWorkerError(f"zenflow host update failed in the background worker:\n{job.tb}") from job.error
+        self.check()  # an earlier job failed: what followed it cannot be trusted
         return job.result
 
     def check(self) -> None:
-        """Re-raise a failure seen earlier (a failed worker stays failed)."""
+        """Re-raise an earlier failure of any job of this worker, waited for or not (a failed worker stays
+        failed)."""
         if self._failed is not None:
             job = self._failed
             raise HostWorkerError(f"zenflow host update failed earlier in the background worker:\n{job.tb}") from (

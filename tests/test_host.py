@@ -1,0 +1,84 @@
+"""HostWorker (the background thread every asynchronous job runs on) and HostShard's buffers, directly."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from zenflow_kernels.host import HostShard, HostWorker, HostWorkerError
+
+
+def test_jobs_run_in_order_and_return_their_results():
+    w = HostWorker(timeout=5)
+    seen = []
+    jobs = [w.submit(lambda i=i: seen.append(i) or i * i) for i in range(20)]
+    assert [w.wait(j) for j in reversed(jobs)] == [i * i for i in reversed(range(20))]
+    assert seen == list(range(20))
+    w.close()
+
+
+def test_a_failed_job_fails_every_later_wait_and_check_with_its_traceback():
+    w = HostWorker(timeout=5)
+
+    def broken():
+        raise ValueError("injected")
+
+    first = w.submit(broken)  # nobody waits for it
+    later = w.submit(lambda: 42)
+    with pytest.raises(HostWorkerError, match=r"(?s)failed earlier in the background worker:\n.*in broken") as info:
+        w.wait(later)  # it ran, but after a failure: not to be trusted
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(HostWorkerError, match=r"(?s)failed in the background worker:\n.*ValueError: injected"):
+        w.wait(first)
+    with pytest.raises(HostWorkerError, match="failed earlier"):
+        w.check()
+    with pytest.raises(HostWorkerError, match="failed earlier"):
+        w.submit(lambda: None)
+    w.close()
+
+
+def test_a_dead_worker_is_detected_and_stays_failed():
+    w = HostWorker(timeout=5, poll=0.01)
+
+    def dies():
+        raise SystemExit("the thread ends here")
+
+    job = w.submit(dies)
+    with pytest.raises(HostWorkerError, match=r"(?s)died before finishing a host update.*SystemExit: the thread ends"):
+        w.wait(job)
+    with pytest.raises(HostWorkerError, match="failed earlier"):
+        w.check()
+
+
+def test_a_stuck_job_times_out():
+    w = HostWorker(timeout=0.2, poll=0.01)
+    release = threading.Event()
+    job = w.submit(lambda: release.wait(10))
+    t0 = time.perf_counter()
+    with pytest.raises(HostWorkerError, match=r"did not finish within host_timeout=0.2 s"):
+        w.wait(job)
+    assert time.perf_counter() - t0 < 2
+    release.set()
+    assert w.wait(job) is True  # it did finish later; a timeout is not a failure
+    w.close()
+
+
+def test_submit_after_close_is_a_clear_error():
+    w = HostWorker(timeout=5)
+    w.close()
+    w.close()  # idempotent
+    with pytest.raises(HostWorkerError, match=r"^zenflow host worker is not running \(it was closed or it died\)$"):
+        w.submit(lambda: None)
+
+
+def test_host_shard_buffers_have_their_dtypes():
+    params = [torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(5), torch.zeros(2, 2, dtype=torch.float16)]
+    host = HostShard(params, [0, 0, 0], num_acc=2)
+    for flat in (host.master, host.exp_avg, host.exp_avg_sq, *host.acc):
+        assert flat.dtype == torch.float32 and flat.numel() == host.numel and not flat.any()
+    assert sorted(host.out, key=str) == sorted([torch.bfloat16, torch.float32, torch.float16], key=str)
+    for dtype, flat in host.out.items():
+        assert flat.dtype == dtype and flat.numel() == host.numel
+    assert host.out_view(0).dtype == torch.bfloat16 and host.out_view(1).dtype == torch.float32
+    assert torch.equal(host.view(host.master, 0), params[0].float())
