@@ -26,10 +26,12 @@ def test_a_failed_job_fails_every_later_wait_and_check_with_its_traceback():
 
     first = w.submit(broken)  # nobody waits for it
     later = w.submit(lambda: 42)
-    with pytest.raises(HostWorkerError, match=r"(?s)failed earlier in the background worker:\n.*in broken") as info:
+    with pytest.raises(HostWorkerError, match=r"(?s)^zenflow host update failed earlier in the background worker:\n"
+                                              r".*in broken") as info:
         w.wait(later)  # it ran, but after a failure: not to be trusted
     assert isinstance(info.value.__cause__, ValueError)
-    with pytest.raises(HostWorkerError, match=r"(?s)failed in the background worker:\n.*ValueError: injected"):
+    with pytest.raises(HostWorkerError, match=r"(?s)^zenflow host update failed in the background worker:\n"
+                                              r".*ValueError: injected"):
         w.wait(first)
     with pytest.raises(HostWorkerError, match="failed earlier"):
         w.check()
@@ -45,7 +47,8 @@ def test_a_dead_worker_is_detected_and_stays_failed():
         raise SystemExit("the thread ends here")
 
     job = w.submit(dies)
-    with pytest.raises(HostWorkerError, match=r"(?s)died before finishing a host update.*SystemExit: the thread ends"):
+    with pytest.raises(HostWorkerError, match=r"(?s)^zenflow host worker thread died before finishing a host update; "
+                                              r"the optimizer cannot continue:\n.*SystemExit: the thread ends"):
         w.wait(job)
     with pytest.raises(HostWorkerError, match="failed earlier"):
         w.check()
@@ -56,7 +59,8 @@ def test_a_stuck_job_times_out():
     release = threading.Event()
     job = w.submit(lambda: release.wait(10))
     t0 = time.perf_counter()
-    with pytest.raises(HostWorkerError, match=r"did not finish within host_timeout=0.2 s"):
+    with pytest.raises(HostWorkerError, match=r"^zenflow host update did not finish within host_timeout=0.2 s; "
+                                              r"the worker is stuck$"):
         w.wait(job)
     assert time.perf_counter() - t0 < 2
     release.set()
@@ -82,3 +86,31 @@ def test_host_shard_buffers_have_their_dtypes():
         assert flat.dtype == dtype and flat.numel() == host.numel
     assert host.out_view(0).dtype == torch.bfloat16 and host.out_view(1).dtype == torch.float32
     assert torch.equal(host.view(host.master, 0), params[0].float())
+
+
+def test_a_worker_that_stopped_with_jobs_queued_says_so_without_a_traceback():
+    from zenflow_kernels.host import _STOP, _Job
+
+    w = HostWorker(timeout=5, poll=0.01)
+    w._jobs.put(_STOP)
+    job = _Job(lambda: 1, ())
+    w._jobs.put(job)  # queued behind the stop, as a submit racing close() would be
+    with pytest.raises(HostWorkerError) as info:
+        w.wait(job)
+    assert str(info.value) == ("zenflow host worker thread died before finishing a host update; the optimizer "
+                               "cannot continue")
+
+
+def test_worker_threads_are_daemons_pinned_to_their_cores():
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))[:1] if hasattr(os, "sched_getaffinity") else None
+    w = HostWorker(timeout=5, cores=cores)
+    assert w._thread.daemon  # an optimizer never closed must not keep the interpreter from exiting
+    if cores is not None:
+        assert w.wait(w.submit(lambda: sorted(os.sched_getaffinity(0)))) == cores
+    w.close()
+    bad = HostWorker(timeout=5, cores=[10**6])  # an affinity the OS refuses is ignored, not fatal
+    assert bad.wait(bad.submit(lambda: 5)) == 5
+    bad.close()
+
