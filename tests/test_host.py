@@ -114,3 +114,22 @@ def test_worker_threads_are_daemons_pinned_to_their_cores():
     assert bad.wait(bad.submit(lambda: 5)) == 5
     bad.close()
 
+
+
+def test_close_returns_within_its_timeout_even_with_a_stuck_job():
+    w = HostWorker(timeout=5)
+    release = threading.Event()
+    w.submit(lambda: release.wait(30))
+    t0 = time.perf_counter()
+    w.close(timeout=0.2)
+    assert time.perf_counter() - t0 < 2
+    release.set()
+
+
+def test_a_fused_last_gradient_and_clipping_do_not_mix():
+    params = [torch.zeros(4, 4)]
+    host = HostShard(params, [0], num_acc=1)
+    hyper = [dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)]
+    with pytest.raises(ValueError, match=r"^HostShard.update: last= cannot be combined with max_grad_norm"):
+        host.update(0, {0: 1}, hyper, 1.0, last={0: torch.ones(4, 4)})
+    assert not host.master.any() and host.host_step == [0]  # nothing changed

@@ -326,6 +326,33 @@ def test_zen_auto_votes_match_the_oracle(device, name):
         assert 0 < sum(boundaries) < 12  # the votes decided something: neither never nor always
 
 
+@pytest.mark.parametrize("topk_ratio", [0.0, 1.0])
+def test_clipping_of_tiny_gradients_matches_the_oracle(device, topk_ratio):
+    """Gradients of ~1e-4 clipped to a norm of 1e-5, with eps=1 so that AdamW's step is nearly linear in
+    the clipped gradient: the clip coefficient, its 1e-6 guard and the squared norm it comes from are seen
+    to a part in 10^3 (topk_ratio 0: the host's clip of the mean gradient; 1: the fast path's clip)."""
+    shapes = [(6, 5), (5,)]
+    g = torch.Generator().manual_seed(4)
+    grads = [[1e-4 * torch.randn(s, generator=g) for s in shapes] for _ in range(6)]
+    zenflow = dict(topk_ratio=topk_ratio, select_strategy="step", select_interval=100, update_interval=2)
+    hyper = dict(HYPER, eps=1.0, lr=1.0, weight_decay=0.0)  # the clipped gradient is all that moves them
+    zp, rp = make_params(device=device, shapes=shapes), make_params(shapes=shapes)
+    start = snapshot(zp)
+    ref = ReferenceZenFlow(rp, **hyper, zenflow=zenflow, max_grad_norm=1e-5)
+    with ZenFlowAdamW(zp, **hyper, zenflow=zenflow, max_grad_norm=1e-5) as opt:
+        for step_grads in grads:
+            for p, q, gr in zip(zp, rp, step_grads, strict=True):
+                p.grad, q.grad = gr.to(device), gr.clone()
+            opt.step()
+            ref.step()
+        opt.flush()
+        ref.flush()
+    for x0, x, y in zip(start, snapshot(zp), rp, strict=True):
+        moved, expected = x - x0, y.detach() - x0
+        assert expected.abs().max() > 1e-7  # the clipped steps moved the weights
+        torch.testing.assert_close(moved, expected, rtol=1e-3, atol=1e-9)
+
+
 def test_lr_scheduler_matches_the_oracle(device):
     grads = grad_sequence(24)
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=4, overlap_step=True)

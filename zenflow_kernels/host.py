@@ -105,10 +105,6 @@ class HostShard:
     def out_view(self, index: int) -> torch.Tensor:
         return self.view(self.out[self.slots[index].dtype], index)
 
-    def accumulate(self, buf: int, index: int, grad: torch.Tensor, num_threads: int | None = None) -> None:
-        """acc[buf] of parameter ``index`` += grad (a CPU tensor of any float dtype)."""
-        cpu_ops.accumulate_(self.view(self.acc[buf], index).view(-1), grad.reshape(-1), num_threads=num_threads)
-
     def runs(self, indices) -> list[tuple[int, int]]:
         """``[lo, hi)`` flat ranges covering exactly these parameters (and the alignment padding between
         flat neighbours), one per run of parameters adjacent in the layout."""
@@ -148,28 +144,24 @@ class HostShard:
     ) -> dict:
         """AdamW on the host master of the parameters in ``counts`` with the mean of acc[buf].
 
-        ``counts[i]`` is the number of gradients parameter ``i`` received in this interval, the one in
-        ``last`` included (the training thread's count, taken when it requested the update; parameters
-        with a count of 0 are skipped). Clips by the global norm of those mean gradients when
-        ``max_grad_norm`` is set, writes the updated weights into the copy-out buffers, zeroes the
-        accumulation and returns timings. ``hyper[g]`` holds lr, beta1, beta2, eps, weight_decay of
-        param group g (captured when the update was requested). ``wait_before_write`` (a completion
-        with ``wait()``: the last write-back's) guards the copy-out buffers while a previous write-back
-        copy may still read them.
+        ``counts[i]`` (>= 1) is the number of gradients parameter ``i`` received in this interval, the one
+        in ``last`` included (the training thread's count, taken when it requested the update). Clips by
+        the global norm of those mean gradients when ``max_grad_norm`` is set, writes the updated weights
+        into the copy-out buffers, zeroes the accumulation and returns timings. ``hyper[g]`` holds lr,
+        beta1, beta2, eps, weight_decay of param group g (captured when the update was requested).
+        ``wait_before_write`` (a completion with ``wait()``: the last write-back's) guards the copy-out
+        buffers while a previous write-back copy may still read them.
 
-        ``last`` maps parameters to the interval's last gradient (CPU tensors) not yet accumulated.
-        Without clipping it is added in the same pass as the step, which also zeroes the buffer
-        (``accumulate_adam_``: one pass instead of three); with clipping, whose norm needs the whole
-        sum first, it is accumulated beforehand.
+        ``last`` maps parameters to the interval's last gradient (CPU tensors) not yet accumulated, added
+        in the same pass as the step, which also zeroes the buffer (``accumulate_adam_``: one pass instead
+        of three). Only without clipping: the clipping norm needs the whole sum first.
         """
         t0 = time.perf_counter()
         acc = self.acc[buf]
-        last = dict(last or {})
+        last = last or {}
         if last and max_grad_norm is not None:
-            for i, grad in last.items():
-                self.accumulate(buf, i, grad)
-            last = {}
-        todo = [i for i, n in counts.items() if n > 0]
+            raise ValueError("HostShard.update: last= cannot be combined with max_grad_norm (accumulate it first)")
+        todo = list(counts)
         todo_set = set(todo)
         coef = 1.0
         if max_grad_norm is not None:
