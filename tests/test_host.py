@@ -133,3 +133,20 @@ def test_a_fused_last_gradient_and_clipping_do_not_mix():
     with pytest.raises(ValueError, match=r"^HostShard.update: last= cannot be combined with max_grad_norm"):
         host.update(0, {0: 1}, hyper, 1.0, last={0: torch.ones(4, 4)})
     assert not host.master.any() and host.host_step == [0]  # nothing changed
+
+
+def test_update_merges_flat_neighbours_that_share_group_step_and_count():
+    """One AdamW call per run of flat neighbours with the same group, dtype, step and gradient count; a
+    fused last gradient takes its own pass. The result says how the work was split, and how long it took."""
+    params = [torch.zeros(4, 4), torch.zeros(2, 8), torch.zeros(3, 3), torch.zeros(5)]
+    host = HostShard(params, [0, 0, 0, 0], num_acc=1)
+    hyper = [dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)]
+    t0 = time.perf_counter()
+    out = host.update(0, {0: 1, 1: 1, 2: 2, 3: 1}, hyper, None)
+    assert time.perf_counter() - t0 >= out["seconds"] > 0
+    # 0 and 1 merge; 2 has another count; 3 (a vector, after the matrices) has 2 between it and 1
+    assert {k: out[k] for k in ("params", "runs", "fused")} == {"params": 4, "runs": 3, "fused": 0}
+    assert host.host_step == [1, 1, 1, 1]
+    out = host.update(0, {0: 1, 1: 1, 2: 1}, hyper, None, last={1: torch.ones(2, 8)})
+    assert {k: out[k] for k in ("params", "runs", "fused")} == {"params": 3, "runs": 2, "fused": 1}
+    assert host.host_step == [2, 2, 2, 1]
