@@ -193,3 +193,24 @@ def test_a_narrow_matrix_gets_one_fast_column_like_the_oracle():
             assert torch.equal(opt.selected_columns(zp[0]), ref.state[rp[0]]["selected"])
             for x, y in zip(snapshot(zp), rp, strict=True):
                 torch.testing.assert_close(x, y.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_fast_state_has_the_documented_shapes():
+    """A matrix [R, C] keeps compact fp32 moments (and, below fp32, a master) [R, k] and per-column steps
+    [k]; a vector of n elements keeps them as [1, n] and one step count."""
+    params = make_params(torch.bfloat16)
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2,
+                   full_warm_up_rounds=1)
+    with ZenFlowAdamW(params, **HYPER, zenflow=zenflow) as opt:
+        drive(opt, params, grad_sequence(3))
+        for p in params:
+            st = opt.state[p]
+            if p.dim() == 2:
+                k = opt.config.num_selected(p.shape[1])
+                shape = (p.shape[0], k)
+                assert st["selected"].shape == (k,) and st["step"].shape == (k,) and st["step"].dtype == torch.int64
+            else:
+                shape = (1, p.numel())
+                assert st["step"] == 3  # one warm-up step on the host, two on the fast path
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                assert st[key].shape == shape and st[key].dtype == torch.float32, (tuple(p.shape), key)
