@@ -390,7 +390,12 @@ def test_every_thread_of_the_asynchronous_link_gets_its_share(monkeypatch):
     for name in ("zenflow-d2h", "zenflow-h2d"):
         assert by_name[name].get("num_threads") is None and by_name[name]["timeout"] == 7
     assert len(link.workers) == 4
+    assert len(link.host.acc) == 2  # overlap: double-buffered accumulation
     link.close()
+    sync = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=False, host_threads=1,
+                                 cores=None, timeout=7, chaos=None)
+    assert len(sync.host.acc) == 1 and sync.workers == []
+    sync.close()
 
 
 def test_asynchronous_link_threads_stop_at_close():
