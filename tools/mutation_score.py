@@ -1,10 +1,18 @@
 """Print the mutation score of the last ``mutmut run`` (``make mutation``).
 
 Reads ``mutmut results --all true`` (run in the repository root), counts the outcome of every mutant
-per module, leaves out the mutants judged equivalent in ``tools/mutation_equivalent.txt`` (one mutant
-name per line, then ``#`` and why no test can tell it from the original), and prints the score:
-killed / (all - equivalent), and the survivors left to look at. Exit status 0 when the score reaches
-``--goal`` (default 0.90), 1 otherwise.
+per module, and prints the score: killed / (all - judged), with the survivors left to look at.
+"Judged" are the mutants listed in ``tools/mutation_equivalent.txt``, one name per line, then ``#``,
+a category and the reason:
+
+* ``equivalent``: no test can tell the mutant from the original (a default that is never used, a
+  performance-only change, ...);
+* ``cuda-only``: the mutated code runs only with CUDA (the CUDA engine, the CUDA branch of the link
+  factory); the CUDA cases of the optimizer tests exercise it on a GPU (bench/gpu_suite.sh), which
+  this score, computed on CPU, cannot count.
+
+Mutants in code no selected test runs at all (mutmut's "no tests") are reported in the "other"
+column and count as not killed. Exit status 0 when the score reaches ``--goal`` (default 0.90).
 """
 
 from __future__ import annotations
@@ -19,13 +27,18 @@ HERE = Path(__file__).resolve().parent
 KILLED = {"killed", "timeout", "segfault"}  # a timeout or a crash is a detected mutant too
 
 
-def equivalent(path: Path) -> dict[str, str]:
+def judged(path: Path) -> dict[str, str]:
+    """mutant name -> category ("equivalent" or "cuda-only")."""
     out = {}
     if path.exists():
-        for line in path.read_text().splitlines():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
             name, _, why = line.partition("#")
-            if name.strip():
-                out[name.strip()] = why.strip()
+            if not name.strip():
+                continue
+            category = why.strip().split(":", 1)[0]
+            if category not in ("equivalent", "cuda-only"):
+                raise SystemExit(f"{path.name}:{n}: the category must be 'equivalent' or 'cuda-only', got {category!r}")
+            out[name.strip()] = category
     return out
 
 
@@ -53,31 +66,32 @@ def main(argv=None) -> int:
     if not status:
         print("no mutmut results: run `mutmut run` first (make mutation does)")
         return 1
-    equiv = equivalent(args.equivalent)
+    equiv = judged(args.equivalent)
     stale = sorted(set(equiv) - set(status))
     table: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     survivors = []
     for name, st in sorted(status.items()):
         mod = module_of(name)
         if name in equiv:
-            table[mod]["equivalent"] += 1
+            table[mod][equiv[name]] += 1
         elif st in KILLED:
             table[mod]["killed"] += 1
         else:
             table[mod][st] += 1
             survivors.append((name, st))
-    print(f"{'module':<34}{'killed':>8}{'equivalent':>12}{'survived':>10}{'other':>8}{'score':>8}")
+    print(f"{'module':<34}{'killed':>8}{'equivalent':>12}{'cuda-only':>11}{'survived':>10}{'other':>8}{'score':>8}")
     tot_k = tot_n = 0
     for mod, c in sorted(table.items()):
-        n = sum(c.values()) - c["equivalent"]
+        n = sum(c.values()) - c["equivalent"] - c["cuda-only"]
         other = n - c["killed"] - c["survived"]
         tot_k += c["killed"]
         tot_n += n
-        print(f"{mod:<34}{c['killed']:>8}{c['equivalent']:>12}{c['survived']:>10}{other:>8}"
+        print(f"{mod:<34}{c['killed']:>8}{c['equivalent']:>12}{c['cuda-only']:>11}{c['survived']:>10}{other:>8}"
               f"{c['killed'] / n if n else 1.0:>8.1%}")
     score = tot_k / tot_n if tot_n else 1.0
-    print(f"score: {tot_k} of {tot_n} non-equivalent mutants killed = {score:.1%} (goal {args.goal:.0%}); "
-          f"{sum(c['equivalent'] for c in table.values())} judged equivalent ({args.equivalent.name})")
+    print(f"score: {tot_k} of {tot_n} mutants killed = {score:.1%} (goal {args.goal:.0%}); judged in "
+          f"{args.equivalent.name}: {sum(c['equivalent'] for c in table.values())} equivalent, "
+          f"{sum(c['cuda-only'] for c in table.values())} CUDA-only")
     if survivors:
         print("not killed (`mutmut show NAME` shows the change):")
         for name, st in survivors:
