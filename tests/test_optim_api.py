@@ -214,3 +214,12 @@ def test_fast_state_has_the_documented_shapes():
                 assert st["step"] == 3  # one warm-up step on the host, two on the fast path
             for key in ("exp_avg", "exp_avg_sq", "master"):
                 assert st[key].shape == shape and st[key].dtype == torch.float32, (tuple(p.shape), key)
+
+
+def test_an_empty_param_group_is_allowed_as_in_torch():
+    zenflow = dict(select_strategy="step", select_interval=4, update_interval=2)
+    with ZenFlowAdamW([{"params": []}], zenflow=zenflow) as opt:
+        opt.step()
+        opt.step()
+        assert opt.t == 2 and opt.stats()["link"] == "cpu"
+        assert opt.state_dict()["state"] == {}

@@ -132,8 +132,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         train_cores, host_cores = cpu_ops.split_cores(self.config.pt_reserved_cores_perc)
         self._saved_torch_threads = None
         host_threads = len(host_cores)
-        if overlap and self.device.type == "cpu" and set(train_cores) & set(host_cores):
-            # CPU-only, cores shared with training: the worker takes only what torch leaves free. A numba
+        if self.device.type == "cpu" and set(train_cores) & set(host_cores):
+            # CPU-only, cores shared with training: a worker takes only what torch leaves free. A numba
             # team started from a second thread joins torch's OpenMP runtime (numba binds to the libgomp
             # torch loaded); once its threads and torch's exceed the cores, libgomp stops idle threads
             # from spinning and every parallel op of the training thread pays a wake-up (measured on 2
