@@ -654,7 +654,32 @@ def test_host_worker_threads_leave_the_training_threads_alone(monkeypatch, perc)
             assert torch.get_num_threads() == len(train)
             expected = len(host)
     assert [m["num_threads"] for m in made] == [expected]
+    assert [m["cores"] for m in made] == [host]
     assert torch.get_num_threads() == threads_before
+
+
+@pytest.mark.parametrize("perc", [0.5, 1.0])
+def test_a_synchronous_cpu_run_leaves_torch_threads_alone(perc):
+    """Without overlap nothing runs beside training: no worker, and torch keeps all its threads."""
+    before = torch.get_num_threads()
+    params = make_params()
+    zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=4, update_interval=2,
+                   pt_reserved_cores_perc=perc)
+    with ZenFlowAdamW(params, **HYPER, zenflow=zenflow) as opt:
+        drive(opt, params, grad_sequence(3))
+        assert torch.get_num_threads() == before and not zenflow_threads()
+
+
+def test_bad_hyperparameters_set_after_construction_fail_the_step_naming_the_group():
+    params = make_params()
+    with ZenFlowAdamW([{"params": params[:3]}, {"params": params[3:]}], **HYPER,
+                      zenflow=dict(select_strategy="step", select_interval=4, update_interval=2)) as opt:
+        drive(opt, params, grad_sequence(1))
+        opt.param_groups[1]["lr"] = -1.0  # as a broken scheduler would
+        before = snapshot(params)
+        with pytest.raises(ValueError, match=r"^ZenFlowAdamW group 1: lr=-1.0 is invalid: allowed a finite number"):
+            drive(opt, params, grad_sequence(1))
+        assert all(torch.equal(a, b) for a, b in zip(before, snapshot(params), strict=True))
 
 
 def test_dead_worker_is_detected_not_waited_on_forever(device):
@@ -721,8 +746,18 @@ def test_accumulation_failure_surfaces_within_seconds(device, monkeypatch):
     assert not zenflow_threads()
 
 
-def test_no_thread_outlives_the_optimizer():
-    zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True)
+@pytest.fixture
+def two_torch_threads():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_no_thread_outlives_the_optimizer(two_torch_threads):
+    # pt 0.5 on two or more cores: the optimizer narrows torch to the training cores, and must restore it
+    zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True,
+                   pt_reserved_cores_perc=0.5)
     threads_before = torch.get_num_threads()
     with ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow) as opt:
         drive(opt, opt._params, grad_sequence(5))
@@ -739,6 +774,7 @@ def test_no_thread_outlives_the_optimizer():
     while zenflow_threads() and time.time() < deadline:
         time.sleep(0.05)
     assert not zenflow_threads()
+    assert torch.get_num_threads() == threads_before  # the finalizer restored torch's threads too
 
 
 def test_interpreter_exits_with_an_open_optimizer():
