@@ -720,3 +720,36 @@ def test_concurrent_launches_are_serialised_on_the_workqueue_layer():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["workqueue", "200.0", "200.0"], done.stdout
+
+
+_TORCH_THREADS_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, torch
+    from zenflow_kernels.cpu_ops import accumulate_
+    torch.set_num_threads(1)
+    acc, g = torch.zeros(1 << 18), torch.ones(1 << 18)
+    if sys.argv[1] == "worker":  # the layer starts on a background thread, as under ZenFlowAdamW
+        t = threading.Thread(target=accumulate_, args=(acc, g), kwargs=dict(num_threads=2))
+        t.start(); t.join()
+    else:
+        accumulate_(acc, g, num_threads=2)
+    accumulate_(acc, g, num_threads=2)
+    print(torch.get_num_threads(), float(acc.max()))
+    """
+)
+
+
+@pytest.mark.parametrize("starter", ["caller", "worker"])
+def test_the_first_launch_keeps_the_callers_torch_thread_count(starter):
+    """Starting numba's OpenMP layer resets the OpenMP thread count torch reads: without the
+    launcher's guard a trainer's torch.set_num_threads(1) came back as 2 after the first host step
+    (seen on this 2-core host; a fresh process, since the layer starts once)."""
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _TORCH_THREADS_SCRIPT, starter], env=env, cwd=root, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "2.0"], done.stdout

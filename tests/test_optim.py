@@ -658,8 +658,16 @@ def test_host_worker_threads_leave_the_training_threads_alone(monkeypatch, perc)
     assert torch.get_num_threads() == threads_before
 
 
+@pytest.fixture
+def two_torch_threads():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("perc", [0.5, 1.0])
-def test_a_synchronous_cpu_run_leaves_torch_threads_alone(perc):
+def test_a_synchronous_cpu_run_leaves_torch_threads_alone(two_torch_threads, perc):
     """Without overlap nothing runs beside training: no worker, and torch keeps all its threads."""
     before = torch.get_num_threads()
     params = make_params()
@@ -744,14 +752,6 @@ def test_accumulation_failure_surfaces_within_seconds(device, monkeypatch):
     monkeypatch.undo()
     opt.close()
     assert not zenflow_threads()
-
-
-@pytest.fixture
-def two_torch_threads():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(saved)
 
 
 def test_no_thread_outlives_the_optimizer(two_torch_threads):

@@ -164,7 +164,13 @@ def _get_thread_fns():
     same in well under a microsecond. Falls back to the public functions if numba moves them."""
     global _thread_fns
     if _thread_fns is None:
+        # Starting numba's OpenMP layer resets the calling thread's OpenMP thread count, which is
+        # what torch.get_num_threads() reads: a trainer's torch.set_num_threads(1) would silently
+        # become one thread per core. Put it back.
+        torch_threads = torch.get_num_threads()
         numba.get_num_threads()  # starts the threading layer
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
         try:
             from numba.np.ufunc import parallel
 
