@@ -30,7 +30,7 @@ import torch
 
 from . import cpu_ops
 
-__all__ = ["HostShard", "HostWorker", "HostWorkerError", "Slot"]
+__all__ = ["HostShard", "HostWorker", "HostWorkerError", "Slot", "layout"]
 
 ALIGN = 16  # fp32 elements: every parameter starts on a 64-byte cache line
 
@@ -55,6 +55,27 @@ def _zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(numel, dtype=dtype)
 
 
+def layout(
+    params: Sequence[torch.Tensor], groups: Sequence[int], indices: Sequence[int] | None = None
+) -> tuple[list[int], dict[int, Slot], int]:
+    """The flat layout of a shard holding ``indices`` (default: every parameter): ``(order, slots,
+    numel)``, where ``order`` lists the indices by flat offset (param group, matrices before vectors,
+    then the optimizer's order) and ``slots[i]`` says where parameter ``i`` lives. Every rank computes
+    every rank's layout from the parameters alone (ZeRO hands each rank a contiguous run of ``order``)."""
+    chosen = None if indices is None else set(indices)
+    order = [
+        i for i in sorted(range(len(params)), key=lambda i: (groups[i], params[i].dim() != 2, i))
+        if chosen is None or i in chosen
+    ]
+    slots: dict[int, Slot] = {}
+    offset = 0
+    for i in order:
+        p = params[i]
+        slots[i] = Slot(i, groups[i], tuple(p.shape), p.dtype, offset, p.numel())
+        offset += math.ceil(p.numel() / ALIGN) * ALIGN
+    return order, slots, offset
+
+
 class HostShard:
     """Flat host buffers for the parameters of one shard (world size 1 and shard 0: all of them).
 
@@ -64,6 +85,8 @@ class HostShard:
         num_acc: 1, or 2 for double-buffered accumulation (overlap).
         alloc: ``alloc(numel, dtype)`` returns a zeroed flat host tensor (the link's: pinned memory
             when the parameters are on a GPU).
+        indices: the parameters this shard holds (ZeRO: this rank's run; default all of them).
+            ``slots``, the views and every buffer cover these only; indices stay the optimizer's.
 
     The shard holds data only. Which parameters were accumulated how often in an interval is the
     training thread's bookkeeping, handed to :meth:`update` as ``counts``.
@@ -76,14 +99,9 @@ class HostShard:
         *,
         num_acc: int,
         alloc: Callable[[int, torch.dtype], torch.Tensor] = _zeros,
+        indices: Sequence[int] | None = None,
     ):
-        order = sorted(range(len(params)), key=lambda i: (groups[i], params[i].dim() != 2, i))
-        slots: dict[int, Slot] = {}
-        offset = 0
-        for i in order:
-            p = params[i]
-            slots[i] = Slot(i, groups[i], tuple(p.shape), p.dtype, offset, p.numel())
-            offset += math.ceil(p.numel() / ALIGN) * ALIGN
+        order, slots, offset = layout(params, groups, indices)
         self.numel = offset
         self.slots = slots  # by parameter index
         self.order = [slots[i] for i in order]  # by flat offset
@@ -91,11 +109,11 @@ class HostShard:
         self.exp_avg = alloc(offset, torch.float32)
         self.exp_avg_sq = alloc(offset, torch.float32)
         self.acc = [alloc(offset, torch.float32) for _ in range(num_acc)]
-        self.out = {dt: alloc(offset, dt) for dt in {p.dtype for p in params}}
+        self.out = {dt: alloc(offset, dt) for dt in {params[i].dtype for i in order}}
         self.host_step = [0] * len(params)  # owned like the master: by the host update in flight
         with torch.no_grad():
-            for i, p in enumerate(params):
-                self.view(self.master, i).copy_(p.detach())
+            for i in order:
+                self.view(self.master, i).copy_(params[i].detach())
 
     def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s view (its shape) into one of the flat buffers."""
@@ -141,6 +159,7 @@ class HostShard:
         max_grad_norm: float | None,
         wait_before_write: Any = None,
         last: dict[int, torch.Tensor] | None = None,
+        sum_over_ranks: Callable[[float], float] | None = None,
     ) -> dict:
         """AdamW on the host master of the parameters in ``counts`` with the mean of acc[buf].
 
@@ -155,6 +174,9 @@ class HostShard:
         ``last`` maps parameters to the interval's last gradient (CPU tensors) not yet accumulated, added
         in the same pass as the step, which also zeroes the buffer (``accumulate_adam_``: one pass instead
         of three). Only without clipping: the clipping norm needs the whole sum first.
+
+        ``sum_over_ranks`` (ZeRO: every rank's shard holds part of the model) turns this shard's sum of
+        squares into the model's for the clipping norm; every rank calls ``update`` at each boundary.
         """
         t0 = time.perf_counter()
         acc = self.acc[buf]
@@ -168,6 +190,8 @@ class HostShard:
             total = 0.0
             for i in todo:
                 total += cpu_ops.sum_squares(self.view(acc, i)) / counts[i] ** 2
+            if sum_over_ranks is not None:
+                total = sum_over_ranks(total)
             coef = min(1.0, max_grad_norm / (math.sqrt(total) + 1e-6))
         if wait_before_write is not None:
             wait_before_write.wait()

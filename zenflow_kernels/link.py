@@ -583,19 +583,21 @@ def make_link(
     cores,
     timeout: float | None,
     chaos: Chaos | None,
+    indices: Sequence[int] | None = None,
 ):
     """The link for parameters on ``device``: CUDA -> RingLink(CudaEngine); CPU -> CpuLink, or, when
-    ``chaos`` is given, RingLink(ThreadEngine) with its delays."""
+    ``chaos`` is given, RingLink(ThreadEngine) with its delays. ``indices``: the parameters whose host
+    state this rank holds (ZeRO; default all)."""
     common = dict(overlap=overlap, host_threads=host_threads, cores=cores, timeout=timeout)
     num_acc = 2 if overlap else 1
     if device.type == "cuda":
         engine = CudaEngine(device)
-        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc)
+        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices)
         return RingLink(host, engine, kind="cuda", **common)
     if chaos is not None:
         delays = _Delays(chaos) if chaos.max_delay > 0 else None
         engine = ThreadEngine(timeout=timeout, delays=delays)
-        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc)
+        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices)
         return RingLink(host, engine, kind="cpu-async", delays=delays, **common)
-    host = HostShard(params, groups, num_acc=num_acc)
+    host = HostShard(params, groups, num_acc=num_acc, indices=indices)
     return CpuLink(host, **common)

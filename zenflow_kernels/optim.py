@@ -32,6 +32,7 @@ from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters
 from .host import HostWorkerError
 from .link import current_chaos, make_link
 from .schedule import Schedule, resolve_schedule
+from .zero import ZeroContext, check_not_ddp, owners, world_of
 
 __all__ = ["ZenFlowAdamW", "HostWorkerError"]
 
@@ -51,6 +52,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         steps_per_epoch, dataloader: the epoch length for ``select_strategy="epoch"``/``"auto"``.
         host_timeout: longest wait in seconds for one host update before an error (None: no limit;
             a dead worker is detected regardless).
+        zero_stage: 0, or 1 for ZeRO-1 under ``torch.distributed`` (docs/torchrun.md): each rank's host
+            holds the fp32 master, moments and accumulation of its own run of parameters, the
+            optimizer averages the gradients itself (do not wrap the model in DDP). With one rank (or
+            without ``torch.distributed``) every stage runs as 0. Several ranks need a stage.
+        process_group: the ranks to partition over (default: the default group).
+        collective_timeout: longest wait in seconds for one collective; a rank that fails or stops
+            stepping ends the others with an error naming the collective instead of a hang.
 
     ``step()`` reads ``p.grad``; parameters whose ``.grad`` is None take no part in that step. Use
     :meth:`flush` to land the last host update before evaluating or exporting weights, and
@@ -70,14 +78,37 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         steps_per_epoch: int | None = None,
         dataloader: Any = None,
         host_timeout: float | None = 600.0,
+        zero_stage: int = 0,
+        process_group: Any = None,
+        collective_timeout: float = 300.0,
     ):
         check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm)
+        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+            raise ValueError(f"ZenFlowAdamW: zero_stage={zero_stage!r} is invalid: allowed 0, 1 or 2 (2: not yet with "
+                             "several ranks)")
+        if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or not (
+                math.isfinite(collective_timeout) and collective_timeout > 0):
+            raise ValueError(f"ZenFlowAdamW: collective_timeout={collective_timeout!r} is invalid: allowed a "
+                             "positive number of seconds")
+        world = world_of(process_group)
+        if world > 1 and zero_stage == 0:
+            raise ValueError(
+                f"ZenFlowAdamW: torch.distributed runs {world} ranks and zero_stage=0: pick zero_stage=1 (each rank "
+                "holds 1/world of the host state; the optimizer averages the gradients itself, without DDP)"
+            )
+        if world > 1 and zero_stage == 2:
+            raise ValueError("ZenFlowAdamW: zero_stage=2 is not implemented yet: use zero_stage=1")
         self._built = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.config = ZenFlowConfig.coerce(zenflow)
         self.schedule: Schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch, dataloader=dataloader)
         self.max_grad_norm = max_grad_norm
         self.host_timeout = host_timeout
+        self.zero_stage = zero_stage
+        self._world = world
+        self._process_group = process_group
+        self._collective_timeout = float(collective_timeout)
+        self._zero: ZeroContext | None = None  # the ranks' context (built at the first step, kept after)
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_params()
@@ -131,6 +162,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         overlap = self.config.overlap_step
         train_cores, host_cores = cpu_ops.split_cores(self.config.pt_reserved_cores_perc)
         self._saved_torch_threads = None
+        if self._world > 1 and self._zero is None:
+            check_not_ddp(self._params)
+            self._zero = ZeroContext(self._params, self._group_of, process_group=self._process_group,
+                                     timeout=self._collective_timeout)
         host_threads = len(host_cores)
         if self.device.type == "cpu" and set(train_cores) & set(host_cores):
             # CPU-only, cores shared with training: a worker takes only what torch leaves free. A numba
@@ -151,6 +186,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             cores=host_cores,
             timeout=self.host_timeout,
             chaos=self._chaos,
+            indices=None if self._zero is None else self._zero.owned,
         )
         self._host = self._link.host
         # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket
@@ -165,9 +201,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         )
         # the training thread's ledger: gradients counted into each accumulation buffer this interval
         self._counts = [[0] * len(self._params) for _ in self._host.acc]
-        # an asynchronous link starts each gradient's copy as soon as backward produces it
+        # an asynchronous link starts each gradient's copy as soon as backward produces it (under ZeRO the
+        # gradients are averaged in step() first)
         hooks = []
-        if self._link.asynchronous:
+        if self._link.asynchronous and self._zero is None:
             ref = weakref.ref(self)
             hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
         # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
@@ -216,7 +253,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._closed:
             return
         try:
-            if self._built and not self._link.failed:
+            if self._built and not self._link.failed and not (self._zero is not None and self._zero.failed):
                 self.flush()
         finally:
             self._closed = True
@@ -283,6 +320,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     f"sparse={g.is_sparse}) is invalid: allowed a dense float32, bfloat16 or float16 gradient of "
                     f"shape {tuple(p.shape)} on {self.device}"
                 )
+        if self._zero is not None:
+            mask = torch.zeros(len(self._params), dtype=torch.int32, device=self.device)
+            mask[active] = 1
+            self._zero.average_gradients_([self._params[i].grad for i in active], mask)
         norm = self._grad_norm(active)
         if not math.isfinite(norm):
             self.skipped_steps += 1
@@ -332,14 +373,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         gradients back un-accumulated, ``{index: grad}``, for ``HostShard.update(last=...)``."""
         buf = self._acc_buf
         fuse_min = self.FUSE_MIN_NUMEL if fuse and self.max_grad_norm is None else None
-        last = self._link.accumulate([(i, self._params[i].grad) for i in indices], buf, fuse_min_numel=fuse_min)
+        mine = self._mine(indices)
+        last = self._link.accumulate([(i, self._params[i].grad) for i in mine], buf, fuse_min_numel=fuse_min)
         self._count(indices)
         return last
+
+    def _mine(self, indices) -> list[int]:
+        """Of these parameters, those whose host state this rank holds (ZeRO; all of them otherwise)."""
+        if self._zero is None:
+            return list(indices)
+        slots = self._host.slots
+        return [i for i in indices if i in slots]
 
     def _accumulate_on_device(self, indices: list[int]) -> None:
         """``device_accumulation``: add these gradients into the device-side sums of the interval."""
         host, acc = self._host, self._device_acc
-        torch._foreach_add_([host.view(acc, i) for i in indices], [self._params[i].grad for i in indices])
+        mine = self._mine(indices)
+        torch._foreach_add_([host.view(acc, i) for i in mine], [self._params[i].grad for i in mine])
         self._count(indices)
 
     def _count(self, indices: list[int]) -> None:
@@ -362,10 +412,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if accumulated is not None:
             self._link.wait(accumulated)
         result = self._host.update(
-            self._acc_buf, counts, self._hyper(), self.max_grad_norm, self._link.copy_out_guard(), last=last
+            self._acc_buf, {i: counts[i] for i in self._mine(counts)}, self._hyper(), self.max_grad_norm,
+            self._link.copy_out_guard(), last=last, sum_over_ranks=self._sum_over_ranks(),
         )
         self._stats.host_seconds.append(result["seconds"])
         self._stats.sync_host_seconds += result["seconds"]  # synchronous: the training thread waited
+
+    def _sum_over_ranks(self):
+        """ZeRO with clipping: how a host update turns its shard's sum of squares into the model's."""
+        return self._zero.sum_host if self._zero is not None and self.max_grad_norm is not None else None
 
     def _warmup_step(self, active: list[int]) -> None:
         """ZeRO-Offload: every parameter gets a synchronous host AdamW step, then all of it is copied back."""
@@ -415,16 +470,37 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Where fast-path Adam state is kept: the device, or host memory (the link's) with ``offload``."""
         return self._link.new_host_state(t) if self._offload else t.to(self.device)
 
+    def _from_host(self, i: int, name: str, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of parameter ``i``'s host ``master``/``exp_avg``/``exp_avg_sq`` (fp32, parameter shape;
+        ``cols``: those columns only), on the device. ZeRO: its owner broadcasts it."""
+        host, p = self._host, self._params[i]
+
+        def make():
+            t = host.view(getattr(host, name), i)
+            return t.clone() if cols is None else t[:, cols.cpu()]
+
+        if self._zero is None:
+            return make().to(self.device)
+        shape = tuple(p.shape) if cols is None else (p.shape[0], cols.numel())
+        return self._zero.from_owner(i, make, shape, torch.float32, self.device, "host state")
+
+    def _host_step(self, i: int) -> int:
+        """Parameter ``i``'s host step count (ZeRO: its owner's)."""
+        if self._zero is None:
+            return self._host.host_step[i]
+        make = lambda: torch.tensor([self._host.host_step[i]])  # noqa: E731
+        return int(self._zero.from_owner(i, make, (1,), torch.int64, self.device, "host state"))
+
     def _init_vector(self, i: int) -> None:
         """A vector joins the fast path with the Adam state the host gave it during warm-up."""
-        p, host = self._params[i], self._host
+        p = self._params[i]
         st = self.state[p]
         n = p.numel()
-        st["exp_avg"] = self._to_state(host.view(host.exp_avg, i).reshape(1, n).clone())
-        st["exp_avg_sq"] = self._to_state(host.view(host.exp_avg_sq, i).reshape(1, n).clone())
-        st["step"] = host.host_step[i]
+        st["exp_avg"] = self._to_state(self._from_host(i, "exp_avg").reshape(1, n))
+        st["exp_avg_sq"] = self._to_state(self._from_host(i, "exp_avg_sq").reshape(1, n))
+        st["step"] = self._host_step(i)
         if p.dtype != torch.float32:
-            st["master"] = self._to_state(host.view(host.master, i).reshape(1, n).clone())
+            st["master"] = self._to_state(self._from_host(i, "master").reshape(1, n))
         self._plan = None
 
     @torch.no_grad()
@@ -439,19 +515,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for i, p, new, s in zip(indices, params, chosen, scores, strict=True):
             st = self.state[p]
             R, k = p.shape[0], new.numel()
-            master_view = host.view(host.master, i)
+            owned = i in host.slots  # ZeRO: this rank holds the matrix's host state
             old = st.get("selected")
             m = torch.zeros(R, k, dtype=torch.float32, device=self.device)
             v = torch.zeros_like(m)
             steps = torch.zeros(k, dtype=torch.int64, device=self.device)
             # a low-precision matrix keeps an fp32 master of its selected columns; entering columns take
             # the host master's value (the live weight is that value, rounded)
-            master = master_view[:, new.cpu()].to(self.device) if p.dtype != torch.float32 else None
+            master = self._from_host(i, "master", new) if p.dtype != torch.float32 else None
             if old is None and self._seed_from_host:  # continuing an imported AdamW run
-                cols = new.cpu()
-                m.copy_(host.view(host.exp_avg, i)[:, cols])
-                v.copy_(host.view(host.exp_avg_sq, i)[:, cols])
-                steps.fill_(host.host_step[i])
+                m.copy_(self._from_host(i, "exp_avg", new))
+                v.copy_(self._from_host(i, "exp_avg_sq", new))
+                steps.fill_(self._host_step(i))
             if old is not None and old.numel():
                 # sorted index sets: position of each new column in the old set, if it was there
                 pos = torch.searchsorted(old, new).clamp_(max=old.numel() - 1)
@@ -464,9 +539,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if master is not None:
                     master[:, stay] = old_master[:, pos[stay]]
                 gone = ~torch.isin(old, new)
-                if gone.any():  # ownership returns to the host, value included
+                if owned and gone.any():  # ownership returns to the host, value included
                     src = old_master[:, gone] if master is not None else p[:, old[gone]]
-                    master_view[:, old[gone].cpu()] = src.to("cpu", torch.float32)
+                    host.view(host.master, i)[:, old[gone].cpu()] = src.to("cpu", torch.float32)
                 jaccards.append(float(stay.sum()) / max(1, int(torch.unique(torch.cat([old, new])).numel())))
             st["selected"], st["exp_avg"], st["exp_avg_sq"], st["step"] = (
                 new,
@@ -613,7 +688,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         matrices = [i for i, p in enumerate(self._params) if p.dim() == 2]
         if self._device_acc is not None:  # the interval's sums cross to the host now, once
             counted = self._counts[self._acc_buf]
-            self._link.upload([(i, self._host.view(self._device_acc, i)) for i in matrices if counted[i]],
+            self._link.upload([(i, self._host.view(self._device_acc, i)) for i in self._mine(matrices) if counted[i]],
                               self._acc_buf)
         counts = self._take_counts(matrices)
         for p in self._params:
@@ -628,11 +703,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._write_back(self._pending)  # the previous interval's result lands now
             accumulated, guard = self._link.accumulation(), self._link.copy_out_guard()
             hyper, buf, host, max_norm = self._hyper(), self._acc_buf, self._host, self.max_grad_norm
+            mine, ranks_sum = {i: counts[i] for i in self._mine(counts)}, self._sum_over_ranks()
 
             def job():
                 if accumulated is not None:
                     accumulated.wait()
-                return host.update(buf, counts, hyper, max_norm, wait_before_write=guard)
+                return host.update(buf, mine, hyper, max_norm, wait_before_write=guard, sum_over_ranks=ranks_sum)
 
             self._inflight = self._link.submit_update(job)
             self._pending = list(counts)
@@ -653,11 +729,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         selection, the whole parameter otherwise (vectors, warm-up)."""
         if not indices:
             return
+        # ZeRO: the owners' results reach every replica first (the training thread waits for them)
+        others = {} if self._zero is None else self._zero.exchange_out(
+            self._host, indices, {i: self._params[i].dtype for i in indices}, self.device)
         items = []
         for i in indices:
             p = self._params[i]
             sel = (self.state.get(p) or {}).get("selected")
-            items.append((p, self._host.out_view(i), sel))
+            items.append((p, others[i] if i in others else self._host.out_view(i), sel))
         self._link.write_back(items)
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -669,9 +748,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     _COUNTERS = ("t", "skipped_steps", "host_updates", "selections", "steps_accumulated")
 
     @torch.no_grad()
-    def state_dict(self) -> dict:
+    def state_dict(self, *, consolidated: bool = False) -> dict:
         """Everything needed to continue exactly (docs/design.md section 2 item 7); drains any in-flight host
-        update first (its result stays pending, as it would without the save)."""
+        update first (its result stays pending, as it would without the save). Under ZeRO each rank's dict
+        holds the host state of its own parameters (load it on the same rank at the same world size); see
+        :meth:`consolidated_state_dict` for one dict of all of them."""
         groups = []
         for gi, g in enumerate(self.param_groups):
             packed = {k: v for k, v in g.items() if k != "params"}
@@ -681,6 +762,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         zenflow = {name: getattr(self, name) for name in self._COUNTERS}
         zenflow.update(config=self.config.to_dict(), schedule=self.schedule.to_dict(), max_grad_norm=self.max_grad_norm,
                        seed_from_host=self._seed_from_host)
+        zenflow["zero"] = dict(stage=self.zero_stage, world=self._world, rank=self._rank(), consolidated=consolidated)
         if self._built:
             self._drain()
             self._link.synchronize()  # accumulation, write-backs and offloaded state have all landed
@@ -689,18 +771,40 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 st = {
                     k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in self.state[p].items()
                 }
-                st.update(
-                    host_master=host.view(host.master, i).clone(),
-                    host_exp_avg=host.view(host.exp_avg, i).clone(),
-                    host_exp_avg_sq=host.view(host.exp_avg_sq, i).clone(),
-                    host_step=host.host_step[i],
-                    acc=host.view(self._interval_sums(), i).to("cpu", copy=True),
-                    acc_count=self._counts[self._acc_buf][i],
-                    pending=i in self._pending,
-                )
+                st.update(acc_count=self._counts[self._acc_buf][i], pending=i in self._pending)
+                if consolidated and self._zero is not None:  # every parameter's host state, from its owner
+                    held = self._zero.owner[i] == self._zero.rank
+                    fields = {
+                        name: self._from_host(i, name).to("cpu") for name in ("master", "exp_avg", "exp_avg_sq")
+                    }
+                    st.update(host_master=fields["master"], host_exp_avg=fields["exp_avg"],
+                              host_exp_avg_sq=fields["exp_avg_sq"], host_step=self._host_step(i))
+                    acc = self._interval_sums_of(i) if held else torch.empty(p.shape, dtype=torch.float32)
+                    st["acc"] = self._zero.broadcast_(acc.to(self.device), self._zero.owner[i], "checkpoint").to("cpu")
+                elif i in host.slots:
+                    st.update(
+                        host_master=host.view(host.master, i).clone(),
+                        host_exp_avg=host.view(host.exp_avg, i).clone(),
+                        host_exp_avg_sq=host.view(host.exp_avg_sq, i).clone(),
+                        host_step=host.host_step[i],
+                        acc=self._interval_sums_of(i),
+                    )
                 state[i] = st
         zenflow["built"] = self._built
         return {"state": state, "param_groups": groups, "zenflow": zenflow}
+
+    def consolidated_state_dict(self) -> dict:
+        """Under ZeRO: one state dict holding every rank's host state, loadable by ``load_state_dict`` at
+        any world size (1 included). Collective: every rank calls it and gets the whole dict (save it
+        from rank 0). Without ZeRO it is :meth:`state_dict`."""
+        return self.state_dict(consolidated=True)
+
+    def _interval_sums_of(self, i: int) -> torch.Tensor:
+        return self._host.view(self._interval_sums(), i).to("cpu", copy=True)
+
+    def _rank(self) -> int:
+        return self._zero.rank if self._zero is not None else (
+            torch.distributed.get_rank(self._process_group) if self._world > 1 else 0)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -739,6 +843,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     f"ZenFlowAdamW.load_state_dict: parameter {idx} was saved with shape "
                     f"{tuple(st['host_master'].shape)}, this one is {tuple(p.shape)}"
                 )
+        if zenflow.get("built"):
+            # ZeRO: this rank needs the host state of the parameters it will hold (a consolidated dict, or a
+            # dict saved by the same rank at the same world size, has it)
+            mine = [i for i, r in enumerate(owners(self._params, self._group_of, self._world)) if r == self._rank()]
+            missing = [i for i in mine if "host_master" not in saved_state.get(i, saved_state.get(str(i), {}))]
+            if missing:
+                saved = zenflow.get("zero", {})
+                raise ValueError(
+                    f"ZenFlowAdamW.load_state_dict: the state dict (saved by rank {saved.get('rank', 0)} of "
+                    f"{saved.get('world', 1)}) holds no host state for parameters {missing[:8]}, which rank "
+                    f"{self._rank()} of {self._world} holds: load each rank's own state_dict() at the same world "
+                    "size, or a consolidated_state_dict() at any world size"
+                )
         changed = [f"zenflow.{k}={v!r} (this optimizer: {getattr(self.config, k)!r})"
                    for k, v in config.to_dict().items() if getattr(self.config, k) != v]
         if zenflow["max_grad_norm"] != self.max_grad_norm:
@@ -764,15 +881,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for idx, st in saved_state.items():
             i = int(idx)
             p = self._params[i]
-            host.view(host.master, i).copy_(st["host_master"])
-            host.view(host.exp_avg, i).copy_(st["host_exp_avg"])
-            host.view(host.exp_avg_sq, i).copy_(st["host_exp_avg_sq"])
-            host.view(self._interval_sums(), i).copy_(st["acc"])
-            host.host_step[i] = int(st["host_step"])
+            if i in host.slots:  # ZeRO: the host state of this rank's parameters only
+                host.view(host.master, i).copy_(st["host_master"])
+                host.view(host.exp_avg, i).copy_(st["host_exp_avg"])
+                host.view(host.exp_avg_sq, i).copy_(st["host_exp_avg_sq"])
+                host.view(self._interval_sums(), i).copy_(st["acc"])
+                host.host_step[i] = int(st["host_step"])
+                if st["pending"]:
+                    host.out_view(i).copy_(st["host_master"])  # what the finished update wrote
             self._counts[self._acc_buf][i] = int(st["acc_count"])
             if st["pending"]:
                 self._pending.append(i)
-                host.out_view(i).copy_(st["host_master"])  # what the finished update wrote
             fast = {k: v for k, v in st.items() if k not in _HOST_KEYS}
             self.state[p] = {
                 # copies: the optimizer must not share storage with the caller's state dict
@@ -843,6 +962,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._build()
         host = self._host
         for i, (m, v, step) in imported.items():
+            if i not in host.slots:  # ZeRO: another rank holds it
+                continue
             host.view(host.exp_avg, i).copy_(m)
             host.view(host.exp_avg_sq, i).copy_(v)
             host.host_step[i] = step
@@ -936,4 +1057,9 @@ class _Telemetry:
             "h2d_bytes": int(moved["h2d_bytes"]),
             "d2h_bytes_per_step": moved["d2h_bytes"] / opt.t if opt.t else 0.0,
             "h2d_bytes_per_step": moved["h2d_bytes"] / opt.t if opt.t else 0.0,
+            # ZeRO: payload bytes each kind of collective carried (gradients, gradient presence, write-back,
+            # host state, clipping norm, checkpoint); empty on one rank
+            "collective_bytes": dict(opt._zero.bytes) if opt._zero is not None else {},
+            "collective_bytes_per_step": {k: v / opt.t for k, v in opt._zero.bytes.items()}
+            if opt._zero is not None and opt.t else {},
         }

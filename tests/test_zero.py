@@ -1,0 +1,216 @@
+"""ZeRO-1 over torch.distributed (gloo, CPU): processes started by the test, one per rank, as torchrun
+would start them (tests/zero_worker.py). Each rank gets a different gradient; their average is fed to
+one rank and to the reference, which the ranks must match."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.ops import use_backend
+from zenflow_kernels.reference import ReferenceZenFlow
+from zenflow_kernels.zero import owner_runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import zero_worker  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(zero_worker.__file__)
+ZEN = dict(topk_ratio=0.1, select_strategy="step", select_interval=6, update_interval=3, full_warm_up_rounds=1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cases: list[dict], tmp_path: Path, world: int = 2, timeout: float = 240.0):
+    """Run the cases on ``world`` ranks; returns ({case: [rank results]}, [completed processes])."""
+    spec = tmp_path / "cases.json"
+    spec.write_text(json.dumps(cases))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+           "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), str(spec), str(tmp_path)], cwd=ROOT,
+                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
+    done = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"the ranks did not finish within {timeout} s (a hang)") from None
+        done.append((p.returncode, out, err))
+    results = {}
+    for case in cases:
+        files = [tmp_path / f"{case['name']}-rank{r}.pt" for r in range(world)]
+        if all(f.exists() for f in files):
+            results[case["name"]] = [torch.load(f, weights_only=False) for f in files]
+    return results, done
+
+
+def single_rank(case: dict, world: int, steps: int | None = None, state=None):
+    """One rank fed the ranks' average gradient (and, with ``state``, resumed from it)."""
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    params = zero_worker.make_params(dtype)
+    grads = zero_worker.mean_grads(case["steps"], world, dtype)
+    with use_backend("numba"), ZenFlowAdamW(params, **zero_worker.HYPER, zenflow=case["zenflow"],
+                                            max_grad_norm=case.get("max_grad_norm")) as opt:
+        start = 0
+        if state is not None:
+            params_at, sd, start = state
+            with torch.no_grad():
+                for p, v in zip(params, params_at, strict=True):
+                    p.copy_(v)
+            opt.load_state_dict(sd)
+        for step in grads[start:steps]:
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.to(dtype)
+            opt.step()
+        opt.flush()
+        return [p.detach().clone() for p in params]
+
+
+def reference(case: dict, world: int):
+    params = [torch.nn.Parameter(p.detach().float()) for p in zero_worker.make_params()]
+    ref = ReferenceZenFlow(params, **zero_worker.HYPER, zenflow=case["zenflow"],
+                           max_grad_norm=case.get("max_grad_norm"))
+    for step in zero_worker.mean_grads(case["steps"], world):
+        for p, g in zip(params, step, strict=True):
+            p.grad = g.clone()
+        ref.step()
+    ref.flush()
+    return [p.detach().clone() for p in params]
+
+
+def close(actual, expected, rtol=1e-5, atol=1e-6):
+    pairs = zip(actual, expected, strict=True)
+    return all(torch.allclose(a.float(), e.float(), rtol=rtol, atol=atol) for a, e in pairs)
+
+
+CASES = [
+    dict(name="sync", zenflow=ZEN, steps=20),
+    dict(name="overlap", zenflow=dict(ZEN, overlap_step=True), steps=20),
+    dict(name="overlap_chaos", zenflow=dict(ZEN, overlap_step=True), steps=20, chaos=1),
+    dict(name="sync_chaos_clip", zenflow=ZEN, steps=20, chaos=2, max_grad_norm=5.0),
+    dict(name="overlap_clip", zenflow=dict(ZEN, overlap_step=True), steps=20, max_grad_norm=5.0),
+    dict(name="bf16_overlap", zenflow=dict(ZEN, overlap_step=True), steps=20, dtype="bfloat16"),
+    dict(name="devacc_chaos", zenflow=dict(ZEN, overlap_step=True, device_accumulation=True), steps=20, chaos=0),
+    dict(name="save", zenflow=dict(ZEN, overlap_step=True), steps=20, save_at=10),
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero")
+    results, done = launch(CASES, tmp)
+    for rc, _out, err in done:
+        assert rc == 0, err[-3000:]
+    return results
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_two_ranks_match_one_rank_and_the_reference(two_ranks, case):
+    ranks = two_ranks[case["name"]]
+    # every replica holds the same weights, bit for bit
+    for other in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], other["params"], strict=True))
+    one = single_rank(case, world=2)
+    assert close(ranks[0]["params"], one), "2 ranks on their halves differ from 1 rank on the average"
+    if case.get("dtype", "float32") == "float32":
+        assert close(ranks[0]["params"], reference(case, world=2)), "2 ranks differ from the reference"
+    # and the weights moved: the comparison is not between two copies of the initial values
+    init = zero_worker.make_params(getattr(torch, case.get("dtype", "float32")))
+    assert not close(ranks[0]["params"], init, rtol=1e-3, atol=1e-3)
+
+
+def test_each_rank_holds_its_share_of_the_host_state(two_ranks):
+    ranks = two_ranks["overlap"]
+    owned = [set(r["owned"]) for r in ranks]
+    assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == set(range(len(zero_worker.SHAPES)))
+    total = sum(r["host_numel"] for r in ranks)
+    # the whole model's layout, aligned (16 fp32 elements per parameter start)
+    assert total == sum(-(-torch.Size(s).numel() // 16) * 16 for s in zero_worker.SHAPES)
+    largest = max(-(-torch.Size(s).numel() // 16) * 16 for s in zero_worker.SHAPES)
+    for r in ranks:
+        assert r["host_numel"] <= total / 2 + largest
+        # master, two moments and two accumulation buffers (overlap), fp32, of this rank's run only
+        assert r["host_bytes"] == 5 * 4 * r["host_numel"]
+
+
+def test_collective_bytes_are_reported_per_kind(two_ranks):
+    ranks = two_ranks["overlap"]
+    grad_bytes = sum(torch.Size(s).numel() * 4 for s in zero_worker.SHAPES)
+    for r in ranks:
+        moved = r["stats"]["collective_bytes"]
+        assert moved["gradients"] == 20 * grad_bytes  # one all-reduce of every gradient per step
+        assert moved["gradient presence"] == 20 * len(zero_worker.SHAPES) * 4
+        assert moved["write-back"] > 0 and moved["host state"] > 0
+        assert r["stats"]["collective_bytes_per_step"]["gradients"] == grad_bytes
+
+
+def test_a_consolidated_checkpoint_continues_on_one_rank(two_ranks):
+    case = next(c for c in CASES if c["name"] == "save")
+    ranks = two_ranks["save"]
+    sd = ranks[0]["consolidated"]
+    assert sd["zenflow"]["zero"] == dict(stage=1, world=2, rank=0, consolidated=True)
+    resumed = single_rank(case, world=2, state=(ranks[0]["params_at_save"], sd, case["save_at"]))
+    assert close(resumed, ranks[0]["params"])
+    # a rank's own dict holds only its parameters' host state, and says so when loaded elsewhere
+    per_rank = ranks[1]["per_rank"]
+    held = {i for i, st in per_rank["state"].items() if "host_master" in st}
+    assert held == set(ranks[1]["owned"])
+    params = zero_worker.make_params()
+    with ZenFlowAdamW(params, **zero_worker.HYPER, zenflow=case["zenflow"]) as opt:
+        with pytest.raises(ValueError, match=r"saved by rank 1 of 2\) holds no host state for parameters .*"
+                                             r"consolidated_state_dict"):
+            opt.load_state_dict(per_rank)
+        assert opt.t == 0 and not opt.state
+
+
+def test_a_rank_that_fails_ends_the_other_with_an_error_naming_the_collective(tmp_path):
+    cases = [dict(name="fail", zenflow=ZEN, steps=8, fail_rank=1, fail_at=4, timeout=20.0)]
+    t0 = time.monotonic()
+    _, done = launch(cases, tmp_path, timeout=120.0)
+    assert time.monotonic() - t0 < 100
+    (rc0, _, err0), (rc1, _, err1) = done
+    assert rc1 != 0 and "rank 1 fails at step 4 on purpose" in err1
+    assert rc0 != 0
+    assert "ZeroCollectiveError: ZenFlowAdamW rank 0 of 2: all_reduce of gradient presence" in err0, err0[-2000:]
+
+
+def test_owner_runs_are_contiguous_and_balanced():
+    for sizes, world in [([16] * 10, 2), ([16] * 10, 3), ([1024, 16, 16, 16], 2), ([16], 2), ([], 2),
+                         ([64, 64, 64, 64, 64, 64, 64], 4)]:
+        owners = owner_runs(sizes, world)
+        assert owners == sorted(owners) and all(0 <= r < world for r in owners)
+        total = sum(sizes)
+        for r in range(world):
+            share = sum(s for s, o in zip(sizes, owners, strict=True) if o == r)
+            assert share <= total / world + max(sizes, default=0)  # midpoints in one equal share
+    assert owner_runs([16] * 10, 2) == [0] * 5 + [1] * 5
+
+
+def test_zero_arguments_are_checked():
+    params = zero_worker.make_params()
+    for bad in (3, -1, True, "1"):
+        with pytest.raises(ValueError, match=rf"zero_stage={bad!r} is invalid: allowed 0, 1 or 2"):
+            ZenFlowAdamW(params, zero_stage=bad)
+    for bad in (0, -5.0, float("inf"), "10"):
+        with pytest.raises(ValueError, match=r"collective_timeout=.* is invalid: allowed a positive number"):
+            ZenFlowAdamW(params, collective_timeout=bad)
+    with pytest.raises(ValueError, match="process_group was given but torch.distributed is not initialised"):
+        ZenFlowAdamW(params, zero_stage=1, process_group=object())

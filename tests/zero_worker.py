@@ -1,0 +1,140 @@
+"""One rank of the ZeRO tests (tests/test_zero.py starts one process per rank, as torchrun would).
+
+    python tests/zero_worker.py CASES.json OUT_DIR      (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+
+Runs every case of CASES.json in order on one gloo process group and saves, per case, this rank's
+final parameters, stats and host-shard size to OUT_DIR/<case>-rank<r>.pt. Gradients are fixed in
+advance and differ per rank; tests/test_zero.py feeds their average (``mean_grads``) to one rank and
+to the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from zenflow_kernels import ZenFlowAdamW  # noqa: E402
+from zenflow_kernels.ops import use_backend  # noqa: E402
+from zenflow_kernels.testing import chaos  # noqa: E402
+
+SHAPES = [(24, 16), (24,), (12, 24), (12,), (12,), (40, 12)]
+HYPER = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+
+
+def make_params(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+
+
+def shared_grads(steps: int, seed: int = 1):
+    """The gradients of one rank on the whole batch (hot columns that drift, as in test_optim)."""
+    g = torch.Generator().manual_seed(seed)
+    seq = []
+    for t in range(steps):
+        step = []
+        for shape in SHAPES:
+            x = torch.randn(shape, generator=g)
+            if len(shape) == 2:
+                boost = torch.ones(shape[1])
+                for j in range(3):
+                    boost[(3 * j + t // 7) % shape[1]] = 4.0 + j
+                x = x * boost
+            step.append(x)
+        seq.append(step)
+    return seq
+
+
+def rank_grads(steps: int, rank: int, world: int):
+    """Rank ``rank``'s gradients: the shared ones times ``rank + 1`` plus noise of its own."""
+    noise = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for step in shared_grads(steps):
+        out.append([g * (rank + 1) + torch.randn(g.shape, generator=noise) for g in step])
+    return out
+
+
+def mean_grads(steps: int, world: int, dtype=torch.float32):
+    """What the ranks' average is: summed in rank order and in the gradients' dtype, as the all-reduce
+    adds them, then divided."""
+    per_rank = [rank_grads(steps, r, world) for r in range(world)]
+    out = []
+    for t in range(steps):
+        step = []
+        for j in range(len(SHAPES)):
+            total = per_rank[0][t][j].to(dtype)
+            for r in range(1, world):
+                total += per_rank[r][t][j].to(dtype)
+            step.append(total / world)
+        out.append(step)
+    return out
+
+
+def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    params = make_params(dtype)
+    grads = rank_grads(case["steps"], rank, world)
+    kwargs = dict(HYPER, zenflow=case["zenflow"], max_grad_norm=case.get("max_grad_norm"),
+                  zero_stage=case.get("zero_stage", 1), collective_timeout=case.get("timeout", 60.0))
+    ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else _nothing()
+    result: dict = {}
+    with ctx:
+        opt = ZenFlowAdamW(params, **kwargs)
+        save_at = case.get("save_at")
+        for t, step in enumerate(grads):
+            if case.get("fail_rank") == rank and t == case.get("fail_at"):
+                raise RuntimeError(f"rank {rank} fails at step {t} on purpose")
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.to(dtype)
+            opt.step()
+            if save_at is not None and t + 1 == save_at:
+                result["consolidated"] = opt.consolidated_state_dict()
+                result["per_rank"] = opt.state_dict()
+                result["params_at_save"] = [p.detach().clone() for p in params]
+        opt.flush()
+        host = opt._host
+        result.update(
+            params=[p.detach().clone() for p in params],
+            stats=opt.stats(),
+            host_numel=host.numel,
+            host_bytes=sum(t.numel() * t.element_size()
+                           for t in [host.master, host.exp_avg, host.exp_avg_sq, *host.acc]),
+            owned=sorted(host.slots),
+        )
+        opt.close()
+    torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main() -> int:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        with use_backend("numba"):
+            for case in cases:
+                run_case(case, rank, world, out_dir)
+    except Exception:
+        (out_dir / f"error-rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""ZeRO-1 for ZenFlowAdamW over ``torch.distributed`` (docs/design.md section 7).
+
+Ownership. The parameters, in the host layout's order (param group, matrices before vectors), are
+cut into ``world`` contiguous runs of whole parameters holding about the same number of elements;
+rank ``r``'s host shard (fp32 master, Adam moments, accumulation buffers) holds run ``r`` only, laid
+out flat and aligned like a single-rank shard. World size 1 is the same code with one run.
+
+One step of ZeRO-1, on every rank:
+
+* the step's gradients are all-reduced (averaged) in one flat buffer per dtype: every replica then
+  holds the same gradient, so the fast step, the clipping norm, the selection and the zen-auto vote
+  agree on every rank without further collectives (the selection scores the averaged gradient, which
+  is what one rank on the whole batch scores);
+* each rank accumulates only the matrices it owns; at an update boundary its host worker steps only
+  them (a clipping norm is the sum of every rank's share: one all-reduce of a float64 on the
+  worker's own gloo group);
+* a write-back first hands every owner's updated weights to the other replicas (one broadcast per
+  rank and dtype of the span holding its pending parameters), then each replica overwrites its
+  non-selected columns;
+* state the fast path takes from the host (a vector's moments after warm-up, a low-precision matrix's
+  fp32 master of entering columns, an imported AdamW run's moments) is broadcast by its owner.
+
+Every collective runs on groups this module creates (one for the training thread, one gloo group
+for the host worker, so the two threads never interleave calls on one group), waits at most
+``timeout`` seconds, and fails with a :class:`ZeroCollectiveError` naming this rank, the collective
+and what it carried. Bytes are counted per kind for ``stats()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .host import ALIGN, layout
+
+__all__ = ["ZeroCollectiveError", "ZeroContext", "check_not_ddp", "owner_runs", "owners", "world_of"]
+
+
+class ZeroCollectiveError(RuntimeError):
+    """A collective failed or timed out (another rank failed, hung or left)."""
+
+
+def world_of(process_group) -> int:
+    """The number of ranks ZenFlowAdamW partitions over: 1 without ``torch.distributed``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ValueError("ZenFlowAdamW: process_group was given but torch.distributed is not initialised")
+        return 1
+    return dist.get_world_size(process_group)
+
+
+def owner_runs(sizes: Sequence[int], world: int) -> list[int]:
+    """The owner rank of each parameter, in layout order, given their aligned sizes: contiguous runs,
+    balanced by elements (a parameter goes to the rank whose equal share holds its midpoint)."""
+    total = sum(sizes)
+    owners, start = [], 0
+    for size in sizes:
+        mid = start + size / 2
+        owners.append(min(world - 1, int(mid * world // total)) if total else 0)
+        start += size
+    return owners
+
+
+def owners(params: Sequence[torch.Tensor], groups: Sequence[int], world: int) -> list[int]:
+    """The rank holding each parameter's host state (indexed like ``params``)."""
+    order, slots, _ = layout(params, groups)
+    sizes = [math.ceil(slots[i].numel / ALIGN) * ALIGN for i in order]
+    owner = [0] * len(params)
+    for i, r in zip(order, owner_runs(sizes, world), strict=True):
+        owner[i] = r
+    return owner
+
+
+def check_not_ddp(params: Sequence[torch.Tensor]) -> None:
+    """Refuse parameters of a module wrapped in DistributedDataParallel: DDP already averages the
+    gradients in backward, and the optimizer's own reduction would then run on top of it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = {id(p) for p in params}
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters()):
+            raise ValueError(
+                "ZenFlowAdamW(zero_stage>0): the parameters belong to a model wrapped in DistributedDataParallel. "
+                "ZenFlowAdamW reduces the gradients itself; with DDP they would be reduced twice. Pass the "
+                "unwrapped model's parameters (model.module.parameters()) and do not wrap it in DDP"
+            )
+
+
+class ZeroContext:
+    """The ranks, the owner of every parameter, the other ranks' shard layouts and the collectives.
+
+    Args:
+        params, groups: the optimizer's flat parameter list and each parameter's param-group index.
+        process_group: the group to partition over (None: the default group).
+        timeout: seconds any one collective may take.
+
+    Every rank of ``process_group`` must build its context at the same point (the first ``step()``),
+    since creating the module's groups is itself collective.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], groups: Sequence[int], *, process_group, timeout: float):
+        self.rank = dist.get_rank(process_group)
+        self.world = dist.get_world_size(process_group)
+        self.timeout = timeout
+        order = layout(params, groups)[0]
+        self.owner = owners(params, groups, self.world)
+        self.owned = [i for i in order if self.owner[i] == self.rank]  # this rank's shard, layout order
+        # each rank's shard layout (offsets within its flat buffers), for the write-back broadcasts
+        self.layouts = [layout(params, groups, [i for i in order if self.owner[i] == r])[1] for r in range(self.world)]
+        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+        delta = datetime.timedelta(seconds=timeout)
+        self._train = dist.new_group(ranks, timeout=delta)
+        self._host = dist.new_group(ranks, timeout=delta, backend="gloo")
+        self.bytes: dict[str, int] = {}
+        self.failed = False  # a collective failed: the ranks are out of step, no further collective
+
+    # -- one collective ----------------------------------------------------------------------------
+
+    def _run(self, kind: str, op: str, tensor: torch.Tensor, call) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        try:
+            work = call()
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except Exception as exc:  # gloo/NCCL raise RuntimeError (or DistBackendError) for a dead peer
+            self.failed = True
+            raise ZeroCollectiveError(
+                f"ZenFlowAdamW rank {self.rank} of {self.world}: {op} of {kind} ({nbytes} bytes) failed or took "
+                f"longer than {self.timeout:g} s; another rank probably failed or stopped calling step() "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+    def all_reduce_(self, tensor: torch.Tensor, kind: str, *, host: bool = False) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place (``host``: on the host worker's group)."""
+        group = self._host if host else self._train
+        self._run(kind, "all_reduce", tensor, lambda: dist.all_reduce(tensor, group=group, async_op=True))
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor, src: int, kind: str) -> torch.Tensor:
+        """``tensor`` <- rank ``src``'s (``src`` is a rank of the partitioned group)."""
+        src_global = dist.get_global_rank(self._train, src)
+        self._run(kind, "broadcast", tensor,
+                  lambda: dist.broadcast(tensor, src=src_global, group=self._train, async_op=True))
+        return tensor
+
+    # -- what the optimizer asks for ---------------------------------------------------------------
+
+    def average_gradients_(self, grads: Sequence[torch.Tensor], active_mask: torch.Tensor) -> None:
+        """Average these gradients over the ranks, in place: one flat all-reduce per dtype. First checks
+        that every rank has a gradient for the same parameters (``active_mask``, int32, one per
+        parameter): a parameter without a gradient on some rank would leave the ranks' collectives
+        mismatched."""
+        counts = self.all_reduce_(active_mask.clone(), "gradient presence")
+        bad = ((counts != 0) & (counts != self.world)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(
+                f"ZenFlowAdamW rank {self.rank}: parameters {bad[:8]} have a gradient on some ranks and not on "
+                "others; under ZeRO every rank must produce a gradient for the same parameters each step "
+                "(set unused parameters' .grad to zeros, or to None on every rank)"
+            )
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(same)
+            self.all_reduce_(flat, "gradients")
+            flat.div_(self.world)
+            for g, avg in zip(same, torch._utils._unflatten_dense_tensors(flat, same), strict=True):
+                g.copy_(avg)
+
+    def sum_host(self, value: float) -> float:
+        """A float summed over the ranks, from the host worker (the clipping norm's squares)."""
+        t = torch.tensor([value], dtype=torch.float64)
+        return float(self.all_reduce_(t, "clipping norm", host=True))
+
+    def from_owner(self, i: int, make, shape: tuple[int, ...], dtype: torch.dtype, device, kind: str) -> torch.Tensor:
+        """Parameter ``i``'s owner computes ``make()``; every rank returns it (a tensor on ``device``)."""
+        if self.owner[i] == self.rank:
+            t = make().to(device=device, dtype=dtype).contiguous()
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+        return self.broadcast_(t, self.owner[i], kind)
+
+    def exchange_out(
+        self, host, indices: Sequence[int], dtypes: dict[int, torch.dtype], device
+    ) -> dict[int, torch.Tensor]:
+        """Every rank's copy-out of the parameters in ``indices`` it owns, broadcast to all: returns
+        ``{i: source}`` for the parameters this rank does not own (this rank's own are in ``host``)."""
+        wanted = set(indices)
+        received: dict[int, torch.Tensor] = {}
+        for r in range(self.world):
+            slots = self.layouts[r]
+            by_dtype: dict[torch.dtype, list] = {}
+            for i in slots:
+                if i in wanted:
+                    by_dtype.setdefault(dtypes[i], []).append(slots[i])
+            for dtype, chosen in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+                lo = min(s.offset for s in chosen)
+                hi = max(s.offset + s.numel for s in chosen)
+                if r == self.rank:
+                    span = host.out[dtype][lo:hi].to(device)
+                else:
+                    span = torch.empty(hi - lo, dtype=dtype, device=device)
+                self.broadcast_(span, r, "write-back")
+                if r != self.rank:
+                    for s in chosen:
+                        received[s.index] = span[s.offset - lo : s.offset - lo + s.numel].view(s.shape)
+        return received
