@@ -110,13 +110,27 @@ CASES = [
     dict(name="bf16_overlap", zenflow=dict(ZEN, overlap_step=True), steps=20, dtype="bfloat16"),
     dict(name="devacc_chaos", zenflow=dict(ZEN, overlap_step=True, device_accumulation=True), steps=20, chaos=0),
     dict(name="save", zenflow=dict(ZEN, overlap_step=True), steps=20, save_at=10),
+    # ZeRO-2: matrices reduced to their owners, selection scored by the owners
+    dict(name="s2_sync", zenflow=ZEN, steps=20, zero_stage=2),
+    dict(name="s2_overlap_chaos", zenflow=dict(ZEN, overlap_step=True), steps=20, zero_stage=2, chaos=0),
+    dict(name="s2_overlap_clip", zenflow=dict(ZEN, overlap_step=True), steps=20, zero_stage=2, max_grad_norm=5.0),
+    dict(name="s2_auto_chaos_clip", zenflow=dict(ZEN, update_interval="auto"), steps=20, zero_stage=2, chaos=1,
+         max_grad_norm=5.0),
+    dict(name="s2_bf16_devacc", zenflow=dict(ZEN, overlap_step=True, device_accumulation=True), steps=20,
+         zero_stage=2, dtype="bfloat16"),
+    dict(name="s2_save", zenflow=dict(ZEN, overlap_step=True), steps=20, zero_stage=2, save_at=10),
+]
+MODEL_CASES = [
+    dict(name="model_s1", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=1),
+    dict(name="model_s2", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=2),
+    dict(name="model_s2_micro", kind="model", zenflow=ZEN, steps=12, zero_stage=2, micro=2),
 ]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
-    results, done = launch(CASES, tmp)
+    results, done = launch(CASES + MODEL_CASES + [dict(name="errors", kind="errors")], tmp)
     for rc, _out, err in done:
         assert rc == 0, err[-3000:]
     return results
@@ -137,6 +151,34 @@ def test_two_ranks_match_one_rank_and_the_reference(two_ranks, case):
     assert not close(ranks[0]["params"], init, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("case", MODEL_CASES, ids=[c["name"] for c in MODEL_CASES])
+def test_two_ranks_on_half_batches_match_one_rank_on_the_whole_batch(two_ranks, case):
+    ranks = two_ranks[case["name"]]
+    for other in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], other["params"], strict=True))
+    model = zero_worker.make_model()
+    with use_backend("numba"), ZenFlowAdamW(model.parameters(), **zero_worker.HYPER, zenflow=case["zenflow"]) as opt:
+        zero_worker.train_model(model, opt, zero_worker.batch(case["steps"]), slice(0, 8), 1)
+        opt.flush()
+        one = [p.detach().clone() for p in model.parameters()]
+    assert close(ranks[0]["params"], one)
+    assert not close(one, list(zero_worker.make_model().parameters()), rtol=1e-3, atol=1e-3)
+    if case["zero_stage"] == 2:
+        # the reductions started during backward, in buckets (from the second step on: the hooks are set
+        # at the first step()); with two micro-batches the first start of each bucket is superseded by the
+        # second backward and started again in step()
+        for r in ranks:
+            assert r["buckets"] == 2  # the two Linear weights: one per owner
+            assert r["started_in_backward"] == r["buckets"] * (case["steps"] - 1)
+            assert r["restarted"] == (r["buckets"] * (case["steps"] - 1) if case.get("micro", 1) > 1 else 0)
+
+
+def test_stage0_and_ddp_under_torchrun_are_clear_errors(two_ranks):
+    for errors in two_ranks["errors"]:
+        assert "runs 2 ranks and zero_stage=0: pick zero_stage=1 or 2" in errors["stage0"]
+        assert "wrapped in DistributedDataParallel" in errors["ddp"] and "model.module.parameters()" in errors["ddp"]
+
+
 def test_each_rank_holds_its_share_of_the_host_state(two_ranks):
     ranks = two_ranks["overlap"]
     owned = [set(r["owned"]) for r in ranks]
@@ -151,6 +193,22 @@ def test_each_rank_holds_its_share_of_the_host_state(two_ranks):
         assert r["host_bytes"] == 5 * 4 * r["host_numel"]
 
 
+def test_stage2_moves_each_matrix_gradient_once_and_selection_scores_not_gradients(two_ranks):
+    ranks = two_ranks["s2_overlap_clip"]
+    matrix_bytes = sum(torch.Size(s).numel() * 4 for s in zero_worker.SHAPES if len(s) == 2)
+    vector_bytes = sum(torch.Size(s).numel() * 4 for s in zero_worker.SHAPES if len(s) != 2)
+    columns = sum(s[1] for s in zero_worker.SHAPES if len(s) == 2)
+    for r in ranks:
+        moved, stats = r["stats"]["collective_bytes"], r["stats"]
+        assert moved["gradients"] == 20 * matrix_bytes  # one reduce of each matrix per step
+        assert moved["vector gradients"] == 20 * vector_bytes
+        assert moved["selection scores"] == stats["selections"] * columns * 4  # a float per column
+        assert moved["gradient norm"] == 20 * 8
+        rows = {s[1]: s[0] for s in zero_worker.SHAPES if len(s) == 2}
+        k = {c: max(1, int(0.1 * c)) for c in rows}
+        assert moved["selected columns"] == 19 * sum(rows[c] * k[c] * 4 for c in rows)  # after warm-up
+
+
 def test_collective_bytes_are_reported_per_kind(two_ranks):
     ranks = two_ranks["overlap"]
     grad_bytes = sum(torch.Size(s).numel() * 4 for s in zero_worker.SHAPES)
@@ -162,11 +220,12 @@ def test_collective_bytes_are_reported_per_kind(two_ranks):
         assert r["stats"]["collective_bytes_per_step"]["gradients"] == grad_bytes
 
 
-def test_a_consolidated_checkpoint_continues_on_one_rank(two_ranks):
-    case = next(c for c in CASES if c["name"] == "save")
-    ranks = two_ranks["save"]
+@pytest.mark.parametrize("name", ["save", "s2_save"])
+def test_a_consolidated_checkpoint_continues_on_one_rank(two_ranks, name):
+    case = next(c for c in CASES if c["name"] == name)
+    ranks = two_ranks[name]
     sd = ranks[0]["consolidated"]
-    assert sd["zenflow"]["zero"] == dict(stage=1, world=2, rank=0, consolidated=True)
+    assert sd["zenflow"]["zero"] == dict(stage=case.get("zero_stage", 1), world=2, rank=0, consolidated=True)
     resumed = single_rank(case, world=2, state=(ranks[0]["params_at_save"], sd, case["save_at"]))
     assert close(resumed, ranks[0]["params"])
     # a rank's own dict holds only its parameters' host state, and says so when loaded elsewhere

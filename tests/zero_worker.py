@@ -76,7 +76,65 @@ def mean_grads(steps: int, world: int, dtype=torch.float32):
     return out
 
 
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.LayerNorm(32),
+                               torch.nn.Linear(32, 8))
+
+
+def batch(steps: int, size: int = 8):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(size, 16, generator=g), torch.randn(size, 8, generator=g)) for _ in range(steps)]
+
+
+def train_model(model, opt, batches, part: slice, micro: int) -> None:
+    """Backward on ``part`` of each batch in ``micro`` micro-batches (mean loss over the part), then step."""
+    for x, y in batches:
+        xs, ys = x[part].chunk(micro), y[part].chunk(micro)
+        for xm, ym in zip(xs, ys, strict=True):
+            (torch.nn.functional.mse_loss(model(xm), ym) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def run_model_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
+    """A model trained by backward (the ZeRO-2 reductions start from the hooks): each rank on its part
+    of every batch."""
+    model = make_model()
+    opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=case["zenflow"], zero_stage=case["zero_stage"])
+    size = 8
+    part = slice(rank * size // world, (rank + 1) * size // world)
+    train_model(model, opt, batch(case["steps"], size), part, case.get("micro", 1))
+    opt.flush()
+    reducer = opt._reducer
+    result = dict(params=[p.detach().clone() for p in model.parameters()], stats=opt.stats(),
+                  started_in_backward=reducer.started_in_backward if reducer else 0,
+                  restarted=reducer.restarted if reducer else 0, buckets=len(reducer.buckets) if reducer else 0)
+    opt.close()
+    torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
+
+
+def run_error_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
+    """What a user gets wrong under torchrun: no stage, or a DDP-wrapped model."""
+    errors = {}
+    params = make_params()
+    try:
+        ZenFlowAdamW(params)
+    except ValueError as exc:
+        errors["stage0"] = str(exc)
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model())
+    try:
+        ZenFlowAdamW(ddp.parameters(), zero_stage=1)
+    except ValueError as exc:
+        errors["ddp"] = str(exc)
+    torch.save(errors, out_dir / f"{case['name']}-rank{rank}.pt")
+
+
 def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
+    if case.get("kind") == "model":
+        return run_model_case(case, rank, world, out_dir)
+    if case.get("kind") == "errors":
+        return run_error_case(case, rank, world, out_dir)
     dtype = getattr(torch, case.get("dtype", "float32"))
     params = make_params(dtype)
     grads = rank_grads(case["steps"], rank, world)

@@ -29,10 +29,10 @@ import torch
 
 from . import cpu_ops, ops
 from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters
-from .host import HostWorkerError
+from .host import HostWorkerError, layout
 from .link import current_chaos, make_link
 from .schedule import Schedule, resolve_schedule
-from .zero import ZeroContext, check_not_ddp, owners, world_of
+from .zero import BucketReducer, ZeroContext, check_not_ddp, owners, world_of
 
 __all__ = ["ZenFlowAdamW", "HostWorkerError"]
 
@@ -52,10 +52,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         steps_per_epoch, dataloader: the epoch length for ``select_strategy="epoch"``/``"auto"``.
         host_timeout: longest wait in seconds for one host update before an error (None: no limit;
             a dead worker is detected regardless).
-        zero_stage: 0, or 1 for ZeRO-1 under ``torch.distributed`` (docs/torchrun.md): each rank's host
-            holds the fp32 master, moments and accumulation of its own run of parameters, the
-            optimizer averages the gradients itself (do not wrap the model in DDP). With one rank (or
-            without ``torch.distributed``) every stage runs as 0. Several ranks need a stage.
+        zero_stage: 0, 1 or 2: ZeRO under ``torch.distributed`` (docs/torchrun.md). Each rank's host holds
+            the fp32 master, moments and accumulation of its own run of parameters, and the optimizer
+            averages the gradients itself (do not wrap the model in DDP): stage 1 all-reduces them,
+            stage 2 reduces each matrix's gradient to its owner only, from backward hooks, in buckets.
+            With one rank (or without ``torch.distributed``) every stage runs as 0. Several ranks need
+            a stage.
         process_group: the ranks to partition over (default: the default group).
         collective_timeout: longest wait in seconds for one collective; a rank that fails or stops
             stepping ends the others with an error naming the collective instead of a hang.
@@ -84,8 +86,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     ):
         check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm)
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
-            raise ValueError(f"ZenFlowAdamW: zero_stage={zero_stage!r} is invalid: allowed 0, 1 or 2 (2: not yet with "
-                             "several ranks)")
+            raise ValueError(f"ZenFlowAdamW: zero_stage={zero_stage!r} is invalid: allowed 0, 1 or 2")
         if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or not (
                 math.isfinite(collective_timeout) and collective_timeout > 0):
             raise ValueError(f"ZenFlowAdamW: collective_timeout={collective_timeout!r} is invalid: allowed a "
@@ -93,11 +94,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         world = world_of(process_group)
         if world > 1 and zero_stage == 0:
             raise ValueError(
-                f"ZenFlowAdamW: torch.distributed runs {world} ranks and zero_stage=0: pick zero_stage=1 (each rank "
-                "holds 1/world of the host state; the optimizer averages the gradients itself, without DDP)"
+                f"ZenFlowAdamW: torch.distributed runs {world} ranks and zero_stage=0: pick zero_stage=1 or 2 (each "
+                "rank holds 1/world of the host state; the optimizer averages the gradients itself, without DDP)"
             )
-        if world > 1 and zero_stage == 2:
-            raise ValueError("ZenFlowAdamW: zero_stage=2 is not implemented yet: use zero_stage=1")
         self._built = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.config = ZenFlowConfig.coerce(zenflow)
@@ -109,9 +108,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._process_group = process_group
         self._collective_timeout = float(collective_timeout)
         self._zero: ZeroContext | None = None  # the ranks' context (built at the first step, kept after)
+        self._reducer: BucketReducer | None = None  # ZeRO-2's gradient reductions
+        self._averaged: dict[int, torch.Tensor] | None = None  # ZeRO-2: this step's averaged owned matrices
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_params()
+        if world > 1:
+            check_not_ddp(self._params)
         self.t = 0
         self.skipped_steps = 0
         self.host_updates = 0
@@ -163,7 +166,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         train_cores, host_cores = cpu_ops.split_cores(self.config.pt_reserved_cores_perc)
         self._saved_torch_threads = None
         if self._world > 1 and self._zero is None:
-            check_not_ddp(self._params)
             self._zero = ZeroContext(self._params, self._group_of, process_group=self._process_group,
                                      timeout=self._collective_timeout)
         host_threads = len(host_cores)
@@ -204,7 +206,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # an asynchronous link starts each gradient's copy as soon as backward produces it (under ZeRO the
         # gradients are averaged in step() first)
         hooks = []
-        if self._link.asynchronous and self._zero is None:
+        if self._zero is not None and self.zero_stage == 2:  # ZeRO-2: the reductions start from the hooks
+            order = [i for i in self._host_layout_order() if self._params[i].dim() == 2]
+            self._reducer = BucketReducer(self._zero, self._params, order[::-1], self.ZERO_BUCKET_NUMEL)
+        if self._link.asynchronous and self._zero is None or self._reducer is not None:
             ref = weakref.ref(self)
             hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
         # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
@@ -215,11 +220,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Backward finished parameter ``i``'s gradient: start its copy to the host if the host path will
         need it at the coming step (every parameter in warm-up, matrices after). step() re-copies it if
         it changes before then (another micro-batch, clipping, unscaling)."""
-        if self._closed or (
-            not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_acc is not None)
-        ):
+        if self._closed:
+            return
+        if self._reducer is not None:  # ZeRO-2: the gradient goes to its owner first, averaged
+            if p.dim() == 2:
+                self._reducer.grad_ready(i)
+            return
+        if not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_acc is not None):
             return
         self._link.stage(i, p.grad)
+
+    ZERO_BUCKET_NUMEL = 1 << 23
+    """ZeRO-2 reduces matrices' gradients in buckets of at most this many elements (one owner, one dtype)."""
+
+    def _host_layout_order(self) -> list[int]:
+        return layout(self._params, self._group_of)[0]
 
     # -- the public surface ------------------------------------------------------------------------
 
@@ -320,10 +335,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     f"sparse={g.is_sparse}) is invalid: allowed a dense float32, bfloat16 or float16 gradient of "
                     f"shape {tuple(p.shape)} on {self.device}"
                 )
+        self._averaged = None
         if self._zero is not None:
-            mask = torch.zeros(len(self._params), dtype=torch.int32, device=self.device)
-            mask[active] = 1
-            self._zero.average_gradients_([self._params[i].grad for i in active], mask)
+            self._zero.check_presence(active, len(self._params))
+            if self._reducer is None:  # ZeRO-1: every gradient, averaged on every rank
+                self._zero.average_([self._params[i].grad for i in active], "gradients")
+            else:  # ZeRO-2: each matrix's average on its owner only, vectors on every rank
+                self._averaged = self._reducer.finish(set(active))
+                vectors = [self._params[i].grad for i in active if self._params[i].dim() != 2]
+                self._zero.average_(vectors, "vector gradients")
         norm = self._grad_norm(active)
         if not math.isfinite(norm):
             self.skipped_steps += 1
@@ -345,11 +365,40 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _grad_norm(self, active: list[int]) -> float:
         """Global L2 norm of this step's gradient in one device sync (inf/NaN if any is non-finite)."""
+        if self._averaged is not None:  # ZeRO-2: owners' matrices, and the vectors once (rank 0), summed
+            grads = [self._averaged[i] for i in active if i in self._averaged]
+            if self._zero.rank == 0:
+                grads += [self._params[i].grad for i in active if self._params[i].dim() != 2]
+            squares = torch.zeros(1, dtype=torch.float64, device=self.device)
+            if grads:
+                squares += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum()
+            return float(self._zero.all_reduce_(squares, "gradient norm").sqrt())
         if not active:
             return 0.0
         grads = [self._params[i].grad for i in active]
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
         return float(torch.stack(norms).double().pow(2).sum().sqrt())
+
+    def _grad_of(self, i: int) -> torch.Tensor:
+        """The gradient the host path and the selection read: ZeRO-2's average for an owned matrix."""
+        if self._averaged is not None and i in self._averaged:
+            return self._averaged[i]
+        return self._params[i].grad
+
+    def _scores(self, indices: list[int]) -> list[torch.Tensor]:
+        """Column scores of these matrices' (averaged) gradients. ZeRO-2: each owner scores its own
+        matrices, exactly, and one all-reduce hands every rank every score vector (C floats a matrix)."""
+        importance = self.config.importance
+        if self._averaged is None:
+            return ops.multi_column_scores([self._params[i].grad for i in indices], importance)
+        mine = [i for i in indices if i in self._averaged]
+        own = dict(zip(mine, ops.multi_column_scores([self._averaged[i] for i in mine], importance), strict=True))
+        flat = torch.cat([
+            own[i].float() if i in own else torch.zeros(self._params[i].shape[1], device=self.device)
+            for i in indices
+        ]) if indices else torch.zeros(0, device=self.device)
+        self._zero.all_reduce_(flat, "selection scores")
+        return list(flat.split([self._params[i].shape[1] for i in indices]))
 
     def _hyper(self) -> list[dict]:
         """Each param group's AdamW numbers as they are now (a scheduler may have changed them), checked:
@@ -374,7 +423,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         buf = self._acc_buf
         fuse_min = self.FUSE_MIN_NUMEL if fuse and self.max_grad_norm is None else None
         mine = self._mine(indices)
-        last = self._link.accumulate([(i, self._params[i].grad) for i in mine], buf, fuse_min_numel=fuse_min)
+        last = self._link.accumulate([(i, self._grad_of(i)) for i in mine], buf, fuse_min_numel=fuse_min)
         self._count(indices)
         return last
 
@@ -389,7 +438,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """``device_accumulation``: add these gradients into the device-side sums of the interval."""
         host, acc = self._host, self._device_acc
         mine = self._mine(indices)
-        torch._foreach_add_([host.view(acc, i) for i in mine], [self._params[i].grad for i in mine])
+        torch._foreach_add_([host.view(acc, i) for i in mine], [self._grad_of(i) for i in mine])
         self._count(indices)
 
     def _count(self, indices: list[int]) -> None:
@@ -443,6 +492,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         reselect = [i for i in matrices if boundary or "selected" not in state[self._params[i]]]
         if reselect:
             self._reselect(reselect)
+        if self._averaged is not None:  # ZeRO-2: the selected columns' gradients, averaged on every rank
+            chosen = [(self._params[i], state[self._params[i]]["selected"]) for i in matrices]
+            chosen = [(p, sel) for p, sel in chosen if sel.numel()]
+            compact = [p.grad[:, sel] for p, sel in chosen]
+            self._zero.average_(compact, "selected columns")
+            for (p, sel), avg in zip(chosen, compact, strict=True):
+                p.grad[:, sel] = avg
 
         t0 = time.perf_counter()
         self._fast_step(set(active), self._hyper(), coef)
@@ -507,7 +563,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _reselect(self, indices: list[int]) -> None:
         """New top-k columns for these matrices; state moves with the columns that stay."""
         params = [self._params[i] for i in indices]
-        scores = ops.multi_column_scores([p.grad for p in params], self.config.importance)
+        scores = self._scores(indices)
         ks = [self.config.num_selected(p.shape[1]) for p in params]
         chosen = ops.multi_topk_columns(scores, ks, check_data=False)
         host = self._host
@@ -657,7 +713,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 eligible.append(i)
         if eligible:
             params = [self._params[i] for i in eligible]
-            scores = ops.multi_column_scores([p.grad for p in params], self.config.importance)
+            scores = self._scores(eligible)
             pairs = []
             for p, s in zip(params, scores, strict=True):
                 mags = s.sqrt() if self.config.importance == "l2" else s

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .host import ALIGN, layout
 
-__all__ = ["ZeroCollectiveError", "ZeroContext", "check_not_ddp", "owner_runs", "owners", "world_of"]
+__all__ = ["BucketReducer", "ZeroCollectiveError", "ZeroContext", "check_not_ddp", "owner_runs", "owners", "world_of"]
 
 
 class ZeroCollectiveError(RuntimeError):
@@ -116,24 +116,40 @@ class ZeroContext:
         delta = datetime.timedelta(seconds=timeout)
         self._train = dist.new_group(ranks, timeout=delta)
         self._host = dist.new_group(ranks, timeout=delta, backend="gloo")
+        # stage 2 checks which gradients exist while reductions the hooks started are in flight on _train
+        self._meta = dist.new_group(ranks, timeout=delta, backend="gloo")
         self.bytes: dict[str, int] = {}
         self.failed = False  # a collective failed: the ranks are out of step, no further collective
 
     # -- one collective ----------------------------------------------------------------------------
 
-    def _run(self, kind: str, op: str, tensor: torch.Tensor, call) -> None:
+    def _fail(self, kind: str, op: str, nbytes: int, exc: Exception) -> ZeroCollectiveError:
+        self.failed = True
+        return ZeroCollectiveError(
+            f"ZenFlowAdamW rank {self.rank} of {self.world}: {op} of {kind} ({nbytes} bytes) failed or took "
+            f"longer than {self.timeout:g} s; another rank probably failed or stopped calling step() "
+            f"({type(exc).__name__}: {exc})"
+        )
+
+    def start(self, kind: str, op: str, tensor: torch.Tensor, call) -> tuple:
+        """Start a collective (``call()`` returns its work); :meth:`finish` waits for it."""
         nbytes = tensor.numel() * tensor.element_size()
         try:
             work = call()
-            work.wait(datetime.timedelta(seconds=self.timeout))
         except Exception as exc:  # gloo/NCCL raise RuntimeError (or DistBackendError) for a dead peer
-            self.failed = True
-            raise ZeroCollectiveError(
-                f"ZenFlowAdamW rank {self.rank} of {self.world}: {op} of {kind} ({nbytes} bytes) failed or took "
-                f"longer than {self.timeout:g} s; another rank probably failed or stopped calling step() "
-                f"({type(exc).__name__}: {exc})"
-            ) from exc
+            raise self._fail(kind, op, nbytes, exc) from exc
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+        return (work, kind, op, nbytes)
+
+    def finish(self, handle: tuple) -> None:
+        work, kind, op, nbytes = handle
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except Exception as exc:
+            raise self._fail(kind, op, nbytes, exc) from exc
+
+    def _run(self, kind: str, op: str, tensor: torch.Tensor, call) -> None:
+        self.finish(self.start(kind, op, tensor, call))
 
     def all_reduce_(self, tensor: torch.Tensor, kind: str, *, host: bool = False) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place (``host``: on the host worker's group)."""
@@ -150,25 +166,30 @@ class ZeroContext:
 
     # -- what the optimizer asks for ---------------------------------------------------------------
 
-    def average_gradients_(self, grads: Sequence[torch.Tensor], active_mask: torch.Tensor) -> None:
-        """Average these gradients over the ranks, in place: one flat all-reduce per dtype. First checks
-        that every rank has a gradient for the same parameters (``active_mask``, int32, one per
-        parameter): a parameter without a gradient on some rank would leave the ranks' collectives
-        mismatched."""
-        counts = self.all_reduce_(active_mask.clone(), "gradient presence")
-        bad = ((counts != 0) & (counts != self.world)).nonzero().flatten().tolist()
+    def check_presence(self, active: Sequence[int], num_params: int) -> None:
+        """Every rank must have a gradient for the same parameters: one missing on some rank would leave
+        the ranks' collectives mismatched. One all-reduce of an int32 per parameter (its own group)."""
+        mask = torch.zeros(num_params, dtype=torch.int32)
+        mask[list(active)] = 1
+        group = self._meta
+        self._run("gradient presence", "all_reduce", mask, lambda: dist.all_reduce(mask, group=group, async_op=True))
+        bad = ((mask != 0) & (mask != self.world)).nonzero().flatten().tolist()
         if bad:
+            self.failed = True
             raise ValueError(
                 f"ZenFlowAdamW rank {self.rank}: parameters {bad[:8]} have a gradient on some ranks and not on "
                 "others; under ZeRO every rank must produce a gradient for the same parameters each step "
                 "(set unused parameters' .grad to zeros, or to None on every rank)"
             )
+
+    def average_(self, grads: Sequence[torch.Tensor], kind: str) -> None:
+        """Average these tensors over the ranks, in place: one flat all-reduce per dtype."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
         for same in by_dtype.values():
             flat = torch._utils._flatten_dense_tensors(same)
-            self.all_reduce_(flat, "gradients")
+            self.all_reduce_(flat, kind)
             flat.div_(self.world)
             for g, avg in zip(same, torch._utils._unflatten_dense_tensors(flat, same), strict=True):
                 g.copy_(avg)
@@ -211,3 +232,90 @@ class ZeroContext:
                     for s in chosen:
                         received[s.index] = span[s.offset - lo : s.offset - lo + s.numel].view(s.shape)
         return received
+
+
+class BucketReducer:
+    """ZeRO-2: each matrix's gradient goes to its owner only, averaged (a reduce per bucket: whole
+    matrices of one owner and dtype, up to ``bucket_numel`` elements, in reverse layout order, the
+    order backward usually produces them).
+
+    Backward hooks call :meth:`grad_ready`; a bucket starts as soon as all of its matrices have their
+    gradient and every earlier bucket has started, so every rank starts the same reductions in the
+    same order whatever order its hooks fire in. :meth:`finish` (in ``step()``) starts what the hooks
+    did not (matrices without a hook call, a gradient changed since its bucket started: another
+    micro-batch), waits for all, and returns the averaged gradients of this rank's matrices (the other
+    ranks' are not kept).
+    """
+
+    def __init__(self, ctx: ZeroContext, params: Sequence[torch.Tensor], matrices: Sequence[int],
+                 bucket_numel: int):
+        self.ctx, self.params = ctx, params
+        self.buckets: list[list[int]] = []
+        size = 0
+        for i in matrices:  # reverse layout order
+            p, last = params[i], self.buckets[-1] if self.buckets else None
+            same = last is not None and ctx.owner[last[-1]] == ctx.owner[i] and params[last[-1]].dtype == p.dtype
+            if not same or size + p.numel() > bucket_numel:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(i)
+            size += p.numel()
+        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self.started_in_backward = 0  # buckets the hooks started (overlapping backward)
+        self.restarted = 0  # buckets started again because a gradient changed after its start
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ready: set[int] = set()
+        self._next = 0  # the first bucket not started by the hooks
+        self._started: dict[int, tuple] = {}  # bucket -> (handle, flat, members, [(grad, version)])
+
+    def grad_ready(self, i: int) -> None:
+        """Matrix ``i``'s gradient is complete for this backward: start every bucket that can start."""
+        self._ready.add(i)
+        while self._next < len(self.buckets) and all(j in self._ready for j in self.buckets[self._next]):
+            self._start(self._next, self.buckets[self._next])
+            self._next += 1
+            self.started_in_backward += 1
+
+    def _start(self, b: int, members: list[int]) -> None:
+        grads = [self.params[i].grad for i in members]
+        # always a copy (flatten_dense_tensors returns a view of a lone tensor): the reduction writes into
+        # its buffer (and may use it as scratch off the owner), and the local gradient is read again later
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dst = dist.get_global_rank(self.ctx._train, self.ctx.owner[members[0]])
+        group = self.ctx._train
+        handle = self.ctx.start("gradients", "reduce", flat,
+                                lambda: dist.reduce(flat, dst=dst, group=group, async_op=True))
+        self._started[b] = (handle, flat, members, [(g, g._version) for g in grads])
+
+    def finish(self, active: set[int]) -> dict[int, torch.Tensor]:
+        """Reduce every active matrix's gradient to its owner; returns ``{i: averaged gradient}`` for
+        the matrices this rank owns."""
+        try:
+            for b, bucket in enumerate(self.buckets):
+                members = [i for i in bucket if i in active]
+                started = self._started.get(b)
+                if started is not None:
+                    _, _, was, seen = started
+                    now = [self.params[i].grad for i in was]
+                    same = all(g is g0 and g._version == v for g, (g0, v) in zip(now, seen, strict=True))
+                    if was == members and same:
+                        continue
+                    self.ctx.finish(started[0])  # superseded: the ranks still complete it in order
+                    del self._started[b]
+                    self.restarted += 1
+                if members:
+                    self._start(b, members)
+            averaged: dict[int, torch.Tensor] = {}
+            for b in sorted(self._started):
+                handle, flat, members, _ = self._started[b]
+                self.ctx.finish(handle)
+                if self.ctx.owner[members[0]] == self.ctx.rank:
+                    flat.div_(self.ctx.world)
+                    parts = flat.split([self.params[i].numel() for i in members])
+                    for i, avg in zip(members, parts, strict=True):
+                        averaged[i] = avg.view(self.params[i].shape)
+            return averaged
+        finally:
+            self._reset()
