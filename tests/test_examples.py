@@ -36,3 +36,37 @@ def test_lightning_example():
     assert proc.returncode == 0, proc.stderr
     # 256 samples, batch 16: 16 optimizer steps an epoch
     assert "ZenFlow re-selects every 16 steps (one epoch)" in proc.stdout and "last.ckpt" in proc.stdout
+
+
+def test_distributed_example_under_torchrun_and_its_checkpoint_on_one_rank(tmp_path):
+    import socket
+
+    import torch
+
+    from zenflow_kernels import ZenFlowAdamW
+
+    with socket.socket() as sock:  # torchrun's --master_port=0 does not pick a free port for the workers
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "ckpt.pt"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+         str(REPO / "examples" / "train_distributed.py"), "--steps", "12", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trained 12 steps on 2 ranks (ZeRO-2)" in proc.stdout and "replicas identical: True" in proc.stdout
+    assert "selection scores" in proc.stdout and "gradients" in proc.stdout
+    saved = torch.load(out, weights_only=False)
+    assert saved["optimizer"]["zenflow"]["zero"] == dict(stage=2, world=2, rank=0, consolidated=True)
+    # the consolidated checkpoint continues on one rank, no torch.distributed
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 16))
+    model.load_state_dict(saved["model"])
+    with ZenFlowAdamW(model.parameters(), zenflow=saved["optimizer"]["zenflow"]["config"], max_grad_norm=1.0) as opt:
+        opt.load_state_dict(saved["optimizer"])
+        assert opt.t == 12
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        assert opt.t == 13

@@ -9,7 +9,9 @@ Configuration and schedule (pure Python)
 
 The algorithm
     ReferenceZenFlow   -- the slow, readable oracle of docs/design.md sections 2-3
-    ZenFlowAdamW       -- the drop-in torch.optim optimizer (fast path on device, host update behind)
+    ZenFlowAdamW       -- the drop-in torch.optim optimizer (fast path on device, host update behind;
+                          ZeRO-1/2 over torch.distributed with zero_stage=1|2, docs/torchrun.md)
+    ZeroCollectiveError -- a collective failed or timed out (another rank failed or stopped stepping)
 
 Device kernels (CUDA -> Triton; CPU -> torch; TRITON_INTERPRET=1 -> Triton on CPU), see ``ops``
     column_scores, topk_columns, selective_adamw_
@@ -38,6 +40,7 @@ _EXPORTS = {
     "resolve_schedule": "zenflow_kernels.schedule",
     "ReferenceZenFlow": "zenflow_kernels.reference",
     "ZenFlowAdamW": "zenflow_kernels.optim",
+    "ZeroCollectiveError": "zenflow_kernels.zero",
     "column_scores": "zenflow_kernels.ops",
     "topk_columns": "zenflow_kernels.ops",
     "selective_adamw_": "zenflow_kernels.ops",
