@@ -251,6 +251,18 @@ def test_a_rank_that_fails_ends_the_other_with_an_error_naming_the_collective(tm
     assert "ZeroCollectiveError: ZenFlowAdamW rank 0 of 2: all_reduce of gradient presence" in err0, err0[-2000:]
 
 
+def test_a_rank_that_hangs_ends_the_other_within_the_collective_timeout(tmp_path):
+    cases = [dict(name="hang", zenflow=dict(ZEN, overlap_step=True), steps=8, zero_stage=2, fail_rank=1, fail_at=4,
+                  hang_s=20, timeout=3.0)]
+    _, done = launch(cases, tmp_path, timeout=150.0)
+    (rc0, _, err0), (rc1, _, _) = done
+    assert rc0 != 0 and rc1 == 3
+    assert "ZeroCollectiveError: ZenFlowAdamW rank 0 of 2: " in err0 and "took longer than 3 s" in err0, err0[-2000:]
+    # rank 0 gave up while rank 1 was still asleep, about the timeout after rank 1 stopped stepping
+    hang_start = float((tmp_path / "hang-start").read_text())
+    assert (tmp_path / "error-rank0.txt").stat().st_mtime - hang_start < 12
+
+
 def test_owner_runs_are_contiguous_and_balanced():
     for sizes, world in [([16] * 10, 2), ([16] * 10, 3), ([1024, 16, 16, 16], 2), ([16], 2), ([], 2),
                          ([64, 64, 64, 64, 64, 64, 64], 4)]:

@@ -11,7 +11,9 @@ to the reference.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -147,6 +149,10 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
         save_at = case.get("save_at")
         for t, step in enumerate(grads):
             if case.get("fail_rank") == rank and t == case.get("fail_at"):
+                if case.get("hang_s"):  # alive but not stepping: the others must time out, not wait
+                    (out_dir / "hang-start").write_text(str(time.time()))
+                    time.sleep(case["hang_s"])
+                    os._exit(3)
                 raise RuntimeError(f"rank {rank} fails at step {t} on purpose")
             for p, g in zip(params, step, strict=True):
                 p.grad = g.to(dtype)
