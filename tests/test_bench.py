@@ -213,7 +213,21 @@ def test_cpu_adam_quick(tmp_path):
     assert (tmp_path / "cpu_adam.png").read_bytes()[:8] == PNG_MAGIC
 
 
-@pytest.mark.parametrize("module", ["bench.kernels", "bench.cpu_adam"])
+def test_zero_quick(tmp_path):
+    proc = run_module("bench.zero", "--model", "tiny", "--steps", "3", "--warmup", "1", "--repeats", "1",
+                      "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "zero_cpu.json").read_text())
+    one, two = result["summary"]["1"], result["summary"]["2"]
+    assert one["steps_per_s_median"] > 0 and two["steps_per_s_median"] > 0
+    assert one["collective_bytes_per_step"] == {}  # one rank: no collectives
+    assert two["collective_bytes_per_step"]["gradients"] > 100 * two["collective_bytes_per_step"]["selection scores"]
+    whole, halves = one["host_state_bytes_per_rank"], two["host_state_bytes_per_rank"]
+    assert len(halves) == 2 and sum(halves) == whole[0] and max(halves) < 0.6 * whole[0]
+    assert result["machine"]["python"] and (tmp_path / "zero_cpu.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("module", ["bench.kernels", "bench.cpu_adam", "bench.zero"])
 def test_other_benches_reject_bad_options(tmp_path, module):
     proc = run_module(module, "--no-such-option", "--out", str(tmp_path), timeout=120)
     assert_one_line_error(proc, "error:", "--no-such-option")
