@@ -305,7 +305,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         ``step()`` to the end of the last, forward and backward included. ``overlap_fraction``: share of
         the background host-update time the training thread did not wait for. Also per-step fast-path
         time, host-update times, skipped steps, the share of score mass the selected columns captured
-        at each selection, and the Jaccard overlap of each new selection with the previous one.
+        at each selection, and the Jaccard overlap of each new selection with the previous one. Under ZeRO,
+        ``collective_bytes`` (and ``collective_bytes_per_step``): the payload bytes each kind of collective
+        carried (docs/torchrun.md).
         """
         return self._stats.summary(self)
 
