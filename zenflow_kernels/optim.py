@@ -167,7 +167,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._saved_torch_threads = None
         if self._world > 1 and self._zero is None:
             self._zero = ZeroContext(self._params, self._group_of, process_group=self._process_group,
-                                     timeout=self._collective_timeout)
+                                     timeout=self._collective_timeout,
+                                     chaos=self._chaos if self.device.type == "cpu" else None)
         host_threads = len(host_cores)
         if self.device.type == "cpu" and set(train_cores) & set(host_cores):
             # CPU-only, cores shared with training: a worker takes only what torch leaves free. A numba

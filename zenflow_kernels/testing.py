@@ -23,6 +23,8 @@ def chaos(seed: int = 0, max_delay: float = 0.005) -> Iterator[Chaos]:
     H2D copy thread standing in for the streams, an accumulation worker, completions as futures, and
     the same waits), with a random delay of up to ``max_delay`` seconds, drawn from ``seed``, split
     before and after every asynchronous job: gradient staging, accumulation, host update, write-back.
+    Under ZeRO (several ranks) each rank also sleeps before every collective, with a sequence of its
+    own, so the ranks arrive out of step and asynchronous reductions complete late.
 
     Results stay bit-identical to the synchronous CPU link for the same inputs; a difference is an
     ordering bug. ``max_delay=0`` keeps the threads and drops the sleeps. Optimizers on CUDA are not

@@ -31,12 +31,14 @@ from __future__ import annotations
 import datetime
 import gc
 import math
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .host import ALIGN, layout
+from .link import Chaos, _Delays
 
 __all__ = ["BucketReducer", "ZeroCollectiveError", "ZeroContext", "check_not_ddp", "owner_runs", "owners", "world_of"]
 
@@ -98,12 +100,16 @@ class ZeroContext:
         params, groups: the optimizer's flat parameter list and each parameter's param-group index.
         process_group: the group to partition over (None: the default group).
         timeout: seconds any one collective may take.
+        chaos: ``testing.chaos`` settings: each rank sleeps a seeded random time (its own sequence) before
+            starting each collective, so the ranks arrive out of step and an asynchronous collective
+            completes late: a result read before its wait then differs on CPU.
 
     Every rank of ``process_group`` must build its context at the same point (the first ``step()``),
     since creating the module's groups is itself collective.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], groups: Sequence[int], *, process_group, timeout: float):
+    def __init__(self, params: Sequence[torch.Tensor], groups: Sequence[int], *, process_group, timeout: float,
+                 chaos: Chaos | None = None):
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self.timeout = timeout
@@ -120,6 +126,11 @@ class ZeroContext:
         self._meta = dist.new_group(ranks, timeout=delta, backend="gloo")
         self.bytes: dict[str, int] = {}
         self.failed = False  # a collective failed: the ranks are out of step, no further collective
+        # one delay sequence per rank and per calling thread (training thread, host worker)
+        self._delays = None
+        if chaos is not None and chaos.max_delay > 0:
+            self._delays = {name: _Delays(Chaos(seed=chaos.seed * 7919 + 2 * self.rank + k, max_delay=chaos.max_delay))
+                            for k, name in enumerate(("train", "host"))}
 
     # -- one collective ----------------------------------------------------------------------------
 
@@ -134,6 +145,8 @@ class ZeroContext:
     def start(self, kind: str, op: str, tensor: torch.Tensor, call) -> tuple:
         """Start a collective (``call()`` returns its work); :meth:`finish` waits for it."""
         nbytes = tensor.numel() * tensor.element_size()
+        if self._delays is not None:
+            time.sleep(sum(self._delays["host" if kind == "clipping norm" else "train"].draw()))
         try:
             work = call()
         except Exception as exc:  # gloo/NCCL raise RuntimeError (or DistBackendError) for a dead peer
