@@ -1,16 +1,18 @@
-"""ZeRO-1 for ZenFlowAdamW over ``torch.distributed`` (docs/design.md section 7).
+"""ZeRO-1/2 for ZenFlowAdamW over ``torch.distributed`` (docs/design.md section 7, docs/torchrun.md).
 
 Ownership. The parameters, in the host layout's order (param group, matrices before vectors), are
 cut into ``world`` contiguous runs of whole parameters holding about the same number of elements;
 rank ``r``'s host shard (fp32 master, Adam moments, accumulation buffers) holds run ``r`` only, laid
 out flat and aligned like a single-rank shard. World size 1 is the same code with one run.
 
-One step of ZeRO-1, on every rank:
+One step, on every rank:
 
-* the step's gradients are all-reduced (averaged) in one flat buffer per dtype: every replica then
-  holds the same gradient, so the fast step, the clipping norm, the selection and the zen-auto vote
-  agree on every rank without further collectives (the selection scores the averaged gradient, which
-  is what one rank on the whole batch scores);
+* stage 1: the step's gradients are all-reduced (averaged) in one flat buffer per dtype, so the fast
+  step, the clipping norm, the selection and the zen-auto vote agree on every rank without further
+  collectives (the selection scores the averaged gradient, as one rank on the whole batch does);
+* stage 2 (:class:`BucketReducer`): each matrix's gradient is reduced to its owner only, in buckets
+  started from backward hooks; the owners score their matrices and the score vectors are all-reduced
+  (the selection); the vectors and the selected columns' gradients are all-reduced;
 * each rank accumulates only the matrices it owns; at an update boundary its host worker steps only
   them (a clipping norm is the sum of every rank's share: one all-reduce of a float64 on the
   worker's own gloo group);
@@ -20,10 +22,11 @@ One step of ZeRO-1, on every rank:
 * state the fast path takes from the host (a vector's moments after warm-up, a low-precision matrix's
   fp32 master of entering columns, an imported AdamW run's moments) is broadcast by its owner.
 
-Every collective runs on groups this module creates (one for the training thread, one gloo group
-for the host worker, so the two threads never interleave calls on one group), waits at most
-``timeout`` seconds, and fails with a :class:`ZeroCollectiveError` naming this rank, the collective
-and what it carried. Bytes are counted per kind for ``stats()``.
+Every collective runs on groups this module creates (the training thread's; a gloo group for the host
+worker, so two threads never interleave calls on one group; a gloo group for the per-step check of
+which gradients exist), waits at most ``timeout`` seconds, and fails with a
+:class:`ZeroCollectiveError` naming this rank, the collective and what it carried. Bytes are counted
+per kind for ``stats()``.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ import torch.distributed as dist
 from .host import ALIGN, layout
 from .link import Chaos, _Delays
 
-__all__ = ["BucketReducer", "ZeroCollectiveError", "ZeroContext", "check_not_ddp", "owner_runs", "owners", "world_of"]
+__all__ = [
+    "BucketReducer", "ZeroCollectiveError", "ZeroContext", "check_not_ddp", "owner_runs", "owners", "world_of",
+]
 
 
 class ZeroCollectiveError(RuntimeError):
