@@ -2,6 +2,7 @@
 
 import copy
 import pickle
+import re
 import warnings
 
 import pytest
@@ -36,7 +37,12 @@ def test_copies_raise_a_clear_error_naming_state_dict(tmp_path, how, stepped):
             "pickle": pickle.dumps,
             "torch.save": lambda o: torch.save(o, tmp_path / "opt.pt"),
         }[how]
-        with pytest.raises(TypeError, match=r"cannot be copied or pickled.*state_dict\(\).*load_state_dict\(\)"):
+        message = (
+            "ZenFlowAdamW cannot be copied or pickled (copy.copy, copy.deepcopy, pickle, torch.save(opt)): it owns "
+            "background threads, host buffers and, on a GPU, streams. Save opt.state_dict() and load it into a new "
+            "ZenFlowAdamW with load_state_dict() instead"
+        )
+        with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
             copier(opt)
         # and the original is untouched and trains on
         assert all(torch.equal(a, b) for a, b in zip(before, snapshot(params), strict=True))
@@ -47,6 +53,9 @@ def test_repr_shows_the_zenflow_settings_beside_the_groups():
     opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=ZEN, max_grad_norm=2.5)
     text = repr(opt)
     assert text.startswith("ZenFlowAdamW (\nParameter Group 0\n") and text.endswith(")")
+    # torch's listing whole, then the ZenFlow block before its closing parenthesis
+    base = torch.optim.Optimizer.__repr__(opt)
+    assert text.startswith(base[:-1] + "ZenFlow\n") and text.endswith("\n    max_grad_norm: 2.5\n)")
     assert "    lr: 0.02\n" in text
     for key, value in opt.config.to_dict().items():
         assert f"\n    {key}: {value!r}\n" in text, key
@@ -133,22 +142,49 @@ def _adam_state(**group):
     return sd
 
 
+W = r"^ZenFlowAdamW\.load_state_dict"
+
+
+def _with_state(per_param):
+    sd = _adam_state()
+    sd["state"].update(per_param)
+    return sd
+
+
+def _with_shape(key, shape):
+    sd = _adam_state()
+    sd["state"][0][key] = torch.zeros(shape)
+    return sd
+
+
 @pytest.mark.parametrize(
     "state_dict, match",
     [
-        (_adam_state(amsgrad=True), "amsgrad=True"),
-        (_adam_state(maximize=True), "maximize=True"),
-        (_adam_state(decoupled_weight_decay=False), r"torch.optim.Adam with weight_decay=0.05 \(an L2 term"),
+        (_adam_state(amsgrad=True), W + r": param group 0 was saved with amsgrad=True, which ZenFlowAdamW does not "
+         r"do: only plain AdamW/Adam state can be continued$"),
+        (_adam_state(maximize=True), W + r": param group 0 was saved with maximize=True, which ZenFlowAdamW does "
+         r"not do: only plain AdamW/Adam state can be continued$"),
+        (_adam_state(decoupled_weight_decay=False), W + r": param group 0 is torch\.optim\.Adam with "
+         r"weight_decay=0\.05 \(an L2 term in the gradient\); ZenFlowAdamW decays decoupled \(AdamW\) and cannot "
+         r"continue it exactly: continue from a torch\.optim\.AdamW run, or an Adam run without weight decay$"),
+        (_adam_state(lr=-1.0), W + r" group 0: lr=-1\.0 is invalid"),
         ({"state": {}, "param_groups": [{"params": list(range(6))}]},
-         r"has no \['lr', 'betas', 'eps', 'weight_decay'\]"),
+         W + r": param group 0 has no \['lr', 'betas', 'eps', 'weight_decay'\]: neither a ZenFlowAdamW nor a "
+         r"torch\.optim\.AdamW/Adam state dict$"),
         ({"state": {0: {"momentum_buffer": torch.zeros(24, 16)}},
           "param_groups": [{"params": list(range(6)), "lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8,
-                            "weight_decay": 0.0}]}, "not AdamW's exp_avg"),
+                            "weight_decay": 0.0}]},
+         W + r": the state of parameter 0 holds \['momentum_buffer'\], not AdamW's exp_avg, exp_avg_sq and step$"),
+        (_with_state({"3": 5}), W + r": state of parameter '3', which no param group lists$"),
+        (_with_state({2: 5}), W + r": the state of parameter 2 holds 5, not AdamW's exp_avg, exp_avg_sq and step$"),
+        (_with_shape("exp_avg_sq", (16, 24)), W + r": parameter 0's exp_avg_sq has shape \(16, 24\), the parameter "
+         r"\(24, 16\)$"),
         ({"weights": 1}, r"expected a state dict with 'state' and 'param_groups'.*\['weights'\]"),
         ([1, 2], "got list"),
         ({"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]}, "has 2 param groups, this optimizer 1"),
     ],
-    ids=["amsgrad", "maximize", "adam-l2", "no-hyper", "sgd", "no-groups", "not-a-dict", "groups"],
+    ids=["amsgrad", "maximize", "adam-l2", "bad-lr", "no-hyper", "sgd", "unlisted", "not-a-dict-state", "shape",
+         "no-groups", "not-a-dict", "groups"],
 )
 def test_other_state_dicts_are_clear_errors_that_change_nothing(state_dict, match):
     params = make_params()
@@ -161,6 +197,24 @@ def test_other_state_dicts_are_clear_errors_that_change_nothing(state_dict, matc
         after = opt.state_dict()
         assert after["zenflow"] == before["zenflow"] and after["param_groups"] == before["param_groups"]
         drive(opt, params, grads[3:])  # and it trains on
+
+
+def test_an_old_adamw_state_dict_loads_with_its_groups_and_from_step_zero():
+    """Older torch saved no ``decoupled_weight_decay`` and plain int steps; the saved hyper-parameters
+    (eps included) take over and ZenFlow's counters start from zero, even on an optimizer that stepped."""
+    sd = _adam_state(eps=1e-6)
+    del sd["param_groups"][0]["decoupled_weight_decay"]
+    for st in sd["state"].values():
+        st["step"] = int(st["step"])
+    params = make_params()
+    with ZenFlowAdamW(params, **HYPER, zenflow=ZEN) as opt:
+        drive(opt, params, grad_sequence(4))
+        moved = opt.stats()["d2h_bytes"]
+        opt.load_state_dict(sd)
+        assert opt.stats()["d2h_bytes"] == moved > 0  # the replaced link's counters are kept
+        assert opt.param_groups[0]["eps"] == 1e-6 and opt.param_groups[0]["weight_decay"] == HYPER["weight_decay"]
+        assert (opt.t, opt.skipped_steps, opt.host_updates, opt.selections, opt.steps_accumulated) == (0, 0, 0, 0, 0)
+        assert opt._host.host_step == [2] * len(params)
 
 
 def test_an_adam_state_dict_without_weight_decay_is_accepted():
@@ -223,3 +277,23 @@ def test_an_empty_param_group_is_allowed_as_in_torch():
         opt.step()
         assert opt.t == 2 and opt.stats()["link"] == "cpu"
         assert opt.state_dict()["state"] == {}
+
+
+def test_an_unbuilt_state_dict_loaded_into_a_stepped_optimizer_starts_it_afresh():
+    """A checkpoint taken before the first step, loaded into an optimizer that already stepped: the old
+    workers and buffers go, and training continues as a new optimizer's would."""
+    grads = grad_sequence(6)
+    fresh_params = make_params()
+    with ZenFlowAdamW(fresh_params, **HYPER, zenflow=ZEN) as fresh:
+        saved = copy.deepcopy(fresh.state_dict())
+        expected = drive(fresh, fresh_params, grads)
+    params = make_params()
+    with ZenFlowAdamW(params, **HYPER, zenflow=ZEN) as opt:
+        drive(opt, params, grad_sequence(3, seed=5))
+        opt.load_state_dict(saved)
+        with torch.no_grad():
+            for p, q in zip(params, make_params(), strict=True):
+                p.copy_(q)
+        got = drive(opt, params, grads)
+    for a, b in zip(expected, got, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
