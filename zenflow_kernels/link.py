@@ -420,15 +420,7 @@ class CpuLink(_Link):
     def synchronize(self) -> None:
         pass
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def to_host_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst is not src:
-            dst.copy_(src)
-
-    def new_host_state(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+    # no to_device / to_host_ / new_host_state: offload moves state only on a link that moves_state
 
 
 class RingLink(_Link):
