@@ -92,10 +92,15 @@ def main(argv=None) -> int:
     print(f"score: {tot_k} of {tot_n} mutants killed = {score:.1%} (goal {args.goal:.0%}); judged in "
           f"{args.equivalent.name}: {sum(c['equivalent'] for c in table.values())} equivalent, "
           f"{sum(c['cuda-only'] for c in table.values())} CUDA-only")
+    unchecked = sum(1 for _, st in survivors if st == "not checked")
+    if unchecked:
+        print(f"incomplete: {unchecked} mutants not checked yet (counted as not killed); run `make mutation` "
+              "again to go on (finished results are kept)")
     if survivors:
         print("not killed (`mutmut show NAME` shows the change):")
         for name, st in survivors:
-            print(f"  {st:<10} {name}")
+            if st != "not checked":
+                print(f"  {st:<10} {name}")
     if stale:
         print(f"{len(stale)} names in {args.equivalent.name} are no longer mutants (the code moved): review them")
     return 0 if score >= args.goal else 1
