@@ -141,6 +141,7 @@ class CudaEngine:
     """Pinned host memory, a D2H and an H2D stream on ``device``, events as completions."""
 
     moves_state = True
+    workers: tuple = ()  # streams, not threads: nothing to check or close
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -439,7 +440,7 @@ class RingLink(_Link):
             num_threads=kwargs["host_threads"], cores=kwargs["cores"], timeout=kwargs["timeout"],
             name="zenflow-accumulate",
         )
-        self.workers += [self._accumulator] + list(getattr(engine, "workers", []))
+        self.workers += [self._accumulator, *engine.workers]
         # staging slot s: one flat buffer per gradient dtype, laid out like the host shard, allocated once.
         # Written by the D2H copies of one step, read by that step's accumulate job; reused only after
         # that job completed (_claim).
