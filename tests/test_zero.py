@@ -67,8 +67,8 @@ def single_rank(case: dict, world: int, steps: int | None = None, state=None):
     dtype = getattr(torch, case.get("dtype", "float32"))
     params = zero_worker.make_params(dtype)
     grads = zero_worker.mean_grads(case["steps"], world, dtype)
-    with use_backend("numba"), ZenFlowAdamW(params, **zero_worker.HYPER, zenflow=case["zenflow"],
-                                            max_grad_norm=case.get("max_grad_norm")) as opt:
+    with use_backend("numba"), ZenFlowAdamW(zero_worker.param_groups(params, case), **zero_worker.HYPER,
+                                            zenflow=case["zenflow"], max_grad_norm=case.get("max_grad_norm")) as opt:
         start = 0
         if state is not None:
             params_at, sd, start = state
@@ -76,9 +76,8 @@ def single_rank(case: dict, world: int, steps: int | None = None, state=None):
                 for p, v in zip(params, params_at, strict=True):
                     p.copy_(v)
             opt.load_state_dict(sd)
-        for step in grads[start:steps]:
-            for p, g in zip(params, step, strict=True):
-                p.grad = g.to(dtype)
+        for t, step in enumerate(grads[start:steps], start):
+            zero_worker.set_grads(params, step, t, case, dtype)
             opt.step()
         opt.flush()
         return [p.detach().clone() for p in params]
@@ -86,11 +85,10 @@ def single_rank(case: dict, world: int, steps: int | None = None, state=None):
 
 def reference(case: dict, world: int):
     params = [torch.nn.Parameter(p.detach().float()) for p in zero_worker.make_params()]
-    ref = ReferenceZenFlow(params, **zero_worker.HYPER, zenflow=case["zenflow"],
+    ref = ReferenceZenFlow(zero_worker.param_groups(params, case), **zero_worker.HYPER, zenflow=case["zenflow"],
                            max_grad_norm=case.get("max_grad_norm"))
-    for step in zero_worker.mean_grads(case["steps"], world):
-        for p, g in zip(params, step, strict=True):
-            p.grad = g.clone()
+    for t, step in enumerate(zero_worker.mean_grads(case["steps"], world)):
+        zero_worker.set_grads(params, step, t, case, torch.float32)
         ref.step()
     ref.flush()
     return [p.detach().clone() for p in params]
@@ -125,6 +123,33 @@ MODEL_CASES = [
     dict(name="model_s2", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=2),
     dict(name="model_s2_micro", kind="model", zenflow=ZEN, steps=12, zero_stage=2, micro=2),
 ]
+
+
+THREE_RANK_CASES = [
+    dict(name="w3_s1_overlap_groups_missing", zenflow=dict(ZEN, overlap_step=True), steps=15, groups=True,
+         missing=[0, 4]),
+    dict(name="w3_s2_chaos_clip_groups", zenflow=ZEN, steps=15, zero_stage=2, chaos=3, max_grad_norm=5.0,
+         groups=True, missing=[2]),
+]
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero3")
+    results, done = launch(THREE_RANK_CASES, tmp, world=3)
+    for rc, _out, err in done:
+        assert rc == 0, err[-3000:]
+    return results
+
+
+@pytest.mark.parametrize("case", THREE_RANK_CASES, ids=[c["name"] for c in THREE_RANK_CASES])
+def test_three_ranks_with_param_groups_and_missing_gradients(three_ranks, case):
+    ranks = three_ranks[case["name"]]
+    assert sorted(i for r in ranks for i in r["owned"]) == list(range(len(zero_worker.SHAPES)))
+    for other in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], other["params"], strict=True))
+    assert close(ranks[0]["params"], single_rank(case, world=3))
+    assert close(ranks[0]["params"], reference(case, world=3))
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +198,11 @@ def test_two_ranks_on_half_batches_match_one_rank_on_the_whole_batch(two_ranks, 
             assert r["restarted"] == (r["buckets"] * (case["steps"] - 1) if case.get("micro", 1) > 1 else 0)
 
 
-def test_stage0_and_ddp_under_torchrun_are_clear_errors(two_ranks):
+def test_stage0_ddp_and_uneven_gradients_under_torchrun_are_clear_errors(two_ranks):
     for errors in two_ranks["errors"]:
+        assert errors["presence"].endswith("parameters [1] have a gradient on some ranks and not on others; under "
+                                           "ZeRO every rank must produce a gradient for the same parameters each "
+                                           "step (set unused parameters' .grad to zeros, or to None on every rank)")
         assert "runs 2 ranks and zero_stage=0: pick zero_stage=1 or 2" in errors["stage0"]
         assert "wrapped in DistributedDataParallel" in errors["ddp"] and "model.module.parameters()" in errors["ddp"]
 

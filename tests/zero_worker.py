@@ -78,6 +78,19 @@ def mean_grads(steps: int, world: int, dtype=torch.float32):
     return out
 
 
+def param_groups(params, case: dict):
+    """Two param groups with their own lr and weight decay when the case asks for them."""
+    if not case.get("groups"):
+        return params
+    return [{"params": params[:3]}, {"params": params[3:], "lr": 5e-3, "weight_decay": 0.0}]
+
+
+def set_grads(params, step, t: int, case: dict, dtype) -> None:
+    """The step's gradients; ``missing`` parameters have none every third step (on every rank)."""
+    for j, (p, g) in enumerate(zip(params, step, strict=True)):
+        p.grad = None if j in case.get("missing", ()) and t % 3 == 1 else g.to(dtype)
+
+
 def make_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.LayerNorm(32),
@@ -120,6 +133,17 @@ def run_error_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     """What a user gets wrong under torchrun: no stage, or a DDP-wrapped model."""
     errors = {}
     params = make_params()
+    # a gradient on one rank only: every rank stops with the same error, before any collective mismatches
+    opt = ZenFlowAdamW(params, zero_stage=2)
+    for p, g in zip(params, shared_grads(1)[0], strict=True):
+        p.grad = g
+    if rank == world - 1:
+        params[1].grad = None
+    try:
+        opt.step()
+    except ValueError as exc:
+        errors["presence"] = str(exc)
+    opt.close()
     try:
         ZenFlowAdamW(params)
     except ValueError as exc:
@@ -145,7 +169,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else _nothing()
     result: dict = {}
     with ctx:
-        opt = ZenFlowAdamW(params, **kwargs)
+        opt = ZenFlowAdamW(param_groups(params, case), **kwargs)
         save_at = case.get("save_at")
         for t, step in enumerate(grads):
             if case.get("fail_rank") == rank and t == case.get("fail_at"):
@@ -154,8 +178,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
                     time.sleep(case["hang_s"])
                     os._exit(3)
                 raise RuntimeError(f"rank {rank} fails at step {t} on purpose")
-            for p, g in zip(params, step, strict=True):
-                p.grad = g.to(dtype)
+            set_grads(params, step, t, case, dtype)
             opt.step()
             if save_at is not None and t + 1 == save_at:
                 result["consolidated"] = opt.consolidated_state_dict()
