@@ -110,6 +110,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._zero: ZeroContext | None = None  # the ranks' context (built at the first step, kept after)
         self._reducer: BucketReducer | None = None  # ZeRO-2's gradient reductions
         self._averaged: dict[int, torch.Tensor] | None = None  # ZeRO-2: this step's averaged owned matrices
+        self._exchange = None  # ZeRO: the broadcasts of the pending write-back, started by its host update
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_params()
@@ -763,11 +764,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             accumulated, guard = self._link.accumulation(), self._link.copy_out_guard()
             hyper, buf, host, max_norm = self._hyper(), self._acc_buf, self._host, self.max_grad_norm
             mine, ranks_sum = {i: counts[i] for i in self._mine(counts)}, self._sum_over_ranks()
+            zero, dtypes = self._zero, {i: self._params[i].dtype for i in counts}
 
             def job():
                 if accumulated is not None:
                     accumulated.wait()
-                return host.update(buf, mine, hyper, max_norm, wait_before_write=guard, sum_over_ranks=ranks_sum)
+                result = host.update(buf, mine, hyper, max_norm, wait_before_write=guard, sum_over_ranks=ranks_sum)
+                if zero is not None:  # the owners' results start towards the replicas now, behind training
+                    result["exchange"] = zero.start_exchange(host, list(counts), dtypes)
+                return result
 
             self._inflight = self._link.submit_update(job)
             self._pending = list(counts)
@@ -781,6 +786,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             job, self._inflight = self._inflight, None
             result = self._link.wait(job)
             self._stats.host_seconds.append(result["seconds"])
+            self._exchange = result.get("exchange")
 
     @torch.no_grad()
     def _write_back(self, indices: list[int]) -> None:
@@ -788,9 +794,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         selection, the whole parameter otherwise (vectors, warm-up)."""
         if not indices:
             return
-        # ZeRO: the owners' results reach every replica first (the training thread waits for them)
-        others = {} if self._zero is None else self._zero.exchange_out(
-            self._host, indices, {i: self._params[i].dtype for i in indices}, self.device)
+        others = {}
+        if self._zero is not None:  # the owners' results reach every replica first
+            exchange, self._exchange = self._exchange, None
+            if exchange is None:  # a synchronous update: hand them over now
+                exchange = self._zero.start_exchange(self._host, indices, {i: self._params[i].dtype for i in indices})
+            others = self._link.wait(exchange)
         items = []
         for i in indices:
             p = self._params[i]
@@ -963,6 +972,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """A clean slate before a load: land nothing, keep nothing, stop the workers."""
         if self._built:
             self._drain()
+            if self._exchange is not None:  # every rank started these broadcasts: let them complete
+                self._exchange, exchange = None, self._exchange
+                exchange.wait()
             self._stats.retire(self._link)
             self._finalizer()
             self._built, self._inflight = False, None

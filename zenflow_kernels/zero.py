@@ -17,8 +17,8 @@ One step, on every rank:
   them (a clipping norm is the sum of every rank's share: one all-reduce of a float64 on the
   worker's own gloo group);
 * a write-back first hands every owner's updated weights to the other replicas (one broadcast per
-  rank and dtype of the span holding its pending parameters), then each replica overwrites its
-  non-selected columns;
+  rank and dtype of the span holding its pending parameters, host to host, started by the thread that
+  ran the host update right after it), then each replica overwrites its non-selected columns;
 * state the fast path takes from the host (a vector's moments after warm-up, a low-precision matrix's
   fp32 master of entering columns, an imported AdamW run's moments) is broadcast by its owner.
 
@@ -44,7 +44,8 @@ from .host import ALIGN, layout
 from .link import Chaos, _Delays
 
 __all__ = [
-    "BucketReducer", "ZeroCollectiveError", "ZeroContext", "check_not_ddp", "owner_runs", "owners", "world_of",
+    "BucketReducer", "Exchange", "ZeroCollectiveError", "ZeroContext", "check_not_ddp", "owner_runs", "owners",
+    "world_of",
 ]
 
 
@@ -150,8 +151,8 @@ class ZeroContext:
     def start(self, kind: str, op: str, tensor: torch.Tensor, call) -> tuple:
         """Start a collective (``call()`` returns its work); :meth:`finish` waits for it."""
         nbytes = tensor.numel() * tensor.element_size()
-        if self._delays is not None:
-            time.sleep(sum(self._delays["host" if kind == "clipping norm" else "train"].draw()))
+        if self._delays is not None:  # the host group's collectives are the host worker's
+            time.sleep(sum(self._delays["host" if kind in ("clipping norm", "write-back") else "train"].draw()))
         try:
             work = call()
         except Exception as exc:  # gloo/NCCL raise RuntimeError (or DistBackendError) for a dead peer
@@ -225,13 +226,13 @@ class ZeroContext:
             t = torch.empty(shape, dtype=dtype, device=device)
         return self.broadcast_(t, self.owner[i], kind)
 
-    def exchange_out(
-        self, host, indices: Sequence[int], dtypes: dict[int, torch.dtype], device
-    ) -> dict[int, torch.Tensor]:
-        """Every rank's copy-out of the parameters in ``indices`` it owns, broadcast to all: returns
-        ``{i: source}`` for the parameters this rank does not own (this rank's own are in ``host``)."""
+    def start_exchange(self, host, indices: Sequence[int], dtypes: dict[int, torch.dtype]) -> Exchange:
+        """Start handing every owner's copy-out of the parameters in ``indices`` to the other ranks: one
+        broadcast per rank and dtype of the span holding its parameters, host to host on the host
+        worker's gloo group (the write-back then copies to the device as on one rank). Called by the
+        thread that ran the host update, right after it, so the bytes move while training goes on."""
         wanted = set(indices)
-        received: dict[int, torch.Tensor] = {}
+        exchange = Exchange(self)
         for r in range(self.world):
             slots = self.layouts[r]
             by_dtype: dict[torch.dtype, list] = {}
@@ -241,15 +242,33 @@ class ZeroContext:
             for dtype, chosen in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
                 lo = min(s.offset for s in chosen)
                 hi = max(s.offset + s.numel for s in chosen)
-                if r == self.rank:
-                    span = host.out[dtype][lo:hi].to(device)
-                else:
-                    span = torch.empty(hi - lo, dtype=dtype, device=device)
-                self.broadcast_(span, r, "write-back")
+                # the owner sends from its copy-out buffer, which the next host update writes only after
+                # this write-back completed (its copy-out guard)
+                span = host.out[dtype][lo:hi] if r == self.rank else torch.empty(hi - lo, dtype=dtype)
+                src = dist.get_global_rank(self._host, r)
+                exchange.handles.append(self.start(
+                    "write-back", "broadcast", span,
+                    lambda span=span, src=src: dist.broadcast(span, src=src, group=self._host, async_op=True)))
                 if r != self.rank:
                     for s in chosen:
-                        received[s.index] = span[s.offset - lo : s.offset - lo + s.numel].view(s.shape)
-        return received
+                        exchange.received[s.index] = span[s.offset - lo : s.offset - lo + s.numel].view(s.shape)
+        return exchange
+
+
+class Exchange:
+    """The broadcasts of one write-back: :meth:`wait` returns ``{i: weights}`` for the parameters other
+    ranks own."""
+
+    def __init__(self, ctx: ZeroContext):
+        self.ctx = ctx
+        self.handles: list[tuple] = []
+        self.received: dict[int, torch.Tensor] = {}
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        for handle in self.handles:
+            self.ctx.finish(handle)
+        self.handles = []
+        return self.received
 
 
 class BucketReducer:
