@@ -21,36 +21,18 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_optim import HYPER, SHAPES, grad_sequence, make_params  # noqa: E402,F401  (the optimizer tests' model)
 
 from zenflow_kernels import ZenFlowAdamW  # noqa: E402
 from zenflow_kernels.ops import use_backend  # noqa: E402
 from zenflow_kernels.testing import chaos  # noqa: E402
 
-SHAPES = [(24, 16), (24,), (12, 24), (12,), (12,), (40, 12)]
-HYPER = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 
-
-def make_params(dtype=torch.float32):
-    g = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
-
-
-def shared_grads(steps: int, seed: int = 1):
-    """The gradients of one rank on the whole batch (hot columns that drift, as in test_optim)."""
-    g = torch.Generator().manual_seed(seed)
-    seq = []
-    for t in range(steps):
-        step = []
-        for shape in SHAPES:
-            x = torch.randn(shape, generator=g)
-            if len(shape) == 2:
-                boost = torch.ones(shape[1])
-                for j in range(3):
-                    boost[(3 * j + t // 7) % shape[1]] = 4.0 + j
-                x = x * boost
-            step.append(x)
-        seq.append(step)
-    return seq
+def shared_grads(steps: int):
+    """The gradients of one rank on the whole batch: the optimizer tests' (hot columns that drift)."""
+    return grad_sequence(steps, seed=1)
 
 
 def rank_grads(steps: int, rank: int, world: int):
