@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from zenflow_kernels.host import HostShard, HostWorker, HostWorkerError
+from zenflow_kernels.host import HostShard, HostWorker, HostWorkerError, layout
 
 
 def test_jobs_run_in_order_and_return_their_results():
@@ -150,3 +150,39 @@ def test_update_merges_flat_neighbours_that_share_group_step_and_count():
     out = host.update(0, {0: 1, 1: 1, 2: 1}, hyper, None, last={1: torch.ones(2, 8)})
     assert {k: out[k] for k in ("params", "runs", "fused")} == {"params": 3, "runs": 2, "fused": 1}
     assert host.host_step == [2, 2, 2, 1]
+
+
+def test_a_shard_of_some_parameters_lays_out_only_those():
+    """ZeRO: each rank's shard holds its own run of parameters, laid out as a single-rank shard of them."""
+    params = [torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(5), torch.zeros(2, 20), torch.zeros(7)]
+    order, slots, numel = layout(params, [0, 0, 0, 0])
+    assert order == [0, 2, 1, 3] and numel == 16 + 48 + 16 + 16  # matrices first, 16-element aligned
+    shards = [HostShard(params, [0] * 4, num_acc=1, indices=part) for part in ([0, 2], [1, 3])]
+    assert [sorted(s.slots) for s in shards] == [[0, 2], [1, 3]]
+    assert [s.numel for s in shards] == [16 + 48, 16 + 16] and sum(s.numel for s in shards) == numel
+    assert [s.order[0].offset for s in shards] == [0, 0]  # each shard starts its own buffers
+    assert sorted(shards[0].out, key=str) == sorted([torch.bfloat16, torch.float32], key=str)
+    assert list(shards[1].out) == [torch.float32]  # only its parameters' dtypes
+    with pytest.raises(KeyError):
+        shards[1].view(shards[1].master, 0)  # another rank's parameter
+
+
+def test_update_clips_by_the_norm_summed_over_the_ranks():
+    """The clipping norm is the model's: each shard's sum of squares goes through sum_over_ranks."""
+    hyper = [dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)]
+    results = []
+    for factor in (1.0, 4.0):  # as if three more ranks held the same sum of squares
+        host = HostShard([torch.zeros(4, 4)], [0], num_acc=1)
+        host.acc[0][:16] = 3.0  # norm 12 on this shard
+        seen = []
+        host.update(0, {0: 1}, hyper, 6.0, sum_over_ranks=lambda x, f=factor, seen=seen: seen.append(x) or f * x)
+        assert seen == [144.0]
+        results.append(host.exp_avg[:16].clone())
+    # Adam's first step moves every weight by about lr whatever the clipping: the moments show the scale
+    for factor, got in zip((1.0, 4.0), results, strict=True):
+        manual = HostShard([torch.zeros(4, 4)], [0], num_acc=1)
+        manual.acc[0][:16] = 3.0
+        manual.acc[0][:16] *= min(1.0, 6.0 / (12.0 * factor**0.5 + 1e-6))
+        manual.update(0, {0: 1}, hyper, None)
+        assert torch.allclose(got, manual.exp_avg[:16], rtol=1e-6)
+    assert not torch.allclose(results[0], results[1])
