@@ -14,3 +14,24 @@ os.environ.setdefault("NUMBA_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
 # torch and numba each bring an OpenMP runtime; with the default active wait, the idle threads of one
 # spin on the cores the other needs (10x slower steps on 2 cores). Must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+import pytest  # noqa: E402  (after the environment above)
+
+
+@pytest.fixture
+def host_workers_made(monkeypatch):
+    """The keyword arguments of every HostWorker the link module creates from here on (threads, cores,
+    timeout, name), in creation order."""
+    import zenflow_kernels.link as link_module
+
+    made = []
+
+    class Recording(link_module.HostWorker):
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(link_module, "HostWorker", Recording)
+    return made
+

@@ -368,18 +368,11 @@ def test_the_training_thread_waits_are_timed(monkeypatch):
     link.close()
 
 
-def test_every_thread_of_the_asynchronous_link_gets_its_share(monkeypatch):
+def test_every_thread_of_the_asynchronous_link_gets_its_share(host_workers_made):
     """The accumulation worker runs with the host worker's threads and cores; the copy threads run no numba."""
     import zenflow_kernels.link as link_module
 
-    made = []
-
-    class Recording(link_module.HostWorker):
-        def __init__(self, **kwargs):
-            made.append(kwargs)
-            super().__init__(**kwargs)
-
-    monkeypatch.setattr(link_module, "HostWorker", Recording)
+    made = host_workers_made
     params = make_params()
     link = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=True, host_threads=3,
                                  cores=[0], timeout=7, chaos=link_module.Chaos())

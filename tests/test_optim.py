@@ -626,20 +626,12 @@ def test_host_worker_runs_no_torch_compute(monkeypatch, max_grad_norm):
 
 
 @pytest.mark.parametrize("perc", [0.5, 1.0])
-def test_host_worker_threads_leave_the_training_threads_alone(monkeypatch, perc):
+def test_host_worker_threads_leave_the_training_threads_alone(host_workers_made, perc):
     """The worker's numba threads: its own cores when the split gives it some, else (CPU-only, cores
     shared with training) only what torch's threads leave free, at least one (see the test above for why)."""
-    import zenflow_kernels.link as link_module
     from zenflow_kernels.cpu_ops import split_cores
 
-    made = []
-
-    class Recording(link_module.HostWorker):
-        def __init__(self, **kwargs):
-            made.append(kwargs)
-            super().__init__(**kwargs)
-
-    monkeypatch.setattr(link_module, "HostWorker", Recording)
+    made = host_workers_made
     train, host = split_cores(perc)
     threads_before = torch.get_num_threads()
     params = make_params()

@@ -29,7 +29,7 @@ import torch
 
 from . import cpu_ops, ops
 from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters
-from .host import HostWorkerError, layout
+from .host import HostWorkerError
 from .link import current_chaos, make_link
 from .schedule import Schedule, resolve_schedule
 from .zero import BucketReducer, ZeroContext, check_not_ddp, owners, world_of
@@ -209,7 +209,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # gradients are averaged in step() first)
         hooks = []
         if self._zero is not None and self.zero_stage == 2:  # ZeRO-2: the reductions start from the hooks
-            order = [i for i in self._host_layout_order() if self._params[i].dim() == 2]
+            order = [i for i in self._zero.order if self._params[i].dim() == 2]
             self._reducer = BucketReducer(self._zero, self._params, order[::-1], self.ZERO_BUCKET_NUMEL)
         if self._link.asynchronous and self._zero is None or self._reducer is not None:
             ref = weakref.ref(self)
@@ -234,9 +234,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     ZERO_BUCKET_NUMEL = 1 << 23
     """ZeRO-2 reduces matrices' gradients in buckets of at most this many elements (one owner, one dtype)."""
-
-    def _host_layout_order(self) -> list[int]:
-        return layout(self._params, self._group_of)[0]
 
     # -- the public surface ------------------------------------------------------------------------
 

@@ -119,7 +119,7 @@ class ZeroContext:
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self.timeout = timeout
-        order = layout(params, groups)[0]
+        order = self.order = layout(params, groups)[0]  # every parameter, host layout order
         self.owner = owners(params, groups, self.world)
         self.owned = [i for i in order if self.owner[i] == self.rank]  # this rank's shard, layout order
         # each rank's shard layout (offsets within its flat buffers), for the write-back broadcasts
