@@ -148,11 +148,12 @@ class ZeroContext:
             f"({type(exc).__name__}: {exc})"
         )
 
-    def start(self, kind: str, op: str, tensor: torch.Tensor, call) -> tuple:
-        """Start a collective (``call()`` returns its work); :meth:`finish` waits for it."""
+    def start(self, kind: str, op: str, tensor: torch.Tensor, call, *, host: bool = False) -> tuple:
+        """Start a collective (``call()`` returns its work); :meth:`finish` waits for it. ``host``: it
+        runs on the host worker's group (and draws the host worker's chaos delays)."""
         nbytes = tensor.numel() * tensor.element_size()
-        if self._delays is not None:  # the host group's collectives are the host worker's
-            time.sleep(sum(self._delays["host" if kind in ("clipping norm", "write-back") else "train"].draw()))
+        if self._delays is not None:
+            time.sleep(sum(self._delays["host" if host else "train"].draw()))
         try:
             work = call()
         except Exception as exc:  # gloo/NCCL raise RuntimeError (or DistBackendError) for a dead peer
@@ -167,13 +168,13 @@ class ZeroContext:
         except Exception as exc:
             raise self._fail(kind, op, nbytes, exc) from exc
 
-    def _run(self, kind: str, op: str, tensor: torch.Tensor, call) -> None:
-        self.finish(self.start(kind, op, tensor, call))
+    def _run(self, kind: str, op: str, tensor: torch.Tensor, call, *, host: bool = False) -> None:
+        self.finish(self.start(kind, op, tensor, call, host=host))
 
     def all_reduce_(self, tensor: torch.Tensor, kind: str, *, host: bool = False) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place (``host``: on the host worker's group)."""
         group = self._host if host else self._train
-        self._run(kind, "all_reduce", tensor, lambda: dist.all_reduce(tensor, group=group, async_op=True))
+        self._run(kind, "all_reduce", tensor, lambda: dist.all_reduce(tensor, group=group, async_op=True), host=host)
         return tensor
 
     def broadcast_(self, tensor: torch.Tensor, src: int, kind: str) -> torch.Tensor:
@@ -248,7 +249,8 @@ class ZeroContext:
                 src = dist.get_global_rank(self._host, r)
                 exchange.handles.append(self.start(
                     "write-back", "broadcast", span,
-                    lambda span=span, src=src: dist.broadcast(span, src=src, group=self._host, async_op=True)))
+                    lambda span=span, src=src: dist.broadcast(span, src=src, group=self._host, async_op=True),
+                    host=True))
                 if r != self.rank:
                     for s in chosen:
                         exchange.received[s.index] = span[s.offset - lo : s.offset - lo + s.numel].view(s.shape)
