@@ -299,7 +299,6 @@ class BucketReducer:
                 size = 0
             self.buckets[-1].append(i)
             size += p.numel()
-        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
         self.started_in_backward = 0  # buckets the hooks started (overlapping backward)
         self.restarted = 0  # buckets started again because a gradient changed after its start
         self._reset()
