@@ -12,7 +12,7 @@ a machine with as many GPUs as ranks each rank takes ``cuda:<rank>`` and NCCL. W
 
 from __future__ import annotations
 
-import argparse  # noqa: F401  (argparse.SUPPRESS)
+import argparse
 import json
 import os
 import socket
