@@ -117,11 +117,16 @@ CASES = [
     dict(name="s2_bf16_devacc", zenflow=dict(ZEN, overlap_step=True, device_accumulation=True), steps=20,
          zero_stage=2, dtype="bfloat16"),
     dict(name="s2_save", zenflow=dict(ZEN, overlap_step=True), steps=20, zero_stage=2, save_at=10),
+    # ZeRO-2 keeping every .grad: the selected columns of the local gradients are averaged instead
+    dict(name="s2_keep_overlap_chaos", zenflow=dict(ZEN, overlap_step=True), steps=20, zero_stage=2, chaos=2,
+         release_gradients=False),
 ]
 MODEL_CASES = [
     dict(name="model_s1", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=1),
     dict(name="model_s2", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=2),
     dict(name="model_s2_micro", kind="model", zenflow=ZEN, steps=12, zero_stage=2, micro=2),
+    dict(name="model_s2_micro_keep", kind="model", zenflow=ZEN, steps=12, zero_stage=2, micro=2,
+         release_gradients=False),
 ]
 
 
@@ -190,12 +195,31 @@ def test_two_ranks_on_half_batches_match_one_rank_on_the_whole_batch(two_ranks, 
     assert not close(one, list(zero_worker.make_model().parameters()), rtol=1e-3, atol=1e-3)
     if case["zero_stage"] == 2:
         # the reductions started during backward, in buckets (from the second step on: the hooks are set
-        # at the first step()); with two micro-batches the first start of each bucket is superseded by the
-        # second backward and started again in step()
+        # at the first step()). Released gradients: each micro-batch's backward starts its own round of
+        # the buckets. Kept: the first start of each bucket is superseded by the second micro-batch's
+        # backward and started again in step()
+        micro, release = case.get("micro", 1), case.get("release_gradients", True)
+        model = zero_worker.make_model()
+        matrix_numel = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+        vector_numel = sum(p.numel() for p in model.parameters() if p.dim() != 2)
         for r in ranks:
             assert r["buckets"] == 2  # the two Linear weights: one per owner
-            assert r["started_in_backward"] == r["buckets"] * (case["steps"] - 1)
-            assert r["restarted"] == (r["buckets"] * (case["steps"] - 1) if case.get("micro", 1) > 1 else 0)
+            if release:
+                assert r["started_in_backward"] == r["buckets"] * (case["steps"] - 1) * micro
+                assert r["restarted"] == 0
+                assert 0 < r["owned_matrix_numel"] < matrix_numel
+            else:
+                assert r["started_in_backward"] == r["buckets"] * (case["steps"] - 1)
+                assert r["restarted"] == (r["buckets"] * (case["steps"] - 1) if micro > 1 else 0)
+            # what a rank holds after backward (measured): released, no matrix gradient in .grad and,
+            # once both buckets' inputs are let go, its own range's sums only (one per micro-batch)
+            for held in r["held"][1:]:
+                assert held["vectors"] == vector_numel
+                if release:
+                    assert held["matrices"] == 0
+                    assert r["owned_matrix_numel"] * micro <= held["reducer"] <= matrix_numel * micro
+                else:
+                    assert held["matrices"] == matrix_numel and held["reducer"] == 0
 
 
 def test_stage0_ddp_and_uneven_gradients_under_torchrun_are_clear_errors(two_ranks):
@@ -308,6 +332,13 @@ def test_zero_arguments_are_checked():
     for bad in (3, -1, True, "1"):
         with pytest.raises(ValueError, match=rf"zero_stage={bad!r} is invalid: allowed 0, 1 or 2"):
             ZenFlowAdamW(params, zero_stage=bad)
+    for stage, bad in [(0, True), (1, True), (2, 1), (2, "yes")]:
+        with pytest.raises(ValueError, match=rf"release_gradients={bad!r} with zero_stage={stage} is invalid: "
+                                             r"allowed None, or True/False with zero_stage=2"):
+            ZenFlowAdamW(params, zero_stage=stage, release_gradients=bad)
+    for stage, release, expected in [(0, None, False), (1, False, False), (2, None, True), (2, False, False)]:
+        with ZenFlowAdamW(params, zenflow=ZEN, zero_stage=stage, release_gradients=release) as opt:
+            assert opt.release_gradients is expected
     for bad in (0, -5.0, float("inf"), "10"):
         with pytest.raises(ValueError, match=r"collective_timeout=.* is invalid: allowed a positive number"):
             ZenFlowAdamW(params, collective_timeout=bad)

@@ -84,12 +84,22 @@ def batch(steps: int, size: int = 8):
     return [(torch.randn(size, 16, generator=g), torch.randn(size, 8, generator=g)) for _ in range(steps)]
 
 
-def train_model(model, opt, batches, part: slice, micro: int) -> None:
-    """Backward on ``part`` of each batch in ``micro`` micro-batches (mean loss over the part), then step."""
+def train_model(model, opt, batches, part: slice, micro: int, held: list | None = None) -> None:
+    """Backward on ``part`` of each batch in ``micro`` micro-batches (mean loss over the part), then step.
+    ``held``: gets, after each step's backward, the gradient elements the rank then holds: in ``.grad``
+    (matrices, vectors) and in ZeRO-2's reductions (its own sums, inputs still in flight)."""
     for x, y in batches:
         xs, ys = x[part].chunk(micro), y[part].chunk(micro)
         for xm, ym in zip(xs, ys, strict=True):
             (torch.nn.functional.mse_loss(model(xm), ym) / micro).backward()
+        if held is not None:
+            grads = [p.grad for p in model.parameters()]
+            reducer = opt._reducer
+            held.append(dict(
+                matrices=sum(g.numel() for g in grads if g is not None and g.dim() == 2),
+                vectors=sum(g.numel() for g in grads if g is not None and g.dim() != 2),
+                reducer=reducer.held_numel() if reducer is not None else 0,
+            ))
         opt.step()
         opt.zero_grad()
 
@@ -98,15 +108,19 @@ def run_model_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     """A model trained by backward (the ZeRO-2 reductions start from the hooks): each rank on its part
     of every batch."""
     model = make_model()
-    opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=case["zenflow"], zero_stage=case["zero_stage"])
+    opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=case["zenflow"], zero_stage=case["zero_stage"],
+                       release_gradients=case.get("release_gradients"))
     size = 8
     part = slice(rank * size // world, (rank + 1) * size // world)
-    train_model(model, opt, batch(case["steps"], size), part, case.get("micro", 1))
+    held: list[dict] = []
+    train_model(model, opt, batch(case["steps"], size), part, case.get("micro", 1), held)
     opt.flush()
     reducer = opt._reducer
-    result = dict(params=[p.detach().clone() for p in model.parameters()], stats=opt.stats(),
+    params = list(model.parameters())
+    result = dict(params=[p.detach().clone() for p in params], stats=opt.stats(),
                   started_in_backward=reducer.started_in_backward if reducer else 0,
-                  restarted=reducer.restarted if reducer else 0, buckets=len(reducer.buckets) if reducer else 0)
+                  restarted=reducer.restarted if reducer else 0, buckets=len(reducer.buckets) if reducer else 0,
+                  held=held, owned_matrix_numel=sum(params[i].numel() for i in opt._host.slots if params[i].dim() == 2))
     opt.close()
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
 
@@ -147,7 +161,8 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     params = make_params(dtype)
     grads = rank_grads(case["steps"], rank, world)
     kwargs = dict(HYPER, zenflow=case["zenflow"], max_grad_norm=case.get("max_grad_norm"),
-                  zero_stage=case.get("zero_stage", 1), collective_timeout=case.get("timeout", 60.0))
+                  zero_stage=case.get("zero_stage", 1), collective_timeout=case.get("timeout", 60.0),
+                  release_gradients=case.get("release_gradients"))
     ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else _nothing()
     result: dict = {}
     with ctx:

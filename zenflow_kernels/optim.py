@@ -58,6 +58,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             stage 2 reduces each matrix's gradient to its owner only, from backward hooks, in buckets.
             With one rank (or without ``torch.distributed``) every stage runs as 0. Several ranks need
             a stage.
+        release_gradients: stage 2 only (its default: True): a matrix's ``.grad`` is set to None as its
+            bucket's reduction starts, during backward, so a rank holds only its own range of the
+            gradient; do not read or change the matrices' gradients between backward and ``step()``
+            (clip with ``max_grad_norm``; use bf16 autocast rather than a GradScaler). False keeps
+            every ``.grad`` (the local, un-averaged one) at the cost of a whole gradient per rank.
         process_group: the ranks to partition over (default: the default group).
         collective_timeout: longest wait in seconds for one collective; a rank that fails or stops
             stepping ends the others with an error naming the collective instead of a hang.
@@ -83,6 +88,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         zero_stage: int = 0,
         process_group: Any = None,
         collective_timeout: float = 300.0,
+        release_gradients: bool | None = None,
     ):
         check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm)
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
@@ -91,6 +97,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 math.isfinite(collective_timeout) and collective_timeout > 0):
             raise ValueError(f"ZenFlowAdamW: collective_timeout={collective_timeout!r} is invalid: allowed a "
                              "positive number of seconds")
+        if release_gradients is not None and (not isinstance(release_gradients, bool) or (
+                release_gradients and zero_stage != 2)):
+            raise ValueError(f"ZenFlowAdamW: release_gradients={release_gradients!r} with zero_stage={zero_stage} is "
+                             "invalid: allowed None, or True/False with zero_stage=2 (only stage 2 reduces each "
+                             "gradient to one owner)")
         world = world_of(process_group)
         if world > 1 and zero_stage == 0:
             raise ValueError(
@@ -104,12 +115,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.host_timeout = host_timeout
         self.zero_stage = zero_stage
+        self.release_gradients = zero_stage == 2 and release_gradients is not False
         self._world = world
         self._process_group = process_group
         self._collective_timeout = float(collective_timeout)
         self._zero: ZeroContext | None = None  # the ranks' context (built at the first step, kept after)
         self._reducer: BucketReducer | None = None  # ZeRO-2's gradient reductions
         self._averaged: dict[int, torch.Tensor] | None = None  # ZeRO-2: this step's averaged owned matrices
+        # ZeRO-2 with released gradients: this step's averaged selected columns of every matrix ([R, k])
+        self._compact: dict[int, torch.Tensor] | None = None
         self._exchange = None  # ZeRO: the broadcasts of the pending write-back, started by its host update
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -210,7 +224,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         hooks = []
         if self._zero is not None and self.zero_stage == 2:  # ZeRO-2: the reductions start from the hooks
             order = [i for i in self._zero.order if self._params[i].dim() == 2]
-            self._reducer = BucketReducer(self._zero, self._params, order[::-1], self.ZERO_BUCKET_NUMEL)
+            self._reducer = BucketReducer(self._zero, self._params, order[::-1], self.ZERO_BUCKET_NUMEL,
+                                          release=self.release_gradients)
         if self._link.asynchronous and self._zero is None or self._reducer is not None:
             ref = weakref.ref(self)
             hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
@@ -226,6 +241,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return
         if self._reducer is not None:  # ZeRO-2: the gradient goes to its owner first, averaged
             if p.dim() == 2:
+                if self._reducer.release:  # checked now: step() will not see it
+                    self._check_grad(i, p.grad)
                 self._reducer.grad_ready(i)
             return
         if not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_acc is not None):
@@ -326,17 +343,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not self._built:
             self._build()
         self._link.check()
-        active = [i for i, p in enumerate(self._params) if p.grad is not None]
+        # ZeRO-2 with released gradients: a matrix whose bucket the hooks started has .grad None
+        arrived = self._reducer.arrivals if self._reducer is not None else {}
+        active = [i for i, p in enumerate(self._params) if p.grad is not None or i in arrived]
         for i in active:
-            g = self._params[i].grad
-            p = self._params[i]
-            if g.is_sparse or g.shape != p.shape or g.device != self.device or g.dtype not in _PARAM_DTYPES:
-                raise ValueError(
-                    f"ZenFlowAdamW: gradient of parameter {i} ({tuple(g.shape)}, {g.dtype}, {g.device}, "
-                    f"sparse={g.is_sparse}) is invalid: allowed a dense float32, bfloat16 or float16 gradient of "
-                    f"shape {tuple(p.shape)} on {self.device}"
-                )
-        self._averaged = None
+            if self._params[i].grad is not None:
+                self._check_grad(i, self._params[i].grad)
+        self._averaged = self._compact = None
         if self._zero is not None:
             self._zero.check_presence(active, len(self._params))
             if self._reducer is None:  # ZeRO-1: every gradient, averaged on every rank
@@ -363,6 +376,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._stats.step_seconds.append(self._stats.last_step_end - t0)
         self.t += 1
         return loss
+
+    def _check_grad(self, i: int, g: torch.Tensor) -> None:
+        p = self._params[i]
+        if g.is_sparse or g.shape != p.shape or g.device != self.device or g.dtype not in _PARAM_DTYPES:
+            raise ValueError(
+                f"ZenFlowAdamW: gradient of parameter {i} ({tuple(g.shape)}, {g.dtype}, {g.device}, "
+                f"sparse={g.is_sparse}) is invalid: allowed a dense float32, bfloat16 or float16 gradient of "
+                f"shape {tuple(p.shape)} on {self.device}"
+            )
 
     def _grad_norm(self, active: list[int]) -> float:
         """Global L2 norm of this step's gradient in one device sync (inf/NaN if any is non-finite)."""
@@ -494,12 +516,22 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if reselect:
             self._reselect(reselect)
         if self._averaged is not None:  # ZeRO-2: the selected columns' gradients, averaged on every rank
-            chosen = [(self._params[i], state[self._params[i]]["selected"]) for i in matrices]
-            chosen = [(p, sel) for p, sel in chosen if sel.numel()]
-            compact = [p.grad[:, sel] for p, sel in chosen]
-            self._zero.average_(compact, "selected columns")
-            for (p, sel), avg in zip(chosen, compact, strict=True):
-                p.grad[:, sel] = avg
+            chosen = [(i, state[self._params[i]]["selected"]) for i in matrices]
+            chosen = [(i, sel) for i, sel in chosen if sel.numel()]
+            if self.release_gradients:  # each owner's averaged columns, zeros elsewhere, summed
+                compact = [
+                    self._averaged[i][:, sel] if i in self._averaged
+                    else torch.zeros(self._params[i].shape[0], sel.numel(), device=self.device,
+                                     dtype=self._reducer.grad_dtype.get(i, self._params[i].dtype))
+                    for i, sel in chosen
+                ]
+                self._zero.sum_(compact, "selected columns")
+                self._compact = {i: c for (i, _), c in zip(chosen, compact, strict=True)}
+            else:
+                compact = [self._params[i].grad[:, sel] for i, sel in chosen]
+                self._zero.average_(compact, "selected columns")
+                for (i, sel), avg in zip(chosen, compact, strict=True):
+                    self._params[i].grad[:, sel] = avg
 
         t0 = time.perf_counter()
         self._fast_step(set(active), self._hyper(), coef)
@@ -652,10 +684,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     st["step"].add_(1)
         elif flat_steps is not None:
             flat_steps.add_(1)
-        items, keys = [], []
+        items, keys, gathered = [], [], []
         for i, pv, is_matrix, st in entries:
             h = hyper[self._group_of[i]]
-            if is_matrix:
+            if is_matrix and self._compact is not None:
+                # released gradients: only the selected columns' [R, k] exist; a dense update of the
+                # gathered columns, scattered back after (the same arithmetic as the indexed update)
+                idx = st["selected"]
+                grad, cols = self._compact[i], pv.detach().index_select(1, idx)
+                gathered.append((pv, idx, cols))
+                pv, idx = cols, None
+            elif is_matrix:
                 grad, idx = pv.grad, st["selected"]
             else:
                 st["step"] += 1
@@ -683,6 +722,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         for dst, src in zip(home[3:6], there[3:6], strict=True):
                             if dst is not None:
                                 self._link.to_host_(dst, src)
+        with torch.no_grad():
+            for p, idx, cols in gathered:
+                p.index_copy_(1, idx, cols)
 
     def _buckets(self, items: list[tuple]) -> list[list[tuple]]:
         """All at once, or (offload) buckets of at most OFFLOAD_BUCKET_NUMEL state elements."""

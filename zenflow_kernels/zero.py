@@ -204,15 +204,20 @@ class ZeroContext:
 
     def average_(self, grads: Sequence[torch.Tensor], kind: str) -> None:
         """Average these tensors over the ranks, in place: one flat all-reduce per dtype."""
+        self.sum_(grads, kind, divide=True)
+
+    def sum_(self, tensors: Sequence[torch.Tensor], kind: str, *, divide: bool = False) -> None:
+        """Sum (``divide``: average) these tensors over the ranks, in place: one flat all-reduce per dtype."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
         for same in by_dtype.values():
             flat = torch._utils._flatten_dense_tensors(same)
             self.all_reduce_(flat, kind)
-            flat.div_(self.world)
-            for g, avg in zip(same, torch._utils._unflatten_dense_tensors(flat, same), strict=True):
-                g.copy_(avg)
+            if divide:
+                flat.div_(self.world)
+            for t, total in zip(same, torch._utils._unflatten_dense_tensors(flat, same), strict=True):
+                t.copy_(total)
 
     def sum_host(self, value: float) -> float:
         """A float summed over the ranks, from the host worker (the clipping norm's squares)."""
@@ -281,14 +286,21 @@ class BucketReducer:
     Backward hooks call :meth:`grad_ready`; a bucket starts as soon as all of its matrices have their
     gradient and every earlier bucket has started, so every rank starts the same reductions in the
     same order whatever order its hooks fire in. :meth:`finish` (in ``step()``) starts what the hooks
-    did not (matrices without a hook call, a gradient changed since its bucket started: another
-    micro-batch), waits for all, and returns the averaged gradients of this rank's matrices (the other
+    did not, waits for all, and returns the averaged gradients of this rank's matrices (the other
     ranks' are not kept).
+
+    ``release`` (the default of ``ZenFlowAdamW(zero_stage=2)``): a bucket's gradients are copied into
+    its reduction and their ``.grad`` set to None as it starts, so a rank holds its own range of the
+    gradient, the buckets not yet started and those in flight, never the whole gradient. Another
+    micro-batch's backward then starts a second round of the buckets, which the owner adds up.
+    Without ``release`` every ``.grad`` stays (the local, un-averaged gradient, for code that reads it)
+    and a bucket whose gradients changed after it started (another micro-batch, unscaling) is reduced
+    again in :meth:`finish`.
     """
 
     def __init__(self, ctx: ZeroContext, params: Sequence[torch.Tensor], matrices: Sequence[int],
-                 bucket_numel: int):
-        self.ctx, self.params = ctx, params
+                 bucket_numel: int, *, release: bool = False):
+        self.ctx, self.params, self.release = ctx, params, release
         self.buckets: list[list[int]] = []
         size = 0
         for i in matrices:  # reverse layout order
@@ -299,17 +311,32 @@ class BucketReducer:
                 size = 0
             self.buckets[-1].append(i)
             size += p.numel()
+        self.grad_dtype: dict[int, torch.dtype] = {}  # release: each matrix's gradient dtype, as last seen
         self.started_in_backward = 0  # buckets the hooks started (overlapping backward)
         self.restarted = 0  # buckets started again because a gradient changed after its start
         self._reset()
 
     def _reset(self) -> None:
         self._ready: set[int] = set()
-        self._next = 0  # the first bucket not started by the hooks
+        self._next = 0  # the first bucket not started by the hooks (release: of the current round)
         self._started: dict[int, tuple] = {}  # bucket -> (handle, flat, members, [(grad, version)])
+        # release: gradients seen per matrix this step, the current round, each bucket's reductions
+        self.arrivals: dict[int, int] = {}
+        self._round = 0
+        self._sent: dict[int, list[tuple]] = {}  # bucket -> [(handle, flat or None once complete off-owner)]
+
+    def held_numel(self) -> int:
+        """Gradient elements this reducer holds now (release: the owner's sums, buckets in flight)."""
+        return sum(flat.numel() for sent in self._sent.values() for _, flat in sent if flat is not None)
 
     def grad_ready(self, i: int) -> None:
         """Matrix ``i``'s gradient is complete for this backward: start every bucket that can start."""
+        if self.release:
+            self.arrivals[i] = self.arrivals.get(i, 0) + 1
+            while self.buckets and all(self.arrivals.get(j, 0) > self._round for j in self.buckets[self._next]):
+                self._send(self._next)
+                self.started_in_backward += 1
+            return
         self._ready.add(i)
         while self._next < len(self.buckets) and all(j in self._ready for j in self.buckets[self._next]):
             self._start(self._next, self.buckets[self._next])
@@ -321,16 +348,48 @@ class BucketReducer:
         # always a copy (flatten_dense_tensors returns a view of a lone tensor): the reduction writes into
         # its buffer (and may use it as scratch off the owner), and the local gradient is read again later
         flat = torch.cat([g.reshape(-1) for g in grads])
+        self._started[b] = (self._reduce(flat, members), flat, members, [(g, g._version) for g in grads])
+
+    def _reduce(self, flat: torch.Tensor, members: list[int]) -> tuple:
         dst = dist.get_global_rank(self.ctx._train, self.ctx.owner[members[0]])
         group = self.ctx._train
-        handle = self.ctx.start("gradients", "reduce", flat,
-                                lambda: dist.reduce(flat, dst=dst, group=group, async_op=True))
-        self._started[b] = (handle, flat, members, [(g, g._version) for g in grads])
+        return self.ctx.start("gradients", "reduce", flat,
+                              lambda: dist.reduce(flat, dst=dst, group=group, async_op=True))
+
+    def _send(self, b: int) -> None:
+        """release: start bucket ``b``'s reduction for the current round (a matrix without a gradient
+        sends zeros, so every rank's reduction has the same size) and let go of its gradients."""
+        members = self.buckets[b]
+        params = self.params
+        flat = torch.cat([
+            (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1)
+            for i in members
+        ])
+        handle = self._reduce(flat, members)
+        for i in members:
+            if params[i].grad is not None:
+                self.grad_dtype[i] = params[i].grad.dtype
+            params[i].grad = None
+        self._drop_completed()
+        self._sent.setdefault(b, []).append((handle, flat))
+        self._next += 1
+        if self._next == len(self.buckets):
+            self._next, self._round = 0, self._round + 1
+
+    def _drop_completed(self) -> None:
+        """Off the owner a bucket's buffer is only its reduction's input: let go of it once complete."""
+        for b, sent in self._sent.items():
+            if self.ctx.owner[self.buckets[b][0]] != self.ctx.rank:
+                for n, (handle, flat) in enumerate(sent):
+                    if flat is not None and handle[0].is_completed():
+                        sent[n] = (handle, None)
 
     def finish(self, active: set[int]) -> dict[int, torch.Tensor]:
         """Reduce every active matrix's gradient to its owner; returns ``{i: averaged gradient}`` for
         the matrices this rank owns."""
         try:
+            if self.release:
+                return self._finish_released(active)
             for b, bucket in enumerate(self.buckets):
                 members = [i for i in bucket if i in active]
                 started = self._started.get(b)
@@ -357,3 +416,27 @@ class BucketReducer:
             return averaged
         finally:
             self._reset()
+
+    def _finish_released(self, active: set[int]) -> dict[int, torch.Tensor]:
+        # what the hooks did not start: the rest of the current round, and a further round while some
+        # gradient is still held (set without backward, or after the hooks' last round)
+        matrices = [i for bucket in self.buckets for i in bucket]
+        while self._next != 0 or any(self.params[i].grad is not None for i in matrices):
+            self._send(self._next)
+        averaged: dict[int, torch.Tensor] = {}
+        for b in sorted(self._sent):
+            sent = self._sent[b]
+            for handle, _ in sent:
+                self.ctx.finish(handle)
+            members = self.buckets[b]
+            if self.ctx.owner[members[0]] != self.ctx.rank:
+                continue
+            total = sent[0][1]
+            for _, flat in sent[1:]:  # the micro-batches' rounds, in order
+                total.add_(flat)
+            total.div_(self.ctx.world)
+            parts = total.split([self.params[i].numel() for i in members])
+            for i, avg in zip(members, parts, strict=True):
+                if i in active:
+                    averaged[i] = avg.view(self.params[i].shape)
+        return averaged
