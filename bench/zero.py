@@ -53,7 +53,7 @@ def worker(args) -> None:
                    select_interval=max(4, args.warmup + args.steps), pt_reserved_cores_perc=0.5 if cuda else 1.0)
     opt = ZenFlowAdamW(model.parameters(), lr=3e-4, zenflow=zenflow, zero_stage=args.stage if world > 1 else 0)
     part = slice(rank * batch // world, (rank + 1) * batch // world)
-    losses, t0 = [], None
+    losses, t0, held = [], None, dict(grad=0, own=0, in_flight=0)
     for t in range(args.warmup + args.steps):
         if t == args.warmup:
             if cuda:
@@ -65,6 +65,12 @@ def worker(args) -> None:
         logits = model(x)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
+        # gradient elements this rank holds once backward is done (after the first step, where the hooks
+        # start): in .grad, and in ZeRO-2's reductions (its own range's sums, other ranks' buckets in flight)
+        if t > 0:
+            now = dict(grad=sum(p.grad.numel() for p in model.parameters() if p.grad is not None),
+                       **(opt._reducer.held_numel() if opt._reducer is not None else dict(own=0, in_flight=0)))
+            held = {k: max(v, now[k]) for k, v in held.items()}
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
@@ -81,6 +87,7 @@ def worker(args) -> None:
                   host_state_bytes=sum(t.numel() * t.element_size()
                                        for t in [host.master, host.exp_avg, host.exp_avg_sq, *host.acc]),
                   final_loss=statistics.fmean(losses[-4:]), device=str(device),
+                  gradient_elements_held=held, parameter_elements=sum(p.numel() for p in model.parameters()),
                   torch_threads=torch.get_num_threads())
     opt.close()
     Path(args.worker_out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -141,6 +148,8 @@ def main(argv=None) -> int:
         summary[world] = dict(
             steps_per_s_median=statistics.median(rates), steps_per_s=rates,
             host_state_bytes_per_rank=[r["host_state_bytes"] for r in reps[0]],
+            gradient_elements_held_per_rank=[r["gradient_elements_held"] for r in reps[0]],
+            parameter_elements=reps[0][0]["parameter_elements"],
             collective_bytes_per_step=reps[0][0]["collective_bytes_per_step"],
             final_loss=reps[0][0]["final_loss"], device=reps[0][0]["device"],
             torch_threads_per_rank=reps[0][0]["torch_threads"],
@@ -163,7 +172,8 @@ def main(argv=None) -> int:
         grads = moved.get("gradients", 0.0)
         scores = moved.get("selection scores", 0.0)
         print(f"world {world}: {s['steps_per_s_median']:.2f} steps/s ({s['steps_per_s_vs_first_world']:.2f}x), "
-              f"host state per rank {s['host_state_bytes_per_rank']}, gradients {grads:.0f} B/step, "
+              f"host state per rank {s['host_state_bytes_per_rank']}, gradient elements held after backward "
+              f"{s['gradient_elements_held_per_rank']} of {s['parameter_elements']}, gradients {grads:.0f} B/step, "
               f"selection scores {scores:.1f} B/step")
     print(f"wrote {path}")
     return 0

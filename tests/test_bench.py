@@ -224,6 +224,14 @@ def test_zero_quick(tmp_path):
     assert two["collective_bytes_per_step"]["gradients"] > 100 * two["collective_bytes_per_step"]["selection scores"]
     whole, halves = one["host_state_bytes_per_rank"], two["host_state_bytes_per_rank"]
     assert len(halves) == 2 and sum(halves) == whole[0] and max(halves) < 0.6 * whole[0]
+    # ZeRO-2 releases the gradients: after backward a rank's .grad holds the vectors only, and its
+    # reductions the sums of its own range (about half); one rank holds every gradient in .grad
+    n = one["parameter_elements"]
+    assert one["gradient_elements_held_per_rank"] == [dict(grad=n, own=0, in_flight=0)]
+    held = two["gradient_elements_held_per_rank"]
+    assert len(held) == 2 and sum(h["own"] for h in held) < n
+    for h in held:
+        assert 0 < h["grad"] < 0.05 * n and 0.3 * n < h["own"] < 0.7 * n and h["in_flight"] < 0.7 * n
     assert result["machine"]["python"] and (tmp_path / "zero_cpu.png").read_bytes()[:8] == PNG_MAGIC
 
 

@@ -98,7 +98,7 @@ def train_model(model, opt, batches, part: slice, micro: int, held: list | None 
             held.append(dict(
                 matrices=sum(g.numel() for g in grads if g is not None and g.dim() == 2),
                 vectors=sum(g.numel() for g in grads if g is not None and g.dim() != 2),
-                reducer=reducer.held_numel() if reducer is not None else 0,
+                reducer=sum(reducer.held_numel().values()) if reducer is not None else 0,
             ))
         opt.step()
         opt.zero_grad()

@@ -325,9 +325,16 @@ class BucketReducer:
         self._round = 0
         self._sent: dict[int, list[tuple]] = {}  # bucket -> [(handle, flat or None once complete off-owner)]
 
-    def held_numel(self) -> int:
-        """Gradient elements this reducer holds now (release: the owner's sums, buckets in flight)."""
-        return sum(flat.numel() for sent in self._sent.values() for _, flat in sent if flat is not None)
+    def held_numel(self) -> dict[str, int]:
+        """Gradient elements this reducer holds now (release): ``own``, the sums of this rank's range it
+        receives (one per micro-batch until ``step()``); ``in_flight``, other ranks' buckets whose
+        reduction has not completed yet (their input is let go when it has)."""
+        self._drop_completed()
+        held = {"own": 0, "in_flight": 0}
+        for b, sent in self._sent.items():
+            key = "own" if self.ctx.owner[self.buckets[b][0]] == self.ctx.rank else "in_flight"
+            held[key] += sum(flat.numel() for _, flat in sent if flat is not None)
+        return held
 
     def grad_ready(self, i: int) -> None:
         """Matrix ``i``'s gradient is complete for this backward: start every bucket that can start."""
