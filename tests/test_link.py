@@ -360,11 +360,12 @@ def test_the_training_thread_waits_are_timed(monkeypatch):
                                  cores=None, timeout=10, chaos=link_module.Chaos(seed=0, max_delay=0))
     done = link.submit_update(lambda: 7)
     assert link.wait(done) == 7 and link.waited_s == 1.0
+    assert link.wait(link.submit_update(lambda: 8)) == 8 and link.waited_s == 2.0  # added up, not replaced
     link.write_back([(params[1], link.host.out_view(1), None)])
     link.join()
-    assert link.waited_s == 2.0
-    link.join()
     assert link.waited_s == 3.0
+    link.join()
+    assert link.waited_s == 4.0
     link.close()
 
 

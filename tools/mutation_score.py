@@ -10,6 +10,10 @@ a category and the reason:
 * ``cuda-only``: the mutated code runs only with CUDA (the CUDA engine, the CUDA branch of the link
   factory); the CUDA cases of the optimizer tests exercise it on a GPU (bench/gpu_suite.sh), which
   this score, computed on CPU, cannot count.
+* ``multi-rank``: the mutated code runs only with several ranks (ZeRO's branches of the optimizer);
+  tests/test_zero.py runs it in rank processes it starts, which mutmut's in-process selection does not
+  run (and which take minutes a mutant). ``tools/mutation_multirank.py`` runs a sample of them against
+  tests/test_zero.py and prints how many it kills.
 
 Mutants in code no selected test runs at all (mutmut's "no tests") are reported in the "other"
 column and count as not killed. Exit status 0 when the score reaches ``--goal`` (default 0.90).
@@ -19,16 +23,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 KILLED = {"killed", "timeout", "segfault"}  # a timeout or a crash is a detected mutant too
+CATEGORIES = ("equivalent", "cuda-only", "multi-rank")
 
 
 def judged(path: Path) -> dict[str, str]:
-    """mutant name -> category ("equivalent" or "cuda-only")."""
+    """mutant name -> category (one of CATEGORIES)."""
     out = {}
     if path.exists():
         for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -36,8 +42,8 @@ def judged(path: Path) -> dict[str, str]:
             if not name.strip():
                 continue
             category = why.strip().split(":", 1)[0]
-            if category not in ("equivalent", "cuda-only"):
-                raise SystemExit(f"{path.name}:{n}: the category must be 'equivalent' or 'cuda-only', got {category!r}")
+            if category not in CATEGORIES:
+                raise SystemExit(f"{path.name}:{n}: the category must be one of {CATEGORIES}, got {category!r}")
             out[name.strip()] = category
     return out
 
@@ -52,6 +58,14 @@ def results(mutmut: str) -> dict[str, str]:
     return out
 
 
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion k/n."""
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
 def module_of(name: str) -> str:
     return name.split(".x", 1)[0]
 
@@ -61,8 +75,13 @@ def main(argv=None) -> int:
     ap.add_argument("--mutmut", default=str(Path(sys.executable).with_name("mutmut")))
     ap.add_argument("--equivalent", type=Path, default=HERE / "mutation_equivalent.txt")
     ap.add_argument("--goal", type=float, default=0.90)
+    ap.add_argument("--names", type=Path, default=None,
+                    help="score only these mutants (one name per line: a sample, tools/mutation_sample.py)")
     args = ap.parse_args(argv)
     status = results(args.mutmut)
+    if args.names is not None:
+        wanted = set(args.names.read_text().split())
+        status = {n: st for n, st in status.items() if n in wanted}
     if not status:
         print("no mutmut results: run `mutmut run` first (make mutation does)")
         return 1
@@ -79,19 +98,24 @@ def main(argv=None) -> int:
         else:
             table[mod][st] += 1
             survivors.append((name, st))
-    print(f"{'module':<34}{'killed':>8}{'equivalent':>12}{'cuda-only':>11}{'survived':>10}{'other':>8}{'score':>8}")
+    print(f"{'module':<34}{'killed':>8}{'equivalent':>12}{'cuda-only':>11}{'multi-rank':>12}{'survived':>10}"
+          f"{'other':>8}{'score':>8}")
     tot_k = tot_n = 0
     for mod, c in sorted(table.items()):
-        n = sum(c.values()) - c["equivalent"] - c["cuda-only"]
+        n = sum(c.values()) - sum(c[k] for k in CATEGORIES)
         other = n - c["killed"] - c["survived"]
         tot_k += c["killed"]
         tot_n += n
-        print(f"{mod:<34}{c['killed']:>8}{c['equivalent']:>12}{c['cuda-only']:>11}{c['survived']:>10}{other:>8}"
-              f"{c['killed'] / n if n else 1.0:>8.1%}")
+        print(f"{mod:<34}{c['killed']:>8}{c['equivalent']:>12}{c['cuda-only']:>11}{c['multi-rank']:>12}"
+              f"{c['survived']:>10}{other:>8}{c['killed'] / n if n else 1.0:>8.1%}")
     score = tot_k / tot_n if tot_n else 1.0
+    judged_counts = ", ".join(f"{sum(c[k] for c in table.values())} {k}" for k in CATEGORIES)
     print(f"score: {tot_k} of {tot_n} mutants killed = {score:.1%} (goal {args.goal:.0%}); judged in "
-          f"{args.equivalent.name}: {sum(c['equivalent'] for c in table.values())} equivalent, "
-          f"{sum(c['cuda-only'] for c in table.values())} CUDA-only")
+          f"{args.equivalent.name}: {judged_counts}")
+    if args.names is not None and tot_n:
+        lo, hi = wilson(tot_k, tot_n)
+        print(f"a sample of {len(status)} mutants: the score of all of them is within {lo:.1%} .. {hi:.1%} "
+              "(95% Wilson interval)")
     unchecked = sum(1 for _, st in survivors if st == "not checked")
     if unchecked:
         print(f"incomplete: {unchecked} mutants not checked yet (counted as not killed); run `make mutation` "

@@ -369,7 +369,8 @@ class BucketReducer:
         members = self.buckets[b]
         params = self.params
         flat = torch.cat([
-            (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1)
+            (params[i].grad if params[i].grad is not None
+             else torch.zeros_like(params[i], dtype=self.grad_dtype.get(i, params[i].dtype))).reshape(-1)
             for i in members
         ])
         handle = self._reduce(flat, members)
