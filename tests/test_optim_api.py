@@ -297,3 +297,24 @@ def test_an_unbuilt_state_dict_loaded_into_a_stepped_optimizer_starts_it_afresh(
         got = drive(opt, params, grads)
     for a, b in zip(expected, got, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_zero_arguments_are_checked():
+    """The ZeRO arguments, checked in one process (tests/test_zero.py runs several ranks)."""
+    params = make_params()
+    for bad in (3, -1, True, "1"):
+        with pytest.raises(ValueError, match=rf"zero_stage={bad!r} is invalid: allowed 0, 1 or 2"):
+            ZenFlowAdamW(params, zero_stage=bad)
+    for stage, bad in [(0, True), (1, True), (2, 1), (2, "yes")]:
+        with pytest.raises(ValueError, match=rf"release_gradients={bad!r} with zero_stage={stage} is invalid: "
+                                             r"allowed None, or True/False with zero_stage=2"):
+            ZenFlowAdamW(params, zero_stage=stage, release_gradients=bad)
+    for stage, release, expected in [(0, None, False), (1, False, False), (2, None, True), (2, False, False)]:
+        zen = dict(topk_ratio=0.1, select_strategy="step", select_interval=6, update_interval=3)
+        with ZenFlowAdamW(params, zenflow=zen, zero_stage=stage, release_gradients=release) as opt:
+            assert opt.release_gradients is expected
+    for bad in (0, -5.0, float("inf"), "10"):
+        with pytest.raises(ValueError, match=r"collective_timeout=.* is invalid: allowed a positive number"):
+            ZenFlowAdamW(params, collective_timeout=bad)
+    with pytest.raises(ValueError, match="process_group was given but torch.distributed is not initialised"):
+        ZenFlowAdamW(params, zero_stage=1, process_group=object())

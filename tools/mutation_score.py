@@ -79,14 +79,14 @@ def main(argv=None) -> int:
                     help="score only these mutants (one name per line: a sample, tools/mutation_sample.py)")
     args = ap.parse_args(argv)
     status = results(args.mutmut)
+    equiv = judged(args.equivalent)
+    stale = sorted(set(equiv) - set(status))
     if args.names is not None:
         wanted = set(args.names.read_text().split())
         status = {n: st for n, st in status.items() if n in wanted}
     if not status:
         print("no mutmut results: run `mutmut run` first (make mutation does)")
         return 1
-    equiv = judged(args.equivalent)
-    stale = sorted(set(equiv) - set(status))
     table: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     survivors = []
     for name, st in sorted(status.items()):
@@ -112,11 +112,11 @@ def main(argv=None) -> int:
     judged_counts = ", ".join(f"{sum(c[k] for c in table.values())} {k}" for k in CATEGORIES)
     print(f"score: {tot_k} of {tot_n} mutants killed = {score:.1%} (goal {args.goal:.0%}); judged in "
           f"{args.equivalent.name}: {judged_counts}")
-    if args.names is not None and tot_n:
+    unchecked = sum(1 for _, st in survivors if st == "not checked")
+    if args.names is not None and tot_n and not unchecked:
         lo, hi = wilson(tot_k, tot_n)
         print(f"a sample of {len(status)} mutants: the score of all of them is within {lo:.1%} .. {hi:.1%} "
               "(95% Wilson interval)")
-    unchecked = sum(1 for _, st in survivors if st == "not checked")
     if unchecked:
         print(f"incomplete: {unchecked} mutants not checked yet (counted as not killed); run `make mutation` "
               "again to go on (finished results are kept)")
