@@ -318,3 +318,44 @@ def test_zero_arguments_are_checked():
             ZenFlowAdamW(params, collective_timeout=bad)
     with pytest.raises(ValueError, match="process_group was given but torch.distributed is not initialised"):
         ZenFlowAdamW(params, zero_stage=1, process_group=object())
+
+
+def test_an_invalid_gradient_is_a_clear_error_that_changes_nothing():
+    """torch itself refuses a .grad of another shape or dtype; a sparse one reaches step()."""
+    params = make_params()
+    zen = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2)
+    with ZenFlowAdamW(params, zenflow=zen) as opt:
+        drive(opt, params, grad_sequence(1))
+        before = snapshot(params)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        params[0].grad = torch.zeros(24, 16).to_sparse()
+        expected = ("ZenFlowAdamW: gradient of parameter 0 ((24, 16), torch.float32, cpu, sparse=True) is invalid: "
+                    "allowed a dense float32, bfloat16 or float16 gradient of shape (24, 16) on cpu")
+        with pytest.raises(ValueError, match=re.escape(expected) + "$"):
+            opt.step()
+        assert opt.t == 1 and all(torch.equal(a, b) for a, b in zip(snapshot(params), before, strict=True))
+
+
+def test_parameters_and_param_groups_are_checked_with_whole_messages():
+    zen = dict(select_strategy="step", select_interval=4, update_interval=2)
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=re.escape("ZenFlowAdamW: parameters on several devices ['cpu', 'meta']: "
+                                                   "allowed one") + "$"):
+        ZenFlowAdamW([p, torch.nn.Parameter(torch.zeros(2, device="meta"))], zenflow=zen)
+    with warnings.catch_warnings():  # torch warns of the duplicate first
+        warnings.simplefilter("ignore", UserWarning)
+        with pytest.raises(ValueError, match="^ZenFlowAdamW: a parameter appears more than once$"):
+            ZenFlowAdamW([p, p], zenflow=zen)
+    with ZenFlowAdamW([p], zenflow=zen) as opt:
+        with pytest.raises(ValueError, match=r"^ZenFlowAdamW group: lr=-1.0 is invalid: allowed a finite number >= 0"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": -1.0})
+        with pytest.raises(ValueError, match=re.escape("ZenFlowAdamW: parameters on several devices ['cpu', 'meta']")):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device="meta"))]})
+        assert len(opt.param_groups) == 1 and len(opt._params) == 1  # nothing of a refused group stays
+        p.grad = torch.ones(2, 2)
+        opt.step()
+        with pytest.raises(RuntimeError, match=re.escape(
+                "ZenFlowAdamW.add_param_group after the first step() is not supported: the host buffers are laid "
+                "out at the first step; create the optimizer with every param group instead") + "$"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})

@@ -154,23 +154,29 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "at the first step; create the optimizer with every param group instead"
             )
         super().add_param_group(param_group)
-        g = self.param_groups[-1]
-        check_adamw_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"], where="ZenFlowAdamW group")
-        if hasattr(self, "_params"):  # a group added after __init__ but before the first step
-            self._params = [p for grp in self.param_groups for p in grp["params"]]
-            self._group_of = [gi for gi, grp in enumerate(self.param_groups) for _ in grp["params"]]
-            self._check_params()
+        try:
+            g = self.param_groups[-1]
+            check_adamw_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"], where="ZenFlowAdamW group")
+            if hasattr(self, "_params"):  # a group added after __init__ but before the first step
+                params = [p for grp in self.param_groups for p in grp["params"]]
+                self._check_params(params)
+                self._params = params
+                self._group_of = [gi for gi, grp in enumerate(self.param_groups) for _ in grp["params"]]
+        except Exception:
+            self.param_groups.pop()  # a refused group leaves nothing behind
+            raise
 
-    def _check_params(self) -> None:
-        devices = {p.device for p in self._params}
+    def _check_params(self, params=None) -> None:
+        params = self._params if params is None else params
+        devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(f"ZenFlowAdamW: parameters on several devices {sorted(map(str, devices))}: allowed one")
-        for p in self._params:
+        for p in params:
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(
                     f"ZenFlowAdamW: parameter dtype {p.dtype} is invalid: allowed float32, bfloat16, float16"
                 )
-        if len({id(p) for p in self._params}) != len(self._params):
+        if len({id(p) for p in params}) != len(params):
             raise ValueError("ZenFlowAdamW: a parameter appears more than once")
 
     def _build(self) -> None:
