@@ -309,7 +309,8 @@ def test_zero_arguments_are_checked():
         with pytest.raises(ValueError, match=rf"release_gradients={bad!r} with zero_stage={stage} is invalid: "
                                              r"allowed None, or True/False with zero_stage=2"):
             ZenFlowAdamW(params, zero_stage=stage, release_gradients=bad)
-    for stage, release, expected in [(0, None, False), (1, False, False), (2, None, True), (2, False, False)]:
+    for stage, release, expected in [(0, None, False), (1, False, False), (2, None, True), (2, True, True),
+                                     (2, False, False)]:
         zen = dict(topk_ratio=0.1, select_strategy="step", select_interval=6, update_interval=3)
         with ZenFlowAdamW(params, zenflow=zen, zero_stage=stage, release_gradients=release) as opt:
             assert opt.release_gradients is expected
@@ -359,3 +360,49 @@ def test_parameters_and_param_groups_are_checked_with_whole_messages():
                 "ZenFlowAdamW.add_param_group after the first step() is not supported: the host buffers are laid "
                 "out at the first step; create the optimizer with every param group instead") + "$"):
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+def test_the_defaults_are_adamws_and_one_process():
+    params = make_params()
+    zen = dict(select_strategy="step", select_interval=4, update_interval=2)
+    torch_defaults = torch.optim.AdamW(params).defaults
+    with ZenFlowAdamW(params, zenflow=zen) as opt:
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            assert opt.defaults[key] == torch_defaults[key], key
+        assert opt.zero_stage == 0 and opt.release_gradients is False
+        drive(opt, params, grad_sequence(1))
+        assert opt.state_dict()["zenflow"]["zero"]["stage"] == 0
+
+
+def test_the_dataloader_gives_the_epoch_length():
+    zen = dict(select_strategy="epoch", select_interval=2, update_interval=2)
+    with ZenFlowAdamW(make_params(), zenflow=zen, dataloader=[None] * 5) as opt:
+        assert opt.schedule.steps_per_epoch == 5 and opt.schedule.select_interval == 10
+        assert opt.schedule.steps_per_epoch_source == "dataloader"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_stepped_optimizer_loads_its_own_checkpoint(overlap):
+    params = make_params()
+    zen = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2, overlap_step=overlap)
+    with ZenFlowAdamW(params, **HYPER, zenflow=zen) as opt:
+        drive(opt, params, grad_sequence(3))
+        sd = opt.state_dict()
+        opt.load_state_dict(sd)
+        assert opt.t == 3
+        drive(opt, params, grad_sequence(2))
+        assert opt.t == 5
+
+
+def test_host_state_is_fp32_whatever_the_default_dtype():
+    params = make_params()
+    zen = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with ZenFlowAdamW(params, **HYPER, zenflow=zen) as opt:
+            drive(opt, params, grad_sequence(2))
+            host = opt._host
+            assert {t.dtype for t in [host.master, host.exp_avg, host.exp_avg_sq, *host.acc]} == {torch.float32}
+    finally:
+        torch.set_default_dtype(previous)
