@@ -11,8 +11,10 @@ One step, on every rank:
   step, the clipping norm, the selection and the zen-auto vote agree on every rank without further
   collectives (the selection scores the averaged gradient, as one rank on the whole batch does);
 * stage 2 (:class:`BucketReducer`): each matrix's gradient is reduced to its owner only, in buckets
-  started from backward hooks; the owners score their matrices and the score vectors are all-reduced
-  (the selection); the vectors and the selected columns' gradients are all-reduced;
+  started from backward hooks, and (``release``, the default) its ``.grad`` let go as its bucket starts;
+  the owners score their matrices and the score vectors are all-reduced (the selection); the vectors
+  are all-reduced, and the selected columns' averaged gradients summed from their owners (zeros from
+  the other ranks; without ``release``, the local selected columns averaged);
 * each rank accumulates only the matrices it owns; at an update boundary its host worker steps only
   them (a clipping norm is the sum of every rank's share: one all-reduce of a float64 on the
   worker's own gloo group);
