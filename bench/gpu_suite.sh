@@ -3,7 +3,8 @@
 # Installs nothing; needs a Python with a CUDA build of torch, triton, numba and pytest (set PYTHON=... to
 # choose it; default: .venv/bin/python if it sees a GPU, else python3).
 #
-#   1. the optimizer tests with CUDA parameters (the "cuda" case of every test that takes a device:
+#   1. the optimizer tests with CUDA parameters (the "cuda" case of every test that takes a device, and
+#      tests/test_gpu_link.py: the accumulate worker blocks on events, zeroing gradients in place after step;
 #      the oracle sweep, AdamW identities, checkpoints, NaN skip, faults; compiled Triton kernels,
 #      the CUDA link's streams, events and pinned staging)                        -> OUTDIR/optim_tests.txt
 #   2. the GPU end-to-end benchmark (python -m bench.e2e --preset gpu)           -> OUTDIR/e2e_gpu.{json,png},
@@ -70,7 +71,7 @@ have_pytest=1
 if [[ $have_pytest == 1 ]]; then
     export ZENFLOW_TRITON_AUTOTUNE=0
     stage optim_tests 110 \
-        "$PY" -m pytest tests/test_optim.py -k cuda -q -p no:cacheprovider --durations=10 -rs \
+        "$PY" -m pytest tests/test_optim.py tests/test_gpu_link.py -k "cuda or gpu_link" -q -p no:cacheprovider --durations=10 -rs \
         > "$OUT/optim_tests.txt" 2>&1
     tail -n 25 "$OUT/optim_tests.txt"
 else

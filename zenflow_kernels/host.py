@@ -258,8 +258,16 @@ class _Job:
 _STOP = object()
 
 
-def _worker_loop(jobs: queue.Queue, num_threads: int | None, cores: Sequence[int] | None, failures: list) -> None:
+def _worker_loop(jobs: queue.Queue, num_threads: int | None, cores: Sequence[int] | None, failures: list,
+                 setup: Callable[[], None] | None) -> None:
     # Module-level on purpose: the thread must hold no reference to the optimizer.
+    if setup is not None:
+        try:
+            setup()
+        except Exception as exc:  # every later wait re-raises it: the worker is failed from the start
+            failed = _Job(setup, ())
+            failed.error, failed.tb = exc, traceback.format_exc()
+            failures.append(failed)
     if cores and hasattr(os, "sched_setaffinity"):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cores)  # Linux: pid 0 is the calling thread
@@ -291,6 +299,8 @@ class HostWorker:
         timeout: longest wait for one job, in seconds, before :class:`HostWorkerError` (None: no limit,
             but a dead worker is still detected).
         poll: how often a waiting caller checks that the worker is alive.
+        setup: run first on the thread (a CUDA link sets the parameters' device there: a new thread's
+            current device is 0, and its first CUDA call would create a context on GPU 0).
     """
 
     def __init__(
@@ -301,13 +311,15 @@ class HostWorker:
         timeout: float | None = 600.0,
         poll: float = 0.05,
         name: str = "zenflow-host",
+        setup: Callable[[], None] | None = None,
     ):
         self.timeout, self.poll = timeout, poll
         self._jobs: queue.Queue = queue.Queue()
         self._failures: list[_Job] = []  # appended by the thread: every job that raised
         self._dead: _Job | None = None  # the job a caller saw the thread die under
         self._thread = threading.Thread(
-            target=_worker_loop, args=(self._jobs, num_threads, list(cores) if cores else None, self._failures),
+            target=_worker_loop,
+            args=(self._jobs, num_threads, list(cores) if cores else None, self._failures, setup),
             name=name, daemon=True,
         )
         self._thread.start()

@@ -82,7 +82,7 @@ class Event:
         self.event = event
 
     def wait(self) -> None:
-        self.event.synchronize()
+        self.event.synchronize()  # created with blocking=True: the waiting thread sleeps, not spins
 
 
 # -- chaos: seeded delays ------------------------------------------------------------------------------
@@ -148,8 +148,13 @@ class CudaEngine:
         self._d2h = torch.cuda.Stream(device)
         self._h2d = torch.cuda.Stream(device)
 
+    def thread_setup(self) -> None:
+        """Run first on every worker thread that waits on this engine's events."""
+        torch.cuda.set_device(self.device)
+
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(numel, dtype=dtype).pin_memory()
+        with torch.cuda.device(self.device):  # pinning initialises CUDA on the current device otherwise
+            return torch.zeros(numel, dtype=dtype).pin_memory()
 
     def _current(self):
         return torch.cuda.current_stream(self.device)
@@ -164,7 +169,7 @@ class CudaEngine:
 
     def d2h_marker(self) -> Event:
         """A completion for every D2H copy enqueued so far."""
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)
         event.record(self._d2h)
         return Event(event)
 
@@ -174,13 +179,18 @@ class CudaEngine:
         self._h2d.wait_stream(self._current())
         with torch.cuda.stream(self._h2d):
             work()
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)
             event.record(self._h2d)
         self._current().wait_stream(self._h2d)
         return Event(event)
 
     def device_waits_for_d2h(self) -> None:
         self._current().wait_stream(self._d2h)
+
+    def device_orders_after_d2h(self) -> None:
+        """Later device work (the user's ``p.grad.zero_()``, the next backward) runs after every D2H copy
+        issued so far: a stream wait, no host wait."""
+        self.device_waits_for_d2h()
 
     def after_d2h(self, work: Callable[[], None]) -> None:
         """Device work (``work`` enqueues it) that must follow every D2H copy issued so far."""
@@ -221,6 +231,10 @@ class ThreadEngine:
         self._device_waits: list[Future] = []  # H2D copies the parameters' next reader must wait for
         self._last_d2h: Future | None = None
 
+    def thread_setup(self) -> None:
+        """What the CUDA engine's ``set_device`` stands for: every worker thread runs it first (tests
+        record it)."""
+
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype)
 
@@ -249,6 +263,12 @@ class ThreadEngine:
     def device_waits_for_d2h(self) -> None:
         if self._last_d2h is not None:
             self._last_d2h.wait()
+
+    def device_orders_after_d2h(self) -> None:
+        """Later "device" work (here: whatever the training thread does to the gradients after
+        :meth:`join`) runs after every D2H copy issued so far, as the CUDA stream wait orders it."""
+        if self._last_d2h is not None:
+            self._device_waits.append(self._last_d2h)
 
     def after_d2h(self, work: Callable[[], None]) -> None:
         """Device work that must follow every D2H copy issued so far: queued behind them on the D2H thread
@@ -304,12 +324,13 @@ class _Link:
     moves_state = False  # the fast-path state has a home apart from the device (offload can move it)
     asynchronous = False  # copies complete later: gradients are worth staging from backward hooks
 
-    def __init__(self, host: HostShard, *, overlap: bool, host_threads: int, cores, timeout: float | None):
+    def __init__(self, host: HostShard, *, overlap: bool, host_threads: int, cores, timeout: float | None,
+                 thread_setup: Callable[[], None] | None = None):
         self.host = host
         self.workers: list[HostWorker] = []
         self._updater = None
         if overlap:
-            self._updater = HostWorker(num_threads=host_threads, cores=cores, timeout=timeout)
+            self._updater = HostWorker(num_threads=host_threads, cores=cores, timeout=timeout, setup=thread_setup)
             self.workers.append(self._updater)
         self.waited_s = 0.0  # the training thread blocked on asynchronous work
         self.accumulate_s = 0.0  # the training thread accumulated gradients itself
@@ -431,14 +452,14 @@ class RingLink(_Link):
     asynchronous = True
 
     def __init__(self, host: HostShard, engine, *, kind: str, delays: _Delays | None = None, **kwargs):
-        super().__init__(host, **kwargs)
+        super().__init__(host, thread_setup=engine.thread_setup, **kwargs)
         self.kind = kind
         self.moves_state = engine.moves_state
         self._engine = engine
         self._delays = delays
         self._accumulator = HostWorker(
             num_threads=kwargs["host_threads"], cores=kwargs["cores"], timeout=kwargs["timeout"],
-            name="zenflow-accumulate",
+            name="zenflow-accumulate", setup=engine.thread_setup,
         )
         self.workers += [self._accumulator, *engine.workers]
         # staging slot s: one flat buffer per gradient dtype, laid out like the host shard, allocated once.
@@ -509,6 +530,9 @@ class RingLink(_Link):
             host.accumulate_flat(buf, staged, chosen)
 
         self._last_accumulate = self._slot_reader[self._slot] = _submit(self._accumulator, add, self._delays)
+        # the copies read the gradients as they are now; whatever the user does to them after step()
+        # (zero_grad(set_to_none=False), p.grad.zero_(), the next backward adding in place) comes after
+        self._engine.device_orders_after_d2h()
         self._slot ^= 1
         self._claimed = False
         return {}

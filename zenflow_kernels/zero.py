@@ -150,9 +150,11 @@ class ZeroContext:
             f"({type(exc).__name__}: {exc})"
         )
 
-    def start(self, kind: str, op: str, tensor: torch.Tensor, call, *, host: bool = False) -> tuple:
-        """Start a collective (``call()`` returns its work); :meth:`finish` waits for it. ``host``: it
-        runs on the host worker's group (and draws the host worker's chaos delays)."""
+    def start(self, kind: str, op: str, tensor: torch.Tensor, call, *, host: bool = False, group=None) -> tuple:
+        """Start a collective (``call()`` returns its work on ``group``, default the training group);
+        :meth:`finish` waits for it. ``host``: it runs on the host worker's group (and draws the host
+        worker's chaos delays)."""
+        group = self._host if host else (self._train if group is None else group)
         nbytes = tensor.numel() * tensor.element_size()
         if self._delays is not None:
             time.sleep(sum(self._delays["host" if host else "train"].draw()))
@@ -161,17 +163,23 @@ class ZeroContext:
         except Exception as exc:  # gloo/NCCL raise RuntimeError (or DistBackendError) for a dead peer
             raise self._fail(kind, op, nbytes, exc) from exc
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
-        return (work, kind, op, nbytes)
+        return (work, kind, op, nbytes, dist.get_backend(group) == "nccl")
 
     def finish(self, handle: tuple) -> None:
-        work, kind, op, nbytes = handle
+        work, kind, op, nbytes, nccl = handle
         try:
-            work.wait(datetime.timedelta(seconds=self.timeout))
+            if nccl:
+                # Work.wait(timeout) on NCCL polls a CPU core until the collective completes; without one it
+                # orders the current stream after it (no host wait) and the group's own timeout (given at
+                # new_group) ends a hung collective through NCCL's watchdog
+                work.wait()
+            else:  # gloo: a blocking wait, bounded here
+                work.wait(datetime.timedelta(seconds=self.timeout))
         except Exception as exc:
             raise self._fail(kind, op, nbytes, exc) from exc
 
-    def _run(self, kind: str, op: str, tensor: torch.Tensor, call, *, host: bool = False) -> None:
-        self.finish(self.start(kind, op, tensor, call, host=host))
+    def _run(self, kind: str, op: str, tensor: torch.Tensor, call, *, host: bool = False, group=None) -> None:
+        self.finish(self.start(kind, op, tensor, call, host=host, group=group))
 
     def all_reduce_(self, tensor: torch.Tensor, kind: str, *, host: bool = False) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place (``host``: on the host worker's group)."""
@@ -194,7 +202,8 @@ class ZeroContext:
         mask = torch.zeros(num_params, dtype=torch.int32)
         mask[list(active)] = 1
         group = self._meta
-        self._run("gradient presence", "all_reduce", mask, lambda: dist.all_reduce(mask, group=group, async_op=True))
+        self._run("gradient presence", "all_reduce", mask, lambda: dist.all_reduce(mask, group=group, async_op=True),
+                  group=group)
         bad = ((mask != 0) & (mask != self.world)).nonzero().flatten().tolist()
         if bad:
             self.failed = True

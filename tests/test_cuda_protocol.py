@@ -1,0 +1,199 @@
+"""What the CUDA-only code asks of CUDA and of torch.distributed, checked on CPU.
+
+No GPU here: the CUDA engine's calls go to a recording stand-in for ``torch.cuda`` (streams, events,
+``set_device``, device guards), so the choices the code makes are asserted where CI runs:
+
+* events the workers wait on are created with ``blocking=True`` (a default event's ``synchronize()``
+  spins a core the host AdamW needs);
+* every worker thread that waits on CUDA work sets the parameters' device first (a new thread's device
+  is 0: its first CUDA call would create a context on GPU 0), on the asynchronous CPU link too;
+* NCCL collectives are waited on without a timeout (``Work.wait(timeout)`` polls a CPU core), gloo ones
+  with the collective timeout.
+
+tests/test_gpu_link.py runs the real thing on a GPU (bench/gpu_suite.sh).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zenflow_kernels import ZenFlowAdamW, link, zero
+from zenflow_kernels.host import HostWorkerError
+from zenflow_kernels.ops import use_backend
+from zenflow_kernels.testing import chaos
+
+ZEN = dict(overlap_step=True, update_interval=1, select_strategy="step", select_interval=4)
+
+
+@pytest.fixture(autouse=True)
+def numba_backend():
+    with use_backend("numba"):
+        yield
+
+
+class _FakeEvent:
+    made: list[_FakeEvent] = []
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.blocking = blocking
+        self.recorded_on = None
+        _FakeEvent.made.append(self)
+
+    def record(self, stream=None):
+        self.recorded_on = stream
+
+    def synchronize(self):
+        pass
+
+
+class _FakeStream:
+    def __init__(self, device=None):
+        self.device = device
+        self.waited_for: list[_FakeStream] = []
+
+    def wait_stream(self, other):
+        self.waited_for.append(other)
+
+
+class _FakeCuda:
+    """The parts of ``torch.cuda`` the CUDA engine calls, recording what they were given."""
+
+    def __init__(self):
+        self.current = _FakeStream("current")
+        self.set_devices: list[tuple[str, torch.device]] = []
+        self.guards: list[torch.device] = []
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+        monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: _Nothing())
+        monkeypatch.setattr(torch.cuda, "set_device",
+                            lambda d: self.set_devices.append((threading.current_thread().name, d)))
+        fake = self
+
+        class _Guard(_Nothing):
+            def __init__(self, device):
+                fake.guards.append(device)
+
+        monkeypatch.setattr(torch.cuda, "device", _Guard)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a, **k: t)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None)
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_cuda_engine_events_block_and_pinning_runs_on_the_engines_device(monkeypatch):
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    _FakeEvent.made.clear()
+    device = torch.device("cuda", 3)
+    engine = link.CudaEngine(device)
+    buf = engine.alloc(10, torch.float32)
+    assert buf.shape == (10,) and cuda.guards == [device]
+    engine.d2h([(torch.zeros(2), torch.ones(2))])
+    marker = engine.d2h_marker()
+    guard = engine.h2d(lambda: None)
+    assert len(_FakeEvent.made) == 2 and all(e.blocking for e in _FakeEvent.made)
+    assert marker.event.recorded_on is engine._d2h and guard.event.recorded_on is engine._h2d
+    engine.thread_setup()
+    assert cuda.set_devices == [(threading.current_thread().name, device)]
+
+
+def test_cuda_engine_orders_later_device_work_after_the_gradient_copies(monkeypatch):
+    """Item 6 of the GPU review on the CUDA engine: after a step's copies are issued, the current stream
+    waits for the D2H stream (no host wait), so a later in-place write of a gradient cannot race them."""
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    engine = link.CudaEngine(torch.device("cuda", 0))
+    engine.d2h([(torch.zeros(2), torch.ones(2))])
+    assert cuda.current.waited_for == []
+    engine.device_orders_after_d2h()
+    assert cuda.current.waited_for == [engine._d2h]
+
+
+def test_every_worker_thread_that_waits_on_the_engine_runs_its_setup_first(monkeypatch):
+    """On the asynchronous CPU link (the CUDA protocol) the update and accumulate workers call the
+    engine's ``thread_setup`` (CUDA: ``set_device``) on their own thread before any job."""
+    ran: list[str] = []
+    monkeypatch.setattr(link.ThreadEngine, "thread_setup", lambda self: ran.append(threading.current_thread().name))
+    model = torch.nn.Linear(8, 4)
+    with chaos(seed=0, max_delay=0.0):
+        opt = ZenFlowAdamW(model.parameters(), zenflow=ZEN)
+    with opt:
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        threads = {w._thread.name for w in opt._link.workers}
+    assert sorted(ran) == ["zenflow-accumulate", "zenflow-host"], ran
+    assert {"zenflow-accumulate", "zenflow-host"} <= threads
+
+
+def test_a_failing_thread_setup_fails_the_step_with_its_traceback(monkeypatch):
+    def no_device(self):
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    monkeypatch.setattr(link.ThreadEngine, "thread_setup", no_device)
+    model = torch.nn.Linear(8, 4)
+    with chaos(seed=0, max_delay=0.0):
+        opt = ZenFlowAdamW(model.parameters(), zenflow=ZEN)
+    model(torch.randn(3, 8)).sum().backward()
+    with pytest.raises(HostWorkerError, match="invalid device ordinal"):
+        opt.step()
+    opt.close()  # a failed link: close() lands nothing and stops the threads
+
+
+class _FakeWork:
+    def __init__(self):
+        self.waits: list = []
+
+    def wait(self, *args):
+        self.waits.append(args)
+        return True
+
+
+@pytest.mark.parametrize("backend,bounded", [("nccl", False), ("gloo", True)])
+def test_collectives_wait_without_polling_on_nccl_and_bounded_on_gloo(monkeypatch, backend, bounded):
+    ctx = object.__new__(zero.ZeroContext)
+    ctx.timeout, ctx._delays, ctx.bytes, ctx.failed = 7.0, None, {}, False
+    ctx._train, ctx._host = object(), object()
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend if group is ctx._train else "gloo")
+    work = _FakeWork()
+    ctx.finish(ctx.start("gradients", "all_reduce", torch.zeros(4), lambda: work))
+    assert work.waits == ([(datetime.timedelta(seconds=7.0),)] if bounded else [()])
+    host_work = _FakeWork()  # the host worker's group is gloo whatever the training group is
+    ctx.finish(ctx.start("write-back", "broadcast", torch.zeros(4), lambda: host_work, host=True))
+    assert host_work.waits == [(datetime.timedelta(seconds=7.0),)]
+
+
+def test_the_accumulate_worker_sleeps_while_it_waits(monkeypatch):
+    """The accumulate worker waits for each step's copies; its CPU time over 20 steps stays well below
+    its wall time (it blocks, it does not spin). On CPU the copies are delayed by chaos; the GPU suite
+    runs the same measurement on CUDA events (tests/test_gpu_link.py)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    with chaos(seed=1, max_delay=0.01):
+        opt = ZenFlowAdamW(model.parameters(), zenflow=dict(ZEN, update_interval=2, topk_ratio=0.1))
+    with opt:
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        worker = next(w for w in opt._link.workers if w._thread.name == "zenflow-accumulate")
+        clock = time.pthread_getcpuclockid(worker._thread.ident)
+        cpu0, wall0 = time.clock_gettime(clock), time.perf_counter()
+        for _ in range(20):
+            opt.zero_grad()
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+        opt._link.synchronize()
+        cpu, wall = time.clock_gettime(clock) - cpu0, time.perf_counter() - wall0
+    assert cpu < 0.5 * wall, (cpu, wall)

@@ -1,0 +1,67 @@
+"""The CUDA link on a real GPU (bench/gpu_suite.sh runs this file; skipped without CUDA).
+
+tests/test_cuda_protocol.py checks the same choices on CPU against a recording stand-in for
+``torch.cuda``; here they meet the driver: the accumulate worker blocks on its events instead of
+spinning, and zeroing gradients in place right after ``step()`` gives the bits of ``set_to_none``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from zenflow_kernels import ZenFlowAdamW
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by bench/gpu_suite.sh)")
+
+ZEN = dict(topk_ratio=0.1, select_strategy="step", select_interval=6, update_interval=2, overlap_step=True,
+           full_warm_up_rounds=1)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+
+
+def test_the_accumulate_worker_blocks_instead_of_spinning():
+    model = _model()
+    x = torch.randn(64, 1024, device="cuda")
+    with ZenFlowAdamW(model.parameters(), zenflow=ZEN) as opt:
+        model(x).square().mean().backward()
+        opt.step()
+        worker = next(w for w in opt._link.workers if w._thread.name == "zenflow-accumulate")
+        clock = time.pthread_getcpuclockid(worker._thread.ident)
+        cpu0, wall0 = time.clock_gettime(clock), time.perf_counter()
+        for _ in range(20):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        opt._link.synchronize()
+        cpu, wall = time.clock_gettime(clock) - cpu0, time.perf_counter() - wall0
+    print(f"accumulate worker: {cpu * 1e3:.1f} ms CPU over {wall * 1e3:.1f} ms wall")
+    assert cpu < 0.5 * wall, (cpu, wall)
+
+
+@pytest.mark.parametrize("how", ["model.zero_grad(False)", "grad.zero_()"])
+def test_zeroing_in_place_after_step_gives_the_bits_of_set_to_none(how):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batches = [(torch.randn(32, 1024, device="cuda", generator=g)) for _ in range(12)]
+    runs = []
+    for zero in ("none", how):
+        model = _model()
+        with ZenFlowAdamW(model.parameters(), zenflow=ZEN) as opt:
+            for x in batches:
+                model(x).square().mean().backward()
+                opt.step()
+                if zero == "none":
+                    opt.zero_grad()
+                elif zero == "model.zero_grad(False)":
+                    model.zero_grad(set_to_none=False)
+                else:
+                    for p in model.parameters():
+                        p.grad.zero_()
+            opt.flush()
+        runs.append([p.detach().cpu() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
