@@ -82,10 +82,36 @@ def test_host_shard_buffers_have_their_dtypes():
     for flat in (host.master, host.exp_avg, host.exp_avg_sq, *host.acc):
         assert flat.dtype == torch.float32 and flat.numel() == host.numel and not flat.any()
     assert sorted(host.out, key=str) == sorted([torch.bfloat16, torch.float32, torch.float16], key=str)
+    # each copy-out buffer holds only its dtype's parameters (each padded to ALIGN = 16 elements)
+    assert {dt: flat.numel() for dt, flat in host.out.items()} == {torch.bfloat16: 16, torch.float32: 16,
+                                                                    torch.float16: 16}
+    assert host.numel == 48
     for dtype, flat in host.out.items():
-        assert flat.dtype == dtype and flat.numel() == host.numel
+        assert flat.dtype == dtype
     assert host.out_view(0).dtype == torch.bfloat16 and host.out_view(1).dtype == torch.float32
     assert torch.equal(host.view(host.master, 0), params[0].float())
+
+
+def test_copy_out_buffers_are_sized_by_their_dtype_and_views_do_not_overlap():
+    """A bf16 model with fp32 vectors: the fp32 copy-out holds the vectors only; two parameters of one
+    dtype in one run are neighbours in the copy-out buffer as in the fp32 buffers."""
+    shapes = [(40, 8), (8,), (8, 40), (40,), (33,)]
+    dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32, torch.float32]
+    params = [torch.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
+    host = HostShard(params, [0] * 5, num_acc=1)
+    assert host.out[torch.bfloat16].numel() == 640 and host.out[torch.float32].numel() == 16 + 48 + 48
+    for dtype, flat in host.out.items():
+        seen = torch.zeros(flat.numel(), dtype=torch.int32)
+        for i, slot in host.slots.items():
+            if slot.dtype == dtype:
+                view = host.out_view(i)
+                assert view.shape == params[i].shape
+                start = (view.data_ptr() - flat.data_ptr()) // flat.element_size()
+                seen[start : start + view.numel()] += 1
+        assert seen.max() == 1
+    # the two bf16 matrices are flat neighbours (matrices first): adjacent in both buffers
+    m0, m2 = host.slots[0], host.slots[2]
+    assert m2.offset - m0.offset == m2.out_offset - m0.out_offset == 320
 
 
 def test_a_worker_that_stopped_with_jobs_queued_says_so_without_a_traceback():

@@ -84,10 +84,11 @@ def test_chaos_is_bit_identical_to_the_synchronous_link(name, dtype, clip):
 
 
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16,), (torch.float32, torch.bfloat16)])
-def test_staging_is_allocated_once_per_slot_and_gradient_dtype(dtypes):
-    """A ring of two staging slots, one flat buffer per gradient dtype each, allocated at first use and
-    reused for the whole run (allocating them per step or per parameter would cost a whole-model
-    pinned allocation each time on a GPU)."""
+def test_staging_is_allocated_once_per_slot_and_bounded(dtypes, monkeypatch):
+    """A ring of STAGING_SLOTS byte slots, each allocated at first use (at most STAGING_SLOT_BYTES, no more
+    than the shard needs) and reused for the whole run (allocating per step or per parameter would cost a
+    pinned allocation each time on a GPU), whatever the gradients' dtypes."""
+    monkeypatch.setattr(RingLink, "STAGING_SLOT_BYTES", 512)
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtypes[n % len(dtypes)]))
               for n, s in enumerate(SHAPES)]
@@ -99,12 +100,49 @@ def test_staging_is_allocated_once_per_slot_and_gradient_dtype(dtypes):
         drive(opt, params, grad_sequence(12))
         link = opt._link
         assert isinstance(link, RingLink)
-        expected = sum(RingLink.RING * link.host.numel * torch.empty(0, dtype=dt).element_size() for dt in dtypes)
-        assert link.staging_bytes == expected
-        buffers = [id(b) for slot in link._slots for b in slot.values()]
+        ring = link._ring
+        buffers = [b for b in ring.buffers if b is not None]
+        assert 0 < len(buffers) <= RingLink.STAGING_SLOTS and all(b.numel() == 512 for b in buffers)
+        assert link.staging_bytes == 512 * len(buffers) <= RingLink.STAGING_SLOTS * 512
+        ids = [id(b) for b in ring.buffers]
         drive(opt, params, grad_sequence(6))
-        assert [id(b) for slot in link._slots for b in slot.values()] == buffers
-        assert link.staging_bytes == expected
+        assert [id(b) for b in ring.buffers if b is not None][: len(buffers)] == ids[: len(buffers)]
+        assert link.staging_bytes <= RingLink.STAGING_SLOTS * 512
+
+
+@pytest.mark.parametrize("slots, slot_bytes", [(1, 64), (2, 256), (3, 1000), (4, 1 << 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_small_staging_ring_gives_the_synchronous_bits(monkeypatch, slots, slot_bytes, dtype):
+    """Gradients larger than a slot, a ring that fills during backward (hooks then leave the rest to
+    step(), which waits for slots), micro-batches and in-place clipping after the hooks, under chaos:
+    the synchronous link's bits, and never more staging than the ring's bound."""
+    monkeypatch.setattr(RingLink, "STAGING_SLOTS", slots)
+    monkeypatch.setattr(RingLink, "STAGING_SLOT_BYTES", slot_bytes)
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 6)).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    batches = [[(torch.randn(8, 12, generator=g).to(dtype), torch.randn(8, 6, generator=g).to(dtype))
+                for _ in range(2)] for _ in range(12)]
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2, overlap_step=True,
+                   full_warm_up_rounds=1)
+    runs = []
+    for seed in (None, 0, 1):
+        model = copy.deepcopy(base)
+        if seed is None:
+            opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow)
+        else:
+            with chaos(seed=seed):
+                opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow)
+        with opt:
+            history = [_train(model, opt, batches[t : t + 1], micro=1 + t % 2, clip=t % 3 == 0)[0]
+                       for t in range(len(batches))]
+            if seed is not None:
+                assert opt._link.staging_bytes <= slots * slot_bytes
+        runs.append(history)
+    for run in runs[1:]:
+        for t, (a, b) in enumerate(zip(runs[0], run, strict=True)):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                assert torch.equal(x, y), f"step {t} param {i}"
 
 
 def _train(model, opt, batches, micro, clip):
@@ -121,7 +159,7 @@ def _train(model, opt, batches, micro, clip):
 
 
 @pytest.mark.parametrize("micro, clip", [(1, False), (2, False), (2, True)])
-def test_backward_hooks_start_copies_that_step_reuses_only_if_unchanged(monkeypatch, micro, clip):
+def test_backward_hooks_start_copies_that_step_reuses_only_if_unchanged(micro, clip):
     """On an asynchronous link each gradient's copy starts from its post-accumulate-grad hook. A
     gradient changed after its hook (another micro-batch accumulated into it, clipping) is copied again
     by step(): results stay bit-identical to the synchronous link, and the copies are counted."""
@@ -132,10 +170,7 @@ def test_backward_hooks_start_copies_that_step_reuses_only_if_unchanged(monkeypa
                for _ in range(14)]
     zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2, overlap_step=True,
                    full_warm_up_rounds=1)
-    calls = []
-    real_stage = RingLink._stage
-    monkeypatch.setattr(RingLink, "_stage", lambda self, items: calls.extend(items) or real_stage(self, items))
-    runs = []
+    runs, copied = [], None
     for seed in (None, 3):
         model = copy.deepcopy(base)
         if seed is None:
@@ -145,15 +180,16 @@ def test_backward_hooks_start_copies_that_step_reuses_only_if_unchanged(monkeypa
                 opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow)
         with opt:
             runs.append(_train(model, opt, batches, micro, clip))
+            copied = opt._link.d2h_bytes
     for t, (a, b) in enumerate(zip(*runs, strict=True)):
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert torch.equal(x, y), f"step {t} param {i}"
-    # the first step builds the optimizer after its backward: step() copies all 4 tensors (warm-up).
-    # Then a hook copy per backward: all 4 tensors in warm-up, the 2 matrices after; clipping after the
-    # hooks makes step() copy each tensor it needs once more.
+    # the first step builds the optimizer after its backward: step() copies all 4 tensors (warm-up, 462
+    # elements). Then a hook copy per backward of the 2 matrices (288 + 144 elements); clipping after the
+    # hooks makes step() copy them once more.
     steps_after_warmup = len(batches) - 1
-    expected = 4 + micro * 2 * steps_after_warmup + (2 * steps_after_warmup if clip else 0)
-    assert len(calls) == expected
+    expected = 462 + micro * 432 * steps_after_warmup + (432 * steps_after_warmup if clip else 0)
+    assert copied == 4 * expected
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -286,17 +322,34 @@ def test_chaos_delays_every_kind_of_asynchronous_job(monkeypatch):
     assert wrapped.count("add") == 5 and wrapped.count("job") == 2
 
 
-def test_host_shard_runs_merge_flat_neighbours():
-    params = [torch.zeros(s) for s in [(3, 5), (7,), (2, 2), (4,)]]
-    host = HostShard(params, [0, 0, 0, 0], num_acc=1)  # flat order: matrix 0, matrix 2, vector 1, vector 3
-    lo0, lo2, lo1 = host.slots[0].offset, host.slots[2].offset, host.slots[1].offset
-    assert host.runs([0, 2]) == [(lo0, lo2 + 4)]  # neighbours: one span, the padding between included
-    assert host.runs([0, 1]) == [(lo0, lo0 + 15), (lo1, lo1 + 7)]  # matrix 2 between them: two spans
-    assert host.runs([2, 0, 1]) == [(lo0, lo1 + 7)]
-    assert host.runs([]) == []
+def test_accumulate_pieces_merges_neighbours_in_slot_and_layout(monkeypatch):
+    """Pieces adjacent both in their slot and in the shard's layout (a parameter whose size is a multiple
+    of the alignment, then the next one) are added in one call; any other piece in its own. The sums are
+    the pieces' whatever the grouping."""
+    from zenflow_kernels import cpu_ops
+    from zenflow_kernels.staging import Piece
+
+    params = [torch.zeros(s) for s in [(4, 8), (2, 8), (3, 3), (5,)]]  # 32, 16 (aligned), 9, 5 elements
+    host = HostShard(params, [0] * 4, num_acc=1)  # flat order: matrices 0, 1, 2, then vector 3
+    slot = torch.arange(100, dtype=torch.float32)
+    calls = []
+    real = cpu_ops.accumulate_
+    monkeypatch.setattr(cpu_ops, "accumulate_", lambda acc, src: calls.append(acc.numel()) or real(acc, src))
+
+    def piece(i, lo, numel, at):
+        return Piece(i, torch.float32, lo, numel, 0, at * 4), slot[at : at + numel]
+
+    # matrix 0 whole, then matrix 1 whole right after it: one call; matrix 2's last 4 elements elsewhere;
+    # the vector after a gap in the slot: its own call
+    host.accumulate_pieces(0, [piece(0, 0, 32, 0), piece(1, 0, 16, 32), piece(2, 5, 4, 48), piece(3, 0, 5, 60)])
+    assert calls == [48, 4, 5]
+    assert torch.equal(host.view(host.acc[0], 0).reshape(-1), slot[:32])
+    assert torch.equal(host.view(host.acc[0], 1).reshape(-1), slot[32:48])
+    assert torch.equal(host.view(host.acc[0], 2).reshape(-1)[5:], slot[48:52])
+    assert not host.view(host.acc[0], 2).reshape(-1)[:5].any()
+    assert torch.equal(host.view(host.acc[0], 3), slot[60:65])
 
 
-@pytest.mark.parametrize("stuck", ["d2h", "h2d", "accumulate"])
 def test_a_stuck_copy_times_out_with_host_timeout(monkeypatch, stuck):
     """Every thread of the asynchronous link obeys host_timeout: a copy or an accumulation that never
     completes ends the step with an error within seconds, not a hang."""
@@ -315,7 +368,7 @@ def test_a_stuck_copy_times_out_with_host_timeout(monkeypatch, stuck):
             return handle
 
     if stuck == "accumulate":
-        monkeypatch.setattr(HostShard, "accumulate_flat", lambda *args: release.wait(20))
+        monkeypatch.setattr(HostShard, "accumulate_pieces", lambda *args: release.wait(20))
     else:
         monkeypatch.setattr(ThreadEngine, stuck, stuck_copy)
     zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=1)

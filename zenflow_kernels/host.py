@@ -43,8 +43,9 @@ class Slot:
     group: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-    offset: int
+    offset: int  # in the fp32 buffers (master, moments, accumulation)
     numel: int
+    out_offset: int  # in the copy-out buffer of its dtype, which holds only the parameters of that dtype
 
     @property
     def is_matrix(self) -> bool:
@@ -69,11 +70,24 @@ def layout(
     ]
     slots: dict[int, Slot] = {}
     offset = 0
+    out_offsets: dict[torch.dtype, int] = {}
     for i in order:
         p = params[i]
-        slots[i] = Slot(i, groups[i], tuple(p.shape), p.dtype, offset, p.numel())
-        offset += math.ceil(p.numel() / ALIGN) * ALIGN
+        padded = math.ceil(p.numel() / ALIGN) * ALIGN
+        out_offset = out_offsets.get(p.dtype, 0)
+        slots[i] = Slot(i, groups[i], tuple(p.shape), p.dtype, offset, p.numel(), out_offset)
+        offset += padded
+        out_offsets[p.dtype] = out_offset + padded
     return order, slots, offset
+
+
+def out_sizes(slots: dict[int, Slot]) -> dict[torch.dtype, int]:
+    """Elements of each dtype's copy-out buffer: the padded sizes of that dtype's parameters only (a bf16
+    model with fp32 norms gets a small fp32 one, not a second shard-sized buffer)."""
+    sizes: dict[torch.dtype, int] = {}
+    for s in slots.values():
+        sizes[s.dtype] = max(sizes.get(s.dtype, 0), s.out_offset + math.ceil(s.numel / ALIGN) * ALIGN)
+    return sizes
 
 
 class HostShard:
@@ -109,7 +123,7 @@ class HostShard:
         self.exp_avg = alloc(offset, torch.float32)
         self.exp_avg_sq = alloc(offset, torch.float32)
         self.acc = [alloc(offset, torch.float32) for _ in range(num_acc)]
-        self.out = {dt: alloc(offset, dt) for dt in {params[i].dtype for i in order}}
+        self.out = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()}
         self.host_step = [0] * len(params)  # owned like the master: by the host update in flight
         with torch.no_grad():
             for i in order:
@@ -121,35 +135,28 @@ class HostShard:
         return flat[s.offset : s.offset + s.numel].view(s.shape)
 
     def out_view(self, index: int) -> torch.Tensor:
-        return self.view(self.out[self.slots[index].dtype], index)
+        """Parameter ``index``'s view (its shape) into the copy-out buffer of its dtype."""
+        s = self.slots[index]
+        return self.out[s.dtype][s.out_offset : s.out_offset + s.numel].view(s.shape)
 
-    def runs(self, indices) -> list[tuple[int, int]]:
-        """``[lo, hi)`` flat ranges covering exactly these parameters (and the alignment padding between
-        flat neighbours), one per run of parameters adjacent in the layout."""
-        chosen = set(indices)
-        spans: list[list[int]] = []
-        prev_end = None
-        for s in self.order:
-            if s.index not in chosen:
-                prev_end = None
+    def accumulate_pieces(self, buf: int, pieces) -> None:
+        """acc[buf] += staged pieces of gradients: ``(piece, data)`` with ``piece.index`` the parameter,
+        ``piece.lo``/``piece.numel`` the range of its flat elements and ``data`` those elements (any float
+        dtype). Pieces adjacent both in the staging slot and in this shard's layout (parameters whose size
+        is a multiple of the alignment, staged one after the other) are added in one call."""
+        run_acc = run_src = None
+        for piece, data in pieces:
+            lo = self.slots[piece.index].offset + piece.lo
+            if run_acc is not None and run_src.dtype == data.dtype and run_acc[1] == lo and (
+                    run_src.data_ptr() + run_src.numel() * run_src.element_size() == data.data_ptr()):
+                run_acc = (run_acc[0], lo + piece.numel)
+                run_src = run_src.as_strided((run_src.numel() + data.numel(),), (1,))
                 continue
-            if prev_end is not None:
-                spans[-1][1] = s.offset + s.numel
-            else:
-                spans.append([s.offset, s.offset + s.numel])
-            prev_end = spans[-1][1]
-        return [(lo, hi) for lo, hi in spans]
-
-    def accumulate_flat(self, buf: int, staged: dict[torch.dtype, torch.Tensor], indices) -> None:
-        """acc[buf] += a staging area laid out like this shard (one flat buffer per gradient dtype; the
-        padding between parameters holds zeros), for these parameters: one call per run of flat
-        neighbours that share a gradient dtype instead of one per parameter."""
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, dtype in indices:
-            by_dtype.setdefault(dtype, []).append(i)
-        for dtype, chosen in by_dtype.items():
-            for lo, hi in self.runs(chosen):
-                cpu_ops.accumulate_(self.acc[buf][lo:hi], staged[dtype][lo:hi])
+            if run_acc is not None:
+                cpu_ops.accumulate_(self.acc[buf][run_acc[0] : run_acc[1]], run_src)
+            run_acc, run_src = (lo, lo + piece.numel), data
+        if run_acc is not None:
+            cpu_ops.accumulate_(self.acc[buf][run_acc[0] : run_acc[1]], run_src)
 
     def update(
         self,
@@ -224,6 +231,7 @@ class HostShard:
             prev = s
         for run in runs:
             lo, hi = run[0].offset, run[-1].offset + run[-1].numel
+            out_lo = run[0].out_offset  # flat neighbours of one dtype are neighbours in its copy-out buffer too
             first = run[0].index
             step = self.host_step[first] + 1
             cpu_ops.cpu_adam_(
@@ -233,7 +241,7 @@ class HostShard:
                 self.exp_avg_sq[lo:hi],
                 step=step,
                 grad_scale=counts[first] / coef,
-                out=self.out[run[0].dtype][lo:hi],
+                out=self.out[run[0].dtype][out_lo : out_lo + hi - lo],
                 zero_grad=True,  # never a torch op here: see cpu_adam_'s zero_grad
                 **hyper[run[0].group],
             )

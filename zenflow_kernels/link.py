@@ -9,8 +9,8 @@ One interval on a GPU (``overlap_step=True``), time running right::
 
     training thread   backward -(hooks)-> stage(g_i) ... step: fast step | accumulate() | boundary: wait U(n-1),
                                                                              write_back(), update U(n)
-    D2H stream          g_i -> staging[s] (own dtype) ... marker --+
-    accumulate worker                                 wait marker; acc[b] += staging[s]  (then slot s is free)
+    D2H stream          g_i -> ring slot s (own dtype) ... marker(s) --+
+    accumulate worker                                  wait marker(s); acc[b] += pieces of s  (then s is free)
     update worker                                        wait last accumulate of b; AdamW(acc[b]); wait guard;
                                                          write out; acc[b] = 0
     H2D stream                                       out -> non-selected columns -> event (= the guard);
@@ -18,9 +18,10 @@ One interval on a GPU (``overlap_step=True``), time running right::
 
 Buffers and their owners (who writes, who reads, which wait hands them over):
 
-* staging slot ``s`` (a ring of two, one flat buffer per gradient dtype, allocated once): written by
-  the D2H copies of one step, read by that step's accumulate job; the training thread writes slot
-  ``s`` again only after waiting for that job (``_claim``).
+* staging slot ``s`` (a ring of ``STAGING_SLOTS`` bounded byte buffers, each allocated once; staging.py):
+  written by the D2H copies of one step, read by the accumulate job it is handed to at ``step()``, once
+  its gradients are final; filled again only after that job completed (a hook only checks, ``step()``
+  waits).
 * ``acc[b]``: written by the accumulate jobs of the intervals that use ``b`` (in order, one worker),
   read and zeroed by that interval's host update, which first waits for the last of those jobs; the
   training thread reads it only after draining (checkpoints).
@@ -33,7 +34,8 @@ Links:
 
 * :class:`CpuLink` (CPU parameters): plain synchronous copies; the training thread accumulates
   itself (and may fold the interval's last gradient into a synchronous update).
-* :class:`RingLink` over a :class:`CudaEngine`: pinned staging, D2H/H2D streams, events.
+* :class:`RingLink` over a :class:`CudaEngine`: pinned staging (page-locked at its exact size), D2H/H2D
+  streams, events.
 * :class:`RingLink` over a :class:`ThreadEngine`: the same protocol on CPU, each stream a thread
   running its copies in order, each event a future, with optional seeded random delays before and
   after every asynchronous piece of work (:func:`zenflow_kernels.testing.chaos`). An ordering bug
@@ -53,6 +55,7 @@ from typing import Any
 import torch
 
 from .host import HostShard, HostWorker
+from .staging import ALIGN_BYTES, Staged, StagingRing
 
 __all__ = ["Chaos", "CpuLink", "CudaEngine", "RingLink", "ThreadEngine", "make_link"]
 
@@ -71,6 +74,10 @@ class Future:
 
     def wait(self) -> Any:
         return self.worker.wait(self.job)
+
+    def done(self) -> bool:
+        """Finished (or failed), without waiting."""
+        return self.job.done.is_set()
 
 
 class Event:
@@ -448,7 +455,13 @@ class CpuLink(_Link):
 class RingLink(_Link):
     """Asynchronous movement through a staging ring, an accumulate worker and an engine's streams."""
 
-    RING = 2
+    STAGING_SLOTS = 4
+    """Slots of the staging ring (docs/design.md section 9)."""
+    STAGING_SLOT_BYTES = 1 << 24
+    """The most bytes one staging slot holds: the ring's host memory is at most ``STAGING_SLOTS`` times
+    this (64 MiB pinned), whatever the model. Gradients that backward's hooks could not stage for lack of
+    a free slot are copied at ``step()``, which waits for slots as the accumulate worker frees them;
+    raise it (a class attribute, read when the link is built) to trade pinned memory for that wait."""
     asynchronous = True
 
     def __init__(self, host: HostShard, engine, *, kind: str, delays: _Delays | None = None, **kwargs):
@@ -462,79 +475,115 @@ class RingLink(_Link):
             name="zenflow-accumulate", setup=engine.thread_setup,
         )
         self.workers += [self._accumulator, *engine.workers]
-        # staging slot s: one flat buffer per gradient dtype, laid out like the host shard, allocated once.
-        # Written by the D2H copies of one step, read by that step's accumulate job; reused only after
-        # that job completed (_claim).
-        self._slots: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in range(self.RING)]
-        self._slot_reader: list[Future | None] = [None] * self.RING
-        self._slot = 0
-        self._claimed = False
-        self._staged: dict[int, tuple[torch.Tensor, int]] = {}  # index -> (grad, its version) copied this step
+        # written by the D2H copies of one step, read by that step's accumulate jobs; a slot is filled again
+        # only after its reader completed (staging.py)
+        self._ring = StagingRing(self.STAGING_SLOTS, self.STAGING_SLOT_BYTES, engine.alloc)
+        # the most bytes the shard's gradients take in the ring (fp32, each piece aligned)
+        self._ring_hint = host.numel * 4 + ALIGN_BYTES * (len(host.slots) + 1)
+        self._staged: dict[int, Staged] = {}  # index -> the gradient copied this step, its version and pieces
         self._last_accumulate = None  # completion of every accumulation issued so far
         self._guard = None  # completion of the last write-back: the copy-out buffers are free after it
-        self.staging_bytes = 0  # host staging allocated (once per slot and dtype)
 
     def submit_update(self, fn: Callable) -> Future:
         return _submit(self._updater, fn, self._delays)
 
-    def _claim(self) -> None:
-        """Own the current staging slot: its previous reader (an accumulate job) must be done."""
-        if not self._claimed:
-            reader = self._slot_reader[self._slot]
-            if reader is not None:
-                self.wait(reader)
-            self._claimed = True
+    @property
+    def staging_bytes(self) -> int:
+        """Host staging allocated (each slot once, on first use)."""
+        return self._ring.allocated_bytes
 
-    def _staging(self, dtype: torch.dtype) -> torch.Tensor:
-        slot = self._slots[self._slot]
-        buf = slot.get(dtype)
-        if buf is None:
-            buf = slot[dtype] = self._engine.alloc(self.host.numel, dtype)
-            self.staging_bytes += buf.numel() * buf.element_size()
-        return buf
+    def _free_now(self, slot: int) -> bool:
+        """A hook's claim: the slot's reader is already done (a hook never waits)."""
+        reader = self._ring.readers[slot]
+        return reader is None or reader.done()
+
+    def _free_after_wait(self, slot: int) -> bool:
+        """step()'s claim: wait for the slot's reader (the wait counts as stall)."""
+        reader = self._ring.readers[slot]
+        if reader is not None:
+            self.wait(reader)
+        return True
 
     def stage(self, i: int, grad: torch.Tensor) -> None:
-        """Start copying parameter ``i``'s gradient into the current staging slot (from a backward hook,
-        as soon as backward produced it)."""
-        self._stage([(i, grad)])
+        """Start copying parameter ``i``'s gradient into the staging ring (from a backward hook, as soon as
+        backward produced it), as far as free slots allow; step() copies the rest."""
+        self._copy(i, grad, self._free_now)
 
-    def _stage(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
-        self._claim()
+    def _copy(self, i: int, grad: torch.Tensor, claim, seal=None) -> bool:
+        """Copy gradient ``i`` (again, over the pieces it has, if it changed) and place what is not placed
+        yet; True once all of it is placed."""
+        rec = self._staged.get(i)
+        if rec is not None and rec.grad.dtype != grad.dtype:  # another dtype: its pieces no longer fit
+            for piece in rec.pieces:
+                piece.live = False
+            rec = None
+        flat = grad.detach().reshape(-1)
         copies = []
-        for i, grad in items:
-            copies.append((self.host.view(self._staging(grad.dtype), i), grad))
-            self._staged[i] = (grad, grad._version)
-            self.d2h_bytes += grad.numel() * grad.element_size()
-        self._engine.d2h(copies)
+        if rec is None:
+            rec = self._staged[i] = Staged(grad, grad._version)
+        elif rec.grad is not grad or rec.version != grad._version:
+            rec.grad, rec.version = grad, grad._version  # changed since: copy it again over the same pieces
+            copies += [(self._ring.view(p), flat[p.lo : p.lo + p.numel]) for p in rec.pieces]
 
-    def accumulate(self, items, buf: int, *, fuse_min_numel: int | None = None) -> dict:
-        """acc[buf] += grad for each ``(index, grad)``, in the background: the copies not started by
-        :meth:`stage` (or whose gradient changed since) start now, then an accumulate job adds the slot
-        once every copy completed. The slot advances. Returns ``{}`` (nothing is left to fuse)."""
-        missing = []
-        for i, grad in items:
-            seen = self._staged.get(i)
-            if seen is None or seen[0] is not grad or seen[1] != grad._version:
-                missing.append((i, grad))
-        if missing:
-            self._stage(missing)
-        chosen = [(i, grad.dtype) for i, grad in items]
-        self._staged = {}
-        if not chosen:
-            return {}
+        def issue():
+            if copies:
+                self._engine.d2h(copies)
+                self.d2h_bytes += sum(src.numel() for _, src in copies) * grad.element_size()
+                copies.clear()
+
+        def issue_then_seal(slot):  # a slot is handed over only after every copy into it was issued
+            issue()
+            seal(slot)
+
+        pieces = self._ring.place(
+            i, grad.dtype, rec.placed, flat.numel() - rec.placed, claim, self._ring_hint,
+            seal=None if seal is None else issue_then_seal,
+            on_piece=lambda p: copies.append((self._ring.view(p), flat[p.lo : p.lo + p.numel])),
+        )
+        issue()
+        rec.pieces += pieces
+        rec.placed += sum(p.numel for p in pieces)
+        return rec.placed == flat.numel()
+
+    def _hand_over(self, slot: int, buf: int) -> None:
+        """Slot ``slot``'s pieces are final: an accumulate job adds them into acc[buf] once the copies issued
+        so far have completed; the slot is the job's until it is done."""
         copied = self._engine.d2h_marker()
-        host, staged = self.host, self._slots[self._slot]
+        ring, host = self._ring, self.host
+        pieces = [(p, ring.view(p)) for p in ring.hand_over(slot)]
 
         def add():
             copied.wait()
-            host.accumulate_flat(buf, staged, chosen)
+            host.accumulate_pieces(buf, pieces)
 
-        self._last_accumulate = self._slot_reader[self._slot] = _submit(self._accumulator, add, self._delays)
+        self._last_accumulate = ring.readers[slot] = _submit(self._accumulator, add, self._delays)
+
+    def accumulate(self, items, buf: int, *, fuse_min_numel: int | None = None) -> dict:
+        """acc[buf] += grad for each ``(index, grad)``, in the background: gradients that changed since their
+        hook copied them are copied again, the slots the hooks filled go to the accumulate worker, and what
+        is not staged yet goes through the ring slot by slot (a full slot goes to the worker at once; a
+        slot is filled again once the worker is done with it). Returns ``{}`` (nothing is left to fuse)."""
+        ring = self._ring
+        wanted = {i for i, _ in items}
+        for i, rec in list(self._staged.items()):
+            if i not in wanted:  # staged by a hook, not accumulated at this step
+                for piece in rec.pieces:
+                    piece.live = False
+                del self._staged[i]
+        # first every copy into the slots the hooks filled (a gradient that changed since its hook is copied
+        # again over its pieces), placing what fits in free slots without waiting; then those slots are final
+        rest = [(i, grad) for i, grad in items if not self._copy(i, grad, self._free_now)]
+        for slot in [s for s in ring.open if s != ring.current]:
+            self._hand_over(slot, buf)
+        seal = lambda slot: self._hand_over(slot, buf)  # noqa: E731
+        for i, grad in rest:  # the rest through the ring: a full slot goes to the worker, the next is waited for
+            self._copy(i, grad, self._free_after_wait, seal)
+        if ring.current is not None:
+            self._hand_over(ring.current, buf)
+        self._staged = {}
         # the copies read the gradients as they are now; whatever the user does to them after step()
         # (zero_grad(set_to_none=False), p.grad.zero_(), the next backward adding in place) comes after
         self._engine.device_orders_after_d2h()
-        self._slot ^= 1
-        self._claimed = False
         return {}
 
     def upload(self, items: Sequence[tuple[int, torch.Tensor]], buf: int) -> None:
@@ -548,8 +597,9 @@ class RingLink(_Link):
         self.d2h_bytes += sum(total.numel() * total.element_size() for total in sums)
 
     def discard(self) -> None:
-        """Forget what was staged this step (a skipped step): the slot is written again next step."""
+        """Forget what was staged this step (a skipped step): its slots are filled again next step."""
         self._staged = {}
+        self._ring.drop_open()
 
     def accumulation(self) -> Future | None:
         """The completion of every accumulation issued so far (jobs run in order)."""
@@ -601,12 +651,15 @@ def make_link(
     timeout: float | None,
     chaos: Chaos | None,
     indices: Sequence[int] | None = None,
+    num_acc: int | None = None,
 ):
     """The link for parameters on ``device``: CUDA -> RingLink(CudaEngine); CPU -> CpuLink, or, when
     ``chaos`` is given, RingLink(ThreadEngine) with its delays. ``indices``: the parameters whose host
-    state this rank holds (ZeRO; default all)."""
+    state this rank holds (ZeRO; default all). ``num_acc``: accumulation buffers (default 2 with
+    ``overlap``, else 1)."""
     common = dict(overlap=overlap, host_threads=host_threads, cores=cores, timeout=timeout)
-    num_acc = 2 if overlap else 1
+    if num_acc is None:
+        num_acc = 2 if overlap else 1
     if device.type == "cuda":
         engine = CudaEngine(device)
         host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices)

@@ -211,6 +211,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             timeout=self.host_timeout,
             chaos=self._chaos,
             indices=None if self._zero is None else self._zero.owned,
+            # double-buffered accumulation only where the host accumulates while an update reads
+            num_acc=2 if overlap and not self.config.device_accumulation else 1,
         )
         self._host = self._link.host
         # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket
@@ -791,7 +793,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """An update boundary: run the host AdamW now (sync) or hand it to the worker (overlap).
         ``last``: gradients of this step not yet accumulated (synchronous CPU runs fuse them in)."""
         matrices = [i for i, p in enumerate(self._params) if p.dim() == 2]
-        if self._device_acc is not None:  # the interval's sums cross to the host now, once
+        overlap = self.config.overlap_step
+        if overlap:
+            self._drain()  # the previous interval's update is done with its accumulation buffer
+        if self._device_acc is not None:  # the interval's sums cross to the host now, once (into the one
+            # accumulation buffer: the update that read it last has just been drained)
             counted = self._counts[self._acc_buf]
             self._link.upload([(i, self._host.view(self._device_acc, i)) for i in self._mine(matrices) if counted[i]],
                               self._acc_buf)
@@ -800,11 +806,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             st = self.state.get(p)
             if st and "auto_count" in st:
                 st.update(auto_selected=0.0, auto_unselected=0.0, auto_count=0)
-        if not self.config.overlap_step:
+        if not overlap:
             self._sync_host_update(counts, last or {})
             self._write_back(list(counts))
         else:
-            self._drain()
             self._write_back(self._pending)  # the previous interval's result lands now
             accumulated, guard = self._link.accumulation(), self._link.copy_out_guard()
             hyper, buf, host, max_norm = self._hyper(), self._acc_buf, self._host, self.max_grad_norm
@@ -821,7 +826,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
             self._inflight = self._link.submit_update(job)
             self._pending = list(counts)
-            self._acc_buf ^= 1  # the next interval accumulates into the other buffer
+            # the next interval accumulates into the other buffer (device accumulation: there is one)
+            self._acc_buf = (self._acc_buf + 1) % len(self._host.acc)
         self.host_updates += 1
         self.steps_accumulated = 0
 

@@ -257,8 +257,8 @@ class ZeroContext:
                 if i in wanted:
                     by_dtype.setdefault(dtypes[i], []).append(slots[i])
             for dtype, chosen in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-                lo = min(s.offset for s in chosen)
-                hi = max(s.offset + s.numel for s in chosen)
+                lo = min(s.out_offset for s in chosen)
+                hi = max(s.out_offset + s.numel for s in chosen)
                 # the owner sends from its copy-out buffer, which the next host update writes only after
                 # this write-back completed (its copy-out guard)
                 span = host.out[dtype][lo:hi] if r == self.rank else torch.empty(hi - lo, dtype=dtype)
@@ -269,7 +269,8 @@ class ZeroContext:
                     host=True))
                 if r != self.rank:
                     for s in chosen:
-                        exchange.received[s.index] = span[s.offset - lo : s.offset - lo + s.numel].view(s.shape)
+                        exchange.received[s.index] = span[s.out_offset - lo : s.out_offset - lo + s.numel].view(
+                            s.shape)
         return exchange
 
 

@@ -1,0 +1,146 @@
+"""The staging ring of the asynchronous links: a few bounded host slots that gradients cross on their way
+from the device to the accumulation buffers (docs/design.md sections 6 and 9).
+
+A slot is one flat byte buffer (pinned on a GPU) of at most ``slot_bytes``. A gradient is copied into the
+slot being filled as one or more *pieces* (a range of its flat elements at a 64-byte aligned offset); a
+gradient larger than what a slot has left continues in the next slot. A slot filled in a step is handed
+to the accumulate worker at ``step()``, when every gradient it holds is known to be final (a later
+micro-batch or an in-place write changes a gradient after its hook copied it: it is copied again over
+the same pieces). A slot is filled again only once that worker is done with it (its *reader*).
+
+Memory: at most ``slots * slot_bytes`` (allocated lazily, each slot the size the shard needs up to
+``slot_bytes``), whatever the model size, instead of a whole-shard buffer per slot and gradient dtype.
+What a bounded ring costs: backward hooks start copies only while a slot is free (they never wait);
+what did not fit is copied at ``step()``, which waits for slots as the accumulate worker frees them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Piece", "StagingRing"]
+
+ALIGN_BYTES = 64
+
+
+@dataclass
+class Piece:
+    """Elements ``[lo, lo + numel)`` of parameter ``index``'s flat gradient, at byte ``byte`` of slot ``slot``."""
+
+    index: int
+    dtype: torch.dtype
+    lo: int
+    numel: int
+    slot: int
+    byte: int
+    live: bool = True  # False once the gradient it holds is dropped (another dtype, a skipped step)
+
+
+@dataclass
+class Staged:
+    """A gradient copied this step: the tensor and its version when copied, and where its elements went."""
+
+    grad: torch.Tensor
+    version: int
+    pieces: list[Piece] = field(default_factory=list)
+    placed: int = 0  # elements placed so far (all of them once the ring had room)
+
+
+class StagingRing:
+    """The slots, what each holds this step, and each slot's reader.
+
+    Args:
+        slots: number of slots.
+        slot_bytes: the most bytes one slot holds.
+        alloc: ``alloc(numel, dtype)`` -> a zeroed flat host tensor (the engine's: pinned on a GPU).
+    """
+
+    def __init__(self, slots: int, slot_bytes: int, alloc: Callable[[int, torch.dtype], torch.Tensor]):
+        if slots < 1 or slot_bytes < ALIGN_BYTES:
+            raise ValueError(f"StagingRing: slots={slots}, slot_bytes={slot_bytes}: allowed >= 1 and >= {ALIGN_BYTES}")
+        self.slot_bytes = slot_bytes - slot_bytes % ALIGN_BYTES
+        self._alloc = alloc
+        self.buffers: list[torch.Tensor | None] = [None] * slots
+        self.readers: list = [None] * slots  # the accumulate job that last read each slot (None: none yet)
+        self.pieces: list[list[Piece]] = [[] for _ in range(slots)]
+        self.used = [0] * slots  # bytes filled this step
+        self.open: list[int] = []  # slots holding this step's pieces, not yet handed over (fill order)
+        self.current: int | None = None  # the slot being filled
+        self._next = 0  # the slot to try after the current one is full
+        self.allocated_bytes = 0
+
+    def view(self, piece: Piece) -> torch.Tensor:
+        """The piece's bytes in its slot, as its dtype."""
+        nbytes = piece.numel * piece.dtype.itemsize
+        return self.buffers[piece.slot][piece.byte : piece.byte + nbytes].view(piece.dtype)
+
+    def _room(self, slot: int, dtype: torch.dtype) -> int:
+        """Elements of ``dtype`` slot ``slot`` still takes."""
+        start = -(-self.used[slot] // ALIGN_BYTES) * ALIGN_BYTES
+        return max(0, self.slot_bytes - start) // dtype.itemsize
+
+    def place(self, index: int, dtype: torch.dtype, lo: int, numel: int, claim: Callable[[int], bool],
+              size_hint: int, seal: Callable[[int], None] | None = None,
+              on_piece: Callable[[Piece], None] | None = None) -> list[Piece]:
+        """Pieces for elements ``[lo, lo + numel)`` of a gradient, in the current slot and the next ones.
+        ``claim(slot)`` says whether the ring may move on to that slot (it waits for the slot's reader, or
+        only checks it); when it refuses, fewer elements than asked are placed. ``seal(slot)``, if given,
+        hands a full slot over before the ring moves on (at ``step()``; hooks leave full slots open), so
+        ``on_piece(piece)`` is called as each piece is placed: its copy must be issued before its slot is
+        sealed.
+        ``size_hint``: bytes the shard could need at most (a slot is never allocated larger)."""
+        placed: list[Piece] = []
+        while numel > 0:
+            slot = self.current
+            if slot is None or self._room(slot, dtype) == 0:
+                if slot is not None and seal is not None:
+                    seal(slot)
+                slot = self._next
+                if slot in self.open or not claim(slot):
+                    break
+                self._take(slot, size_hint)
+            start = -(-self.used[slot] // ALIGN_BYTES) * ALIGN_BYTES
+            n = min(numel, self._room(slot, dtype))
+            piece = Piece(index, dtype, lo, n, slot, start)
+            self.pieces[slot].append(piece)
+            self.used[slot] = start + n * dtype.itemsize
+            placed.append(piece)
+            if on_piece is not None:
+                on_piece(piece)
+            lo, numel = lo + n, numel - n
+        return placed
+
+    def _take(self, slot: int, size_hint: int) -> None:
+        """Start filling ``slot`` (its reader is done): allocated on first use."""
+        if self.buffers[slot] is None:
+            nbytes = min(self.slot_bytes, -(-size_hint // ALIGN_BYTES) * ALIGN_BYTES)
+            self.buffers[slot] = self._alloc(nbytes, torch.uint8)
+            self.allocated_bytes += nbytes
+        self.pieces[slot], self.used[slot] = [], 0
+        self.open.append(slot)
+        self.current = slot
+        self._next = (slot + 1) % len(self.buffers)
+
+    def hand_over(self, slot: int) -> list[Piece]:
+        """Slot ``slot``'s live pieces, for an accumulate job (the caller records it in ``readers``: the
+        slot is the job's until it is done)."""
+        self.open.remove(slot)
+        if self.current == slot:
+            self.current = None
+        return [p for p in self.pieces[slot] if p.live]
+
+    def drop_open(self) -> None:
+        """Forget this step's pieces (a skipped step): the open slots are free again (their copies, still in
+        flight, land before any later copy into them: the copy stream runs in order)."""
+        for slot in self.open:
+            for p in self.pieces[slot]:
+                p.live = False
+            self.pieces[slot], self.used[slot] = [], 0
+        self.open = []
+        self.current = None
+
+    def capacity(self) -> int:
+        return len(self.buffers) * self.slot_bytes
