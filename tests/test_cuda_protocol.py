@@ -60,6 +60,25 @@ class _FakeStream:
     def wait_stream(self, other):
         self.waited_for.append(other)
 
+    def synchronize(self):
+        self.synchronized = True
+
+
+class _FakeCudart:
+    def __init__(self):
+        self.registered: dict[int, int] = {}
+        self.calls: list[tuple] = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append(("register", ptr, nbytes, flags))
+        self.registered[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        del self.registered[ptr]
+        return 0
+
 
 class _FakeCuda:
     """The parts of ``torch.cuda`` the CUDA engine calls, recording what they were given."""
@@ -68,6 +87,7 @@ class _FakeCuda:
         self.current = _FakeStream("current")
         self.set_devices: list[tuple[str, torch.device]] = []
         self.guards: list[torch.device] = []
+        self.cudart = _FakeCudart()
 
     def install(self, monkeypatch):
         monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
@@ -83,7 +103,7 @@ class _FakeCuda:
                 fake.guards.append(device)
 
         monkeypatch.setattr(torch.cuda, "device", _Guard)
-        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a, **k: t)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: self.cudart)
         monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None)
 
 
@@ -103,6 +123,9 @@ def test_cuda_engine_events_block_and_pinning_runs_on_the_engines_device(monkeyp
     engine = link.CudaEngine(device)
     buf = engine.alloc(10, torch.float32)
     assert buf.shape == (10,) and cuda.guards == [device]
+    # page-locked where it is, at its exact size (torch's caching host allocator would round 40 B up)
+    assert cuda.cudart.calls == [("register", buf.data_ptr(), 40, 1)]
+    assert engine.pinned_bytes()["pinned_requested"] == 40
     engine.d2h([(torch.zeros(2), torch.ones(2))])
     marker = engine.d2h_marker()
     guard = engine.h2d(lambda: None)
@@ -110,6 +133,16 @@ def test_cuda_engine_events_block_and_pinning_runs_on_the_engines_device(monkeyp
     assert marker.event.recorded_on is engine._d2h and guard.event.recorded_on is engine._h2d
     engine.thread_setup()
     assert cuda.set_devices == [(threading.current_thread().name, device)]
+    engine.close()  # after the copy streams are done, every buffer is unregistered (and stays usable)
+    assert engine._d2h.synchronized and engine._h2d.synchronized
+    assert cuda.cudart.registered == {} and engine.pinned_bytes()["pinned_requested"] == 0
+    buf.add_(1)
+
+
+def test_pinned_sizes_count_whole_pages():
+    page = link.mmap.PAGESIZE
+    sizes = link.pinned_sizes([(0, 1), (page - 1, 2), (3 * page, 2 * page)])  # 1 page, 2 (a boundary), 2
+    assert sizes == {"pinned_requested": 1 + 2 + 2 * page, "pinned_reserved": page + 2 * page + 2 * page}
 
 
 def test_cuda_engine_orders_later_device_work_after_the_gradient_copies(monkeypatch):

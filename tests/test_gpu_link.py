@@ -2,7 +2,8 @@
 
 tests/test_cuda_protocol.py checks the same choices on CPU against a recording stand-in for
 ``torch.cuda``; here they meet the driver: the accumulate worker blocks on its events instead of
-spinning, and zeroing gradients in place right after ``step()`` gives the bits of ``set_to_none``.
+spinning, zeroing gradients in place right after ``step()`` gives the bits of ``set_to_none``, and the
+pinned buffers are locked at their exact size.
 """
 
 from __future__ import annotations
@@ -65,3 +66,22 @@ def test_zeroing_in_place_after_step_gives_the_bits_of_set_to_none(how):
             opt.flush()
         runs.append([p.detach().cpu() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_pinned_buffers_are_page_locked_at_their_exact_size():
+    """A shard of 2^26 + 16 fp32 elements: torch's caching host allocator would round each buffer up to the
+    next power of two (2^29 B for 2^28 + 64 B: about 2x); page-locking in place reserves whole pages only.
+    Unpinned at close; torch's own pinned pool does not grow for the optimizer's buffers."""
+    before = torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0)
+    p = torch.nn.Parameter(torch.zeros(2**26 + 16, device="cuda"))
+    opt = ZenFlowAdamW([p], zenflow=dict(ZEN, overlap_step=True))
+    p.grad = torch.ones_like(p)
+    opt.step()
+    hb = opt.host_bytes()
+    print({k: v for k, v in hb.items() if "pinned" in k or k in ("total", "staging")})
+    assert hb["pinned_requested"] >= 6 * 4 * (2**26 + 16)  # master, 2 moments, 2 accumulation, copy-out
+    assert hb["pinned_reserved"] <= 1.1 * hb["pinned_requested"]
+    grown = torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0) - before
+    assert grown < 0.01 * hb["pinned_requested"], grown
+    opt.close()
+    assert opt._link.pinned_bytes()["pinned_requested"] == 0

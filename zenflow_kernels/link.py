@@ -46,6 +46,7 @@ Links:
 from __future__ import annotations
 
 import contextvars
+import mmap
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -154,14 +155,35 @@ class CudaEngine:
         self.device = device
         self._d2h = torch.cuda.Stream(device)
         self._h2d = torch.cuda.Stream(device)
+        self._pinned: list[torch.Tensor] = []  # page-locked by this engine (kept alive until close)
 
     def thread_setup(self) -> None:
         """Run first on every worker thread that waits on this engine's events."""
         torch.cuda.set_device(self.device)
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        with torch.cuda.device(self.device):  # pinning initialises CUDA on the current device otherwise
-            return torch.zeros(numel, dtype=dtype).pin_memory()
+        """A zeroed host tensor, page-locked at its exact size."""
+        return self._pin(torch.zeros(numel, dtype=dtype))
+
+    def _pin(self, t: torch.Tensor) -> torch.Tensor:
+        """Page-lock ``t``'s memory where it is (``cudaHostRegister``), at its exact size: torch's caching
+        host allocator (``pin_memory()``) rounds every block up to a power of two and keeps freed blocks,
+        up to 2x a buffer's size again, and its ``pinned_use_cuda_host_register`` option is process-wide.
+        The engine keeps it alive and unregisters it at :meth:`close` (the link's buffers live as long as
+        the link)."""
+        nbytes = t.untyped_storage().nbytes()
+        if nbytes == 0:
+            return t
+        with torch.cuda.device(self.device):  # registering initialises CUDA on the current device otherwise
+            err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1: portable
+        if err != 0:
+            raise RuntimeError(f"zenflow: page-locking {nbytes} bytes of host memory failed (cudaError {err})")
+        self._pinned.append(t)
+        return t
+
+    def pinned_bytes(self) -> dict[str, int]:
+        """Page-locked bytes this engine holds: requested, and reserved (the whole pages they lock)."""
+        return pinned_sizes([(t.data_ptr(), t.untyped_storage().nbytes()) for t in self._pinned])
 
     def _current(self):
         return torch.cuda.current_stream(self.device)
@@ -217,10 +239,19 @@ class CudaEngine:
         dst.copy_(src, non_blocking=True)  # on the current stream: ordered before the next fetch
 
     def new_host_state(self, t: torch.Tensor) -> torch.Tensor:
+        # offloaded fast-path state is replaced at every selection while copies may still read it: torch's
+        # caching host allocator keeps a freed block until the streams that used it are past it
         return t.to("cpu").pin_memory()
 
     def close(self) -> None:
-        pass
+        """Unregister the engine's buffers once no copy reads them (they stay valid, pageable memory:
+        ``state_dict()`` after ``close()`` works)."""
+        self._d2h.synchronize()
+        self._h2d.synchronize()
+        cudart = torch.cuda.cudart()
+        for t in self._pinned:
+            cudart.cudaHostUnregister(t.data_ptr())
+        self._pinned = []
 
 
 class ThreadEngine:
@@ -316,6 +347,13 @@ def _nothing() -> None:
     return None
 
 
+def pinned_sizes(spans: Sequence[tuple[int, int]]) -> dict[str, int]:
+    """``(address, bytes)`` of page-locked buffers -> bytes requested and reserved (whole pages)."""
+    page = mmap.PAGESIZE
+    reserved = sum(-(-(ptr + n) // page) * page - ptr // page * page for ptr, n in spans)
+    return {"pinned_requested": sum(n for _, n in spans), "pinned_reserved": reserved}
+
+
 def _submit(worker: HostWorker, fn: Callable, delays: _Delays | None) -> Future:
     """Queue ``fn`` on ``worker`` (with chaos delays around it, if any); its completion."""
     return Future(worker, worker.submit(delays.wrap(fn) if delays is not None else fn))
@@ -355,6 +393,22 @@ class _Link:
     def submit_update(self, fn: Callable) -> Future:
         """Run a host update in the background (``overlap_step``); returns its completion."""
         return Future(self._updater, self._updater.submit(fn))
+
+    staging_bytes = 0  # host staging allocated (the ring link's)
+
+    def host_bytes(self) -> dict[str, int]:
+        """The host buffers of this link, by kind: the bytes of each buffer's storage as allocated."""
+        host = self.host
+
+        def size(*ts):
+            return sum(t.untyped_storage().nbytes() for t in ts)
+
+        return {"master": size(host.master), "exp_avg": size(host.exp_avg), "exp_avg_sq": size(host.exp_avg_sq),
+                "accumulation": size(*host.acc), "copy_out": size(*host.out.values()), "staging": self.staging_bytes}
+
+    def pinned_bytes(self) -> dict[str, int]:
+        """Page-locked host memory (a CUDA link's), requested and reserved; empty where nothing is pinned."""
+        return {}
 
     @property
     def failed(self) -> bool:
@@ -477,9 +531,12 @@ class RingLink(_Link):
         self.workers += [self._accumulator, *engine.workers]
         # written by the D2H copies of one step, read by that step's accumulate jobs; a slot is filled again
         # only after its reader completed (staging.py)
-        self._ring = StagingRing(self.STAGING_SLOTS, self.STAGING_SLOT_BYTES, engine.alloc)
-        # the most bytes the shard's gradients take in the ring (fp32, each piece aligned)
-        self._ring_hint = host.numel * 4 + ALIGN_BYTES * (len(host.slots) + 1)
+        # a small shard's ring holds two steps of its gradients (in the parameters' dtypes, each aligned),
+        # as a whole-shard ring of two did; a large one STAGING_SLOTS * STAGING_SLOT_BYTES
+        step_bytes = sum(s.numel * s.dtype.itemsize + ALIGN_BYTES for s in host.slots.values())
+        per_slot = -(-2 * step_bytes // self.STAGING_SLOTS)
+        self._ring = StagingRing(self.STAGING_SLOTS, max(ALIGN_BYTES, min(self.STAGING_SLOT_BYTES, per_slot)),
+                                 engine.alloc)
         self._staged: dict[int, Staged] = {}  # index -> the gradient copied this step, its version and pieces
         self._last_accumulate = None  # completion of every accumulation issued so far
         self._guard = None  # completion of the last write-back: the copy-out buffers are free after it
@@ -536,7 +593,7 @@ class RingLink(_Link):
             seal(slot)
 
         pieces = self._ring.place(
-            i, grad.dtype, rec.placed, flat.numel() - rec.placed, claim, self._ring_hint,
+            i, grad.dtype, rec.placed, flat.numel() - rec.placed, claim,
             seal=None if seal is None else issue_then_seal,
             on_piece=lambda p: copies.append((self._ring.view(p), flat[p.lo : p.lo + p.numel])),
         )
@@ -634,6 +691,10 @@ class RingLink(_Link):
 
     def new_host_state(self, t: torch.Tensor) -> torch.Tensor:
         return self._engine.new_host_state(t)
+
+    def pinned_bytes(self) -> dict[str, int]:
+        pinned = getattr(self._engine, "pinned_bytes", None)
+        return pinned() if pinned is not None else {}
 
     def close(self) -> None:
         super().close()

@@ -331,9 +331,36 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         time, host-update times, skipped steps, the share of score mass the selected columns captured
         at each selection, and the Jaccard overlap of each new selection with the previous one. Under ZeRO,
         ``collective_bytes`` (and ``collective_bytes_per_step``): the payload bytes each kind of collective
-        carried (docs/torchrun.md).
+        carried (docs/torchrun.md). ``host_bytes``: see :meth:`host_bytes`.
         """
         return self._stats.summary(self)
+
+    def host_bytes(self) -> dict:
+        """The optimizer's host memory, by buffer, in bytes as allocated (each buffer's storage; ``{}``
+        before the first step): ``master``, ``exp_avg``, ``exp_avg_sq``, ``accumulation`` (one or two
+        buffers), ``copy_out`` (one per parameter dtype, sized by that dtype's parameters), ``staging``
+        (the ring of an asynchronous link, bounded), their sum ``total`` and ``per_parameter`` (over
+        the parameters this rank's host holds: under ZeRO its own run). Beside them, not in ``total``:
+        ``fast_state`` (the fast path's Adam state in host memory: on a CPU run, or offloaded) and
+        ``device_sums`` (``device_accumulation``'s buffer when the device is the CPU). On a GPU also
+        ``pinned_requested`` and ``pinned_reserved`` (the page-locked bytes of those buffers, locked at their
+        exact size; docs/design.md section 9)."""
+        if not self._built:
+            return {}
+        out = self._link.host_bytes()
+        total = sum(out.values())
+        held = sum(self._params[i].numel() for i in self._host.slots)
+        storages = {}  # views share their storage (the flat step counts): each counted once
+        for st in self.state.values():
+            for v in st.values():
+                if torch.is_tensor(v) and v.device.type == "cpu":
+                    storages[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+        fast = sum(storages.values())
+        sums = self._device_acc
+        out.update(total=total, per_parameter=total / held if held else 0.0, fast_state=fast,
+                   device_sums=sums.untyped_storage().nbytes() if sums is not None and sums.device.type == "cpu" else 0)
+        out.update(self._link.pinned_bytes())
+        return out
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -1028,6 +1055,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 exchange.wait()
             self._stats.retire(self._link)
             self._finalizer()
+            # the old buffers go before the new link is built: never two links' host memory at once
+            self._link = self._host = self._device_acc = None
             self._built, self._inflight = False, None
         self.state.clear()
         self._pending = []
@@ -1181,6 +1210,7 @@ class _Telemetry:
             "h2d_bytes_per_step": moved["h2d_bytes"] / opt.t if opt.t else 0.0,
             # ZeRO: payload bytes each kind of collective carried (gradients, gradient presence, write-back,
             # host state, clipping norm, checkpoint); empty on one rank
+            "host_bytes": opt.host_bytes(),
             "collective_bytes": dict(opt._zero.bytes) if opt._zero is not None else {},
             "collective_bytes_per_step": {k: v / opt.t for k, v in opt._zero.bytes.items()}
             if opt._zero is not None and opt.t else {},

@@ -8,8 +8,9 @@ to the accumulate worker at ``step()``, when every gradient it holds is known to
 micro-batch or an in-place write changes a gradient after its hook copied it: it is copied again over
 the same pieces). A slot is filled again only once that worker is done with it (its *reader*).
 
-Memory: at most ``slots * slot_bytes`` (allocated lazily, each slot the size the shard needs up to
-``slot_bytes``), whatever the model size, instead of a whole-shard buffer per slot and gradient dtype.
+Memory: at most ``slots * slot_bytes`` (allocated lazily), whatever the model size, instead of a
+whole-shard buffer per slot and gradient dtype; the link sizes the slots so that a small shard's ring
+holds two steps of its gradients and no more.
 What a bounded ring costs: backward hooks start copies only while a slot is free (they never wait);
 what did not fit is copied at ``step()``, which waits for slots as the accumulate worker frees them.
 """
@@ -83,15 +84,14 @@ class StagingRing:
         return max(0, self.slot_bytes - start) // dtype.itemsize
 
     def place(self, index: int, dtype: torch.dtype, lo: int, numel: int, claim: Callable[[int], bool],
-              size_hint: int, seal: Callable[[int], None] | None = None,
+              seal: Callable[[int], None] | None = None,
               on_piece: Callable[[Piece], None] | None = None) -> list[Piece]:
         """Pieces for elements ``[lo, lo + numel)`` of a gradient, in the current slot and the next ones.
         ``claim(slot)`` says whether the ring may move on to that slot (it waits for the slot's reader, or
         only checks it); when it refuses, fewer elements than asked are placed. ``seal(slot)``, if given,
         hands a full slot over before the ring moves on (at ``step()``; hooks leave full slots open), so
         ``on_piece(piece)`` is called as each piece is placed: its copy must be issued before its slot is
-        sealed.
-        ``size_hint``: bytes the shard could need at most (a slot is never allocated larger)."""
+        sealed."""
         placed: list[Piece] = []
         while numel > 0:
             slot = self.current
@@ -101,7 +101,7 @@ class StagingRing:
                 slot = self._next
                 if slot in self.open or not claim(slot):
                     break
-                self._take(slot, size_hint)
+                self._take(slot)
             start = -(-self.used[slot] // ALIGN_BYTES) * ALIGN_BYTES
             n = min(numel, self._room(slot, dtype))
             piece = Piece(index, dtype, lo, n, slot, start)
@@ -113,12 +113,11 @@ class StagingRing:
             lo, numel = lo + n, numel - n
         return placed
 
-    def _take(self, slot: int, size_hint: int) -> None:
+    def _take(self, slot: int) -> None:
         """Start filling ``slot`` (its reader is done): allocated on first use."""
         if self.buffers[slot] is None:
-            nbytes = min(self.slot_bytes, -(-size_hint // ALIGN_BYTES) * ALIGN_BYTES)
-            self.buffers[slot] = self._alloc(nbytes, torch.uint8)
-            self.allocated_bytes += nbytes
+            self.buffers[slot] = self._alloc(self.slot_bytes, torch.uint8)
+            self.allocated_bytes += self.slot_bytes
         self.pieces[slot], self.used[slot] = [], 0
         self.open.append(slot)
         self.current = slot

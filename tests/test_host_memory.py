@@ -1,0 +1,191 @@
+"""The optimizer's host memory (docs/design.md section 9): what ``host_bytes()`` reports, the budget per
+parameter, and that nothing else model-sized is allocated (the process's RSS growth agrees).
+
+Budget per parameter (the optimizer's host buffers, not the parameters, their gradients or the fast
+path's state): fp32 master 4, moments 8, accumulation 4 (a second 4 while an overlapped update reads the
+first, with host accumulation), a copy-out in the parameter's own dtype; the staging ring is bounded by a
+constant. bf16 parameters: 22 bytes with overlap and host accumulation, 18 otherwise; fp32: 24 and 20.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.host import ALIGN
+from zenflow_kernels.link import RingLink
+from zenflow_kernels.ops import use_backend
+from zenflow_kernels.testing import chaos
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def numba_backend():
+    with use_backend("numba"):
+        yield
+
+
+def _params(matrix_dtype, vector_dtype, d=64, layers=2, seed=0):
+    """A transformer-shaped list: per layer qkv, out, up, down matrices and two norm vectors."""
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for _ in range(layers):
+        for shape in [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d), (d,), (d,)]:
+            dt = matrix_dtype if len(shape) == 2 else vector_dtype
+            params.append(torch.nn.Parameter(torch.randn(shape, generator=g).to(dt)))
+    return params
+
+
+def _run(params, link, zenflow, steps=5):
+    zen = dict(topk_ratio=0.1, select_strategy="step", select_interval=4, update_interval=2) | zenflow
+    if link == "cpu":
+        opt = ZenFlowAdamW(params, zenflow=zen)
+    else:
+        with chaos(seed=0, max_delay=0.001):
+            opt = ZenFlowAdamW(params, zenflow=zen)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+    return opt
+
+
+def _padded(n):
+    return math.ceil(n / ALIGN) * ALIGN
+
+
+CASES = {  # name: (matrix dtype, vector dtype, zenflow, accumulation buffers)
+    "bf16-overlap": (torch.bfloat16, torch.bfloat16, dict(overlap_step=True), 2),
+    "fp32-overlap": (torch.float32, torch.float32, dict(overlap_step=True), 2),
+    "mixed-overlap": (torch.bfloat16, torch.float32, dict(overlap_step=True), 2),
+    "bf16-sync": (torch.bfloat16, torch.bfloat16, dict(overlap_step=False), 1),
+    "mixed-devacc": (torch.bfloat16, torch.float32, dict(overlap_step=True, device_accumulation=True), 1),
+    "fp32-devacc-sync": (torch.float32, torch.float32, dict(overlap_step=False, device_accumulation=True), 1),
+}
+
+
+@pytest.mark.parametrize("link", ["cpu", "chaos"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_host_bytes_by_buffer_meet_the_budget(case, link):
+    matrix_dtype, vector_dtype, zenflow, num_acc = CASES[case]
+    params = _params(matrix_dtype, vector_dtype)
+    with _run(params, link, zenflow) as opt:
+        hb = opt.host_bytes()
+        assert opt.stats()["host_bytes"] == hb
+    padded = sum(_padded(p.numel()) for p in params)
+    assert hb["master"] == hb["exp_avg"] == hb["exp_avg_sq"] == 4 * padded
+    assert hb["accumulation"] == 4 * padded * num_acc
+    # one copy-out per dtype, holding only that dtype's parameters
+    assert hb["copy_out"] == sum(_padded(p.numel()) * p.element_size() for p in params)
+    ring_bound = RingLink.STAGING_SLOTS * RingLink.STAGING_SLOT_BYTES
+    if link == "cpu" or zenflow.get("device_accumulation"):  # nothing staged: no ring
+        assert hb["staging"] == 0
+    else:
+        assert 0 < hb["staging"] <= ring_bound
+    assert hb["total"] == sum(hb[k] for k in ("master", "exp_avg", "exp_avg_sq", "accumulation", "copy_out", "staging"))
+    n = sum(p.numel() for p in params)
+    assert hb["per_parameter"] == pytest.approx(hb["total"] / n)
+    # the budget, before the bounded staging ring: 12 + 4 per accumulation buffer + the copy-out's dtype
+    budget = sum(p.numel() * (12 + 4 * num_acc + p.element_size()) for p in params)
+    assert hb["total"] - hb["staging"] <= budget * 1.01  # the alignment padding of 16 elements a parameter
+    if matrix_dtype == vector_dtype:
+        goal = {torch.bfloat16: 22, torch.float32: 24}[matrix_dtype] - (4 if num_acc == 1 else 0)
+        assert (hb["total"] - hb["staging"]) / n <= goal * 1.01
+    # the fast path's state lives in host memory on a CPU run: reported beside the budget
+    assert hb["fast_state"] > 0
+    assert hb["device_sums"] == (4 * padded if zenflow.get("device_accumulation") else 0)
+    assert "pinned_requested" not in hb  # nothing is page-locked on CPU
+
+
+def test_host_bytes_before_the_first_step_is_empty():
+    opt = ZenFlowAdamW(_params(torch.float32, torch.float32), zenflow=dict(select_strategy="step", select_interval=4))
+    assert opt.host_bytes() == {} and opt.stats()["host_bytes"] == {}
+
+
+def test_a_reload_frees_the_old_buffers_before_building_new_ones(monkeypatch):
+    """load_state_dict builds a new link: the old one's host buffers are gone by then (never two links'
+    host memory at once)."""
+    from zenflow_kernels import host as host_module
+
+    params = _params(torch.bfloat16, torch.float32)
+    opt = _run(params, "chaos", dict(overlap_step=True))
+    saved = opt.state_dict()
+    old = [weakref.ref(t) for t in (opt._host.master, opt._host.exp_avg, *opt._host.acc, *opt._host.out.values())]
+    old += [weakref.ref(b) for b in opt._link._ring.buffers if b is not None]
+    alive_at_build = []
+    real_init = host_module.HostShard.__init__
+
+    def init(self, *args, **kwargs):
+        alive_at_build.append(sum(r() is not None for r in old))
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(host_module.HostShard, "__init__", init)
+    opt.load_state_dict(saved)
+    assert alive_at_build == [0]
+    opt.close()
+
+
+RSS_SCRIPT = textwrap.dedent(
+    r"""
+    import json, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from test_host_memory import _params, _run
+    from zenflow_kernels.ops import use_backend
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    link, zenflow, d, layers = sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    with use_backend("numba"):
+        # what any first run loads once (numba's kernels, torch's ops): not the optimizer's memory
+        _run(_params(torch.bfloat16, torch.float32, d=32, layers=1), link, zenflow, steps=6).close()
+        params = _params(torch.bfloat16, torch.float32, d=d, layers=layers)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        before = rss()
+        opt = _run(params, link, zenflow, steps=6)
+        opt._link.synchronize()
+        after = rss()
+        hb = opt.host_bytes()
+        opt.close()
+    n = sum(p.numel() for p in params)
+    print(json.dumps(dict(params=n, growth=after - before, host_bytes=hb)))
+    """
+)
+
+
+@pytest.mark.parametrize("link, zenflow", [
+    ("chaos", dict(overlap_step=True)),
+    ("chaos", dict(overlap_step=True, device_accumulation=True)),
+    ("cpu", dict(overlap_step=False)),
+])
+def test_rss_growth_is_what_host_bytes_reports(link, zenflow):
+    """A fresh process, a 12.6M-parameter transformer-shaped list (bf16 matrices, fp32 vectors): its RSS
+    grows by the reported host buffers plus the fast path's state (and device_accumulation's sums, host
+    memory here) within 1.5 bytes per parameter, so nothing else model-sized is allocated. glibc keeps
+    freed memory of up to 32 MiB blocks for reuse (its dynamic mmap threshold); fixed thresholds make RSS
+    follow what is live."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(REPO / "tests"), link, json.dumps(zenflow), "512", "4"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    n, hb = result["params"], result["host_bytes"]
+    reported = hb["total"] + hb["fast_state"] + hb["device_sums"]
+    assert n == 12_587_008
+    assert abs(result["growth"] - reported) / n <= 1.5, (result["growth"] / n, reported / n, hb)
