@@ -1,5 +1,11 @@
-# Launcher plumbing shared by the kernel modules: launch counting, autotune pruning, dtype maps,
-# per-tensor tables for the multi-tensor kernels and the segment search those kernels use.
+# Launcher plumbing shared by the kernel modules: launch counting, the device guard, autotune pruning,
+# dtype maps, per-tensor tables for the multi-tensor kernels and the segment search those kernels use.
+#
+# Device. Triton launches on the *current* CUDA device and its current stream, not on the tensors'
+# device: parameters on cuda:1 while cuda:0 is current (model.to("cuda:1"), torchrun without
+# set_device) would be read through the wrong context (an illegal address) or written unordered with
+# the work queued on their own device. So every launch (`launch`) and every table copy
+# (`device_table`) runs under `device_guard` of its tensors' device, which must be one device.
 #
 # Multi-tensor pattern: a small int64 table with one row per tensor (data pointers, sizes, strides,
 # the first work unit of the tensor) is copied to the device; a 1-D grid runs over all work units of
@@ -40,13 +46,38 @@ def autotuning() -> bool:
         "0", "false", "off", "no")
 
 
+def device_guard(device: torch.device | None):
+    """Make ``device`` the current CUDA device (and its current stream the one Triton uses) for the
+    block; a no-op for CPU tensors (the interpreter)."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def launch_device(name: str, args) -> torch.device | None:
+    """The one device of the tensors among ``args`` (None if there is none); an error if they differ.
+    The launchers validate their inputs first, naming the user's argument; this is the last guard."""
+    device = None
+    first = 0
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            if device is None:
+                device, first = a.device, i
+            elif a.device != device:
+                raise ValueError(f"{name}: kernel argument {i} is on {a.device}, but argument {first} is on {device}; "
+                                 "a launch needs all its tensors on one device")
+    return device
+
+
 def launch(kernel, grid, *args, **kwargs) -> None:
-    """Launch ``kernel[grid](*args, **kwargs)`` and count it under the kernel's name."""
+    """Launch ``kernel[grid](*args, **kwargs)`` on its tensors' device and count it under the kernel's name."""
     fn = kernel
     while hasattr(fn, "fn"):
         fn = fn.fn
+    device = launch_device(fn.__name__, args)
     LAUNCHES[fn.__name__] += 1
-    kernel[grid](*args, **kwargs)
+    with device_guard(device):
+        kernel[grid](*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -102,10 +133,12 @@ def search_steps(n: int) -> int:
 
 
 def device_table(rows: list[list], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A small [n, width] table on ``device``; CUDA copies go through pinned memory, without a sync."""
+    """A small [n, width] table on ``device``; CUDA copies go through pinned memory, without a sync, on
+    ``device``'s current stream (the one the launch that reads the table uses)."""
     t = torch.tensor(rows, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
+    with device_guard(device):
+        if device.type == "cuda":
+            t = t.pin_memory().to(device, non_blocking=True)
     return t
 
 
