@@ -1,6 +1,7 @@
 # Two entry points a newcomer types: `make demo` and `make test`. Both build .venv themselves.
 # torch: the CPU build pinned below is installed only when no torch is importable, so a machine
 # that already has one (a CUDA build, say) keeps it and nothing multi-GB is ever downloaded.
+# `make test-min` (not part of `make test` or CI) checks the dependency floors in its own .venv-min.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,19 @@ TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?= -q
 ARGS ?=
 
-.PHONY: install install-dev demo test lint bench mutation mutation-sample clean
+# test-min: triton, numba and numpy at exactly pyproject.toml's floors (tests/test_versions.py fails if
+# MIN_PINS and those floors differ). torch: a torch from PyPI is a multi-GB CUDA build, so .venv-min
+# gets the same CPU torch as .venv (TORCH_MIN; where pip has no local CPU wheel of it, point TORCH_MIN
+# at one); torch's own floor is not run here. Where a wheel of the floor torch is at hand:
+#   make test-min TORCH_MIN=torch==2.8.0 MIN_AT_FLOORS="triton numba numpy torch"
+MIN_VENV ?= .venv-min
+MIN_PINS ?= triton==3.4.0 numba==0.59.0 numpy==1.24.0
+MIN_AT_FLOORS ?= triton numba numpy
+TORCH_MIN ?= $(TORCH_PIN)
+MIN_TESTS ?= tests/test_versions.py tests/test_triton_compile.py tests/test_cpu_ops.py \
+	tests/test_cpu_ops_convert.py tests/test_cpu_ops_cores.py tests/test_cpu_selective_adamw.py
+
+.PHONY: install install-dev demo test test-min lint bench mutation mutation-sample clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +38,18 @@ demo: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# the floors: version checks, every Triton kernel compiled for sm_90 with the floor triton, the numba
+# kernel tests with the floor numba and numpy (~30 s once installed; the first run, ~1.5 min, downloads
+# ~220 MB). At the floor a register spill is a warning, not a failure (test_triton_compile.py). The
+# project runs from the source tree (not installed); numba's cache goes to .venv-min, apart from .venv's.
+test-min:
+	@test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q "$(TORCH_MIN)" $(MIN_PINS) "pytest>=7" "hypothesis>=6"
+	$(MIN_VENV)/bin/python -c "import sys, torch, triton, numba, numpy; print('python', sys.version.split()[0], \
+	'torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)"
+	PYTHONPATH=$(CURDIR) NUMBA_CACHE_DIR=$(abspath $(MIN_VENV))/numba-cache ZENFLOW_AT_FLOORS="$(MIN_AT_FLOORS)" \
+	$(MIN_VENV)/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) $(MIN_TESTS)
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -47,4 +72,4 @@ bench: install
 	$(PY) -m bench.cpu_adam
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache mutants
+	rm -rf $(VENV) $(MIN_VENV) *.egg-info .pytest_cache .ruff_cache mutants

@@ -5,15 +5,22 @@ does (constexpr rules, pointer types, scalar/tensor loop-carried values, op lowe
 histograms). Triton ships ptxas, so the full compile pipeline runs on a CPU-only machine: a subprocess
 with TRITON_INTERPRET=0 (kernels are decorated as interpreted functions once it is set) compiles one
 representative of every kernel and feature combination and reports register spills.
+``test_the_compile_script_covers_every_kernel`` finds every ``@triton.jit`` function in
+``zenflow_kernels/triton/`` by introspection and fails when one is neither compiled by the script nor
+called from a kernel it compiles, so a new kernel cannot escape this test.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -114,5 +121,73 @@ def test_kernels_compile_for_sm90_without_spills():
     errors = [r for r in results if "error" in r or not r.get("cubin")]
     assert not errors, "\n".join(f"{r['kernel']} [{r['label']}]: {r.get('error')}" for r in errors)
     spills = [r for r in results if r.get("spill_bytes")]
-    assert not spills, spills
+    if "triton" in os.environ.get("ZENFLOW_AT_FLOORS", "").split():
+        # `make test-min`: the floor triton must compile every kernel; register allocation is judged with
+        # the triton CI has (the floor's ptxas may spill a few bytes where a newer one does not)
+        if spills:
+            warnings.warn(f"register spills with the floor triton: {spills}", stacklevel=1)
+    else:
+        assert not spills, spills
     assert len(results) == 20  # 10 scores configs + 3 other scores kernels + 3 top-k + 4 AdamW
+
+
+def _jit_function(obj):
+    """The Python function behind a ``@triton.jit`` object (also under an autotuner or heuristics, and
+    under the interpreter), else None."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for _ in range(8):
+        if isinstance(obj, (JITFunction, InterpretedFunction)):
+            return obj.fn
+        obj = getattr(obj, "fn", None)
+        if obj is None:
+            return None
+    return None
+
+
+def _kernel_modules() -> list:
+    import zenflow_kernels.triton as package
+
+    return [importlib.import_module(f"{package.__name__}.{m.name}") for m in pkgutil.iter_modules(package.__path__)]
+
+
+def test_the_compile_script_covers_every_kernel():
+    """Every @triton.jit function defined in zenflow_kernels/triton/ is compiled by SCRIPT or called
+    (directly or through other jit functions) from one that is."""
+    modules = _kernel_modules()
+    defined = {}  # Python function -> "module.name"
+    for module in modules:
+        for name, obj in vars(module).items():
+            fn = _jit_function(obj)
+            if fn is not None and fn.__module__ == module.__name__:
+                defined[fn] = f"{module.__name__}.{name}"
+    assert len(defined) >= 10, defined  # discovery works (16 kernels and helpers when this was written)
+
+    tree = ast.parse(SCRIPT)
+    alias = {}  # the script's names for the kernel modules (`... import column_scores as cs`)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "zenflow_kernels.triton":
+            for a in node.names:
+                alias[a.asname or a.name] = importlib.import_module(f"{node.module}.{a.name}")
+    entries = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "compile_":
+            arg = node.args[0]
+            assert isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name), ast.unparse(arg)
+            fn = _jit_function(getattr(alias[arg.value.id], arg.attr))
+            assert fn is not None, f"SCRIPT compiles {ast.unparse(arg)}, which is not a @triton.jit kernel"
+            entries.add(fn)
+
+    covered, todo = set(), list(entries)
+    while todo:  # the jit functions the compiled kernels reach through their global names
+        fn = todo.pop()
+        if fn in covered:
+            continue
+        covered.add(fn)
+        for name in fn.__code__.co_names:
+            callee = _jit_function(fn.__globals__.get(name))
+            if callee is not None:
+                todo.append(callee)
+    missing = sorted(label for fn, label in defined.items() if fn not in covered)
+    assert not missing, f"@triton.jit functions SCRIPT never compiles (add a compile_ call for each): {missing}"
