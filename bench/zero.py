@@ -69,7 +69,8 @@ def worker(args) -> None:
         # start): in .grad, and in ZeRO-2's reductions (its own range's sums, other ranks' buckets in flight)
         if t > 0:
             now = dict(grad=sum(p.grad.numel() for p in model.parameters() if p.grad is not None),
-                       **(opt._reducer.held_numel() if opt._reducer is not None else dict(own=0, in_flight=0)))
+                       **(opt._shard.reducer.held_numel() if opt._shard.reducer is not None
+                          else dict(own=0, in_flight=0)))
             held = {k: max(v, now[k]) for k, v in held.items()}
         opt.step()
         opt.zero_grad()

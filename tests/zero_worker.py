@@ -94,7 +94,7 @@ def train_model(model, opt, batches, part: slice, micro: int, held: list | None 
             (torch.nn.functional.mse_loss(model(xm), ym) / micro).backward()
         if held is not None:
             grads = [p.grad for p in model.parameters()]
-            reducer = opt._reducer
+            reducer = opt._shard.reducer
             held.append(dict(
                 matrices=sum(g.numel() for g in grads if g is not None and g.dim() == 2),
                 vectors=sum(g.numel() for g in grads if g is not None and g.dim() != 2),
@@ -115,7 +115,7 @@ def run_model_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     held: list[dict] = []
     train_model(model, opt, batch(case["steps"], size), part, case.get("micro", 1), held)
     opt.flush()
-    reducer = opt._reducer
+    reducer = opt._shard.reducer
     params = list(model.parameters())
     result = dict(params=[p.detach().clone() for p in params], stats=opt.stats(),
                   started_in_backward=reducer.started_in_backward if reducer else 0,
@@ -165,6 +165,11 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
                   release_gradients=case.get("release_gradients"))
     ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else _nothing()
     result: dict = {}
+    hooks: dict[str, list] = {}  # post-accumulate-grad hooks per parameter (the worker sets none), by moment
+
+    def count_hooks(when: str) -> None:
+        hooks.setdefault(when, []).append([len(p._post_accumulate_grad_hooks or {}) for p in params])
+
     with ctx:
         opt = ZenFlowAdamW(param_groups(params, case), **kwargs)
         save_at = case.get("save_at")
@@ -177,6 +182,11 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
                 raise RuntimeError(f"rank {rank} fails at step {t} on purpose")
             set_grads(params, step, t, case, dtype)
             opt.step()
+            if t == 0:
+                count_hooks("first step")
+            for _ in range(case.get("reload_at", []).count(t + 1)):  # this rank's own checkpoint, loaded back
+                opt.load_state_dict(opt.state_dict())
+                count_hooks("reload")
             if save_at is not None and t + 1 == save_at:
                 result["consolidated"] = opt.consolidated_state_dict()
                 result["per_rank"] = opt.state_dict()
@@ -192,6 +202,8 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
             owned=sorted(host.slots),
         )
         opt.close()
+        count_hooks("closed")
+        result["hooks"] = hooks
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
 
 

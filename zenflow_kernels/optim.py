@@ -32,7 +32,8 @@ from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters
 from .host import HostWorkerError
 from .link import current_chaos, make_link
 from .schedule import Schedule, resolve_schedule
-from .zero import BucketReducer, ZeroContext, check_not_ddp, owners, world_of
+from .sharding import Sharding, Zero1, Zero2
+from .zero import world_of
 
 __all__ = ["ZenFlowAdamW", "HostWorkerError"]
 
@@ -116,20 +117,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.host_timeout = host_timeout
         self.zero_stage = zero_stage
         self.release_gradients = zero_stage == 2 and release_gradients is not False
-        self._world = world
-        self._process_group = process_group
-        self._collective_timeout = float(collective_timeout)
-        self._zero: ZeroContext | None = None  # the ranks' context (built at the first step, kept after)
-        self._reducer: BucketReducer | None = None  # ZeRO-2's gradient reductions
-        self._averaged: dict[int, torch.Tensor] | None = None  # ZeRO-2: this step's averaged owned matrices
-        # ZeRO-2 with released gradients: this step's averaged selected columns of every matrix ([R, k])
+        # how the ranks hold gradients and host state (sharding.py): the one thing that differs between one
+        # process and ZeRO; the algorithm below is the same for all
+        self._shard: Sharding = (
+            Sharding() if world == 1 else
+            Zero1(process_group, float(collective_timeout)) if zero_stage == 1 else
+            Zero2(process_group, float(collective_timeout), release=self.release_gradients,
+                  bucket_numel=self.ZERO_BUCKET_NUMEL)
+        )
+        # this step's selected columns' gradients where only those exist ({i: [R, k]}; ZeRO-2 released)
         self._compact: dict[int, torch.Tensor] | None = None
-        self._exchange = None  # ZeRO: the broadcasts of the pending write-back, started by its host update
+        self._exchange = None  # the owners' hand-over of the pending write-back, started by its host update
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_params()
-        if world > 1:
-            check_not_ddp(self._params)
+        self._shard.accept(self._params)
         self.t = 0
         self.skipped_steps = 0
         self.host_updates = 0
@@ -186,10 +188,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         overlap = self.config.overlap_step
         train_cores, host_cores = cpu_ops.split_cores(self.config.pt_reserved_cores_perc)
         self._saved_torch_threads = None
-        if self._world > 1 and self._zero is None:
-            self._zero = ZeroContext(self._params, self._group_of, process_group=self._process_group,
-                                     timeout=self._collective_timeout,
-                                     chaos=self._chaos if self.device.type == "cpu" else None)
+        self._shard.start(self._params, self._group_of, self.device, self._chaos)
         host_threads = len(host_cores)
         if self.device.type == "cpu" and set(train_cores) & set(host_cores):
             # CPU-only, cores shared with training: a worker takes only what torch leaves free. A numba
@@ -210,7 +209,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             cores=host_cores,
             timeout=self.host_timeout,
             chaos=self._chaos,
-            indices=None if self._zero is None else self._zero.owned,
+            indices=self._shard.owned,
             # double-buffered accumulation only where the host accumulates while an update reads
             num_acc=2 if overlap and not self.config.device_accumulation else 1,
         )
@@ -227,14 +226,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         )
         # the training thread's ledger: gradients counted into each accumulation buffer this interval
         self._counts = [[0] * len(self._params) for _ in self._host.acc]
-        # an asynchronous link starts each gradient's copy as soon as backward produces it (under ZeRO the
-        # gradients are averaged in step() first)
+        # an asynchronous link starts each gradient's copy as soon as backward produces it, where that is the
+        # step's gradient (ZeRO averages it in step() first); ZeRO-2's reductions start from the hooks
         hooks = []
-        if self._zero is not None and self.zero_stage == 2:  # ZeRO-2: the reductions start from the hooks
-            order = [i for i in self._zero.order if self._params[i].dim() == 2]
-            self._reducer = BucketReducer(self._zero, self._params, order[::-1], self.ZERO_BUCKET_NUMEL,
-                                          release=self.release_gradients)
-        if self._link.asynchronous and self._zero is None or self._reducer is not None:
+        if self._link.asynchronous and self._shard.final_at_backward or self._shard.consumes_hooks:
             ref = weakref.ref(self)
             hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
         # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
@@ -247,11 +242,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         it changes before then (another micro-batch, clipping, unscaling)."""
         if self._closed:
             return
-        if self._reducer is not None:  # ZeRO-2: the gradient goes to its owner first, averaged
-            if p.dim() == 2:
-                if self._reducer.release:  # checked now: step() will not see it
-                    self._check_grad(i, p.grad)
-                self._reducer.grad_ready(i)
+        if self._shard.consumes_hooks:  # ZeRO-2: the gradient goes to its owner first, averaged
+            self._shard.grad_ready(i, self._check_grad)
             return
         if not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_acc is not None):
             return
@@ -292,7 +284,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._closed:
             return
         try:
-            if self._built and not self._link.failed and not (self._zero is not None and self._zero.failed):
+            if self._built and not self._link.failed and not self._shard.failed:
                 self.flush()
         finally:
             self._closed = True
@@ -378,22 +370,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not self._built:
             self._build()
         self._link.check()
-        # ZeRO-2 with released gradients: a matrix whose bucket the hooks started has .grad None
-        arrived = self._reducer.arrivals if self._reducer is not None else {}
-        active = [i for i, p in enumerate(self._params) if p.grad is not None or i in arrived]
+        active = self._shard.active()
         for i in active:
             if self._params[i].grad is not None:
                 self._check_grad(i, self._params[i].grad)
-        self._averaged = self._compact = None
-        if self._zero is not None:
-            self._zero.check_presence(active, len(self._params))
-            if self._reducer is None:  # ZeRO-1: every gradient, averaged on every rank
-                self._zero.average_([self._params[i].grad for i in active], "gradients")
-            else:  # ZeRO-2: each matrix's average on its owner only, vectors on every rank
-                self._averaged = self._reducer.finish(set(active))
-                vectors = [self._params[i].grad for i in active if self._params[i].dim() != 2]
-                self._zero.average_(vectors, "vector gradients")
-        norm = self._grad_norm(active)
+        self._compact = None
+        self._shard.gather(active)
+        norm = self._shard.grad_norm(active)
         if not math.isfinite(norm):
             self.skipped_steps += 1
             self._link.discard()
@@ -421,43 +404,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 f"shape {tuple(p.shape)} on {self.device}"
             )
 
-    def _grad_norm(self, active: list[int]) -> float:
-        """Global L2 norm of this step's gradient in one device sync (inf/NaN if any is non-finite)."""
-        if self._averaged is not None:  # ZeRO-2: owners' matrices, and the vectors once (rank 0), summed
-            grads = [self._averaged[i] for i in active if i in self._averaged]
-            if self._zero.rank == 0:
-                grads += [self._params[i].grad for i in active if self._params[i].dim() != 2]
-            squares = torch.zeros(1, dtype=torch.float64, device=self.device)
-            if grads:
-                squares += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum()
-            return float(self._zero.all_reduce_(squares, "gradient norm").sqrt())
-        if not active:
-            return 0.0
-        grads = [self._params[i].grad for i in active]
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        return float(torch.stack(norms).double().pow(2).sum().sqrt())
-
-    def _grad_of(self, i: int) -> torch.Tensor:
-        """The gradient the host path and the selection read: ZeRO-2's average for an owned matrix."""
-        if self._averaged is not None and i in self._averaged:
-            return self._averaged[i]
-        return self._params[i].grad
-
-    def _scores(self, indices: list[int]) -> list[torch.Tensor]:
-        """Column scores of these matrices' (averaged) gradients. ZeRO-2: each owner scores its own
-        matrices, exactly, and one all-reduce hands every rank every score vector (C floats a matrix)."""
-        importance = self.config.importance
-        if self._averaged is None:
-            return ops.multi_column_scores([self._params[i].grad for i in indices], importance)
-        mine = [i for i in indices if i in self._averaged]
-        own = dict(zip(mine, ops.multi_column_scores([self._averaged[i] for i in mine], importance), strict=True))
-        flat = torch.cat([
-            own[i].float() if i in own else torch.zeros(self._params[i].shape[1], device=self.device)
-            for i in indices
-        ]) if indices else torch.zeros(0, device=self.device)
-        self._zero.all_reduce_(flat, "selection scores")
-        return list(flat.split([self._params[i].shape[1] for i in indices]))
-
     def _hyper(self) -> list[dict]:
         """Each param group's AdamW numbers as they are now (a scheduler may have changed them), checked:
         the kernels are called without per-tensor validation."""
@@ -480,23 +426,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         gradients back un-accumulated, ``{index: grad}``, for ``HostShard.update(last=...)``."""
         buf = self._acc_buf
         fuse_min = self.FUSE_MIN_NUMEL if fuse and self.max_grad_norm is None else None
-        mine = self._mine(indices)
-        last = self._link.accumulate([(i, self._grad_of(i)) for i in mine], buf, fuse_min_numel=fuse_min)
+        mine = self._shard.mine(indices)
+        last = self._link.accumulate([(i, self._shard.grad(i)) for i in mine], buf, fuse_min_numel=fuse_min)
         self._count(indices)
         return last
-
-    def _mine(self, indices) -> list[int]:
-        """Of these parameters, those whose host state this rank holds (ZeRO; all of them otherwise)."""
-        if self._zero is None:
-            return list(indices)
-        slots = self._host.slots
-        return [i for i in indices if i in slots]
 
     def _accumulate_on_device(self, indices: list[int]) -> None:
         """``device_accumulation``: add these gradients into the device-side sums of the interval."""
         host, acc = self._host, self._device_acc
-        mine = self._mine(indices)
-        torch._foreach_add_([host.view(acc, i) for i in mine], [self._grad_of(i) for i in mine])
+        mine = self._shard.mine(indices)
+        torch._foreach_add_([host.view(acc, i) for i in mine], [self._shard.grad(i) for i in mine])
         self._count(indices)
 
     def _count(self, indices: list[int]) -> None:
@@ -519,7 +458,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if accumulated is not None:
             self._link.wait(accumulated)
         result = self._host.update(
-            self._acc_buf, {i: counts[i] for i in self._mine(counts)}, self._hyper(), self.max_grad_norm,
+            self._acc_buf, {i: counts[i] for i in self._shard.mine(counts)}, self._hyper(), self.max_grad_norm,
             self._link.copy_out_guard(), last=last, sum_over_ranks=self._sum_over_ranks(),
         )
         self._stats.host_seconds.append(result["seconds"])
@@ -527,7 +466,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _sum_over_ranks(self):
         """ZeRO with clipping: how a host update turns its shard's sum of squares into the model's."""
-        return self._zero.sum_host if self._zero is not None and self.max_grad_norm is not None else None
+        return self._shard.sum_over_ranks() if self.max_grad_norm is not None else None
 
     def _warmup_step(self, active: list[int]) -> None:
         """ZeRO-Offload: every parameter gets a synchronous host AdamW step, then all of it is copied back."""
@@ -550,23 +489,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         reselect = [i for i in matrices if boundary or "selected" not in state[self._params[i]]]
         if reselect:
             self._reselect(reselect)
-        if self._averaged is not None:  # ZeRO-2: the selected columns' gradients, averaged on every rank
-            chosen = [(i, state[self._params[i]]["selected"]) for i in matrices]
-            chosen = [(i, sel) for i, sel in chosen if sel.numel()]
-            if self.release_gradients:  # each owner's averaged columns, zeros elsewhere, summed
-                compact = [
-                    self._averaged[i][:, sel] if i in self._averaged
-                    else torch.zeros(self._params[i].shape[0], sel.numel(), device=self.device,
-                                     dtype=self._reducer.grad_dtype.get(i, self._params[i].dtype))
-                    for i, sel in chosen
-                ]
-                self._zero.sum_(compact, "selected columns")
-                self._compact = {i: c for (i, _), c in zip(chosen, compact, strict=True)}
-            else:
-                compact = [self._params[i].grad[:, sel] for i, sel in chosen]
-                self._zero.average_(compact, "selected columns")
-                for (i, sel), avg in zip(chosen, compact, strict=True):
-                    self._params[i].grad[:, sel] = avg
+        # the selected columns' gradients as every replica's fast step reads them
+        self._compact = self._shard.selected_gradients([(i, state[self._params[i]]["selected"]) for i in matrices])
 
         t0 = time.perf_counter()
         self._fast_step(set(active), self._hyper(), coef)
@@ -603,17 +527,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             t = host.view(getattr(host, name), i)
             return t.clone() if cols is None else t[:, cols.cpu()]
 
-        if self._zero is None:
-            return make().to(self.device)
         shape = tuple(p.shape) if cols is None else (p.shape[0], cols.numel())
-        return self._zero.from_owner(i, make, shape, torch.float32, self.device, "host state")
+        return self._shard.from_host(i, make, shape, torch.float32)
 
     def _host_step(self, i: int) -> int:
         """Parameter ``i``'s host step count (ZeRO: its owner's)."""
-        if self._zero is None:
-            return self._host.host_step[i]
         make = lambda: torch.tensor([self._host.host_step[i]])  # noqa: E731
-        return int(self._zero.from_owner(i, make, (1,), torch.int64, self.device, "host state"))
+        return int(self._shard.from_host(i, make, (1,), torch.int64))
 
     def _init_vector(self, i: int) -> None:
         """A vector joins the fast path with the Adam state the host gave it during warm-up."""
@@ -631,7 +551,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _reselect(self, indices: list[int]) -> None:
         """New top-k columns for these matrices; state moves with the columns that stay."""
         params = [self._params[i] for i in indices]
-        scores = self._scores(indices)
+        scores = self._shard.scores(indices, self.config.importance)
         ks = [self.config.num_selected(p.shape[1]) for p in params]
         chosen = ops.multi_topk_columns(scores, ks, check_data=False)
         host = self._host
@@ -791,7 +711,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 eligible.append(i)
         if eligible:
             params = [self._params[i] for i in eligible]
-            scores = self._scores(eligible)
+            scores = self._shard.scores(eligible, self.config.importance)
             pairs = []
             for p, s in zip(params, scores, strict=True):
                 mags = s.sqrt() if self.config.importance == "l2" else s
@@ -826,7 +746,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._device_acc is not None:  # the interval's sums cross to the host now, once (into the one
             # accumulation buffer: the update that read it last has just been drained)
             counted = self._counts[self._acc_buf]
-            self._link.upload([(i, self._host.view(self._device_acc, i)) for i in self._mine(matrices) if counted[i]],
+            self._link.upload([(i, self._host.view(self._device_acc, i)) for i in self._shard.mine(matrices)
+                               if counted[i]],
                               self._acc_buf)
         counts = self._take_counts(matrices)
         for p in self._params:
@@ -840,15 +761,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._write_back(self._pending)  # the previous interval's result lands now
             accumulated, guard = self._link.accumulation(), self._link.copy_out_guard()
             hyper, buf, host, max_norm = self._hyper(), self._acc_buf, self._host, self.max_grad_norm
-            mine, ranks_sum = {i: counts[i] for i in self._mine(counts)}, self._sum_over_ranks()
-            zero, dtypes = self._zero, {i: self._params[i].dtype for i in counts}
+            mine, ranks_sum = {i: counts[i] for i in self._shard.mine(counts)}, self._sum_over_ranks()
+            shard, dtypes = self._shard, {i: self._params[i].dtype for i in counts}
 
             def job():
                 if accumulated is not None:
                     accumulated.wait()
                 result = host.update(buf, mine, hyper, max_norm, wait_before_write=guard, sum_over_ranks=ranks_sum)
-                if zero is not None:  # the owners' results start towards the replicas now, behind training
-                    result["exchange"] = zero.start_exchange(host, list(counts), dtypes)
+                # ZeRO: the owners' results start towards the replicas now, behind training
+                result["exchange"] = shard.start_exchange(host, list(counts), dtypes)
                 return result
 
             self._inflight = self._link.submit_update(job)
@@ -872,12 +793,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         selection, the whole parameter otherwise (vectors, warm-up)."""
         if not indices:
             return
-        others = {}
-        if self._zero is not None:  # the owners' results reach every replica first
-            exchange, self._exchange = self._exchange, None
-            if exchange is None:  # a synchronous update: hand them over now
-                exchange = self._zero.start_exchange(self._host, indices, {i: self._params[i].dtype for i in indices})
-            others = self._link.wait(exchange)
+        exchange, self._exchange = self._exchange, None  # ZeRO: the owners' results reach every replica first
+        others = self._shard.received(exchange, self._host, indices, {i: self._params[i].dtype for i in indices},
+                                      self._link.wait)
         items = []
         for i in indices:
             p = self._params[i]
@@ -908,7 +826,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         zenflow = {name: getattr(self, name) for name in self._COUNTERS}
         zenflow.update(config=self.config.to_dict(), schedule=self.schedule.to_dict(), max_grad_norm=self.max_grad_norm,
                        seed_from_host=self._seed_from_host)
-        zenflow["zero"] = dict(stage=self.zero_stage, world=self._world, rank=self._rank(), consolidated=consolidated)
+        zenflow["zero"] = dict(stage=self.zero_stage, world=self._shard.world, rank=self._shard.rank,
+                               consolidated=consolidated)
         if self._built:
             self._drain()
             self._link.synchronize()  # accumulation, write-backs and offloaded state have all landed
@@ -918,15 +837,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in self.state[p].items()
                 }
                 st.update(acc_count=self._counts[self._acc_buf][i], pending=i in self._pending)
-                if consolidated and self._zero is not None:  # every parameter's host state, from its owner
-                    held = self._zero.owner[i] == self._zero.rank
+                if consolidated:  # every parameter's host state, from the rank holding it
                     fields = {
                         name: self._from_host(i, name).to("cpu") for name in ("master", "exp_avg", "exp_avg_sq")
                     }
                     st.update(host_master=fields["master"], host_exp_avg=fields["exp_avg"],
-                              host_exp_avg_sq=fields["exp_avg_sq"], host_step=self._host_step(i))
-                    acc = self._interval_sums_of(i) if held else torch.empty(p.shape, dtype=torch.float32)
-                    st["acc"] = self._zero.broadcast_(acc.to(self.device), self._zero.owner[i], "checkpoint").to("cpu")
+                              host_exp_avg_sq=fields["exp_avg_sq"], host_step=self._host_step(i),
+                              acc=self._shard.checkpoint_tensor(i, lambda i=i: self._interval_sums_of(i),
+                                                                tuple(p.shape)))
                 elif i in host.slots:
                     st.update(
                         host_master=host.view(host.master, i).clone(),
@@ -947,10 +865,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _interval_sums_of(self, i: int) -> torch.Tensor:
         return self._host.view(self._interval_sums(), i).to("cpu", copy=True)
-
-    def _rank(self) -> int:
-        return self._zero.rank if self._zero is not None else (
-            torch.distributed.get_rank(self._process_group) if self._world > 1 else 0)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -992,15 +906,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if zenflow.get("built"):
             # ZeRO: this rank needs the host state of the parameters it will hold (a consolidated dict, or a
             # dict saved by the same rank at the same world size, has it)
-            mine = [i for i, r in enumerate(owners(self._params, self._group_of, self._world)) if r == self._rank()]
+            mine = self._shard.will_hold(self._params, self._group_of)
             missing = [i for i in mine if "host_master" not in saved_state.get(i, saved_state.get(str(i), {}))]
             if missing:
                 saved = zenflow.get("zero", {})
                 raise ValueError(
                     f"ZenFlowAdamW.load_state_dict: the state dict (saved by rank {saved.get('rank', 0)} of "
                     f"{saved.get('world', 1)}) holds no host state for parameters {missing[:8]}, which rank "
-                    f"{self._rank()} of {self._world} holds: load each rank's own state_dict() at the same world "
-                    "size, or a consolidated_state_dict() at any world size"
+                    f"{self._shard.rank} of {self._shard.world} holds: load each rank's own state_dict() at the same "
+                    "world size, or a consolidated_state_dict() at any world size"
                 )
         changed = [f"zenflow.{k}={v!r} (this optimizer: {getattr(self.config, k)!r})"
                    for k, v in config.to_dict().items() if getattr(self.config, k) != v]
@@ -1050,9 +964,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """A clean slate before a load: land nothing, keep nothing, stop the workers."""
         if self._built:
             self._drain()
-            if self._exchange is not None:  # every rank started these broadcasts: let them complete
-                self._exchange, exchange = None, self._exchange
-                exchange.wait()
+            self._exchange, exchange = None, self._exchange
+            self._shard.settle(exchange)  # every rank started these broadcasts: let them complete
             self._stats.retire(self._link)
             self._finalizer()
             # the old buffers go before the new link is built: never two links' host memory at once
@@ -1211,7 +1124,6 @@ class _Telemetry:
             # ZeRO: payload bytes each kind of collective carried (gradients, gradient presence, write-back,
             # host state, clipping norm, checkpoint); empty on one rank
             "host_bytes": opt.host_bytes(),
-            "collective_bytes": dict(opt._zero.bytes) if opt._zero is not None else {},
-            "collective_bytes_per_step": {k: v / opt.t for k, v in opt._zero.bytes.items()}
-            if opt._zero is not None and opt.t else {},
+            "collective_bytes": dict(opt._shard.bytes),
+            "collective_bytes_per_step": {k: v / opt.t for k, v in opt._shard.bytes.items()} if opt.t else {},
         }
