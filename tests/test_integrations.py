@@ -113,6 +113,48 @@ def test_hf_checkpoints_hold_flushed_weights(tmp_path, with_callback):
         opt.close()
 
 
+class RecordAtEvaluation(transformers.TrainerCallback):
+    """At the first batch of each evaluation: the weights the model is evaluated with, and the same after a
+    flush (equal when the ZenFlowCallback flushed before the evaluation)."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def on_prediction_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        from zenflow_kernels.integrations import find_zenflow
+
+        if state.global_step in self.seen:
+            return
+        before = flat_weights(model)
+        find_zenflow(optimizer).flush()
+        self.seen[state.global_step] = (before, flat_weights(model))
+
+
+@pytest.mark.parametrize("with_callback", [True, False])
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_hf_evaluation_without_a_save_sees_flushed_weights(tmp_path, strategy, with_callback):
+    """Evaluations at steps where nothing is saved (3 and 6; or the end of the 10-batch epoch): a host update
+    is pending at each, and the model is evaluated with what a flush gives. Without the callback (the
+    control) it would be evaluated with stale weights."""
+    model = tiny_gpt2()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, zenflow=ZEN)
+    record = RecordAtEvaluation()
+    args = dict(eval_strategy="steps", eval_steps=3, max_steps=7) if strategy == "steps" else \
+        dict(eval_strategy="epoch", max_steps=12)
+    trainer = hf_trainer(tmp_path, model, optimizers=(opt, None), callbacks=[record], save_strategy="no", **args)
+    if not with_callback:
+        trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks
+                                              if type(c).__name__ != "ZenFlowCallback"]
+    trainer.train()
+    assert not list(tmp_path.glob("checkpoint-*"))  # nothing saved: no save's flush to lean on
+    steps = [3, 6] if strategy == "steps" else [10]
+    assert set(steps) <= set(record.seen)
+    for step in steps:
+        before, flushed = record.seen[step]
+        assert all(torch.equal(before[k], flushed[k]) for k in before) == with_callback, step
+    opt.close()
+
+
 def test_hf_resume_from_a_checkpoint_is_exact(tmp_path):
     straight_model = tiny_gpt2()
     hf_trainer(tmp_path / "a", straight_model, cls_kwargs=(ZenFlowAdamW, dict(lr=1e-2, zenflow=ZEN))).train()
@@ -207,6 +249,42 @@ def test_lightning_checkpoints_hold_flushed_weights_and_resume_exactly(tmp_path)
     end = torch.load(tmp_path / "a" / "step=8.ckpt", weights_only=False)
     for k, v in end["state_dict"].items():
         assert torch.equal(v, final[k]), k
+
+
+class RecordAtValidation(TinyModule):
+    """At the first batch of each validation: the weights validated, and the same after a flush."""
+
+    def __init__(self, zenflow, seed=0):
+        super().__init__(zenflow, seed)
+        self.seen = {}
+
+    def validation_step(self, batch, batch_idx):
+        from zenflow_kernels.integrations import find_zenflow
+
+        if batch_idx == 0 and self.global_step not in self.seen:
+            before = {k: v.clone() for k, v in self.state_dict().items()}
+            find_zenflow(self.trainer.optimizers[0]).flush()
+            self.seen[self.global_step] = (before, {k: v.clone() for k, v in self.state_dict().items()})
+        return super().validation_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("with_callback", [True, False])
+def test_lightning_validation_without_a_checkpoint_sees_flushed_weights(tmp_path, with_callback):
+    """Validation every 3 batches (global steps 3 and 7 of 4-batch epochs), no checkpointing: a host update is
+    pending at each, and the module is validated with what a flush gives; without the callback (the
+    control), with stale weights."""
+    from zenflow_kernels.integrations.lightning import ZenFlowCallback
+
+    module = RecordAtValidation(ZEN)
+    callbacks = [ZenFlowCallback()] if with_callback else []
+    trainer = lightning_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=False, val_check_interval=3)
+    trainer.fit(module, loader(), loader(8, seed=1))
+    assert not list(tmp_path.glob("*.ckpt"))
+    assert {3, 7} <= set(module.seen)
+    for step in (3, 7):
+        before, flushed = module.seen[step]
+        assert all(torch.equal(before[k], flushed[k]) for k in before) == with_callback, step
+    trainer.optimizers[0].close()
 
 
 def test_lightning_without_the_callback_saves_stale_weights(tmp_path):

@@ -1,6 +1,8 @@
 """ZenFlowAdamW's surface beyond step(): copies, repr, the epoch length, and loading other state dicts."""
 
+import contextlib
 import copy
+import gc
 import pickle
 import re
 import warnings
@@ -12,6 +14,7 @@ from test_optim import HYPER, drive, grad_sequence, make_params, snapshot
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.config import ZenFlowWarning
 from zenflow_kernels.ops import use_backend
+from zenflow_kernels.testing import chaos
 
 
 @pytest.fixture(autouse=True)
@@ -406,3 +409,219 @@ def test_host_state_is_fp32_whatever_the_default_dtype():
             assert {t.dtype for t in [host.master, host.exp_avg, host.exp_avg_sq, *host.acc]} == {torch.float32}
     finally:
         torch.set_default_dtype(previous)
+
+
+# -- loading its own checkpoint into a stepped optimizer ----------------------------------------------------
+
+# warm-up t = 0, 1; selections at t = 2, 8, 14; host updates at t = 4, 7, 10, 13, 16, 19 (overlapped: the one of
+# t = 10 is still pending at the save after step 10)
+SELF_LOAD = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=3, overlap_step=True,
+                 full_warm_up_rounds=2)
+SELF_LOAD_VARIANTS = {
+    "fp32": dict(),
+    "bf16": dict(dtype=torch.bfloat16),
+    "device-acc": dict(zenflow=dict(device_accumulation=True)),
+    "offload-bf16": dict(dtype=torch.bfloat16, zenflow=dict(offload=True)),
+    "auto": dict(zenflow=dict(update_interval="auto", max_update_interval=4)),
+    "sync": dict(zenflow=dict(overlap_step=False)),
+    "twice-bf16": dict(dtype=torch.bfloat16, loads=2),
+    "at-first-selection": dict(split=2),  # built in warm-up, nothing selected yet
+    "at-reselection-bf16": dict(dtype=torch.bfloat16, split=8),
+}
+
+
+def _two_groups(ps):
+    """Two param groups with their own lr, weight decay and betas (two launch sets on the fast path)."""
+    return [{"params": ps[:3], "lr": 5e-3}, {"params": ps[3:], "weight_decay": 0.0, "betas": (0.8, 0.95)}]
+
+
+def _gappy_grads(steps):
+    """The optimizer tests' gradients, with parameter 4 (a vector) never given one and parameter 2 (a
+    matrix) missing every fourth step (t = 1, 5, 9, 13, 17: in warm-up, and in the intervals around the save)."""
+    grads = grad_sequence(steps)
+    for t, step in enumerate(grads):
+        step[4] = None
+        if t % 4 == 1:
+            step[2] = None
+    return grads
+
+
+def assert_same_state_dict(a, b, where=""):
+    """Two state dicts equal: tensors bit for bit (dtype and shape included), everything else by ==."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        assert torch.is_tensor(a) and torch.is_tensor(b), where
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
+        for k in a:
+            assert_same_state_dict(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for n, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state_dict(x, y, f"{where}[{n}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+@pytest.mark.parametrize("variant", list(SELF_LOAD_VARIANTS))
+@pytest.mark.parametrize("link", ["cpu", "chaos3"])
+def test_a_stepped_optimizer_reloading_its_checkpoint_continues_like_a_fresh_one(link, variant):
+    """``opt.load_state_dict(opt.state_dict())`` after warm-up, a re-selection and mid-interval (an overlapped
+    host update pending): the optimizer continues bit for bit like a new optimizer, on a copy of the weights,
+    that loaded the same dict. Whatever the old optimizer kept per selection (the fast step's plan, views of
+    its step counts, the link's buffers) must not survive the load."""
+    spec = SELF_LOAD_VARIANTS[variant]
+    dtype, zen = spec.get("dtype", torch.float32), dict(SELF_LOAD, **spec.get("zenflow", {}))
+    grads = _gappy_grads(20)
+    split = spec.get("split", 11)  # steps t = 0..split-1 before the save
+
+    def make(params):
+        ctx = chaos(seed=3) if link.startswith("chaos") else contextlib.nullcontext()
+        with ctx:
+            return ZenFlowAdamW(_two_groups(params), **HYPER, zenflow=zen, max_grad_norm=10.0)
+
+    params = make_params(dtype)
+    with make(params) as opt:
+        drive(opt, params, grads[:split])
+        assert opt.selections == {2: 0, 8: 1}.get(split, 2)
+        sd = opt.state_dict()
+        if split == 11 and zen["overlap_step"] and zen["update_interval"] == 3:
+            assert any(st["pending"] for st in sd["state"].values())  # a host result awaits its write-back
+        pristine = copy.deepcopy(sd)
+        at_save = snapshot(params)
+        for _ in range(spec.get("loads", 1)):
+            opt.load_state_dict(sd)
+        reloaded = drive(opt, params, grads[split:])
+        reloaded_sd = copy.deepcopy(opt.state_dict())
+        opt.flush()
+        reloaded_flushed = snapshot(params)
+        assert opt.selections == 3
+    assert_same_state_dict(sd, pristine, "the loaded dict was changed by training on")
+
+    fresh = [torch.nn.Parameter(x.clone()) for x in at_save]
+    with make(fresh) as opt2:
+        opt2.load_state_dict(sd)
+        expected = drive(opt2, fresh, grads[split:])
+        expected_sd = copy.deepcopy(opt2.state_dict())
+        opt2.flush()
+        expected_flushed = snapshot(fresh)
+    for t, (a, b) in enumerate(zip(expected, reloaded, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), f"step {split + t} param {i}: the reloaded optimizer differs from a fresh one"
+    assert_same_state_dict(reloaded_sd, expected_sd, "state_dict")
+    assert all(torch.equal(x, y) for x, y in zip(reloaded_flushed, expected_flushed, strict=True))
+
+
+@pytest.mark.parametrize("link", ["cpu", "chaos3"])
+def test_a_stepped_optimizer_loading_an_adamw_state_dict_continues_like_a_fresh_one(link):
+    """The same for a torch.optim.AdamW state dict: nothing of the stepped run (its selections, plan, host
+    buffers, counters) shows through the imported one."""
+    grads = _gappy_grads(14)
+    zen = dict(SELF_LOAD, full_warm_up_rounds=1)
+
+    def make(params):
+        ctx = chaos(seed=3) if link.startswith("chaos") else contextlib.nullcontext()
+        with ctx:
+            return ZenFlowAdamW(_two_groups(params), **HYPER, zenflow=zen)
+
+    sd = copy.deepcopy(_adam_state())
+    sd["param_groups"] = [dict(sd["param_groups"][0], params=[0, 1, 2]),
+                          dict(sd["param_groups"][0], params=[3, 4, 5], lr=5e-3)]
+    start = make_params(seed=4)
+    params = [torch.nn.Parameter(x.detach().clone()) for x in start]
+    with make(params) as opt:
+        drive(opt, params, grad_sequence(11, seed=3))
+        with torch.no_grad():
+            for p, x in zip(params, start, strict=True):
+                p.copy_(x)
+        opt.load_state_dict(sd)
+        reloaded = drive(opt, params, grads)
+        reloaded_sd = copy.deepcopy(opt.state_dict())
+    fresh = [torch.nn.Parameter(x.detach().clone()) for x in start]
+    with make(fresh) as opt2:
+        opt2.load_state_dict(sd)
+        expected = drive(opt2, fresh, grads)
+        expected_sd = copy.deepcopy(opt2.state_dict())
+    for t, (a, b) in enumerate(zip(expected, reloaded, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), f"step {t} param {i}: the reloaded optimizer differs from a fresh one"
+    assert_same_state_dict(reloaded_sd, expected_sd, "state_dict")
+
+
+# -- backward hooks: one per parameter while built, none after close ----------------------------------------
+
+
+def _hook_counts(params, baseline):
+    """ZenFlow's post-accumulate-grad hooks on each parameter: torch keeps them in
+    ``p._post_accumulate_grad_hooks`` (an OrderedDict, None before the first), less the ones the test set."""
+    return [len(p._post_accumulate_grad_hooks or {}) - b for p, b in zip(params, baseline, strict=True)]
+
+
+def _hook_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                               torch.nn.Linear(32, 8))
+
+
+def _train(model, opt, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+HOOK_ZEN = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2, overlap_step=True,
+                full_warm_up_rounds=1)
+
+
+def test_the_asynchronous_link_keeps_one_backward_hook_per_parameter_across_reloads_and_none_after_close():
+    model = _hook_model()
+    params = list(model.parameters())
+    fired = [0] * len(params)
+    for n, p in enumerate(params):  # the user's own hook: ZenFlow must leave it alone
+        p.register_post_accumulate_grad_hook(lambda _p, n=n: fired.__setitem__(n, fired[n] + 1))
+    baseline = [len(p._post_accumulate_grad_hooks) for p in params]
+    one, none = [1] * len(params), [0] * len(params)
+    with chaos(seed=1):
+        opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=HOOK_ZEN)
+        unbuilt = ZenFlowAdamW(_hook_model().parameters(), **HYPER, zenflow=HOOK_ZEN)
+    assert _hook_counts(params, baseline) == none  # hooks come with the first step
+    _train(model, opt, 3)
+    assert _hook_counts(params, baseline) == one
+    opt.load_state_dict(opt.state_dict())  # mid-interval, a host update pending
+    assert _hook_counts(params, baseline) == one
+    _train(model, opt, 2, seed=1)
+    for _ in range(3):
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        assert _hook_counts(params, baseline) == one
+    opt.load_state_dict(_adam_state_of(model))  # a torch.optim.AdamW run continued
+    assert _hook_counts(params, baseline) == one
+    opt.load_state_dict(unbuilt.state_dict())  # a checkpoint of an optimizer that never stepped
+    assert max(_hook_counts(params, baseline)) <= 1
+    _train(model, opt, 3, seed=2)
+    assert _hook_counts(params, baseline) == one
+    assert fired == [3 + 2 + 3] * len(params)  # the user's hook fired once per backward throughout
+    opt.close()
+    assert _hook_counts(params, baseline) == none
+    unbuilt.close()
+
+    # an optimizer dropped without close(): collected, it takes its hooks with it
+    with chaos(seed=2):
+        dropped = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=HOOK_ZEN)
+    _train(model, dropped, 2)
+    dropped.load_state_dict(dropped.state_dict())
+    assert _hook_counts(params, baseline) == one
+    del dropped
+    gc.collect()
+    assert _hook_counts(params, baseline) == none
+    assert [len(p._post_accumulate_grad_hooks) for p in params] == baseline
+
+
+def _adam_state_of(model):
+    """A torch.optim.AdamW state dict for ``model``'s parameters (two steps on copies of them)."""
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    adam = torch.optim.AdamW(copies, **HYPER)
+    drive(adam, copies, [[torch.ones_like(p) for p in copies]] * 2)
+    return adam.state_dict()

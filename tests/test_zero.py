@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.config import ZenFlowConfig
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
-from zenflow_kernels.zero import owner_runs
+from zenflow_kernels.zero import owner_runs, owners
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_worker  # noqa: E402
@@ -120,7 +121,16 @@ CASES = [
     # ZeRO-2 keeping every .grad: the selected columns of the local gradients are averaged instead
     dict(name="s2_keep_overlap_chaos", zenflow=dict(ZEN, overlap_step=True), steps=20, zero_stage=2, chaos=2,
          release_gradients=False),
+    # write-backs whose span on a rank does not start at the rank's first parameter (see
+    # test_write_back_spans_start_past_a_ranks_first_parameter): rank 1's run starts with a vector (the
+    # fast path's after warm-up); rank 0's first parameter has no gradient at t = 1 (warm-up), 4, 7, ...
+    dict(name="groups_vector_first", zenflow=ZEN, steps=20, groups=True, chaos=1),
+    dict(name="s2_groups_first_missing", zenflow=dict(ZEN, overlap_step=True, update_interval=1, full_warm_up_rounds=3),
+         steps=20, zero_stage=2, groups=True, missing=[0], chaos=0, reload_at=[10, 10, 14]),
 ]
+# the same run without the reloads: a rank that loads its own checkpoint continues bit for bit
+CASES_NO_RELOAD = [dict({k: v for k, v in CASES[-1].items() if k != "reload_at"},
+                        name="s2_groups_first_missing_straight")]
 MODEL_CASES = [
     dict(name="model_s1", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=1),
     dict(name="model_s2", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=2),
@@ -160,7 +170,7 @@ def test_three_ranks_with_param_groups_and_missing_gradients(three_ranks, case):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
-    results, done = launch(CASES + MODEL_CASES + [dict(name="errors", kind="errors")], tmp)
+    results, done = launch(CASES + CASES_NO_RELOAD + MODEL_CASES + [dict(name="errors", kind="errors")], tmp)
     for rc, _out, err in done:
         assert rc == 0, err[-3000:]
     return results
@@ -179,6 +189,67 @@ def test_two_ranks_match_one_rank_and_the_reference(two_ranks, case):
     # and the weights moved: the comparison is not between two copies of the initial values
     init = zero_worker.make_params(getattr(torch, case.get("dtype", "float32")))
     assert not close(ranks[0]["params"], init, rtol=1e-3, atol=1e-3)
+
+
+def _written_back_spans(case: dict, world: int) -> dict[int, list[tuple[int, list[int]]]]:
+    """Per rank, the steps at which the rank's first parameter (in its shard's layout) is left out of a
+    write-back that holds others of its parameters: [(t, written-back parameters it owns)]."""
+    from zenflow_kernels.host import layout
+    from zenflow_kernels.schedule import resolve_schedule
+
+    params = zero_worker.make_params()
+    grouped = zero_worker.param_groups(params, case)
+    groups = [n for n, g in enumerate(grouped) for _ in g["params"]] if isinstance(grouped[0], dict) else \
+        [0] * len(params)
+    owner = owners(params, groups, world)
+    order = layout(params, groups)[0]
+    schedule = resolve_schedule(ZenFlowConfig.coerce(case["zenflow"]))
+    out: dict[int, list] = {r: [] for r in range(world)}
+    for t in range(case["steps"]):
+        active = [i for i in order if not (i in case.get("missing", ()) and t % 3 == 1)]
+        written = active if schedule.is_warmup(t) else [i for i in active if params[i].dim() == 2]
+        for r in range(world):
+            run = [i for i in order if owner[i] == r]
+            mine = [i for i in written if owner[i] == r]
+            if mine and mine[0] != run[0]:
+                out[r].append((t, mine))
+    return out
+
+
+@pytest.mark.parametrize("name, rank, reason", [("groups_vector_first", 1, "vector"),
+                                                ("s2_groups_first_missing", 0, "missing")])
+def test_write_back_spans_start_past_a_ranks_first_parameter(name, rank, reason):
+    """What the two cases above are for (the gap of every other case: each rank's write-back starts at
+    offset 0 of its shard): a rank whose first parameter is not written back at some step while others
+    of its run are, after warm-up and (the missing gradient) in warm-up too. The cases themselves run in
+    test_two_ranks_match_one_rank_and_the_reference."""
+    case = next(c for c in CASES if c["name"] == name)
+    spans = _written_back_spans(case, world=2)
+    assert spans[rank], f"{name}: rank {rank}'s write-backs all start at its first parameter"
+    params = zero_worker.make_params()
+    first_of_rank = {0: 0, 1: 1}[rank]  # layout order with the two groups: [0, 2 | 1, 5, 3, 4]
+    assert all(first_of_rank not in mine for _, mine in spans[rank])
+    if reason == "vector":
+        assert params[first_of_rank].dim() == 1 and len(spans[rank]) > 10  # every step after warm-up
+    else:
+        warmup = case["zenflow"]["full_warm_up_rounds"]
+        assert any(t < warmup for t, _ in spans[rank]) and any(t >= warmup for t, _ in spans[rank])
+
+
+def test_stage2_keeps_one_backward_hook_per_parameter_across_reloads(two_ranks):
+    """ZeRO-2 starts its reductions from post-accumulate-grad hooks: one per parameter after the first
+    step, after each load of the rank's own checkpoint into the stepped optimizer, and none after close.
+    And the reloaded ranks continue bit for bit like the same run without the loads."""
+    case = next(c for c in CASES if c["name"] == "s2_groups_first_missing")
+    n = len(zero_worker.SHAPES)
+    straight = two_ranks[CASES_NO_RELOAD[0]["name"]]
+    for r, s in zip(two_ranks[case["name"]], straight, strict=True):
+        hooks = r["hooks"]
+        assert hooks["first step"] == [[1] * n]
+        assert hooks["reload"] == [[1] * n] * len(case["reload_at"])
+        assert hooks["closed"] == [[0] * n]
+        assert "reload" not in s["hooks"]
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], s["params"], strict=True))
 
 
 @pytest.mark.parametrize("case", MODEL_CASES, ids=[c["name"] for c in MODEL_CASES])

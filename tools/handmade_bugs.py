@@ -1,0 +1,309 @@
+"""Hand-made bugs: meaning-level mistakes a person makes, run against the tests (a safety net for refactors).
+
+mutmut's operators (``+`` for ``-``, ``<`` for ``<=``, a constant off by one) are killed at about 98%;
+bugs made by hand aim at what the code means (a cache not invalidated, a hook not removed, a span that
+assumes it starts at 0, a flush that is skipped when no save comes with it) and were caught at about 75%.
+Each entry of :data:`BUGS` is one such bug as a patch: a file, a snippet of today's code that must occur
+exactly once, its replacement, and what it breaks. The runner copies the working tree (``git ls-files``:
+tracked files and untracked ones git does not ignore) to a temporary folder, never touching the working
+tree, applies one bug at a time there, runs the bug's test files with ``-x`` and reports::
+
+    python tools/handmade_bugs.py                      # every bug, each against its own test files
+    python tools/handmade_bugs.py --only plan-stale-after-load hooks-kept-after-reset
+    python tools/handmade_bugs.py --fast               # only the bugs the fast files can catch
+    python tools/handmade_bugs.py --tests tests/test_optim_api.py --k "reloading"   # override the tests
+    python tools/handmade_bugs.py --list
+
+caught: the tests failed (or timed out) with the bug in; missed: they passed; stale: the snippet is no
+longer in the file (the code moved: update the entry, do not drop it). The exit status is 0 when every
+bug that applied was caught. The tests that run in-process use the repository's interpreter; the ZeRO
+tests' rank processes import the package from the copy (tests/zero_worker.py puts the copy first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the fast optimizer files and selection mutmut uses (pyproject.toml [tool.mutmut])
+FAST = ("tests/test_optim_api.py", "tests/test_optim.py")
+FAST_K = "not chaos1 and not chaos2 and not interpreter_exits and not every_backend"
+INTEGRATIONS = ("tests/test_integrations.py",)
+ZERO = ("tests/test_zero.py",)
+# the spawned two-rank cases against one rank and the reference, ZeRO-2's hooks and reloads
+ZERO_K = "two_ranks_match or stage2_keeps or spans_start_past"
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    file: str
+    original: str
+    replacement: str
+    breaks: str
+    tests: tuple[str, ...] = FAST
+    k: str | None = FAST_K
+    judged: str | None = None  # why no test can catch it (equivalent, or only on a GPU): a miss is not counted
+
+
+BUGS = [
+    # -- the four gaps the safety net closes (issue item 0) ------------------------------------------------
+    Bug(
+        "plan-stale-after-load",
+        "zenflow_kernels/optim.py",
+        "        self.state.clear()\n        self._pending = []\n        self._plan = None\n",
+        "        self.state.clear()\n        self._pending = []\n",
+        "(a) load_state_dict into a stepped optimizer keeps the fast step's per-selection plan: the fast step "
+        "goes on updating the old state's tensors while the loaded ones (checkpointed, and read at the next "
+        "re-selection) stay frozen",
+    ),
+    Bug(
+        "hooks-kept-after-reset",
+        "zenflow_kernels/optim.py",
+        "            self._stats.retire(self._link)\n            self._finalizer()\n",
+        "            self._stats.retire(self._link)\n            self._link.close()\n",
+        "(b) a reload stops the old link but not the rest of the finalizer's work: the old backward hooks stay, "
+        "so each load adds one more hook per parameter (every gradient staged again and again)",
+    ),
+    Bug(
+        "hooks-kept-after-close",
+        "zenflow_kernels/optim.py",
+        "    for handle in hooks:\n        handle.remove()\n",
+        "    del hooks  # the hooks check _closed and return\n",
+        "(b) close() and the finalizer leave the backward hooks on the parameters (a closed or collected "
+        "optimizer is still called from every backward)",
+    ),
+    Bug(
+        "exchange-span-from-zero",
+        "zenflow_kernels/zero.py",
+        "span = host.out[dtype][lo:hi] if r == self.rank",
+        "span = host.out[dtype][: hi - lo] if r == self.rank",
+        "(c) the owner sends its copy-out from the start of its shard, as if the written-back parameters "
+        "always began there: wrong weights reach the other replicas when the rank's first parameter is not "
+        "written back (a vector after warm-up, a parameter without a gradient)",
+        tests=ZERO, k=ZERO_K,
+    ),
+    Bug(
+        "exchange-span-read-from-zero",
+        "zenflow_kernels/zero.py",
+        "exchange.received[s.index] = span[s.out_offset - lo : s.out_offset - lo + s.numel].view(",
+        "exchange.received[s.index] = span[s.out_offset : s.out_offset + s.numel].view(",
+        "(c) a replica reads the received span at the owner's shard offsets, as if it began at offset 0",
+        tests=ZERO, k=ZERO_K,
+    ),
+    Bug(
+        "stage2-hooks-not-registered",
+        "zenflow_kernels/optim.py",
+        "if self._link.asynchronous and self._zero is None or self._reducer is not None:",
+        "if self._link.asynchronous and self._zero is None:",
+        "(b) ZeRO-2 registers no backward hooks: every reduction starts in step(), none overlaps backward",
+        tests=ZERO, k=ZERO_K,
+    ),
+    Bug(
+        "hf-no-flush-before-evaluation",
+        "zenflow_kernels/integrations/transformers.py",
+        "if control.should_save or control.should_evaluate:",
+        "if control.should_save:",
+        "(d) the Hugging Face callback flushes before saves only: an evaluation at a step without a save "
+        "sees weights up to an interval stale",
+        tests=INTEGRATIONS, k=None,
+    ),
+    Bug(
+        "hf-no-flush-at-epoch-end",
+        "zenflow_kernels/integrations/transformers.py",
+        "    def on_epoch_end(self, args, state, control, **kwargs):\n        self._flush_if_needed(control, kwargs)\n",
+        "    def on_epoch_end(self, args, state, control, **kwargs):\n        pass\n",
+        "(d) with eval_strategy=\"epoch\" (the Trainer decides to evaluate at the epoch's end, after the last "
+        "step's on_step_end) the evaluation sees stale weights",
+        tests=INTEGRATIONS, k=None,
+    ),
+    Bug(
+        "lightning-no-flush-before-validation",
+        "zenflow_kernels/integrations/lightning.py",
+        "    def on_validation_start(self, trainer, pl_module) -> None:\n        self._flush(trainer)\n",
+        "    def on_validation_start(self, trainer, pl_module) -> None:\n        pass\n",
+        "(d) Lightning's validation runs on stale weights when no checkpoint comes with it",
+        tests=INTEGRATIONS, k=None,
+    ),
+    # -- more of the same kind --------------------------------------------------------------------------
+    Bug(
+        "entering-columns-keep-old-moments",
+        "zenflow_kernels/optim.py",
+        "                m[:, stay] = old_m[:, pos[stay]]\n                v[:, stay] = old_v[:, pos[stay]]\n",
+        "                m.copy_(old_m[:, pos])\n                v.copy_(old_v[:, pos])\n",
+        "a re-selection's entering columns take the moments of the old column at their sorted position "
+        "instead of starting from zero (spec 2.3)",
+    ),
+    Bug(
+        "write-back-overwrites-selected-columns",
+        "zenflow_kernels/optim.py",
+        "            items.append((p, others[i] if i in others else self._host.out_view(i), sel))\n",
+        "            items.append((p, others[i] if i in others else self._host.out_view(i), None))\n",
+        "the host result overwrites the whole matrix, the fast path's selected columns included (spec 2.5)",
+    ),
+    Bug(
+        "mean-over-steps-not-gradients",
+        "zenflow_kernels/optim.py",
+        "        counts = self._counts[self._acc_buf]\n        for i in indices:\n            counts[i] += 1\n",
+        "        counts = self._counts[self._acc_buf]\n        for i in range(len(self._params)):\n"
+        "            counts[i] += self._params[i].dim() == 2\n",
+        "the interval's mean gradient divides by the steps of the interval, also counting the steps in which "
+        "a matrix had no gradient",
+    ),
+    Bug(
+        "clip-coefficient-twice",
+        "zenflow_kernels/optim.py",
+        "grad_scale = 1.0 if coef is None else 1.0 / coef\n",
+        "grad_scale = 1.0 if coef is None else 1.0 / (coef * coef)\n",
+        "the fast path divides the gradient by the clipping coefficient twice (spec 2.6)",
+    ),
+    Bug(
+        "checkpoint-drops-pending",
+        "zenflow_kernels/optim.py",
+        "st.update(acc_count=self._counts[self._acc_buf][i], pending=i in self._pending)",
+        "st.update(acc_count=self._counts[self._acc_buf][i], pending=False)",
+        "a checkpoint taken with an overlapped host result awaiting its write-back forgets it: the resumed "
+        "run never writes that interval's result back (spec 2.7)",
+    ),
+    Bug(
+        "load-drops-interval-counts",
+        "zenflow_kernels/optim.py",
+        "            self._counts[self._acc_buf][i] = int(st[\"acc_count\"])\n",
+        "",
+        "a loaded checkpoint restores the interval's gradient sums but not how many gradients they hold",
+    ),
+    Bug(
+        "zero-grad-does-not-wait",
+        "zenflow_kernels/optim.py",
+        "            self._link.before_grad_write()  # copies still reading the gradients finish first\n",
+        "            pass\n",
+        "zero_grad(set_to_none=False) zeroes gradients that queued copies to the host still read",
+        judged="equivalent on CPU: step() already orders its gradient copies before later writes and joins "
+               "them on the test link (6df95e1); only a CUDA stream wait could still differ",
+    ),
+    Bug(
+        "overlap-reuses-the-busy-buffer",
+        "zenflow_kernels/optim.py",
+        "            self._acc_buf = (self._acc_buf + 1) % len(self._host.acc)\n",
+        "",
+        "with overlap the next interval accumulates into the buffer the background host update is reading",
+    ),
+    Bug(
+        "vectors-join-fast-path-at-step-zero",
+        "zenflow_kernels/optim.py",
+        "        st[\"step\"] = self._host_step(i)\n",
+        "        st[\"step\"] = 0\n",
+        "a vector joins the fast path with the host's moments but restarts bias correction at step 0",
+    ),
+    Bug(
+        "leaving-columns-not-handed-back",
+        "zenflow_kernels/optim.py",
+        "                if owned and gone.any():  # ownership returns to the host, value included\n",
+        "                if False:  # ownership returns to the host, value included\n",
+        "columns that leave the selection do not refresh the host master: the fast path's updates of them "
+        "are lost at the next write-back (spec 2.3)",
+    ),
+    Bug(
+        "every-group-gets-group-0-hyper",
+        "zenflow_kernels/optim.py",
+        "            h = hyper[self._group_of[i]]\n",
+        "            h = hyper[0]\n",
+        "the fast path uses the first param group's lr, weight decay and betas for every parameter",
+    ),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree's files (tracked, and untracked but not ignored) copied under ``dest``."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, check=True).stdout.decode()
+    for rel in filter(None, out.split("\0")):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def run_bug(bug: Bug, tree: Path, tests: tuple[str, ...], k: str | None, timeout: float) -> tuple[str, float, str]:
+    """Apply ``bug`` in ``tree``, run ``tests``, restore the file. Returns (outcome, seconds, last lines)."""
+    path = tree / bug.file
+    text = path.read_text()
+    if text.count(bug.original) != 1:
+        return f"stale ({text.count(bug.original)} matches)", 0.0, ""
+    path.write_text(text.replace(bug.original, bug.replacement))
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    if k:
+        cmd += ["-k", k]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        outcome = "missed" if proc.returncode == 0 else ("caught" if proc.returncode == 1 else
+                                                         f"caught (pytest exit {proc.returncode})")
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+    except subprocess.TimeoutExpired:
+        outcome, tail = "caught (timeout)", ""
+    finally:
+        path.write_text(text)
+    return outcome, time.monotonic() - t0, tail
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", nargs="*", help="bug names (default: all)")
+    ap.add_argument("--fast", action="store_true", help="only the bugs whose tests are the fast optimizer files")
+    ap.add_argument("--tests", nargs="*", help="test files to run for every bug (default: each bug's own)")
+    ap.add_argument("--k", default=None, help="with --tests: a -k expression")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per bug (a hang is a catch)")
+    ap.add_argument("--list", action="store_true", help="print the bugs and what they break, run nothing")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print the last lines of each run")
+    args = ap.parse_args(argv)
+    bugs = [b for b in BUGS if (not args.only or b.name in args.only) and (not args.fast or b.tests == FAST)]
+    if args.only and len(bugs) != len(set(args.only)):
+        unknown = sorted(set(args.only) - {b.name for b in BUGS})
+        raise SystemExit(f"unknown bugs: {unknown}")
+    if args.list:
+        for b in bugs:
+            print(f"{b.name:40} {b.file}\n    {b.breaks}\n    tests: {' '.join(b.tests)}" + (f" -k {b.k!r}" if b.k
+                                                                                             else ""))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="handmade-bugs-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        probe = subprocess.run([sys.executable, "-c", "import zenflow_kernels; print(zenflow_kernels.__file__)"],
+                               cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True,
+                               text=True, check=True).stdout.strip()
+        if not probe.startswith(str(tree)):
+            raise SystemExit(f"the copy imports zenflow_kernels from {probe}, not from {tree}")
+        rows = []
+        for bug in bugs:
+            tests = tuple(args.tests) if args.tests else bug.tests
+            k = args.k if args.tests else bug.k
+            outcome, seconds, tail = run_bug(bug, tree, tests, k, args.timeout)
+            rows.append((bug, outcome))
+            print(f"  {outcome:<26} {seconds:6.0f} s  {bug.name}", flush=True)
+            if args.verbose and tail:
+                print("      " + tail.replace("\n", "\n      "), flush=True)
+    applied = [(b, o) for b, o in rows if not o.startswith("stale")]
+    counted = [(b, o) for b, o in applied if b.judged is None]
+    caught = sum(o.startswith("caught") for _, o in counted)
+    notes = [f"{len(rows) - len(applied)} stale"] if len(applied) != len(rows) else []
+    notes += [f"{len(applied) - len(counted)} judged, not counted"] if len(counted) != len(applied) else []
+    print(f"hand-made bugs: {caught} of {len(counted)} caught" + (f" ({'; '.join(notes)})" if notes else ""))
+    for b, o in applied:
+        if b.judged is not None:
+            print(f"  judged {b.name} ({o}): {b.judged}")
+    return 0 if caught == len(counted) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
