@@ -538,6 +538,7 @@ class RingLink(_Link):
         self._ring = StagingRing(self.STAGING_SLOTS, max(ALIGN_BYTES, min(self.STAGING_SLOT_BYTES, per_slot)),
                                  engine.alloc)
         self._staged: dict[int, Staged] = {}  # index -> the gradient copied this step, its version and pieces
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # queued (slot view, source) copies
         self._last_accumulate = None  # completion of every accumulation issued so far
         self._guard = None  # completion of the last write-back: the copy-out buffers are free after it
 
@@ -565,46 +566,44 @@ class RingLink(_Link):
         """Start copying parameter ``i``'s gradient into the staging ring (from a backward hook, as soon as
         backward produced it), as far as free slots allow; step() copies the rest."""
         self._copy(i, grad, self._free_now)
+        self._issue()
 
     def _copy(self, i: int, grad: torch.Tensor, claim, seal=None) -> bool:
-        """Copy gradient ``i`` (again, over the pieces it has, if it changed) and place what is not placed
-        yet; True once all of it is placed."""
+        """Queue the copies of gradient ``i`` (again, over the pieces it has, if it changed) and place what is
+        not placed yet; True once all of it is placed. The copies are issued together (:meth:`_issue`),
+        always before the slot they fill is handed over."""
         rec = self._staged.get(i)
         if rec is not None and rec.grad.dtype != grad.dtype:  # another dtype: its pieces no longer fit
             for piece in rec.pieces:
                 piece.live = False
             rec = None
         flat = grad.detach().reshape(-1)
-        copies = []
+        view = self._ring.view
         if rec is None:
             rec = self._staged[i] = Staged(grad, grad._version)
         elif rec.grad is not grad or rec.version != grad._version:
             rec.grad, rec.version = grad, grad._version  # changed since: copy it again over the same pieces
-            copies += [(self._ring.view(p), flat[p.lo : p.lo + p.numel]) for p in rec.pieces]
-
-        def issue():
-            if copies:
-                self._engine.d2h(copies)
-                self.d2h_bytes += sum(src.numel() for _, src in copies) * grad.element_size()
-                copies.clear()
-
-        def issue_then_seal(slot):  # a slot is handed over only after every copy into it was issued
-            issue()
-            seal(slot)
-
-        pieces = self._ring.place(
-            i, grad.dtype, rec.placed, flat.numel() - rec.placed, claim,
-            seal=None if seal is None else issue_then_seal,
-            on_piece=lambda p: copies.append((self._ring.view(p), flat[p.lo : p.lo + p.numel])),
-        )
-        issue()
-        rec.pieces += pieces
-        rec.placed += sum(p.numel for p in pieces)
+            self._copies += [(view(p), flat[p.lo : p.lo + p.numel]) for p in rec.pieces]
+        if rec.placed < flat.numel():
+            pieces = self._ring.place(  # (a seal issues the queued copies: self._copies is a new list after it)
+                i, grad.dtype, rec.placed, flat.numel() - rec.placed, claim, seal=seal,
+                on_piece=lambda p: self._copies.append((view(p), flat[p.lo : p.lo + p.numel])),
+            )
+            rec.pieces += pieces
+            rec.placed += sum(p.numel for p in pieces)
         return rec.placed == flat.numel()
+
+    def _issue(self) -> None:
+        """Start the queued copies, one job for all of them."""
+        if self._copies:
+            self._engine.d2h(self._copies)
+            self.d2h_bytes += sum(src.numel() * src.element_size() for _, src in self._copies)
+            self._copies = []
 
     def _hand_over(self, slot: int, buf: int) -> None:
         """Slot ``slot``'s pieces are final: an accumulate job adds them into acc[buf] once the copies issued
-        so far have completed; the slot is the job's until it is done."""
+        so far (the queued ones are issued first) have completed; the slot is the job's until it is done."""
+        self._issue()
         copied = self._engine.d2h_marker()
         ring, host = self._ring, self.host
         pieces = [(p, ring.view(p)) for p in ring.hand_over(slot)]
