@@ -577,17 +577,16 @@ class RingLink(_Link):
             for piece in rec.pieces:
                 piece.live = False
             rec = None
-        flat = grad.detach().reshape(-1)
-        view = self._ring.view
+        flat = grad.detach().view(-1) if grad.is_contiguous() else grad.detach().reshape(-1)
         if rec is None:
             rec = self._staged[i] = Staged(grad, grad._version)
         elif rec.grad is not grad or rec.version != grad._version:
             rec.grad, rec.version = grad, grad._version  # changed since: copy it again over the same pieces
-            self._copies += [(view(p), flat[p.lo : p.lo + p.numel]) for p in rec.pieces]
+            self._copies += [(p.data, flat[p.lo : p.lo + p.numel]) for p in rec.pieces]
         if rec.placed < flat.numel():
             pieces = self._ring.place(  # (a seal issues the queued copies: self._copies is a new list after it)
                 i, grad.dtype, rec.placed, flat.numel() - rec.placed, claim, seal=seal,
-                on_piece=lambda p: self._copies.append((view(p), flat[p.lo : p.lo + p.numel])),
+                on_piece=lambda p: self._copies.append((p.data, flat[p.lo : p.lo + p.numel])),
             )
             rec.pieces += pieces
             rec.placed += sum(p.numel for p in pieces)
@@ -606,7 +605,7 @@ class RingLink(_Link):
         self._issue()
         copied = self._engine.d2h_marker()
         ring, host = self._ring, self.host
-        pieces = [(p, ring.view(p)) for p in ring.hand_over(slot)]
+        pieces = [(p, p.data) for p in ring.hand_over(slot)]
 
         def add():
             copied.wait()

@@ -37,6 +37,7 @@ class Piece:
     numel: int
     slot: int
     byte: int
+    data: torch.Tensor | None = None  # its bytes in the slot, as its dtype
     live: bool = True  # False once the gradient it holds is dropped (another dtype, a skipped step)
 
 
@@ -65,6 +66,7 @@ class StagingRing:
         self.slot_bytes = slot_bytes - slot_bytes % ALIGN_BYTES
         self._alloc = alloc
         self.buffers: list[torch.Tensor | None] = [None] * slots
+        self._typed: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in range(slots)]  # a slot as each dtype
         self.readers: list = [None] * slots  # the accumulate job that last read each slot (None: none yet)
         self.pieces: list[list[Piece]] = [[] for _ in range(slots)]
         self.used = [0] * slots  # bytes filled this step
@@ -73,10 +75,12 @@ class StagingRing:
         self._next = 0  # the slot to try after the current one is full
         self.allocated_bytes = 0
 
-    def view(self, piece: Piece) -> torch.Tensor:
-        """The piece's bytes in its slot, as its dtype."""
-        nbytes = piece.numel * piece.dtype.itemsize
-        return self.buffers[piece.slot][piece.byte : piece.byte + nbytes].view(piece.dtype)
+    def _view(self, slot: int, dtype: torch.dtype, byte: int, numel: int) -> torch.Tensor:
+        typed = self._typed[slot].get(dtype)
+        if typed is None:  # the whole slot as this dtype, once (slots are a multiple of 64 bytes)
+            typed = self._typed[slot][dtype] = self.buffers[slot].view(dtype)
+        start = byte // dtype.itemsize
+        return typed[start : start + numel]
 
     def _room(self, slot: int, dtype: torch.dtype) -> int:
         """Elements of ``dtype`` slot ``slot`` still takes."""
@@ -104,7 +108,7 @@ class StagingRing:
                 self._take(slot)
             start = -(-self.used[slot] // ALIGN_BYTES) * ALIGN_BYTES
             n = min(numel, self._room(slot, dtype))
-            piece = Piece(index, dtype, lo, n, slot, start)
+            piece = Piece(index, dtype, lo, n, slot, start, self._view(slot, dtype, start, n))
             self.pieces[slot].append(piece)
             self.used[slot] = start + n * dtype.itemsize
             placed.append(piece)
