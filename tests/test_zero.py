@@ -33,14 +33,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cases: list[dict], tmp_path: Path, world: int = 2, timeout: float = 240.0):
-    """Run the cases on ``world`` ranks; returns ({case: [rank results]}, [completed processes])."""
+def launch(cases: list[dict], tmp_path: Path, world: int = 2, timeout: float = 240.0, worker: Path = WORKER):
+    """Run the cases on ``world`` ranks (``worker``: the script each rank runs); returns ({case: [rank
+    results]}, [completed processes])."""
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps(cases))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
            "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(spec), str(tmp_path)], cwd=ROOT,
+        subprocess.Popen([sys.executable, str(worker), str(spec), str(tmp_path)], cwd=ROOT,
                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
         for r in range(world)

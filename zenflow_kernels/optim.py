@@ -29,6 +29,7 @@ import torch
 
 from . import cpu_ops, ops
 from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters
+from .fsdp2 import FSDP2, fsdp2_mesh
 from .host import HostWorkerError
 from .link import current_chaos, make_link
 from .schedule import Schedule, resolve_schedule
@@ -104,11 +105,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                              "invalid: allowed None, or True/False with zero_stage=2 (only stage 2 reduces each "
                              "gradient to one owner)")
         world = world_of(process_group)
-        if world > 1 and zero_stage == 0:
-            raise ValueError(
-                f"ZenFlowAdamW: torch.distributed runs {world} ranks and zero_stage=0: pick zero_stage=1 or 2 (each "
-                "rank holds 1/world of the host state; the optimizer averages the gradients itself, without DDP)"
-            )
         self._built = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.config = ZenFlowConfig.coerce(zenflow)
@@ -117,20 +113,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.host_timeout = host_timeout
         self.zero_stage = zero_stage
         self.release_gradients = zero_stage == 2 and release_gradients is not False
-        # how the ranks hold gradients and host state (sharding.py): the one thing that differs between one
-        # process and ZeRO; the algorithm below is the same for all
-        self._shard: Sharding = (
-            Sharding() if world == 1 else
-            Zero1(process_group, float(collective_timeout)) if zero_stage == 1 else
-            Zero2(process_group, float(collective_timeout), release=self.release_gradients,
-                  bucket_numel=self.ZERO_BUCKET_NUMEL)
-        )
         # this step's selected columns' gradients where only those exist ({i: [R, k]}; ZeRO-2 released)
         self._compact: dict[int, torch.Tensor] | None = None
         self._exchange = None  # the owners' hand-over of the pending write-back, started by its host update
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_params()
+        # how the ranks hold gradients and host state (sharding.py): the one thing that differs between one
+        # process, ZeRO and FSDP2; the algorithm below is the same for all
+        self._shard: Sharding = self._sharding(world, process_group, float(collective_timeout))
         self._shard.accept(self._params)
         self.t = 0
         self.skipped_steps = 0
@@ -162,11 +153,35 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if hasattr(self, "_params"):  # a group added after __init__ but before the first step
                 params = [p for grp in self.param_groups for p in grp["params"]]
                 self._check_params(params)
+                self._shard.accept(params)
                 self._params = params
                 self._group_of = [gi for gi, grp in enumerate(self.param_groups) for _ in grp["params"]]
         except Exception:
             self.param_groups.pop()  # a refused group leaves nothing behind
             raise
+
+    def _sharding(self, world: int, process_group, timeout: float) -> Sharding:
+        """One process, ZeRO-1/2 over ``torch.distributed`` or FSDP2 (DTensor parameters)."""
+        mesh = fsdp2_mesh(self._params)
+        if mesh is not None:
+            if self.zero_stage:
+                raise ValueError(
+                    f"ZenFlowAdamW: zero_stage={self.zero_stage} with FSDP2 (DTensor) parameters is invalid: allowed 0 "
+                    "(FSDP2 already shards the parameters and gradients; the host state follows its shards)")
+            if process_group is not None:
+                raise ValueError("ZenFlowAdamW: process_group with FSDP2 (DTensor) parameters is invalid: allowed "
+                                 "None (the parameters' device mesh is the group)")
+            return FSDP2(mesh, timeout)
+        if world == 1:
+            return Sharding()
+        if self.zero_stage == 0:
+            raise ValueError(
+                f"ZenFlowAdamW: torch.distributed runs {world} ranks and zero_stage=0: pick zero_stage=1 or 2 (each "
+                "rank holds 1/world of the host state; the optimizer averages the gradients itself, without DDP)"
+            )
+        if self.zero_stage == 1:
+            return Zero1(process_group, timeout)
+        return Zero2(process_group, timeout, release=self.release_gradients, bucket_numel=self.ZERO_BUCKET_NUMEL)
 
     def _check_params(self, params=None) -> None:
         params = self._params if params is None else params
@@ -189,6 +204,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         train_cores, host_cores = cpu_ops.split_cores(self.config.pt_reserved_cores_perc)
         self._saved_torch_threads = None
         self._shard.start(self._params, self._group_of, self.device, self._chaos)
+        # the tensors the algorithm reads and writes: the parameters themselves, or (FSDP2) this rank's rows
+        self._local = [self._shard.local(p) for p in self._params]
         host_threads = len(host_cores)
         if self.device.type == "cpu" and set(train_cores) & set(host_cores):
             # CPU-only, cores shared with training: a worker takes only what torch leaves free. A numba
@@ -201,7 +218,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._saved_torch_threads = torch.get_num_threads()
             torch.set_num_threads(max(1, len(train_cores)))
         self._link = make_link(
-            self._params,
+            self._local,
             self._group_of,
             self.device,
             overlap=overlap,
@@ -247,7 +264,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return
         if not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_acc is not None):
             return
-        self._link.stage(i, p.grad)
+        self._link.stage(i, self._shard.own_grad(i))
 
     ZERO_BUCKET_NUMEL = 1 << 23
     """ZeRO-2 reduces matrices' gradients in buckets of at most this many elements (one owner, one dtype)."""
@@ -341,7 +358,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return {}
         out = self._link.host_bytes()
         total = sum(out.values())
-        held = sum(self._params[i].numel() for i in self._host.slots)
+        held = sum(self._local[i].numel() for i in self._host.slots)
         storages = {}  # views share their storage (the flat step counts): each counted once
         for st in self.state.values():
             for v in st.values():
@@ -371,9 +388,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._build()
         self._link.check()
         active = self._shard.active()
-        for i in active:
-            if self._params[i].grad is not None:
-                self._check_grad(i, self._params[i].grad)
+        own_grad, local = self._shard.own_grad, self._local
+        grads = [(i, g) for i in active if (g := own_grad(i)) is not None]
+        # one pass over every gradient: dense, on the device, an allowed dtype, the parameter's shape;
+        # otherwise _check_grad names the first that is not
+        if not {(g.device, g.dtype, g.layout) for _, g in grads} <= {
+                (self.device, dtype, torch.strided) for dtype in _PARAM_DTYPES} or (
+                [g.shape for _, g in grads] != [local[i].shape for i, _ in grads]):
+            for i, g in grads:
+                self._check_grad(i, g)
         self._compact = None
         self._shard.gather(active)
         norm = self._shard.grad_norm(active)
@@ -396,7 +419,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return loss
 
     def _check_grad(self, i: int, g: torch.Tensor) -> None:
-        p = self._params[i]
+        p = self._local[i]
         if g.is_sparse or g.shape != p.shape or g.device != self.device or g.dtype not in _PARAM_DTYPES:
             raise ValueError(
                 f"ZenFlowAdamW: gradient of parameter {i} ({tuple(g.shape)}, {g.dtype}, {g.device}, "
@@ -521,7 +544,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _from_host(self, i: int, name: str, cols: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of parameter ``i``'s host ``master``/``exp_avg``/``exp_avg_sq`` (fp32, parameter shape;
         ``cols``: those columns only), on the device. ZeRO: its owner broadcasts it."""
-        host, p = self._host, self._params[i]
+        host, p = self._host, self._local[i]
 
         def make():
             t = host.view(getattr(host, name), i)
@@ -537,8 +560,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _init_vector(self, i: int) -> None:
         """A vector joins the fast path with the Adam state the host gave it during warm-up."""
-        p = self._params[i]
-        st = self.state[p]
+        p = self._local[i]
+        st = self.state[self._params[i]]
         n = p.numel()
         st["exp_avg"] = self._to_state(self._from_host(i, "exp_avg").reshape(1, n))
         st["exp_avg_sq"] = self._to_state(self._from_host(i, "exp_avg_sq").reshape(1, n))
@@ -550,14 +573,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def _reselect(self, indices: list[int]) -> None:
         """New top-k columns for these matrices; state moves with the columns that stay."""
-        params = [self._params[i] for i in indices]
         scores = self._shard.scores(indices, self.config.importance)
-        ks = [self.config.num_selected(p.shape[1]) for p in params]
+        ks = [self.config.num_selected(self._params[i].shape[1]) for i in indices]
         chosen = ops.multi_topk_columns(scores, ks, check_data=False)
         host = self._host
         jaccards, captured, total = [], 0.0, 0.0
-        for i, p, new, s in zip(indices, params, chosen, scores, strict=True):
-            st = self.state[p]
+        for i, new, s in zip(indices, chosen, scores, strict=True):
+            p, st = self._local[i], self.state[self._params[i]]
             R, k = p.shape[0], new.numel()
             owned = i in host.slots  # ZeRO: this rank holds the matrix's host state
             old = st.get("selected")
@@ -600,22 +622,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._stats.record_selection(self.t, jaccards, captured / total if total > 0 else float("nan"))
         self._plan = None
 
-    def _fast_plan(self) -> tuple[list, torch.Tensor | None]:
+    def _fast_plan(self) -> tuple[list, torch.Tensor | None, dict]:
         """What the fast step needs of each parameter on the fast path, built once per selection (not per
-        step): ``(index, param [R, C] or [1, n], is_matrix, state)`` for every parameter with fast-path
-        state, and one int64 tensor holding the per-column step counts of all those matrices (each
-        matrix's ``state["step"]`` becomes a view of it, so one ``add_`` advances them all)."""
+        step): ``(index, param [R, C] or [1, n], is_matrix, state, group)`` for every parameter with fast-path
+        state, one int64 tensor holding the per-column step counts of all those matrices (each
+        matrix's ``state["step"]`` becomes a view of it, so one ``add_`` advances them all), and the launch
+        caches of the fast step's multi-tensor calls (``LaunchItems``: laid out once per selection)."""
         if self._plan is not None:
             return self._plan
         entries, steps = [], []
-        for i, p in enumerate(self._params):
-            st = self.state.get(p)
+        for i, (key, p) in enumerate(zip(self._params, self._local, strict=True)):
+            st = self.state.get(key)
             if not st or "exp_avg" not in st:
                 continue
             if p.dim() != 2:
-                entries.append((i, p.view(1, -1), False, st))
+                entries.append((i, p.view(1, -1), False, st, self._group_of[i]))
             elif st["selected"].numel():
-                entries.append((i, p, True, st))
+                entries.append((i, p, True, st, self._group_of[i]))
                 steps.append(st)
         flat = None
         if steps:
@@ -625,23 +648,31 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 k = st["step"].numel()
                 st["step"] = flat[offset : offset + k]
                 offset += k
-        self._plan = (entries, flat)
+        self._plan = (entries, flat, {})
         return self._plan
 
     def _fast_step(self, active: set[int], hyper: list[dict], coef: float | None) -> None:
         """One fused multi-tensor AdamW over the selected columns of every active matrix and every active
-        vector (one launch set per distinct (beta1, beta2, eps) of the param groups: usually one)."""
-        entries, flat_steps = self._fast_plan()
+        vector (one launch set per distinct (beta1, beta2, eps) of the param groups: usually one). With every
+        parameter active, each launch is laid out once per selection (``LaunchItems``)."""
+        from .cpu_ops.selective_adamw import LaunchItems
+
+        entries, flat_steps, launches = self._fast_plan()
         if len(active) < len(self._params):
             entries = [e for e in entries if e[0] in active]
-            for _, _, is_matrix, st in entries:
+            for _, _, is_matrix, st, _ in entries:
                 if is_matrix:
                     st["step"].add_(1)
+            launches = None  # not the plan's list of tensors: laid out at this step
         elif flat_steps is not None:
             flat_steps.add_(1)
+        if self._compact is not None or self._offload:
+            launches = None  # tensors made at this step (gathered columns, state visiting the device)
+        own_grad = self._shard.own_grad
+        numbers = [(h["lr"], h["weight_decay"]) for h in hyper]
+        group_keys = [(h["beta1"], h["beta2"], h["eps"]) for h in hyper]
         items, keys, gathered = [], [], []
-        for i, pv, is_matrix, st in entries:
-            h = hyper[self._group_of[i]]
+        for i, pv, is_matrix, st, gi in entries:
             if is_matrix and self._compact is not None:
                 # released gradients: only the selected columns' [R, k] exist; a dense update of the
                 # gathered columns, scattered back after (the same arithmetic as the indexed update)
@@ -650,18 +681,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 gathered.append((pv, idx, cols))
                 pv, idx = cols, None
             elif is_matrix:
-                grad, idx = pv.grad, st["selected"]
+                grad, idx = own_grad(i), st["selected"]
             else:
                 st["step"] += 1
-                grad, idx = self._params[i].grad.view(1, -1), None
-            items.append(
-                (pv, grad, idx, st["exp_avg"], st["exp_avg_sq"], st.get("master"), st["step"], h["lr"],
-                 h["weight_decay"])
-            )
-            keys.append((h["beta1"], h["beta2"], h["eps"]))
+                grad, idx = own_grad(i).view(1, -1), None
+            items.append((pv, grad, idx, st["exp_avg"], st["exp_avg_sq"], st.get("master"), st["step"], *numbers[gi]))
+            keys.append(group_keys[gi])
         grad_scale = 1.0 if coef is None else 1.0 / coef
-        for key in dict.fromkeys(keys):
-            chosen = [item for item, kk in zip(items, keys, strict=True) if kk == key]
+        distinct = dict.fromkeys(keys)
+        for key in distinct:
+            chosen = items if len(distinct) == 1 else [item for item, kk in zip(items, keys, strict=True) if kk == key]
+            if launches is not None:
+                chosen = LaunchItems(chosen, launches.setdefault(key, {}))
             for bucket in self._buckets(chosen):
                 if self._offload:  # stream this bucket's state in; it goes back out after the update
                     moved = [
@@ -798,8 +829,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                       self._link.wait)
         items = []
         for i in indices:
-            p = self._params[i]
-            sel = (self.state.get(p) or {}).get("selected")
+            p = self._local[i]
+            sel = (self.state.get(self._params[i]) or {}).get("selected")
             items.append((p, others[i] if i in others else self._host.out_view(i), sel))
         self._link.write_back(items)
 
@@ -844,7 +875,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     st.update(host_master=fields["master"], host_exp_avg=fields["exp_avg"],
                               host_exp_avg_sq=fields["exp_avg_sq"], host_step=self._host_step(i),
                               acc=self._shard.checkpoint_tensor(i, lambda i=i: self._interval_sums_of(i),
-                                                                tuple(p.shape)))
+                                                                tuple(self._local[i].shape)))
                 elif i in host.slots:
                     st.update(
                         host_master=host.view(host.master, i).clone(),
@@ -897,7 +928,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         schedule = Schedule.from_dict(zenflow["schedule"])
         saved_state = state_dict["state"]
         for idx, st in saved_state.items():
-            p = self._params[int(idx)]
+            p = self._shard.local(self._params[int(idx)])
             if "host_master" in st and tuple(st["host_master"].shape) != tuple(p.shape):
                 raise ValueError(
                     f"ZenFlowAdamW.load_state_dict: parameter {idx} was saved with shape "

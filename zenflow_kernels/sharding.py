@@ -57,6 +57,11 @@ class Sharding:
 
     def accept(self, params: Sequence[torch.Tensor]) -> None:
         """Refuse parameters this way of holding them cannot take (at construction)."""
+        from .fsdp2 import is_dtensor
+
+        if any(is_dtensor(p) for p in params):
+            raise ValueError("ZenFlowAdamW: some parameters are DTensors (FSDP2) and others are not: allowed all of "
+                             "one kind (a model wrapped with fully_shard throughout, or plain parameters)")
 
     def start(self, params: Sequence[torch.Tensor], groups: Sequence[int], device: torch.device, chaos) -> None:
         """At the first step (building may be collective: every rank builds at the same point)."""
@@ -67,6 +72,14 @@ class Sharding:
         """Let collectives already started complete (a reload or close while an exchange is in flight)."""
 
     # -- a step's gradients -----------------------------------------------------------------------
+
+    def local(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor of parameter ``p`` the algorithm reads and writes (FSDP2: this rank's rows)."""
+        return p
+
+    def own_grad(self, i: int) -> torch.Tensor | None:
+        """This rank's own gradient of parameter ``i`` as backward left it (shaped like :meth:`local`)."""
+        return self.params[i].grad
 
     def grad_ready(self, i: int, check: Callable[[int, torch.Tensor], None]) -> None:
         """A backward hook (only when :attr:`consumes_hooks`): parameter ``i``'s gradient is complete."""
@@ -81,13 +94,13 @@ class Sharding:
 
     def grad(self, i: int) -> torch.Tensor:
         """The step's gradient of parameter ``i`` as the host path and the selection read it."""
-        return self.params[i].grad
+        return self.own_grad(i)
 
     def grad_norm(self, active: list[int]) -> float:
         """The global L2 norm of the step's gradient (inf/NaN if any is non-finite), one device sync."""
         if not active:
             return 0.0
-        norms = torch._foreach_norm([self.params[i].grad for i in active], 2, dtype=torch.float32)
+        norms = torch._foreach_norm([self.own_grad(i) for i in active], 2, dtype=torch.float32)
         return float(torch.stack(norms).double().pow(2).sum().sqrt())
 
     def scores(self, indices: list[int], importance: str) -> list[torch.Tensor]:
@@ -157,6 +170,7 @@ class Zero1(Sharding):
         self.ctx: ZeroContext | None = None
 
     def accept(self, params) -> None:
+        super().accept(params)
         check_not_ddp(params)
 
     def start(self, params, groups, device, chaos) -> None:

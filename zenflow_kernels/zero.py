@@ -101,31 +101,27 @@ def check_not_ddp(params: Sequence[torch.Tensor]) -> None:
             )
 
 
-class ZeroContext:
-    """The ranks, the owner of every parameter, the other ranks' shard layouts and the collectives.
+class Collectives:
+    """Timed collectives over the ranks of ``process_group`` on groups of their own: the training
+    thread's, a gloo group for the host worker (two threads never interleave calls on one group) and a
+    gloo group for small per-step checks. Each waits at most ``timeout`` seconds and raises
+    :class:`ZeroCollectiveError` naming this rank, the collective and what it carried; bytes are counted
+    per kind.
 
     Args:
-        params, groups: the optimizer's flat parameter list and each parameter's param-group index.
-        process_group: the group to partition over (None: the default group).
+        process_group: the group to run over (None: the default group).
         timeout: seconds any one collective may take.
         chaos: ``testing.chaos`` settings: each rank sleeps a seeded random time (its own sequence) before
             starting each collective, so the ranks arrive out of step and an asynchronous collective
             completes late: a result read before its wait then differs on CPU.
 
-    Every rank of ``process_group`` must build its context at the same point (the first ``step()``),
-    since creating the module's groups is itself collective.
+    Every rank of ``process_group`` must create it at the same point: creating its groups is collective.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], groups: Sequence[int], *, process_group, timeout: float,
-                 chaos: Chaos | None = None):
+    def __init__(self, *, process_group, timeout: float, chaos: Chaos | None = None):
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self.timeout = timeout
-        order = self.order = layout(params, groups)[0]  # every parameter, host layout order
-        self.owner = owners(params, groups, self.world)
-        self.owned = [i for i in order if self.owner[i] == self.rank]  # this rank's shard, layout order
-        # each rank's shard layout (offsets within its flat buffers), for the write-back broadcasts
-        self.layouts = [layout(params, groups, [i for i in order if self.owner[i] == r])[1] for r in range(self.world)]
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
         delta = datetime.timedelta(seconds=timeout)
         self._train = dist.new_group(ranks, timeout=delta)
@@ -234,6 +230,26 @@ class ZeroContext:
         """A float summed over the ranks, from the host worker (the clipping norm's squares)."""
         t = torch.tensor([value], dtype=torch.float64)
         return float(self.all_reduce_(t, "clipping norm", host=True))
+
+class ZeroContext(Collectives):
+    """The ranks, the owner of every parameter, the other ranks' shard layouts and the collectives.
+
+    Args:
+        params, groups: the optimizer's flat parameter list and each parameter's param-group index.
+        process_group, timeout, chaos: as :class:`Collectives`.
+
+    Every rank of ``process_group`` must build its context at the same point (the first ``step()``),
+    since creating the module's groups is itself collective.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], groups: Sequence[int], *, process_group, timeout: float,
+                 chaos: Chaos | None = None):
+        super().__init__(process_group=process_group, timeout=timeout, chaos=chaos)
+        order = self.order = layout(params, groups)[0]  # every parameter, host layout order
+        self.owner = owners(params, groups, self.world)
+        self.owned = [i for i in order if self.owner[i] == self.rank]  # this rank's shard, layout order
+        # each rank's shard layout (offsets within its flat buffers), for the write-back broadcasts
+        self.layouts = [layout(params, groups, [i for i in order if self.owner[i] == r])[1] for r in range(self.world)]
 
     def from_owner(self, i: int, make, shape: tuple[int, ...], dtype: torch.dtype, device, kind: str) -> torch.Tensor:
         """Parameter ``i``'s owner computes ``make()``; every rank returns it (a tensor on ``device``)."""

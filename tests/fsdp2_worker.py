@@ -1,0 +1,176 @@
+"""One rank of the FSDP2 tests (tests/test_fsdp2.py starts one process per rank, as torchrun would).
+
+    python tests/fsdp2_worker.py CASES.json OUT_DIR      (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+
+Runs every case of CASES.json in order on one gloo process group: a small model wrapped with
+``fully_shard`` per block and at the root, each rank training on its slice of the same global batches.
+Saves, per case, the full weights after every step (gathered), every selection, stats and host bytes to
+OUT_DIR/<case>-rank<r>.pt. tests/test_fsdp2.py trains one process on the whole batches and the reference
+from the same start, and compares.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from zenflow_kernels import ZenFlowAdamW  # noqa: E402
+from zenflow_kernels.ops import use_backend  # noqa: E402
+from zenflow_kernels.testing import chaos  # noqa: E402
+
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+VOCAB, WIDTH, HIDDEN, OUT = 13, 12, 20, 5
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.up = torch.nn.Linear(WIDTH, HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Model(torch.nn.Module):
+    """Uneven row counts on purpose: 13 embedding rows, 5 head rows (2/2/1 on 3 ranks), a 2-row gate (1/1/0:
+    one rank holds an empty shard of it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.gate = torch.nn.Linear(WIDTH, 2, bias=False)
+        self.head = torch.nn.Linear(WIDTH, OUT)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        x = x * torch.sigmoid(self.gate(x)).mean(-1, keepdim=True)
+        return self.head(x).clone()  # not a view: FSDP2 hooks the root's output for backward
+
+
+def make_model(seed: int = 0, dtype=torch.float32) -> Model:
+    torch.manual_seed(seed)
+    return Model().to(dtype)
+
+
+def batches(steps: int, size: int = 12, seed: int = 7):
+    """Global batches (tokens [size, 6], targets [size, 6] in [0, OUT)), fixed in advance."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (size, 6), generator=g), torch.randint(0, OUT, (size, 6), generator=g))
+            for _ in range(steps)]
+
+
+def loss_of(model, tokens, targets):
+    logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, OUT).float(), targets.reshape(-1))
+
+
+def rank_slice(batch, rank: int, world: int):
+    """This rank's equal share of a global batch (the loss is a mean, so the ranks' mean gradient is the
+    whole batch's)."""
+    tokens, targets = batch
+    n = tokens.shape[0] // world
+    return tokens[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n]
+
+
+def backward(model, batch, rank, world, micro: int = 1):
+    tokens, targets = rank_slice(batch, rank, world)
+    for m in range(micro):
+        n = tokens.shape[0] // micro
+        loss = loss_of(model, tokens[m * n : (m + 1) * n], targets[m * n : (m + 1) * n]) / micro
+        loss.backward()
+
+
+def wrap(model, case):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    extra = {}
+    if case.get("mixed_precision"):
+        extra["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **extra)
+    fully_shard(model, mesh=mesh, **extra)
+    return model
+
+
+def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    model = wrap(make_model(dtype=dtype), case)
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    data = batches(case["steps"])
+    ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else _nothing()
+    result: dict = {"weights": [], "selections": []}
+    with ctx:
+        opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=case["zenflow"],
+                           max_grad_norm=case.get("max_grad_norm"), collective_timeout=case.get("timeout", 60.0))
+    with opt:
+        for t, batch in enumerate(data):
+            backward(model, batch, rank, world, micro=case.get("micro", 1))
+            # the asynchronous link starts each gradient's copy from the hook FSDP2 calls after its
+            # reduce-scatter: how many are staged before step() runs
+            result.setdefault("staged_by_hooks", []).append(len(getattr(opt._link, "_staged", {})) if t else None)
+            if case.get("fail_rank") == rank and t == case.get("fail_at"):
+                if case.get("hang_s"):  # alive but not stepping: the others must time out, not wait
+                    time.sleep(case["hang_s"])
+                    os._exit(3)
+                raise RuntimeError(f"rank {rank} fails at step {t} on purpose")
+            opt.step()
+            opt.zero_grad()
+            result["selections"].append([None if (s := opt.selected_columns(p)) is None else s.tolist()
+                                         for p in params])
+            result["weights"].append([p.full_tensor().detach().clone() for p in params])  # live, as trained on
+        opt.flush()
+        result["flushed"] = [p.full_tensor().detach().clone() for p in params]
+        result.update(stats=opt.stats(), host_bytes=opt.host_bytes(), names=names,
+                      local_rows=[p.to_local().shape[0] for p in params])
+    torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main() -> int:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    torch.set_num_threads(1)
+    # FSDP2's own collectives wait the process group's timeout: short, so a failure case cannot hang the suite
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        with use_backend("numba"):
+            for case in cases:
+                run_case(case, rank, world, out_dir)
+    except Exception:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

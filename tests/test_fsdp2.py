@@ -1,0 +1,218 @@
+"""ZenFlowAdamW on FSDP2 (``fully_shard``) over gloo, CPU: processes started by the test, one per rank
+(tests/fsdp2_worker.py), each training on its slice of the same global batches. Every case must match
+one process on the whole batches (a plain model, ZenFlowAdamW) and the reference, step by step, select
+the same columns on every rank, and hold 1/world of the host state per rank.
+
+All cases of one world size run in one launch (process start-up shared); the failure cases need launches
+of their own.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.host import ALIGN
+from zenflow_kernels.ops import use_backend
+from zenflow_kernels.reference import ReferenceZenFlow
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fsdp2_worker as W  # noqa: E402
+from test_zero import free_port, launch  # noqa: E402
+
+pytest.importorskip("torch.distributed.fsdp")
+
+WORKER = Path(W.__file__)
+STEPS = 20
+ZEN = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2, overlap_step=True,
+           full_warm_up_rounds=1)
+CASES = {
+    "overlap": dict(zenflow=ZEN),
+    "sync": dict(zenflow=dict(ZEN, overlap_step=False)),
+    "clip": dict(zenflow=ZEN, max_grad_norm=0.5),
+    "auto": dict(zenflow=dict(ZEN, update_interval="auto", max_update_interval=4, auto_ratio=0.5)),
+    "devacc": dict(zenflow=dict(ZEN, device_accumulation=True)),
+    "chaos": dict(zenflow=dict(ZEN, update_interval=3), chaos=0, max_grad_norm=1.0),
+    "micro": dict(zenflow=ZEN, micro=2),
+    "bf16": dict(zenflow=ZEN, dtype="bfloat16"),
+    "mixed_precision": dict(zenflow=ZEN, mixed_precision=True),
+}
+WORLDS = [2, 3]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case at 2 and at 3 ranks: {world: {case: [rank results]}}."""
+    out = {}
+    for world in WORLDS:
+        tmp = tmp_path_factory.mktemp(f"fsdp2_w{world}")
+        cases = [dict(CASES[name], name=name, steps=STEPS) for name in CASES]
+        results, done = launch(cases, tmp, world=world, timeout=600.0, worker=WORKER)
+        for rc, _, err in done:
+            assert rc == 0, err[-4000:]
+        out[world] = results
+    return out
+
+
+def one_process(case: dict, reference: bool = False):
+    """The same training on one process, whole batches: live weights after each step, selections, the
+    flushed weights."""
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    model = W.make_model(dtype=dtype)
+    params = list(model.parameters())
+    factory = ReferenceZenFlow if reference else ZenFlowAdamW
+    opt = factory(params, **W.HYPER, zenflow=case["zenflow"], max_grad_norm=case.get("max_grad_norm"))
+    weights, selections = [], []
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case.get("mixed_precision") else _nothing()
+    with use_backend("numba"):
+        for batch in W.batches(STEPS):
+            with autocast:
+                W.backward(model, batch, 0, 1, micro=case.get("micro", 1))
+            opt.step()
+            opt.zero_grad()
+            weights.append([p.detach().clone() for p in params])
+            if not reference:
+                selections.append([None if (s := opt.selected_columns(p)) is None else s.tolist() for p in params])
+        opt.flush()
+        if not reference:
+            opt.close()
+    return weights, selections, [p.detach().clone() for p in params]
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _low_precision(case: dict) -> bool:
+    """bf16 compute on each rank's slice (and, for bf16 parameters, a bf16 reduce-scatter) differs from bf16
+    compute on the whole batch at bf16 precision: a near tie of two columns can then fall either way, so
+    these cases are compared within bf16 noise, not column for column."""
+    return bool(case.get("mixed_precision") or case.get("dtype") == "bfloat16")
+
+
+def _assert_close(a: torch.Tensor, b: torch.Tensor, case: dict, what: str) -> None:
+    a, b = a.float(), b.float()
+    if not _low_precision(case):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+        return
+    # within bf16 noise: a column that fell the other way at a near tie moves by a few updates (lr 1e-2)
+    diff = (a - b).abs()
+    assert diff.mean() <= 1e-2 and diff.max() <= 0.1, f"{what}: mean {diff.mean():.2e}, max {diff.max():.2e}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_fsdp2_matches_one_process_and_the_reference(runs, name, world):
+    case = CASES[name]
+    ranks = runs[world][name]
+    base = ranks[0]
+    # every rank selected the same columns at every step (gathered weights are the same on every rank too)
+    for r, other in enumerate(ranks[1:], 1):
+        assert other["selections"] == base["selections"], f"rank {r} selected other columns than rank 0"
+        for a, b in zip(other["flushed"], base["flushed"], strict=True):
+            assert torch.equal(a, b)
+    weights, selections, flushed = one_process(case)
+    if not _low_precision(case):
+        assert base["selections"] == selections, "FSDP2 selected other columns than one process"
+    for t, (got, want) in enumerate(zip(base["weights"], weights, strict=True)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            _assert_close(a, b, case, f"{name} world {world} step {t} param {i}")
+    for i, (a, b) in enumerate(zip(base["flushed"], flushed, strict=True)):
+        _assert_close(a, b, case, f"{name} world {world} flushed param {i}")
+    if not _low_precision(case):
+        _, _, ref = one_process(case, reference=True)
+        for i, (a, b) in enumerate(zip(base["flushed"], ref, strict=True)):
+            _assert_close(a, b, case, f"{name} world {world} flushed param {i} vs the reference")
+    stats = base["stats"]
+    assert stats["steps"] == STEPS and stats["selections"] >= 3
+    assert set(stats["collective_bytes"]) >= {"selection scores", "gradient norm"}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_each_rank_holds_its_rows_of_the_host_state(runs, world):
+    """Host bytes per rank: its local rows of every parameter (master, moments, two accumulation buffers,
+    copy-out), each padded to ALIGN elements: about 1/world of one process's."""
+    ranks = runs[world]["overlap"]
+    model = W.make_model()
+    numels = [p.numel() for p in model.parameters()]
+    totals = []
+    for r, result in enumerate(ranks):
+        rows = result["local_rows"]
+        local = [n // p.shape[0] * rows[i] for i, (n, p) in enumerate(zip(numels, model.parameters(), strict=True))]
+        padded = sum(math.ceil(n / ALIGN) * ALIGN for n in local)
+        hb = result["host_bytes"]
+        assert hb["master"] == hb["exp_avg"] == hb["exp_avg_sq"] == 4 * padded, r
+        assert hb["accumulation"] == 8 * padded and hb["copy_out"] == 4 * padded
+        totals.append(hb["total"] - hb["staging"])
+    # the rows add up to the model: every row on exactly one rank
+    assert [sum(x) for x in zip(*[res["local_rows"] for res in ranks], strict=True)] == \
+        [p.shape[0] for p in model.parameters()]
+    one = sum(math.ceil(n / ALIGN) * ALIGN for n in numels) * 24
+    assert max(totals) < one / world * 1.5, (totals, one)  # alignment padding of small shards aside
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gradient_copies_start_from_the_hook_fsdp2_calls_after_its_reduce_scatter(runs, world):
+    """Under chaos (the asynchronous link, the GPU's protocol) every matrix's gradient copy has started
+    before step() runs: FSDP2 calls the sharded parameter's post-accumulate-grad hooks once its
+    reduce-scatter has produced the local gradient shard. Warm-up (step 0 builds the optimizer; step 1 is
+    not warm-up: full_warm_up_rounds=1) stages every parameter, later steps the matrices."""
+    ranks = runs[world]["chaos"]
+    matrices = sum(1 for p in W.make_model().parameters() if p.dim() == 2)
+    for result in ranks:
+        assert result["staged_by_hooks"][0] is None
+        assert result["staged_by_hooks"][1:] == [matrices] * (STEPS - 1)
+
+
+def test_a_rank_with_an_empty_shard_takes_part(runs):
+    """The 2-row gate on 3 ranks: one rank holds none of its rows, yet joins every collective and its
+    weights match."""
+    ranks = runs[3]["overlap"]
+    gate = ranks[0]["names"].index("gate.weight")
+    assert sorted(r["local_rows"][gate] for r in ranks) == [0, 1, 1]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(zero_stage=1), r"zero_stage=1 with FSDP2 \(DTensor\) parameters is invalid: allowed 0"),
+    (dict(zero_stage=2), r"zero_stage=2 with FSDP2 \(DTensor\) parameters is invalid: allowed 0"),
+])
+def test_fsdp2_settings_that_cannot_work_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _with_fake_fsdp2(W.make_model(), **kwargs)
+
+
+def _with_fake_fsdp2(model, **kwargs):
+    """A one-rank FSDP2 model (a gloo group of one in this process) for argument checks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        model = copy.deepcopy(model)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        return ZenFlowAdamW(model.parameters(), zenflow=dict(select_strategy="step", select_interval=4), **kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("how", ["raises", "hangs"])
+def test_a_rank_that_fails_ends_the_others_with_an_error_naming_the_collective(tmp_path, how):
+    case = dict(name="fail", steps=6, zenflow=ZEN, fail_rank=1, fail_at=3, timeout=5.0)
+    if how == "hangs":
+        case["hang_s"] = 30
+    _, done = launch([case], tmp_path, world=2, timeout=120.0, worker=WORKER)
+    rc0, _, err0 = done[0]
+    assert rc0 != 0
+    assert "ZeroCollectiveError" in err0 and "gradient norm" in err0, err0[-3000:]

@@ -1,0 +1,119 @@
+"""ZenFlowAdamW on FSDP2 (``torch.distributed.fsdp.fully_shard``): one more way of holding gradients behind
+the seam (sharding.py; docs/fsdp2.md).
+
+FSDP2 shards every parameter along dim 0 on a 1-D device mesh: a rank holds a block of rows of each
+``[out, in]`` weight (``p.to_local()``, a view of FSDP2's sharded storage: writing it under ``no_grad``
+changes what the next forward all-gathers) and, after backward, the reduce-scattered mean gradient of
+those rows (``p.grad.to_local()``). ZenFlow's columns cross every rank's block, so:
+
+* a column's score is the sum of the ranks' partial scores over their rows: one all-reduce of ``C`` floats
+  per matrix, all matrices in one flat buffer; every rank then selects the same columns;
+* the fast path updates this rank's rows of the selected columns, with no collective;
+* the host shard is this rank's rows of every parameter (1/world of the model), the write-back writes
+  them, and FSDP2 all-gathers at the next forward as it always does;
+* the gradient norm (clipping, the non-finite skip) and the host update's clipping norm are sums of
+  squares over the ranks, so every rank decides the same.
+
+The collectives run on groups of their own over the mesh's ranks (zero.Collectives: timed, chaos delays,
+errors naming the collective), not on the mesh's group, which FSDP2's own collectives use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .sharding import Sharding
+from .zero import Collectives
+
+__all__ = ["FSDP2", "fsdp2_mesh", "is_dtensor"]
+
+
+def is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def fsdp2_mesh(params: Sequence[torch.Tensor]):
+    """The 1-D device mesh FSDP2 shards these parameters over (every one a DTensor placed ``Shard(0)`` on it),
+    or None when none is a DTensor. Any other mix is an error naming what was found."""
+    found = [p for p in params if is_dtensor(p)]
+    if not found:
+        return None
+    from torch.distributed.tensor import Shard
+
+    if len(found) != len(params):
+        raise ValueError("ZenFlowAdamW: some parameters are DTensors (FSDP2) and others are not: allowed all of one "
+                         "kind (a model wrapped with fully_shard throughout, or plain parameters)")
+    mesh = found[0].device_mesh
+    for i, p in enumerate(found):
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise ValueError(
+                f"ZenFlowAdamW: parameter {i} is a DTensor placed {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
+                "mesh: allowed FSDP2's (Shard(0),) on a 1-D mesh (fully_shard without tensor parallelism or HSDP)")
+        if p.device_mesh != mesh:
+            raise ValueError(f"ZenFlowAdamW: parameter {i} is sharded over another device mesh than parameter 0: "
+                             "allowed one mesh")
+    return mesh
+
+
+class FSDP2(Sharding):
+    """FSDP2's sharded parameters: this rank's rows of every parameter (module docstring)."""
+
+    def __init__(self, mesh, timeout: float):
+        super().__init__()
+        self.mesh, self._timeout = mesh, timeout
+        self._group = mesh.get_group()
+        self.world, self.rank = dist.get_world_size(self._group), dist.get_rank(self._group)
+        self.ctx: Collectives | None = None
+
+    def accept(self, params) -> None:
+        fsdp2_mesh(params)  # raises for mixed kinds or other placements
+
+    def start(self, params, groups, device, chaos) -> None:
+        super().start(params, groups, device, chaos)
+        if self.ctx is None:  # once: creating its groups is collective (a reload keeps it)
+            self.ctx = Collectives(process_group=self._group, timeout=self._timeout,
+                                   chaos=chaos if device.type == "cpu" else None)
+            self.bytes = self.ctx.bytes
+
+    @property
+    def failed(self) -> bool:
+        return self.ctx is not None and self.ctx.failed
+
+    def local(self, p: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return p.to_local()
+
+    def own_grad(self, i: int) -> torch.Tensor | None:
+        g = self.params[i].grad
+        return None if g is None else g.to_local()
+
+    def grad_norm(self, active: list[int]) -> float:
+        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
+        grads = [g for g in (self.own_grad(i) for i in active) if g.numel()]
+        if grads:
+            squares += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum()
+        return float(self.ctx.all_reduce_(squares, "gradient norm").sqrt())
+
+    def scores(self, indices, importance) -> list[torch.Tensor]:
+        # partial scores over this rank's rows, summed over the ranks in one flat all-reduce
+        grads = [self.own_grad(i) for i in indices]
+        rows = [i for i, g in zip(indices, grads, strict=True) if g.shape[0]]
+        part = dict(zip(rows, ops.multi_column_scores([self.own_grad(i) for i in rows], importance), strict=True))
+        widths = [self.params[i].shape[1] for i in indices]
+        flat = torch.cat([
+            part[i].float() if i in part else torch.zeros(c, device=self.device)
+            for i, c in zip(indices, widths, strict=True)
+        ]) if indices else torch.zeros(0, device=self.device)
+        self.ctx.all_reduce_(flat, "selection scores")
+        return list(flat.split(widths))
+
+    def sum_over_ranks(self):
+        return self.ctx.sum_host
