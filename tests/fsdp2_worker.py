@@ -109,7 +109,53 @@ def wrap(model, case):
     return model
 
 
+def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
+    """``save``: train ``save_at`` steps, save model and optimizer with torch.distributed.checkpoint, train on
+    to ``steps``; ``load``: a fresh model and optimizer load that checkpoint (at this world size) and train
+    from ``save_at`` to ``steps``. Saves the live weights after each step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = wrap(make_model(seed=1 if case["kind"] == "load" else 0), case)  # load: other weights, overwritten
+    params = list(model.parameters())
+    data = batches(case["steps"])
+    ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else _nothing()
+    with ctx:
+        opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=case["zenflow"],
+                           max_grad_norm=case.get("max_grad_norm"))
+    checkpoint = Path(case["checkpoint"])
+    result: dict = {"weights": {}}
+    start = 0
+    if case["kind"] == "load":
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=checkpoint)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, optim_state_dict=state["optim"])
+        start = case["save_at"]
+        result["loaded_t"] = opt.t
+    with opt:
+        for t in range(start, case["steps"]):
+            backward(model, data[t], rank, world)
+            opt.step()
+            opt.zero_grad()
+            result["weights"][t] = [p.full_tensor().detach().clone() for p in params]
+            if case["kind"] == "save" and t + 1 == case["save_at"]:
+                result["pending_at_save"] = opt._inflight is not None  # a host update in flight
+                dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                         checkpoint_id=checkpoint)
+        opt.flush()
+        result["flushed"] = [p.full_tensor().detach().clone() for p in params]
+    torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
+
+
 def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
+    if case.get("kind") in ("save", "load"):
+        return run_checkpoint_case(case, rank, world, out_dir)
     dtype = getattr(torch, case.get("dtype", "float32"))
     model = wrap(make_model(dtype=dtype), case)
     names = [n for n, _ in model.named_parameters()]

@@ -117,3 +117,88 @@ class FSDP2(Sharding):
 
     def sum_over_ranks(self):
         return self.ctx.sum_host
+
+    # -- checkpoints: torch.distributed.checkpoint's form ---------------------------------------------
+    #
+    # get_optimizer_state_dict / set_optimizer_state_dict keep only "state" (keyed by FQN) and
+    # "param_groups", save DTensors shard by shard (resharded at load: another world size works) and plain
+    # tensors once, and load into a template of the same keys and shapes (the loading optimizer's own
+    # state_dict()). So: ZenFlow's own entries go into param_groups[0]["zenflow"]; every sharded entry is a
+    # DTensor in its parameter's global shape ([R, C], or [R, k] for the selected columns' state; vectors
+    # [n]); the selection and its per-column step counts are plain tensors (the same on every rank); and
+    # every parameter always has every key (a matrix before its first selection: "has_fast" 0, selected -1),
+    # so a template taken at any step (or after the dummy step DCP runs on a fresh optimizer) has them all.
+
+    _SHARDED = ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc")
+    _FAST = ("exp_avg", "exp_avg_sq", "master")
+
+    def _sharded(self, local: torch.Tensor, like: torch.Tensor, columns: int | None = None) -> torch.Tensor:
+        """``local`` (this rank's rows, on the host) as a DTensor sharded by rows like parameter ``like``, of
+        global shape ``like.shape`` or ``[R, columns]``: built in place, not moved to the mesh's device."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        shape = tuple(like.shape) if columns is None else (like.shape[0], columns)
+        stride = torch.empty(shape, device="meta").stride()
+        spec = DTensorSpec(like.device_mesh, like.placements,
+                           tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype))
+        return DTensor(local.contiguous(), spec, requires_grad=False)
+
+    def export_state_dict(self, state_dict: dict, opt) -> dict:
+        groups = [dict(g) for g in state_dict["param_groups"]]
+        groups[0]["zenflow"] = state_dict["zenflow"]
+        if not state_dict["zenflow"].get("built"):
+            return {"state": {}, "param_groups": groups}
+        state = {}
+        for i, st in state_dict["state"].items():
+            p, st = self.params[i], dict(st)
+            out = {k: self._sharded(st.pop(k), p) for k in self._SHARDED}
+            out.update(host_step=int(st.pop("host_step")), acc_count=int(st.pop("acc_count")),
+                       pending=int(st.pop("pending")))
+            low = p.dtype != torch.float32
+            if p.dim() == 2:
+                k = opt.config.num_selected(p.shape[1])
+                rows = opt._local[i].shape[0]
+                out["has_fast"] = int("selected" in st)
+                out["selected"] = st.pop("selected", torch.full((k,), -1, dtype=torch.int64))
+                out["step"] = st.pop("step", torch.zeros(k, dtype=torch.int64))
+                for name in self._FAST[: 3 if low else 2]:
+                    out[name] = self._sharded(st.pop(name, torch.zeros(rows, k)), p, columns=k)
+                for name, zero in (("auto_selected", 0.0), ("auto_unselected", 0.0), ("auto_count", 0)):
+                    out[name] = st.pop(name, zero)
+            else:
+                rows = opt._local[i].numel()
+                out["has_fast"] = int("exp_avg" in st)
+                out["step"] = int(st.pop("step", 0))
+                for name in self._FAST[: 3 if low else 2]:
+                    out[name] = self._sharded(st.pop(name, torch.zeros(1, rows)).reshape(-1), p)
+            state[i] = out
+        return {"state": state, "param_groups": groups}
+
+    def import_state_dict(self, state_dict: dict, opt) -> dict:
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not (isinstance(groups, list) and groups and isinstance(groups[0], dict) and "zenflow" in groups[0]):
+            return state_dict  # not this form (an AdamW dict, or something load_state_dict will refuse)
+        groups = [dict(g) for g in groups]
+        zenflow = groups[0].pop("zenflow")
+        # keys are positions (state_dict()) or FQNs (set_optimizer_state_dict): either way listed by the groups
+        # in this optimizer's parameter order
+        position = {key: n for n, key in enumerate(key for g in groups for key in g["params"])}
+        start = 0
+        for g in groups:
+            g["params"], start = list(range(start, start + len(g["params"]))), start + len(g["params"])
+        state = {}
+        for key, st in state_dict["state"].items():
+            i = position[key]
+            st = {k: (v.to_local() if is_dtensor(v) else v) for k, v in st.items()}
+            out = {k: st[k] for k in self._SHARDED}
+            out.update(host_step=int(st["host_step"]), acc_count=int(st["acc_count"]), pending=bool(st["pending"]))
+            if int(st["has_fast"]):
+                names = [n for n in self._FAST if n in st]
+                if self.params[i].dim() == 2:
+                    out.update({n: st[n] for n in names}, selected=st["selected"], step=st["step"])
+                    out.update({n: st[n] for n in ("auto_selected", "auto_unselected", "auto_count")})
+                else:
+                    out.update({n: st[n].reshape(1, -1) for n in names}, step=int(st["step"]))
+            state[i] = out
+        return {"state": state, "param_groups": groups, "zenflow": zenflow}

@@ -206,6 +206,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._shard.start(self._params, self._group_of, self.device, self._chaos)
         # the tensors the algorithm reads and writes: the parameters themselves, or (FSDP2) this rank's rows
         self._local = [self._shard.local(p) for p in self._params]
+        for p in self._params:  # a built optimizer has state: torch.distributed.checkpoint would otherwise
+            self.state.setdefault(p, {})  # run a (learning rate 0) step to create it
         host_threads = len(host_cores)
         if self.device.type == "cpu" and set(train_cores) & set(host_cores):
             # CPU-only, cores shared with training: a worker takes only what torch leaves free. A numba
@@ -886,7 +888,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     )
                 state[i] = st
         zenflow["built"] = self._built
-        return {"state": state, "param_groups": groups, "zenflow": zenflow}
+        return self._shard.export_state_dict({"state": state, "param_groups": groups, "zenflow": zenflow}, self)
 
     def consolidated_state_dict(self) -> dict:
         """Under ZeRO: one state dict holding every rank's host state, loadable by ``load_state_dict`` at
@@ -904,6 +906,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         :class:`ZenFlowWarning` first). A ``torch.optim.AdamW`` (or ``Adam``) state dict starts ZenFlow
         from its moments and step counts instead (see :meth:`_load_adam`). Anything else is an error, and
         nothing is changed before every check passed."""
+        state_dict = self._shard.import_state_dict(state_dict, self)  # FSDP2: torch.distributed.checkpoint's form
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) or not \
                 isinstance(state_dict.get("state"), dict):
             raise ValueError(

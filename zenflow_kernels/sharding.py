@@ -143,6 +143,14 @@ class Sharding:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
+    def export_state_dict(self, state_dict: dict, opt) -> dict:
+        """The optimizer's state dict as this way of holding state saves it (one process, ZeRO: as it is)."""
+        return state_dict
+
+    def import_state_dict(self, state_dict: dict, opt) -> dict:
+        """The inverse of :meth:`export_state_dict`: a dict ``load_state_dict`` reads (anything else as it is)."""
+        return state_dict
+
     def holds(self, i: int) -> bool:
         """Whether this rank's host holds parameter ``i``'s state."""
         return True
