@@ -67,6 +67,24 @@ def make_model(seed: int = 0, dtype=torch.float32) -> Model:
     return Model().to(dtype)
 
 
+def scorer_weight_saliency(grad, param):
+    """A researcher's criterion (module level: every rank imports it): gradient-times-weight saliency. Under
+    FSDP2 it sees this rank's rows; the ranks' scores are summed."""
+    return (grad.float() * param.detach().float()).abs().sum(0)
+
+
+def param_groups(model, case: dict):
+    """With ``policy``: the embedding on the host only (topk_ratio 0), the head scored by a callable at
+    topk_ratio 0.4, the rest by the optimizer's settings."""
+    if not case.get("policy"):
+        return model.parameters()
+    named = dict(model.named_parameters())
+    head = [named["head.weight"], named["head.bias"]]
+    rest = [p for n, p in named.items() if n not in ("embed.weight", "head.weight", "head.bias")]
+    return [dict(params=[named["embed.weight"]], topk_ratio=0.0),
+            dict(params=head, importance=scorer_weight_saliency, topk_ratio=0.4), dict(params=rest)]
+
+
 def batches(steps: int, size: int = 12, seed: int = 7):
     """Global batches (tokens [size, 6], targets [size, 6] in [0, OUT)), fixed in advance."""
     g = torch.Generator().manual_seed(seed)
@@ -164,7 +182,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else _nothing()
     result: dict = {"weights": [], "selections": []}
     with ctx:
-        opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=case["zenflow"],
+        opt = ZenFlowAdamW(param_groups(model, case), **HYPER, zenflow=case["zenflow"],
                            max_grad_norm=case.get("max_grad_norm"), collective_timeout=case.get("timeout", 60.0))
     with opt:
         for t, batch in enumerate(data):

@@ -47,6 +47,10 @@ ACCEPTED = [
     ("pt_reserved_cores_perc", 1.0, 1.0),
     ("importance", "l2", "l2"),
     ("importance", "l1", "l1"),
+    ("importance", "random", "random"),
+    ("importance", len, len),  # any callable: a scorer
+    ("selection_seed", 0, 0),
+    ("selection_seed", 12345, 12345),
     ("max_update_interval", 1, 1),
     ("max_update_interval", 64, 64),
 ]
@@ -104,6 +108,12 @@ REJECTED = [
     ("importance", "l3"),
     ("importance", "L2"),
     ("importance", None),
+    ("importance", "RANDOM"),
+    ("importance", 2),
+    ("selection_seed", -1),
+    ("selection_seed", 1.0),
+    ("selection_seed", True),
+    ("selection_seed", None),
     ("max_update_interval", 0),
     ("max_update_interval", True),
     ("max_update_interval", None),
@@ -168,6 +178,7 @@ def test_defaults_follow_deepspeed():
         "importance": "l2",
         "max_update_interval": DEFAULT_MAX_UPDATE_INTERVAL,
         "device_accumulation": False,
+        "selection_seed": 0,
     }
 
 

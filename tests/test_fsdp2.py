@@ -42,6 +42,8 @@ CASES = {
     "micro": dict(zenflow=ZEN, micro=2, chaos=2),  # FSDP2's hooks fire at each backward with the running sum
     "bf16": dict(zenflow=ZEN, dtype="bfloat16"),
     "mixed_precision": dict(zenflow=ZEN, mixed_precision=True),
+    # per-group settings: the embedding host-only, the head chosen by a callable scorer (partial scores summed)
+    "policy": dict(zenflow=ZEN, policy=True, chaos=1),
 }
 WORLDS = [2, 3]
 
@@ -67,7 +69,8 @@ def one_process(case: dict, reference: bool = False):
     model = W.make_model(dtype=dtype)
     params = list(model.parameters())
     factory = ReferenceZenFlow if reference else ZenFlowAdamW
-    opt = factory(params, **W.HYPER, zenflow=case["zenflow"], max_grad_norm=case.get("max_grad_norm"))
+    opt = factory(W.param_groups(model, case), **W.HYPER, zenflow=case["zenflow"],
+                  max_grad_norm=case.get("max_grad_norm"))
     weights, selections = [], []
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case.get("mixed_precision") else _nothing()
     with use_backend("numba"):

@@ -125,6 +125,9 @@ CASES = [
     # write-backs whose span on a rank does not start at the rank's first parameter (see
     # test_write_back_spans_start_past_a_ranks_first_parameter): rank 1's run starts with a vector (the
     # fast path's after warm-up); rank 0's first parameter has no gradient at t = 1 (warm-up), 4, 7, ...
+    # per-group ZenFlow settings: a callable scorer (owners score under stage 2) and a host-only group
+    dict(name="policy", zenflow=dict(ZEN, overlap_step=True), steps=20, policy=True),
+    dict(name="s2_policy_chaos", zenflow=ZEN, steps=20, zero_stage=2, chaos=1, policy=True),
     dict(name="groups_vector_first", zenflow=ZEN, steps=20, groups=True, chaos=1),
     dict(name="s2_groups_first_missing", zenflow=dict(ZEN, overlap_step=True, update_interval=1, full_warm_up_rounds=3),
          steps=20, zero_stage=2, groups=True, missing=[0], chaos=0, reload_at=[10, 10, 14]),

@@ -60,8 +60,17 @@ def mean_grads(steps: int, world: int, dtype=torch.float32):
     return out
 
 
+def scorer_saliency(grad, param):
+    """A researcher's column criterion: gradient-times-weight saliency (module level: every rank imports it)."""
+    return (grad.float() * param.detach().float()).abs().sum(0)
+
+
 def param_groups(params, case: dict):
-    """Two param groups with their own lr and weight decay when the case asks for them."""
+    """Two param groups with their own lr and weight decay when the case asks for them; with ``policy``, their
+    own ZenFlow settings: a callable scorer at topk_ratio 0.5, and topk_ratio 0 (host only)."""
+    if case.get("policy"):
+        return [{"params": params[:3], "importance": scorer_saliency, "topk_ratio": 0.5},
+                {"params": params[3:], "topk_ratio": 0.0}]
     if not case.get("groups"):
         return params
     return [{"params": params[:3]}, {"params": params[3:], "lr": 5e-3, "weight_decay": 0.0}]

@@ -15,6 +15,7 @@ import json
 import math
 import numbers
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -34,7 +35,9 @@ class ZenFlowWarning(UserWarning):
 
 
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
-_IMPORTANCES = ("l2", "l1")
+_IMPORTANCES = ("l2", "l1", "random")
+# what a param group may set for its own parameters (the rest is per run: the schedule, the link, the host)
+PER_GROUP_FIELDS = ("topk_ratio", "importance")
 
 
 def _fail(field: str, value: Any, allowed: str) -> ZenFlowConfigError:
@@ -84,12 +87,21 @@ class ZenFlowConfig:
     steps_per_epoch: optimizer steps in an epoch (None, or an integer >= 1).
     pt_reserved_cores_perc: fraction of this rank's cores reserved for training; the host worker
         gets the rest.
-    importance: column score, ``"l2"`` (sum of squares) or ``"l1"`` (sum of absolute values).
+    importance: how columns are chosen: ``"l2"`` (top-k by sum of squares of the gradient's column),
+        ``"l1"`` (sum of absolute values), ``"random"`` (a seeded uniform choice of k columns at every
+        selection: the control experiment), or a callable ``scores(grad, param) -> [C] tensor`` (a
+        researcher's own criterion: top-k of what it returns). A callable is given the step's gradient and
+        the parameter as the rank holding them has them (docs/custom-loop.md) and must be deterministic.
     max_update_interval: bound on a Zen-auto interval, integer >= 1 (only used with ``"auto"``).
     device_accumulation: accumulate the matrices' gradients of an interval in one fp32 buffer on the
         device and copy the sum to the host once per update, instead of copying every step's gradient
         (``update_interval`` times fewer gradient copies, half that in bytes for bf16 gradients, for one
         fp32 device buffer the size of the model). Not in DeepSpeed; the results are bit-identical.
+    selection_seed: the seed of ``importance="random"`` (an integer >= 0): the columns of matrix ``i`` at
+        step ``t`` are drawn from a generator seeded with ``(selection_seed, t, i)``, so a run, a resumed
+        run and every rank draw the same.
+
+    ``topk_ratio`` and ``importance`` may also be set per param group (``PER_GROUP_FIELDS``).
     """
 
     topk_ratio: float = 0.1
@@ -102,9 +114,10 @@ class ZenFlowConfig:
     full_warm_up_rounds: int = 0
     steps_per_epoch: int | None = None
     pt_reserved_cores_perc: float = 0.5
-    importance: str = "l2"
+    importance: str | Callable = "l2"
     max_update_interval: int = DEFAULT_MAX_UPDATE_INTERVAL
     device_accumulation: bool = False
+    selection_seed: int = 0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise values once, here
@@ -129,10 +142,10 @@ class ZenFlowConfig:
         if self.steps_per_epoch is not None:
             set_(self, "steps_per_epoch", _check_int("steps_per_epoch", self.steps_per_epoch, 1))
         set_(self, "pt_reserved_cores_perc", _check_fraction("pt_reserved_cores_perc", self.pt_reserved_cores_perc))
-        if self.importance not in _IMPORTANCES:
-            raise _fail("importance", self.importance, "'l2' or 'l1'")
+        set_(self, "importance", check_importance("importance", self.importance))
         set_(self, "max_update_interval", _check_int("max_update_interval", self.max_update_interval, 1))
         set_(self, "device_accumulation", _check_bool("device_accumulation", self.device_accumulation))
+        set_(self, "selection_seed", _check_int("selection_seed", self.selection_seed, 0))
         if (
             self.select_strategy == "step"
             and _is_int(self.update_interval)
@@ -189,15 +202,44 @@ class ZenFlowConfig:
     # -- derived values ---------------------------------------------------------------------------
 
     def num_selected(self, num_columns: int) -> int:
-        """``k = max(1, floor(topk_ratio * C))`` when ``topk_ratio > 0`` (DeepSpeed's rule: a narrow matrix,
-        such as a LoRA factor with 4 columns, still gets one fast column), 0 when ``topk_ratio == 0`` or
-        the matrix has no columns. The floor is taken of the decimal the user wrote (0.29 * 100 is 29,
-        not the 28 that binary floating point gives)."""
-        if not _is_int(num_columns) or num_columns < 0:
-            raise ValueError(f"num_columns={num_columns!r} is invalid: allowed an integer >= 0")
-        if self.topk_ratio == 0 or num_columns == 0:
-            return 0
-        return max(1, int(math.floor(Fraction(repr(self.topk_ratio)) * int(num_columns))))
+        """``k`` for a matrix of ``num_columns`` columns at this config's ``topk_ratio`` (:func:`num_selected`)."""
+        return num_selected(self.topk_ratio, num_columns)
+
+
+def num_selected(topk_ratio: float, num_columns: int) -> int:
+    """``k = max(1, floor(topk_ratio * C))`` when ``topk_ratio > 0`` (DeepSpeed's rule: a narrow matrix, such
+    as a LoRA factor with 4 columns, still gets one fast column), 0 when ``topk_ratio == 0`` or the matrix
+    has no columns. The floor is taken of the decimal the user wrote (0.29 * 100 is 29, not the 28 that
+    binary floating point gives)."""
+    if not _is_int(num_columns) or num_columns < 0:
+        raise ValueError(f"num_columns={num_columns!r} is invalid: allowed an integer >= 0")
+    if topk_ratio == 0 or num_columns == 0:
+        return 0
+    return max(1, int(math.floor(Fraction(repr(topk_ratio)) * int(num_columns))))
+
+
+def check_importance(field: str, value: Any) -> str | Callable:
+    """``importance``: one of 'l2', 'l1', 'random', or a callable scorer."""
+    if callable(value) or (isinstance(value, str) and value in _IMPORTANCES):
+        return value
+    raise _fail(field, value, "'l2', 'l1', 'random' or a callable scores(grad, param) -> [C] tensor")
+
+
+def check_group_settings(group: dict, where: str) -> None:
+    """A param group's ZenFlow settings: ``topk_ratio`` and ``importance`` are its own (validated as the
+    config's); any other ZenFlow field is per run and refused, naming it."""
+    per_run = [k for k in group if k in ZenFlowConfig.field_names() and k not in PER_GROUP_FIELDS]
+    if per_run:
+        raise ZenFlowConfigError(
+            f"{where}: {', '.join(map(repr, per_run))} cannot be set per param group: allowed per group "
+            f"{', '.join(map(repr, PER_GROUP_FIELDS))} (the other ZenFlow settings are per run: zenflow=...)")
+    try:
+        if "topk_ratio" in group:
+            _check_fraction("topk_ratio", group["topk_ratio"])
+        if "importance" in group:
+            check_importance("importance", group["importance"])
+    except ZenFlowConfigError as exc:
+        raise ZenFlowConfigError(f"{where}: {exc}") from None
 
 
 def _check_int_or_auto(field: str, value: Any) -> int | str:

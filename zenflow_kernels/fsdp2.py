@@ -25,8 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .sharding import Sharding
+from .sharding import Sharding, column_scores
 from .zero import Collectives
 
 __all__ = ["FSDP2", "fsdp2_mesh", "is_dtensor"]
@@ -102,11 +101,14 @@ class FSDP2(Sharding):
             squares += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum()
         return float(self.ctx.all_reduce_(squares, "gradient norm").sqrt())
 
-    def scores(self, indices, importance) -> list[torch.Tensor]:
-        # partial scores over this rank's rows, summed over the ranks in one flat all-reduce
-        grads = [self.own_grad(i) for i in indices]
-        rows = [i for i, g in zip(indices, grads, strict=True) if g.shape[0]]
-        part = dict(zip(rows, ops.multi_column_scores([self.own_grad(i) for i in rows], importance), strict=True))
+    def scores(self, indices, importances) -> list[torch.Tensor]:
+        # partial scores over this rank's rows (a callable scorer sees those rows too), summed over the ranks
+        # in one flat all-reduce
+        kind = dict(zip(indices, importances, strict=True))
+        rows = [i for i in indices if self.own_grad(i).shape[0]]
+        scored = column_scores([self.own_grad(i) for i in rows], [self.local(self.params[i]) for i in rows],
+                               [kind[i] for i in rows])
+        part = dict(zip(rows, scored, strict=True))
         widths = [self.params[i].shape[1] for i in indices]
         flat = torch.cat([
             part[i].float() if i in part else torch.zeros(c, device=self.device)

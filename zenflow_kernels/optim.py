@@ -25,10 +25,11 @@ import warnings
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import cpu_ops, ops
-from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters
+from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings, num_selected
 from .fsdp2 import FSDP2, fsdp2_mesh
 from .host import HostWorkerError
 from .link import current_chaos, make_link
@@ -46,7 +47,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     Args:
         params: parameters or param groups (each group may set ``lr``, ``betas``, ``eps``,
-            ``weight_decay``). fp32, bf16 or fp16, all on one device (CPU or one CUDA device).
+            ``weight_decay``, and its own ZenFlow ``topk_ratio`` and ``importance``: see
+            docs/custom-loop.md). fp32, bf16 or fp16, all on one device (CPU or one CUDA device); or the
+            parameters of a model sharded with FSDP2 (docs/fsdp2.md).
         lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
         zenflow: a :class:`ZenFlowConfig`, a ``zenflow`` dict, or a DeepSpeed JSON (dict or path).
         max_grad_norm: clip by global norm (fast path: the step's gradient; host: the mean
@@ -150,6 +153,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         try:
             g = self.param_groups[-1]
             check_adamw_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"], where="ZenFlowAdamW group")
+            check_group_settings(g, f"ZenFlowAdamW param group {len(self.param_groups) - 1}")
             if hasattr(self, "_params"):  # a group added after __init__ but before the first step
                 params = [p for grp in self.param_groups for p in grp["params"]]
                 self._check_params(params)
@@ -346,6 +350,31 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """
         return self._stats.summary(self)
 
+    def explain(self, steps: int = 20) -> str:
+        """What this optimizer will do, as ``python -m zenflow_kernels explain`` prints it for a config (the
+        resolved schedule over the first ``steps`` steps), and, per param group, its own ``topk_ratio`` and
+        ``importance`` and each matrix's ``k`` of ``C`` columns on the fast path."""
+        from .__main__ import explain
+
+        lines = [explain(self.config, self.schedule, steps), "param groups:"]
+        for gi, g in enumerate(self.param_groups):
+            ratio, importance = g.get("topk_ratio", self.config.topk_ratio), g.get("importance", self.config.importance)
+            own = [k for k in ("topk_ratio", "importance") if k in g]
+            name = getattr(importance, "__name__", None) or repr(importance) if callable(importance) else importance
+            lines.append(f"  group {gi}: topk_ratio={ratio!r}, importance={name}"
+                         + (f" (its own: {', '.join(own)})" if own else " (the optimizer's)"))
+            for p in g["params"]:
+                if p.dim() == 2:
+                    C = p.shape[1]
+                    k = num_selected(ratio, C)
+                    what = "host only" if k == 0 else "every column on the device (AdamW)" if k == C else \
+                        f"{k} of {C} columns on the device"
+                    lines.append(f"    matrix {tuple(p.shape)}: {what}")
+            vectors = sum(1 for p in g["params"] if p.dim() != 2)
+            if vectors:
+                lines.append(f"    {vectors} vector parameter(s): on the device every step")
+        return "\n".join(lines)
+
     def host_bytes(self) -> dict:
         """The optimizer's host memory, by buffer, in bytes as allocated (each buffer's storage; ``{}``
         before the first step): ``master``, ``exp_avg``, ``exp_avg_sq``, ``accumulation`` (one or two
@@ -436,6 +465,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             lr = float(g["lr"])
             check_adamw_hyperparameters(lr, g["betas"], g["eps"], g["weight_decay"], where=f"ZenFlowAdamW group {gi}")
+            check_group_settings(g, f"ZenFlowAdamW param group {gi}")
             out.append(dict(lr=lr, beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                             weight_decay=g["weight_decay"]))
         return out
@@ -575,9 +605,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def _reselect(self, indices: list[int]) -> None:
         """New top-k columns for these matrices; state moves with the columns that stay."""
-        scores = self._shard.scores(indices, self.config.importance)
-        ks = [self.config.num_selected(self._params[i].shape[1]) for i in indices]
-        chosen = ops.multi_topk_columns(scores, ks, check_data=False)
+        importances = [self._setting(i, "importance") for i in indices]
+        scores = self._shard.scores(indices, importances)
+        ks = [num_selected(self._setting(i, "topk_ratio"), self._params[i].shape[1]) for i in indices]
+        chosen = self._choose(indices, importances, scores, ks)
         host = self._host
         jaccards, captured, total = [], 0.0, 0.0
         for i, new, s in zip(indices, chosen, scores, strict=True):
@@ -623,6 +654,27 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             total += float(s.sum())
         self._stats.record_selection(self.t, jaccards, captured / total if total > 0 else float("nan"))
         self._plan = None
+
+    def _setting(self, i: int, name: str):
+        """Parameter ``i``'s ``topk_ratio`` or ``importance``: its param group's, else the optimizer's."""
+        return self.param_groups[self._group_of[i]].get(name, getattr(self.config, name))
+
+    def _choose(self, indices: list[int], importances: list, scores: list[torch.Tensor], ks: list[int]) -> list:
+        """The selected columns of each matrix (sorted int64 on the device): top-k of its scores (one
+        multi-tensor launch for all), or for ``importance="random"`` k columns drawn uniformly from a
+        generator seeded with (selection_seed, step, parameter index): the same on every rank and after a
+        resume."""
+        top = [n for n, importance in enumerate(importances) if importance != "random"]
+        chosen: list = [None] * len(indices)
+        picked = ops.multi_topk_columns([scores[n] for n in top], [ks[n] for n in top], check_data=False)
+        for n, columns in zip(top, picked, strict=True):
+            chosen[n] = columns
+        for n, importance in enumerate(importances):
+            if importance == "random":
+                rng = np.random.default_rng([self.config.selection_seed, self.t, indices[n]])
+                draw = np.sort(rng.choice(self._params[indices[n]].shape[1], size=ks[n], replace=False))
+                chosen[n] = torch.from_numpy(draw.astype(np.int64)).to(self.device)
+        return chosen
 
     def _fast_plan(self) -> tuple[list, torch.Tensor | None, dict]:
         """What the fast step needs of each parameter on the fast path, built once per selection (not per
@@ -744,10 +796,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 eligible.append(i)
         if eligible:
             params = [self._params[i] for i in eligible]
-            scores = self._shard.scores(eligible, self.config.importance)
+            # the magnitudes of the gradient's columns: l1 sums for "l1", l2 norms otherwise (a "random" or
+            # callable selection still votes on the gradient)
+            norms = ["l1" if self._setting(i, "importance") == "l1" else "l2" for i in eligible]
+            scores = self._shard.scores(eligible, norms)
             pairs = []
-            for p, s in zip(params, scores, strict=True):
-                mags = s.sqrt() if self.config.importance == "l2" else s
+            for p, s, norm in zip(params, scores, norms, strict=True):
+                mags = s.sqrt() if norm == "l2" else s
                 sel = self.state[p]["selected"]
                 sel_sum = mags[sel].sum()
                 pairs.append(torch.stack([sel_sum / sel.numel(), (mags.sum() - sel_sum) / (p.shape[1] - sel.numel())]))

@@ -26,7 +26,11 @@ Decisions this implementation pins down where docs/design.md leaves room (the fa
 * at a select boundary every pending write-back is applied first (the in-flight host update is
   drained), then columns change hands: columns that leave refresh the master from the live weights,
   columns that enter start with zero moments and a step count of 0;
-* Zen-auto magnitude of a column is its L2 norm (``importance="l2"``) or L1 norm (``"l1"``) of the
+* Selection per param group (its own ``topk_ratio``/``importance``, else the config's): top-k of the
+  column scores (``"l2"``/``"l1"``, or a callable ``scores(grad, param)``), or for ``"random"`` k columns
+  drawn by ``numpy.random.default_rng([selection_seed, t, parameter index]).choice(C, k, replace=False)``,
+  sorted.
+* Zen-auto magnitude of a column is its L2 norm (``importance`` other than ``"l1"``) or L1 norm (``"l1"``) of the
   step's raw gradient; a matrix needs an update when the sum over the interval's steps of the mean
   non-selected magnitude reaches the interval's mean selected magnitude. Matrices with ``k == 0``
   always need one, matrices with ``k == C`` do not vote; with no voter only the bound triggers.
@@ -41,9 +45,10 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
-from .config import ZenFlowConfig, check_adamw_hyperparameters
+from .config import ZenFlowConfig, check_adamw_hyperparameters, check_group_settings, num_selected
 from .schedule import Schedule, resolve_schedule
 
 __all__ = ["ReferenceZenFlow", "adamw_step_"]
@@ -141,9 +146,12 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             check_adamw_hyperparameters(
                 group["lr"], group["betas"], group["eps"], group["weight_decay"], where="ReferenceZenFlow group"
             )
+            check_group_settings(group, "ReferenceZenFlow param group")
             for p in group["params"]:
                 if p.dtype not in _REFERENCE_DTYPES:
                     raise TypeError(f"ReferenceZenFlow: parameter dtype {p.dtype} is invalid: allowed float32, float64")
+        # each parameter's position in the optimizer's order (the random selection's seed)
+        self._index = {id(p): n for n, p in enumerate(p for g in self.param_groups for p in g["params"])}
         self.config = ZenFlowConfig.coerce(zenflow)
         self.schedule: Schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch, dataloader=dataloader)
         self.max_grad_norm = max_grad_norm
@@ -270,9 +278,9 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         if boundary:
             self._write_back_pending()  # drain: ownership must not change under an in-flight update
             self.selections += 1
-        for p, _ in matrices:
+        for p, group in matrices:
             if boundary or self.state[p]["selected"] is None:
-                self._reselect(p, self.state[p])
+                self._reselect(p, self.state[p], group, t)
 
         for p, group in active:  # fast path
             state = self.state[p]
@@ -304,10 +312,21 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         if self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger):
             self._host_update()
 
-    def _reselect(self, p: torch.Tensor, state: dict) -> None:
+    def _setting(self, group: dict, name: str):
+        """A param group's own ``topk_ratio``/``importance``, else the config's."""
+        return group.get(name, getattr(self.config, name))
+
+    def _reselect(self, p: torch.Tensor, state: dict, group: dict, t: int) -> None:
         C = p.shape[1]
-        k = self.config.num_selected(C)
-        new = top_columns(column_scores(p.grad, self.config.importance), k)
+        k = num_selected(self._setting(group, "topk_ratio"), C)
+        importance = self._setting(group, "importance")
+        if importance == "random":  # k columns drawn uniformly, seeded with (selection_seed, step, index)
+            rng = np.random.default_rng([self.config.selection_seed, t, self._index[id(p)]])
+            new = torch.from_numpy(np.sort(rng.choice(C, size=k, replace=False)).astype(np.int64)).to(p.device)
+        elif callable(importance):  # a researcher's scorer: top-k of what it returns
+            new = top_columns(importance(p.grad, p).detach().to(p.device, torch.float64), k)
+        else:
+            new = top_columns(column_scores(p.grad, importance), k)
         old = state["selected"] if state["selected"] is not None else new.new_zeros(0)
 
         leaving = old[~torch.isin(old, new)]
@@ -330,7 +349,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
     def _auto_vote(self, matrices) -> bool:
         """Zen-auto: do at least ``auto_ratio`` of the matrices need a host update now?"""
         voters = needing = 0
-        for p, _ in matrices:
+        for p, group in matrices:
             state = self.state[p]
             C, k = p.shape[1], state["selected"].numel()
             if k == C:
@@ -339,7 +358,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             if k == 0:
                 needing += 1
                 continue
-            mags = column_magnitudes(p.grad, self.config.importance)
+            mags = column_magnitudes(p.grad, "l1" if self._setting(group, "importance") == "l1" else "l2")
             unselected = self._unselected(p, state)
             state["auto_selected"] += float(mags[~unselected].mean())
             state["auto_unselected"] += float(mags[unselected].mean())

@@ -32,7 +32,35 @@ import torch.distributed as dist
 from . import ops
 from .zero import BucketReducer, ZeroContext, check_not_ddp, owners
 
-__all__ = ["Sharding", "Zero1", "Zero2"]
+__all__ = ["Sharding", "Zero1", "Zero2", "column_scores"]
+
+
+def column_scores(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], importances: Sequence) -> list:
+    """Each gradient's column scores ([C] fp32 or the kernels' dtype) by its importance: the kernels for
+    ``"l2"``/``"l1"`` (one multi-tensor call per kind), ``"random"`` scored as ``"l2"`` (the telemetry and
+    the zen-auto vote read the scores; the choice itself is random), a callable as
+    ``scorer(grad, param)``, checked to return C finite-or-not floats."""
+    out: list = [None] * len(grads)
+    by_kind: dict[str, list[int]] = {}
+    for n, importance in enumerate(importances):
+        if callable(importance):
+            out[n] = _call_scorer(importance, grads[n], params[n])
+        else:
+            by_kind.setdefault("l1" if importance == "l1" else "l2", []).append(n)
+    for kind, chosen in by_kind.items():
+        for n, s in zip(chosen, ops.multi_column_scores([grads[n] for n in chosen], kind), strict=True):
+            out[n] = s
+    return out
+
+
+def _call_scorer(scorer, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    columns = grad.shape[1]
+    s = scorer(grad, param)
+    if not torch.is_tensor(s) or tuple(s.shape) != (columns,) or s.is_complex() or s.dtype == torch.bool:
+        got = f"a tensor of shape {tuple(s.shape)} and dtype {s.dtype}" if torch.is_tensor(s) else type(s).__name__
+        raise ValueError(f"ZenFlowAdamW: the importance scorer {getattr(scorer, '__name__', scorer)!r} returned "
+                         f"{got}: allowed a real tensor of shape ({columns},), one score per column")
+    return s.detach().to(device=grad.device, dtype=torch.float32)
 
 
 class Sharding:
@@ -103,9 +131,11 @@ class Sharding:
         norms = torch._foreach_norm([self.own_grad(i) for i in active], 2, dtype=torch.float32)
         return float(torch.stack(norms).double().pow(2).sum().sqrt())
 
-    def scores(self, indices: list[int], importance: str) -> list[torch.Tensor]:
-        """Column scores of these matrices' step gradients (every rank gets the same)."""
-        return ops.multi_column_scores([self.grad(i) for i in indices], importance)
+    def scores(self, indices: list[int], importances: list) -> list[torch.Tensor]:
+        """Column scores of these matrices' step gradients, each by its importance (:func:`column_scores`);
+        every rank gets the same."""
+        return column_scores([self.grad(i) for i in indices], [self.local(self.params[i]) for i in indices],
+                             importances)
 
     def selected_gradients(self, chosen: list[tuple[int, torch.Tensor]]) -> dict[int, torch.Tensor] | None:
         """The selected columns' gradients of these matrices (``(index, selected)``), as every replica's fast
@@ -280,10 +310,12 @@ class Zero2(Zero1):
             squares += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum()
         return float(self.ctx.all_reduce_(squares, "gradient norm").sqrt())
 
-    def scores(self, indices, importance) -> list[torch.Tensor]:
+    def scores(self, indices, importances) -> list[torch.Tensor]:
         # each owner scores its own matrices, exactly; one all-reduce hands every rank every score vector
+        kind = dict(zip(indices, importances, strict=True))
         mine = [i for i in indices if i in self._averaged]
-        own = dict(zip(mine, ops.multi_column_scores([self._averaged[i] for i in mine], importance), strict=True))
+        own = dict(zip(mine, column_scores([self._averaged[i] for i in mine], [self.params[i] for i in mine],
+                                           [kind[i] for i in mine]), strict=True))
         flat = torch.cat([
             own[i].float() if i in own else torch.zeros(self.params[i].shape[1], device=self.device)
             for i in indices
