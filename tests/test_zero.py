@@ -318,6 +318,13 @@ def test_each_rank_holds_its_share_of_the_host_state(two_ranks):
         assert r["host_numel"] <= total / 2 + largest
         # master, two moments and two accumulation buffers (overlap), fp32, of this rank's run only
         assert r["host_bytes"] == 5 * 4 * r["host_numel"]
+        # what host_bytes() reports per rank: those buffers, and a copy-out of this rank's parameters only
+        reported = r["stats"]["host_bytes"]
+        assert reported["master"] + reported["exp_avg"] + reported["exp_avg_sq"] + reported["accumulation"] == \
+            r["host_bytes"]
+        assert reported["copy_out"] == 4 * r["host_numel"] and reported["staging"] == 0
+    # both ranks' reported buffers add up to one rank's: 1/world each, give or take a parameter
+    assert sum(r["stats"]["host_bytes"]["total"] for r in ranks) == 6 * 4 * total
 
 
 def test_stage2_moves_each_matrix_gradient_once_and_selection_scores_not_gradients(two_ranks):
