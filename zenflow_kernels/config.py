@@ -218,6 +218,9 @@ def num_selected(topk_ratio: float, num_columns: int) -> int:
     return max(1, int(math.floor(Fraction(repr(topk_ratio)) * int(num_columns))))
 
 
+_PER_RUN_FIELDS = frozenset(f.name for f in dataclasses.fields(ZenFlowConfig)) - set(PER_GROUP_FIELDS)
+
+
 def check_importance(field: str, value: Any) -> str | Callable:
     """``importance``: one of 'l2', 'l1', 'random', or a callable scorer."""
     if callable(value) or (isinstance(value, str) and value in _IMPORTANCES):
@@ -228,7 +231,7 @@ def check_importance(field: str, value: Any) -> str | Callable:
 def check_group_settings(group: dict, where: str) -> None:
     """A param group's ZenFlow settings: ``topk_ratio`` and ``importance`` are its own (validated as the
     config's); any other ZenFlow field is per run and refused, naming it."""
-    per_run = [k for k in group if k in ZenFlowConfig.field_names() and k not in PER_GROUP_FIELDS]
+    per_run = [k for k in group if k in _PER_RUN_FIELDS]
     if per_run:
         raise ZenFlowConfigError(
             f"{where}: {', '.join(map(repr, per_run))} cannot be set per param group: allowed per group "
