@@ -12,20 +12,18 @@ from the same start, and compares.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from zenflow_kernels import ZenFlowAdamW  # noqa: E402
-from zenflow_kernels.ops import use_backend  # noqa: E402
 from zenflow_kernels.testing import chaos  # noqa: E402
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -215,26 +213,8 @@ class _nothing:
         return False
 
 
-def main() -> int:
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
-    torch.set_num_threads(1)
-    # FSDP2's own collectives wait the process group's timeout: short, so a failure case cannot hang the suite
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        with use_backend("numba"):
-            for case in cases:
-                run_case(case, rank, world, out_dir)
-    except Exception:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from zero_worker import main
+
+    # FSDP2's own collectives wait the process group's timeout: short, so a failure case cannot hang the suite
+    sys.exit(main(run_case, timeout=datetime.timedelta(seconds=60)))

@@ -224,16 +224,19 @@ class _nothing:
         return False
 
 
-def main() -> int:
+def main(run=None, **init) -> int:
+    """Run every case of CASES.json with ``run(case, rank, world, out_dir)`` (default: this module's
+    ``run_case``) on one gloo process group (``init``: more ``init_process_group`` arguments)."""
+    run = run or run_case
     cases = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", **init)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         with use_backend("numba"):
             for case in cases:
-                run_case(case, rank, world, out_dir)
+                run(case, rank, world, out_dir)
     except Exception:
         (out_dir / f"error-rank{rank}.txt").write_text(traceback.format_exc())
         raise
