@@ -211,3 +211,117 @@ def test_cpu_dispatch_picks_numba_without_the_interpreter(monkeypatch):
     with ops.use_backend("numba"):
         assert ops._impl(param).multi_selective_adamw_ is numba_ops.multi_selective_adamw_
         assert ops._impl(param).column_scores is torch_ops.column_scores
+
+
+def _planned_case(seed=5):
+    """Tensors like the optimizer's: matrices whose per-column steps are views of one flat tensor (one of them
+    through strided indices), vectors with integer steps, three dtype groups, a strided gradient, an empty
+    tensor and a vector longer than a work block."""
+    g = torch.Generator().manual_seed(seed)
+    spec = [  # (shape, dtype, dense, master, strided gradient)
+        ((12, 40), torch.float32, False, False, False),
+        ((1, 37), torch.float32, True, False, False),
+        ((9, 31), torch.bfloat16, False, True, False),
+        ((1, 2 * numba_ops.MULTI_BLOCK + 3), torch.float32, True, False, False),
+        ((6, 20), torch.float16, False, False, False),
+        ((1, 9), torch.bfloat16, True, True, False),
+        ((5, 16), torch.float32, False, False, True),
+        ((0, 8), torch.float32, False, False, False),
+        ((8, 24), torch.float32, False, False, False),
+    ]
+    rows, widths = [], []
+    for n, ((R, C), dtype, dense, with_master, strided) in enumerate(spec):
+        param = (torch.randn(R, C, generator=g) * 0.5).to(dtype)
+        idx = None if dense else torch.randperm(C, generator=g)[: max(1, C // 4)].sort().values
+        if n == 0:
+            idx = torch.stack([idx, idx], dim=1)[:, 0]  # strided indices
+        k = C if dense else idx.numel()
+        state = [torch.randn(R, k, generator=g) * 0.1, torch.rand(R, k, generator=g) * 0.01,
+                 param[:, slice(None) if dense else idx].float().clone() if with_master else None]
+        rows.append((param, idx, state, dense, strided))
+        widths.append(0 if dense else k)
+    flat = torch.randint(1, 30, (sum(widths),), generator=g)
+    grads = [[torch.randn(r[0].shape, generator=g).to(r[0].dtype) for r in rows] for _ in range(6)]
+    for step_grads, r in zip(zip(*grads, strict=True), rows, strict=True):
+        if r[4]:
+            for x in step_grads:
+                x.data = x.t().contiguous().t()
+    return rows, widths, flat, grads
+
+
+def _run_planned(planned: bool, events=()):
+    """Six calls, with the events ``{call: what}`` the cache must notice; returns every tensor at the end."""
+    rows, widths, flat, grads = _planned_case()
+    params = [r[0].clone() for r in rows]
+    states = [[None if t is None else t.clone() for t in r[2]] for r in rows]
+    flat = flat.clone()
+    offsets = [sum(widths[:j]) for j in range(len(widths))]
+    steps = [None if r[3] else flat[o : o + w] for r, o, w in zip(rows, offsets, widths, strict=True)]
+    ints = [3] * len(rows)
+    cache = {}
+    for n in range(6):
+        events_now = dict(events).get(n, ())
+        if "steps_replaced" in events_now:  # new step tensors (another flat tensor), the same values
+            flat = flat.clone()
+            steps = [None if st is None else flat[o : o + st.numel()] for st, o in zip(steps, offsets, strict=True)]
+        flat.add_(1)
+        ints = [s + 1 for s in ints]
+        now = [s + j for j, s in enumerate(ints)] if "int_steps_differ" in events_now else ints
+        if "state_replaced" in events_now:
+            states[2] = [t.clone() for t in states[2]]
+        if "param_moved" in events_now:
+            params[4].data = params[4].clone()
+        step_grads = list(grads[n])
+        if "grad_dtype" in events_now:
+            step_grads[0] = step_grads[0].to(torch.bfloat16)
+        if "grad_strided" in events_now:
+            step_grads[8] = step_grads[8].t().contiguous().t()
+        lr = 1e-2 * (1 + n % 3)
+        items = [
+            (p, gr, r[1], s[0], s[1], s[2], now[j] if st is None else st, lr * (1 + (j in (3, 8) and n == 2)),
+             0.1 if j % 2 else 0.0)
+            for j, (p, gr, r, s, st) in enumerate(zip(params, step_grads, rows, states, steps, strict=True))
+        ]
+        if planned:
+            items = numba_ops.LaunchItems(items, cache)
+        numba_ops.multi_selective_adamw_items_(items, 0.9, 0.99, 1e-8, 1.0 + 0.5 * n)
+    return params, states, cache
+
+
+@pytest.mark.parametrize("event", [None, "int_steps_differ", "state_replaced", "param_moved", "grad_dtype",
+                                   "grad_strided", "steps_replaced"])
+def test_planned_launch_is_bit_identical(event):
+    """LaunchItems (the launch laid out once, only gradients, step coefficients and decay written per call)
+    gives the same bits as laying it out at every call, also when what the plan was made for changes (at
+    the third call; at the same call a vector's and a matrix's lr differ, and the integer steps' regions split and
+    join)."""
+    events = {} if event is None else {2: (event,)}
+    p_ref, s_ref, _ = _run_planned(False, events)
+    p_new, s_new, cache = _run_planned(True, events)
+    assert "numba" in cache
+    for j, (a, b) in enumerate(zip(p_ref, p_new, strict=True)):
+        assert torch.equal(a, b), (j, float((a.float() - b.float()).abs().max()))
+    for j, (sa, sb) in enumerate(zip(s_ref, s_new, strict=True)):
+        for x, y in zip(sa, sb, strict=True):
+            assert (x is None and y is None) or torch.equal(x, y), j
+
+
+def test_planned_launch_is_laid_out_once():
+    rows, widths, flat, grads = _planned_case()
+    params = [r[0].clone() for r in rows]
+    states = [[None if t is None else t.clone() for t in r[2]] for r in rows]
+    cache = {}
+    plans = []
+    for n in range(3):
+        items = numba_ops.LaunchItems(
+            [(p, gr, r[1], s[0], s[1], s[2], 4 + n, 1e-2, 0.0)
+             for p, gr, r, s in zip(params, grads[n], rows, states, strict=True)], cache)
+        numba_ops.multi_selective_adamw_items_(items, 0.9, 0.99, 1e-8, 1.0)
+        plans.append(cache["numba"])
+    assert plans[0] is plans[1] is plans[2]
+    params[1].data = params[1].clone()  # a parameter at another address: laid out again
+    items = numba_ops.LaunchItems(
+        [(p, gr, r[1], s[0], s[1], s[2], 9, 1e-2, 0.0) for p, gr, r, s in zip(params, grads[3], rows, states,
+                                                                             strict=True)], cache)
+    numba_ops.multi_selective_adamw_items_(items, 0.9, 0.99, 1e-8, 1.0)
+    assert cache["numba"] is not plans[0]

@@ -540,3 +540,30 @@ def test_chaos_rejects_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match), chaos(**kwargs):
         pass
     assert current_chaos() is None
+
+
+def test_place_whole_puts_a_gradient_where_place_would():
+    """The ring's fast path for a gradient that fits whole in the slot being filled (what step() uses for
+    gradients no hook staged) gives the piece place() gives, and declines whatever place() would split or
+    start a new slot for."""
+    from zenflow_kernels.staging import StagingRing
+
+    sizes = [(0, torch.float32, 16), (1, torch.bfloat16, 7), (2, torch.float32, 33), (3, torch.float16, 1),
+             (4, torch.float32, 0), (5, torch.float32, 40), (6, torch.bfloat16, 90), (7, torch.float32, 5)]
+    rings = [StagingRing(3, 256, lambda n, dt: torch.zeros(n, dtype=dt)) for _ in range(2)]
+    declined = 0
+    for index, dtype, numel in sizes:
+        whole = rings[1].place_whole(index, dtype, numel)
+        if whole is None:
+            declined += 1
+            got = rings[1].place(index, dtype, 0, numel, lambda slot: True)
+        else:
+            got = [whole]
+        want = rings[0].place(index, dtype, 0, numel, lambda slot: True)
+        assert [(p.slot, p.byte, p.lo, p.numel, p.dtype) for p in got] == [
+            (p.slot, p.byte, p.lo, p.numel, p.dtype) for p in want], index
+        for p in got:
+            assert p.data.dtype == dtype and p.data.numel() == p.numel
+            assert p.data.data_ptr() == rings[1].buffers[p.slot].data_ptr() + p.byte
+    assert rings[0].used == rings[1].used and rings[0].open == rings[1].open
+    assert 3 <= declined < len(sizes)  # the first (no slot yet), the empty one, one that needs the next slot

@@ -103,8 +103,8 @@ BUGS = [
     Bug(
         "stage2-hooks-not-registered",
         "zenflow_kernels/optim.py",
-        "if self._link.asynchronous and self._zero is None or self._reducer is not None:",
-        "if self._link.asynchronous and self._zero is None:",
+        "if self._link.asynchronous and self._shard.final_at_backward or self._shard.consumes_hooks:",
+        "if self._link.asynchronous and self._shard.final_at_backward:",
         "(b) ZeRO-2 registers no backward hooks: every reduction starts in step(), none overlaps backward",
         tests=ZERO, k=ZERO_K,
     ),
@@ -215,9 +215,9 @@ BUGS = [
     Bug(
         "every-group-gets-group-0-hyper",
         "zenflow_kernels/optim.py",
-        "            h = hyper[self._group_of[i]]\n",
-        "            h = hyper[0]\n",
-        "the fast path uses the first param group's lr, weight decay and betas for every parameter",
+        "        numbers = [(h[\"lr\"], h[\"weight_decay\"]) for h in hyper]\n",
+        "        numbers = [(hyper[0][\"lr\"], hyper[0][\"weight_decay\"]) for h in hyper]\n",
+        "the fast path uses the first param group's lr and weight decay for every parameter",
     ),
 ]
 

@@ -539,6 +539,7 @@ class RingLink(_Link):
                                  engine.alloc)
         self._staged: dict[int, Staged] = {}  # index -> the gradient copied this step, its version and pieces
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # queued (slot view, source) copies
+        self._queued_bytes = 0  # their bytes
         self._last_accumulate = None  # completion of every accumulation issued so far
         self._guard = None  # completion of the last write-back: the copy-out buffers are free after it
 
@@ -573,31 +574,38 @@ class RingLink(_Link):
         not placed yet; True once all of it is placed. The copies are issued together (:meth:`_issue`),
         always before the slot they fill is handed over."""
         rec = self._staged.get(i)
-        if rec is not None and rec.grad.dtype != grad.dtype:  # another dtype: its pieces no longer fit
-            for piece in rec.pieces:
-                piece.live = False
-            rec = None
-        flat = grad.detach().view(-1) if grad.is_contiguous() else grad.detach().reshape(-1)
+        if rec is not None:
+            if rec.grad.dtype != grad.dtype:  # another dtype: its pieces no longer fit
+                for piece in rec.pieces:
+                    piece.live = False
+                rec = None
+            elif rec.grad is grad and rec.version == grad._version and rec.placed == grad.numel():
+                return True  # copied whole (by its hook) and unchanged since
+        src = grad.detach() if grad.requires_grad else grad
+        flat = src.view(-1) if grad.is_contiguous() else src.reshape(-1)
+        numel, itemsize = flat.numel(), grad.dtype.itemsize
         if rec is None:
             rec = self._staged[i] = Staged(grad, grad._version)
         elif rec.grad is not grad or rec.version != grad._version:
             rec.grad, rec.version = grad, grad._version  # changed since: copy it again over the same pieces
-            self._copies += [(p.data, flat[p.lo : p.lo + p.numel]) for p in rec.pieces]
-        if rec.placed < flat.numel():
-            pieces = self._ring.place(  # (a seal issues the queued copies: self._copies is a new list after it)
-                i, grad.dtype, rec.placed, flat.numel() - rec.placed, claim, seal=seal,
-                on_piece=lambda p: self._copies.append((p.data, flat[p.lo : p.lo + p.numel])),
-            )
+            self._copies += [(p.data, flat if p.numel == numel else flat[p.lo : p.lo + p.numel]) for p in rec.pieces]
+            self._queued_bytes += rec.placed * itemsize
+        if rec.placed < numel:
+            def queue(p):  # (a seal issues the queued copies: self._copies is a new list after it)
+                self._copies.append((p.data, flat if p.numel == numel else flat[p.lo : p.lo + p.numel]))
+                self._queued_bytes += p.numel * itemsize
+
+            pieces = self._ring.place(i, grad.dtype, rec.placed, numel - rec.placed, claim, seal=seal, on_piece=queue)
             rec.pieces += pieces
             rec.placed += sum(p.numel for p in pieces)
-        return rec.placed == flat.numel()
+        return rec.placed == numel
 
     def _issue(self) -> None:
         """Start the queued copies, one job for all of them."""
         if self._copies:
             self._engine.d2h(self._copies)
-            self.d2h_bytes += sum(src.numel() * src.element_size() for _, src in self._copies)
-            self._copies = []
+            self.d2h_bytes += self._queued_bytes
+            self._copies, self._queued_bytes = [], 0
 
     def _hand_over(self, slot: int, buf: int) -> None:
         """Slot ``slot``'s pieces are final: an accumulate job adds them into acc[buf] once the copies issued
@@ -627,7 +635,18 @@ class RingLink(_Link):
                 del self._staged[i]
         # first every copy into the slots the hooks filled (a gradient that changed since its hook is copied
         # again over its pieces), placing what fits in free slots without waiting; then those slots are final
-        rest = [(i, grad) for i, grad in items if not self._copy(i, grad, self._free_now)]
+        rest, staged = [], self._staged
+        for i, grad in items:
+            if i not in staged and not grad.requires_grad and grad.is_contiguous():
+                # no hook staged it and it fits whole in the slot being filled: one piece, no record (the
+                # slot is handed over below, at this step)
+                piece = ring.place_whole(i, grad.dtype, grad.numel())
+                if piece is not None:
+                    self._copies.append((piece.data, grad.view(-1)))
+                    self._queued_bytes += piece.numel * piece.dtype.itemsize
+                    continue
+            if not self._copy(i, grad, self._free_now):
+                rest.append((i, grad))
         for slot in [s for s in ring.open if s != ring.current]:
             self._hand_over(slot, buf)
         seal = lambda slot: self._hand_over(slot, buf)  # noqa: E731

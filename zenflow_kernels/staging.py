@@ -27,7 +27,7 @@ __all__ = ["Piece", "StagingRing"]
 ALIGN_BYTES = 64
 
 
-@dataclass
+@dataclass(slots=True)
 class Piece:
     """Elements ``[lo, lo + numel)`` of parameter ``index``'s flat gradient, at byte ``byte`` of slot ``slot``."""
 
@@ -41,7 +41,7 @@ class Piece:
     live: bool = True  # False once the gradient it holds is dropped (another dtype, a skipped step)
 
 
-@dataclass
+@dataclass(slots=True)
 class Staged:
     """A gradient copied this step: the tensor and its version when copied, and where its elements went."""
 
@@ -82,11 +82,6 @@ class StagingRing:
         start = byte // dtype.itemsize
         return typed[start : start + numel]
 
-    def _room(self, slot: int, dtype: torch.dtype) -> int:
-        """Elements of ``dtype`` slot ``slot`` still takes."""
-        start = -(-self.used[slot] // ALIGN_BYTES) * ALIGN_BYTES
-        return max(0, self.slot_bytes - start) // dtype.itemsize
-
     def place(self, index: int, dtype: torch.dtype, lo: int, numel: int, claim: Callable[[int], bool],
               seal: Callable[[int], None] | None = None,
               on_piece: Callable[[Piece], None] | None = None) -> list[Piece]:
@@ -97,25 +92,44 @@ class StagingRing:
         ``on_piece(piece)`` is called as each piece is placed: its copy must be issued before its slot is
         sealed."""
         placed: list[Piece] = []
+        itemsize = dtype.itemsize
         while numel > 0:
-            slot = self.current
-            if slot is None or self._room(slot, dtype) == 0:
+            slot, room = self.current, 0
+            if slot is not None:  # elements of dtype the current slot still takes, from an aligned start
+                start = -(-self.used[slot] // ALIGN_BYTES) * ALIGN_BYTES
+                room = max(0, self.slot_bytes - start) // itemsize
+            if room == 0:
                 if slot is not None and seal is not None:
                     seal(slot)
                 slot = self._next
                 if slot in self.open or not claim(slot):
                     break
                 self._take(slot)
-            start = -(-self.used[slot] // ALIGN_BYTES) * ALIGN_BYTES
-            n = min(numel, self._room(slot, dtype))
+                start, room = 0, self.slot_bytes // itemsize
+            n = min(numel, room)
             piece = Piece(index, dtype, lo, n, slot, start, self._view(slot, dtype, start, n))
             self.pieces[slot].append(piece)
-            self.used[slot] = start + n * dtype.itemsize
+            self.used[slot] = start + n * itemsize
             placed.append(piece)
             if on_piece is not None:
                 on_piece(piece)
             lo, numel = lo + n, numel - n
         return placed
+
+    def place_whole(self, index: int, dtype: torch.dtype, numel: int) -> Piece | None:
+        """What :meth:`place` does for a gradient that fits whole in the slot being filled (no claim, no seal):
+        its one piece; None when it does not fit (or has no elements): :meth:`place` places it."""
+        slot = self.current
+        if slot is None or numel == 0:
+            return None
+        start = -(-self.used[slot] // ALIGN_BYTES) * ALIGN_BYTES
+        end = start + numel * dtype.itemsize
+        if end > self.slot_bytes:
+            return None
+        piece = Piece(index, dtype, 0, numel, slot, start, self._view(slot, dtype, start, numel))
+        self.pieces[slot].append(piece)
+        self.used[slot] = end
+        return piece
 
     def _take(self, slot: int) -> None:
         """Start filling ``slot`` (its reader is done): allocated on first use."""

@@ -12,6 +12,11 @@ Limits: the parameter must be contiguous and row-major; the gradient contiguous 
 goes through the torch path, which reads any strides). Per-column step counts become per-column
 float32 coefficients computed in float64 by numpy (in the multi-tensor form, one vectorised pass
 for all tensors).
+
+A caller that launches the same tensors again and again (the optimizer, at every step of a selection)
+passes them as :class:`LaunchItems`: the table, work items and coefficient layout are then built once and
+kept in the caller's ``launch_cache``; a call only checks that the items are still those tensors, writes
+the gradients' addresses into the table and computes the coefficients of the current step counts.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 from .. import torch_ops
 from . import _common as C
-from ._kernels import T_COEF, T_K, T_ROWS, multi_selective_adam_kernel, selective_adam_kernel
+from ._kernels import T_COEF, T_GRAD, T_IDX, T_K, T_ROWS, multi_selective_adam_kernel, selective_adam_kernel
 
 MULTI_BLOCK = 2048
 """Selected columns per work item of the multi-tensor kernel: a row of a matrix, or a block of a long
@@ -103,8 +108,36 @@ def multi_selective_adamw_(params, grads, indices_list, exp_avgs, exp_avg_sqs, *
     multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
 
 
+class LaunchItems(list):
+    """Items of ``multi_selective_adamw_items_`` (a list of the same tuples) with a cache for their launch,
+    for a caller that launches the same tensors again and again (the optimizer: every step of a selection).
+
+    ``launch_cache`` is a dict the caller keeps with the tensors it was made for. After the first call the
+    numba launcher keeps its address table, work items and coefficient layout there, and at every later call
+    checks that the items are the same tensors (the same parameter, indices, moment, master and step-tensor
+    objects in the same order, the parameters at the same addresses, the gradients of the same dtypes and
+    contiguity): then it only writes the gradients' addresses, the coefficients of the current step counts
+    and the decay of the current lr and weight decay. Anything else is laid out again. The state tensors
+    must not be re-pointed (``.data =``, ``set_``) while the cache is kept. Other backends see a plain list.
+    """
+
+    __slots__ = ("launch_cache",)
+
+    def __init__(self, items=(), launch_cache: dict | None = None):
+        super().__init__(items)
+        self.launch_cache = {} if launch_cache is None else launch_cache
+
+
 def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale) -> None:
-    """The launches of ``multi_selective_adamw_`` for items as ``torch_ops.multi_adamw_args`` returns them."""
+    """The launches of ``multi_selective_adamw_`` for items as ``torch_ops.multi_adamw_args`` returns them
+    (or as :class:`LaunchItems`: planned once, see there)."""
+    cache = getattr(items, "launch_cache", None)
+    if cache is not None:
+        plan = cache.get("numba")
+        if plan is None or not plan.fits(items):
+            plan = cache["numba"] = _Plan(items)
+        plan.run(items, beta1, beta2, eps, grad_scale)
+        return
     groups: dict[tuple, list] = {}
     for item in items:
         p, g, idx, m, v, w, s, lr, wd = item
@@ -184,3 +217,179 @@ def _group_coefficients(items, ks, coef_base, beta1, beta2) -> tuple[np.ndarray,
         where = np.concatenate([np.arange(coef_base[t], coef_base[t] + ks[t]) for t in per_column])
         neg_step_size[where], bc2_sqrt[where] = _column_coefficients(s, lr, beta1, beta2)
     return neg_step_size, bc2_sqrt
+
+
+class _Plan:
+    """``multi_selective_adamw_items_`` of one list of tensors, laid out once (see :class:`LaunchItems`)."""
+
+    def __init__(self, items):
+        self.n = len(items)
+        # what fits() compares at every call: the tensors planned for (kept alive: the tables hold their
+        # addresses), the parameters' addresses, and each gradient's dtype and contiguity
+        self.static = [(p, idx, m, v, w, s if isinstance(s, torch.Tensor) else None)
+                       for p, _, idx, m, v, w, s, *_ in items]
+        self.param_ptrs = [it[0].data_ptr() for it in items]
+        self.grad_sig = [(it[1].dtype, it[1].is_contiguous()) for it in items]
+        self.slow: list[int] = []  # positions launched one by one (a strided parameter or gradient)
+        by_key: dict[tuple, list[int]] = {}
+        for t, (p, g, _, m, _, w, *_) in enumerate(items):
+            if p.shape[0] * m.shape[1] == 0:
+                continue
+            if not _fusable(p, g):
+                self.slow.append(t)
+                continue
+            by_key.setdefault((p.dtype, g.dtype, w is None), []).append(t)
+        self.groups = [_Group(items, positions) for positions in by_key.values()]
+        self.lrs = self.wds = None
+
+    def fits(self, items) -> bool:
+        """Whether ``items`` are the tensors this plan was laid out for."""
+        if len(items) != self.n:
+            return False
+        for it, (p, idx, m, v, w, s) in zip(items, self.static, strict=True):
+            if it[0] is not p or it[2] is not idx or it[3] is not m or it[4] is not v or it[5] is not w:
+                return False
+            if (it[6] is not s) if s is not None else isinstance(it[6], torch.Tensor):
+                return False
+        return ([it[0].data_ptr() for it in items] == self.param_ptrs
+                and [(it[1].dtype, it[1].is_contiguous()) for it in items] == self.grad_sig)
+
+    def run(self, items, beta1, beta2, eps, grad_scale) -> None:
+        for t in self.slow:
+            p, g, idx, m, v, w, s, lr, wd = items[t]
+            _launch(p, g, idx, m, v, w, s, lr, beta1, beta2, eps, wd, grad_scale)
+        if not self.groups:
+            return
+        grad_ptrs = np.array([it[1].data_ptr() for it in items], dtype=np.int64)
+        lrs, wds = [it[7] for it in items], [it[8] for it in items]
+        if lrs != self.lrs or wds != self.wds:  # a scheduler changes lr at every step
+            self.lrs, self.wds = lrs, wds
+            for group in self.groups:
+                group.set_hyper(lrs, wds)
+        for group in self.groups:
+            group.run(items, grad_ptrs, beta1, beta2, eps, grad_scale)
+
+
+class _Group:
+    """One launch of a :class:`_Plan` (tensors of the same dtypes, all contiguous, none empty): the address
+    table with every address but the gradients' filled in, the work items, and the coefficient layout. The
+    coefficients of the tensors with per-column step counts come first, computed in one vectorised pass over
+    one gather of their step tensors' storage (the optimizer's flat step counts: a slice); the tensors with
+    an integer step point into one shared region per distinct (step, lr), usually one."""
+
+    def __init__(self, items, positions: list[int]):
+        chosen = [items[t] for t in positions]
+        self.positions = positions
+        self.take = None if positions == list(range(len(items))) else np.array(positions, dtype=np.int64)
+        self.table = table = np.array(
+            [(p.data_ptr(), 0, 0 if idx is None else idx.data_ptr(), m.data_ptr(), v.data_ptr(),
+              0 if w is None else w.data_ptr(), p.shape[0], p.shape[1], m.shape[1], 0)
+             for p, g, idx, m, v, w, *_ in chosen], dtype=np.int64)
+        # strided indices are copied at every call (their values are read then, as an address is)
+        self.strided_idx = [(j, it[2]) for j, it in enumerate(chosen) if it[2] is not None
+                            and not it[2].is_contiguous()]
+        ks = table[:, T_K]
+        self.chunk_starts = np.zeros(len(chosen) + 1, dtype=np.int64)
+        np.cumsum(table[:, T_ROWS] * ((ks + MULTI_BLOCK - 1) // MULTI_BLOCK), out=self.chunk_starts[1:])
+        self.work = int((table[:, T_ROWS] * ks).sum())
+        self.per_column = [j for j, it in enumerate(chosen) if isinstance(it[6], torch.Tensor)]
+        self.scalar = [j for j, it in enumerate(chosen) if not isinstance(it[6], torch.Tensor)]
+        self.scalar_rows = np.array(self.scalar, dtype=np.int64)
+        self.scalar_positions = [positions[j] for j in self.scalar]
+        self.pc_ks = ks[self.per_column]
+        self.M = int(self.pc_ks.sum())
+        table[self.per_column, T_COEF] = np.cumsum(self.pc_ks) - self.pc_ks
+        self.region = int(ks[self.scalar].max()) if self.scalar else 0
+        table[self.scalar, T_COEF] = self.M  # one region until the integer steps differ
+        self.regions = 1
+        self.neg_step_size = np.empty(self.M + self.region, dtype=np.float32)
+        self.bc2_sqrt = np.empty(self.M + self.region, dtype=np.float32)
+        self.gather = _step_gather([chosen[j][6] for j in self.per_column])
+        p0, g0, w0 = chosen[0][0], chosen[0][1], chosen[0][5]
+        self.protos = (_PROTO[p0.dtype], _PROTO[g0.dtype], None if w0 is None else _PROTO[torch.float32])
+        self.live = [t for p, _, _, m, v, w, *_ in chosen for t in (p, m, v, w)
+                     if t is not None and not t.is_inference()]
+        self.decay = self.lr_columns = self.scalar_lrs = None
+
+    def set_hyper(self, lrs: list, wds: list) -> None:
+        """Per-tensor decay (1 - lr * wd) and the per-column lr of the per-column tensors (float64)."""
+        if self.take is not None:
+            lrs, wds = [lrs[t] for t in self.positions], [wds[t] for t in self.positions]
+        self.scalar_lrs = [lrs[j] for j in self.scalar]
+        self.decay = 1.0 - np.array(lrs, dtype=np.float64) * np.array(wds, dtype=np.float64)
+        pc = np.array([lrs[j] for j in self.per_column], dtype=np.float64)
+        self.lr_columns = pc[0] if pc.size and (pc == pc[0]).all() else np.repeat(pc, self.pc_ks)
+
+    def run(self, items, grad_ptrs, beta1, beta2, eps, grad_scale) -> None:
+        table = self.table
+        table[:, T_GRAD] = grad_ptrs if self.take is None else grad_ptrs[self.take]
+        keep = []  # contiguous copies of strided indices must outlive the launch
+        for j, idx in self.strided_idx:
+            keep.append(idx.contiguous())
+            table[j, T_IDX] = keep[-1].data_ptr()
+        if self.scalar:  # first: it may grow the coefficient arrays
+            self._scalar_coefficients(items, beta1, beta2)
+        M = self.M
+        if M:
+            self.neg_step_size[:M], self.bc2_sqrt[:M] = _column_coefficients(self.gather(), self.lr_columns, beta1,
+                                                                               beta2)
+        C.launch(
+            multi_selective_adam_kernel,
+            self.work,
+            0,
+            table,
+            self.chunk_starts,
+            self.decay,
+            self.neg_step_size,
+            self.bc2_sqrt,
+            *self.protos,
+            MULTI_BLOCK,
+            grad_scale,
+            1.0 - beta1,
+            beta2,
+            1.0 - beta2,
+            eps,
+        )
+        if self.live:  # see C.bump_versions
+            torch.autograd.graph.increment_version(self.live)
+
+    def _scalar_coefficients(self, items, beta1, beta2) -> None:
+        """The regions of the tensors with an integer step: one per distinct (step, lr), each filled with
+        ``_coefficients``' values (the tensor's row points at its region)."""
+        keys = list(zip([items[t][6] for t in self.scalar_positions], self.scalar_lrs, strict=True))
+        distinct = dict.fromkeys(keys)
+        M, size = self.M, self.region
+        if len(distinct) != 1 or self.regions != 1:
+            region = {key: r for r, key in enumerate(distinct)}
+            self.table[self.scalar_rows, T_COEF] = [M + region[key] * size for key in keys]
+            self.regions = len(distinct)
+            if self.neg_step_size.size < M + len(distinct) * size:  # (before the per-column ones are written)
+                self.neg_step_size = np.empty(M + len(distinct) * size, dtype=np.float32)
+                self.bc2_sqrt = np.empty(M + len(distinct) * size, dtype=np.float32)
+        for r, (step, lr) in enumerate(distinct):
+            neg, bc2 = _coefficients(step, lr, beta1, beta2, 1)
+            lo = M + r * size
+            self.neg_step_size[lo : lo + size] = neg[0]
+            self.bc2_sqrt[lo : lo + size] = bc2[0]
+
+
+def _step_gather(tensors: list[torch.Tensor]):
+    """A function returning the per-column step counts of ``tensors``, concatenated, as float64: a slice or
+    one gather of their common storage when they are contiguous int64 views of one tensor (the optimizer's
+    flat step counts), a concatenation otherwise."""
+    if not tensors:
+        return None
+    base = tensors[0]._base if tensors[0]._base is not None else tensors[0]
+    if (base.dtype == torch.int64 and base.dim() == 1 and base.is_contiguous() and base.device.type == "cpu"
+            and all((t._base is base or t is base) and t.dtype == torch.int64 and t.dim() == 1
+                    and t.is_contiguous() for t in tensors)):
+        whole = base.numpy()
+        start = base.data_ptr()
+        offsets = [(t.data_ptr() - start) // 8 for t in tensors]
+        ends = [o + t.numel() for o, t in zip(offsets, tensors, strict=True)]
+        if all(e == o for e, o in zip(ends[:-1], offsets[1:], strict=True)):
+            view = whole[offsets[0] : ends[-1]]
+            return lambda: view.astype(np.float64)
+        where = np.concatenate([np.arange(o, e) for o, e in zip(offsets, ends, strict=True)])
+        return lambda: whole[where].astype(np.float64)
+    return lambda: torch.cat(tensors).numpy().astype(np.float64)
