@@ -20,6 +20,11 @@ def test_custom_loop_example_trains_checkpoints_and_resumes_identically():
     proc = run_example("custom_loop.py", "--steps", "24")
     assert proc.returncode == 0, proc.stderr
     assert "trained 24 steps" in proc.stdout and "resumed from step 12: identical weights" in proc.stdout
+    # the stall figure comes with what it measured and how to read it
+    assert "% of wall time: the training thread spent" in proc.stdout
+    assert "waiting for the background host update" in proc.stdout
+    if "steps on cpu" in proc.stdout:
+        assert 'on a CPU-only machine the "device" and the host are the same cores' in proc.stdout
 
 
 def test_hf_trainer_example():
