@@ -10,6 +10,16 @@ drifts by 2x within minutes; only medians taken side by side compare):
    ``DS_ACCELERATOR=cpu``), and the roofline: a numba loop with exactly Adam's memory traffic (read
    param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq) and trivial arithmetic.
    Effective bandwidth = 28 bytes/param * n / time (7 fp32 streams), the same formula for all.
+   Also DeepSpeed's native multi-tensor ZenFlow CPU Adam (``deepspeed_zenflow``: the
+   ``zenflow_adam_*`` functions of its ``cpu_adam`` extension, DeepSpeed >= 0.19.8, the host path of
+   its overlapped ZenFlow step): the flat buffer split over a pool of threads pinned to the first
+   1 or 2 cores, each running DeepSpeed's serial AVX Adam on its slice and then copying its slice of
+   the updated fp32 weights into a fp32 ``stale`` snapshot (DeepSpeed's ZenFlow engine always
+   registers one: it is what the GPU copy reads), driven as DeepSpeed drives it (``submit``, then
+   ``wait`` on its semaphore; its worker loop on a thread of this process instead of a spawned
+   process). That is 36 bytes/param of traffic, so ``zenflow_out_fp32`` runs ``cpu_adam_`` with
+   ``out=`` a fp32 snapshot, the same 36 bytes, beside it; ``traffic_gbps`` uses each candidate's
+   own traffic.
    All candidates update the same tensors (torch-allocated, 64-byte aligned), so none is favoured by
    placement.
 2. The update-boundary pipeline of docs/design.md 2.5: add the interval's last gradient (bf16, as it comes
@@ -91,6 +101,67 @@ def _pipeline_roofline(p, acc, g16, m, v, out16):
         out16[i] = g16[i]
 
 
+ZENFLOW_NATIVE_BYTES = 36  # DeepSpeed's native ZenFlow Adam: Adam's 28 + the fp32 stale snapshot (read p, write)
+
+
+class DeepSpeedZenFlowAdam:
+    """DeepSpeed's native ZenFlow CPU Adam over one flat fp32 group, driven the way its ZenFlow engine
+    drives it (deepspeed/runtime/zenflow/zenflow_utils.py): a pinned pool per thread count, the worker
+    loop blocking on a shared control block, ``zenflow_adam_submit`` + ``zenflow_adam_wait`` per step.
+    Only gradient state 0 is used, so both states' moments are the same tensors."""
+
+    OPT_ID_BASE = 1000  # C++ optimizer ids apart from DeepSpeedCPUAdam's (a class counter from 0)
+
+    def __init__(self, op, p, g, m, v, stale, threads: list[int]):
+        import threading
+
+        self.op = op
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+        self.ctrl, self.threads = {}, {}
+        for k in threads:
+            opt_id = self.OPT_ID_BASE + k
+            op.create_adam(opt_id, HYPER["lr"], HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"],
+                           True, False)
+            handle = op.zenflow_adam_create(opt_id, cores[:k])
+            op.zenflow_adam_register_group(handle, p, g, g, m, m, v, v, stale)
+            ctrl = torch.zeros(op.zenflow_adam_ctrl_size(), dtype=torch.uint8)
+            op.zenflow_adam_ctrl_init(ctrl.data_ptr(), 1)
+            worker = threading.Thread(target=op.zenflow_adam_run_worker, args=(handle, ctrl.data_ptr()), daemon=True)
+            worker.start()
+            self.ctrl[k], self.threads[k] = ctrl, (worker, handle, opt_id)
+
+    def step(self, k: int, step: int) -> None:
+        ptr = self.ctrl[k].data_ptr()
+        h = HYPER
+        self.op.zenflow_adam_submit(ptr, 0, step, [h["lr"]], [h["beta1"]], [h["beta2"]], [h["eps"]],
+                                    [h["weight_decay"]], [1])
+        if not self.op.zenflow_adam_wait(ptr, 600.0):
+            raise RuntimeError("DeepSpeed's ZenFlow Adam worker did not finish a step in 600 s")
+
+    def close(self) -> None:
+        for k, (worker, handle, opt_id) in self.threads.items():
+            self.op.zenflow_adam_ctrl_exit(self.ctrl[k].data_ptr())
+            worker.join()
+            self.op.zenflow_adam_destroy(handle)
+            self.op.destroy_adam(opt_id)
+        self.threads = {}
+
+
+def _deepspeed_zenflow_op():
+    """DeepSpeed's cpu_adam extension when it has the native ZenFlow Adam (0.19.8), or None with the reason."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        op = CPUAdamBuilder().load()
+        missing = [f for f in ("zenflow_adam_create", "zenflow_adam_submit", "zenflow_adam_run_worker")
+                   if not hasattr(op, f)]
+        if missing:
+            return None, f"this DeepSpeed's cpu_adam extension has no {', '.join(missing)} (needs >= 0.19.8)"
+        return op, None
+    except Exception as exc:  # noqa: BLE001 - import or JIT build failures of an optional package
+        return None, f"{type(exc).__name__}: {exc}"
+
+
 def _deepspeed_adam():
     """DeepSpeedCPUAdam, or None with the reason (it is an optional comparison, never a dependency)."""
     try:
@@ -107,7 +178,7 @@ def _deepspeed_adam():
 class State:
     """One set of Adam tensors shared by every candidate (optimizer states injected, not copied)."""
 
-    def __init__(self, n: int, ds_cls):
+    def __init__(self, n: int, ds_cls, zenflow_op=None, threads: list[int] = (1,)):
         gen = torch.Generator().manual_seed(0)
         self.p = torch.randn(n, generator=gen)
         self.g = torch.randn(n, generator=gen) * 1e-2
@@ -128,6 +199,9 @@ class State:
         for name, opt in self.opts.items():
             step = 0 if name == "deepspeed" else torch.zeros((), dtype=torch.float32)
             opt.state[self.param] = {"step": step, "exp_avg": self.m, "exp_avg_sq": self.v}
+        self.stale = torch.empty(n)  # the fp32 snapshot of the updated weights (36-byte candidates)
+        self.ds_zenflow = (DeepSpeedZenFlowAdam(zenflow_op, self.p, self.g, self.m, self.v, self.stale, list(threads))
+                           if zenflow_op is not None else None)
         # the rooflines get their numpy views once: they measure memory, not call overhead
         self.np_adam = [as_numpy(t) for t in (self.p, self.g, self.m, self.v)]
         self.np_pipe = [as_numpy(t) for t in (self.p, self.acc, self.g16, self.m, self.v, self.out16)]
@@ -135,6 +209,18 @@ class State:
     def ours(self, k: int):
         self.step += 1
         cpu_adam_(self.p, self.g, self.m, self.v, step=self.step, num_threads=k, **HYPER)
+
+    def ours_out_fp32(self, k: int):
+        self.step += 1
+        cpu_adam_(self.p, self.g, self.m, self.v, step=self.step, out=self.stale, num_threads=k, **HYPER)
+
+    def deepspeed_zenflow(self, k: int):
+        self.step += 1
+        self.ds_zenflow.step(k, self.step)
+
+    def close(self) -> None:
+        if self.ds_zenflow is not None:
+            self.ds_zenflow.close()
 
     def roofline(self):
         _roofline(*self.np_adam)
@@ -318,9 +404,18 @@ def bench_adam(state: State, n: int, threads: list[int], rounds: int, attempts: 
         candidates = {"zenflow": lambda k=k: state.ours(k), "roofline": state.roofline}
         for name in state.opts:
             candidates[name] = lambda name=name: state.torch_step(name)
+        if state.ds_zenflow is not None:
+            candidates["deepspeed_zenflow"] = lambda k=k: state.deepspeed_zenflow(k)
+            candidates["zenflow_out_fp32"] = lambda k=k: state.ours_out_fp32(k)
         rows += _measure(candidates, n, k, rounds, ADAM_BYTES, attempts)
-    _add_ratios(rows, ["roofline", "deepspeed", "torch_fused"])
+    _add_ratios(rows, ["roofline", "deepspeed", "torch_fused", "deepspeed_zenflow"])
+    for r in rows:  # each candidate's own traffic (effective_gbps keeps the one formula for all)
+        r["traffic_bytes_per_param"] = ZENFLOW_NATIVE_BYTES if r["candidate"] in TRAFFIC_36 else ADAM_BYTES
+        r["traffic_gbps"] = r["mparams_per_s"] * 1e6 * r["traffic_bytes_per_param"] / 1e9
     return rows
+
+
+TRAFFIC_36 = ("deepspeed_zenflow", "zenflow_out_fp32")
 
 
 def bench_pipeline(state: State, n: int, threads: list[int], rounds: int, attempts: int = 3) -> list[dict]:
@@ -414,7 +509,8 @@ def plot(payload: dict, path) -> None:
     update-boundary pipeline, thread scaling at the goal size."""
     pyplot = plt()
     fig, axes = pyplot.subplots(2, 2, figsize=(15, 10))
-    colors = {"zenflow": "C0", "roofline": "k", "torch_fused": "C1", "torch_foreach": "C2", "deepspeed": "C3"}
+    colors = {"zenflow": "C0", "roofline": "k", "torch_fused": "C1", "torch_foreach": "C2", "deepspeed": "C3",
+              "deepspeed_zenflow": "C4", "zenflow_out_fp32": "C9"}
     top = max(payload["config"]["threads"])
 
     def series(rows, cand, k, key="mparams_per_s"):
@@ -438,16 +534,18 @@ def plot(payload: dict, path) -> None:
     for cand, color in colors.items():
         if cand == "roofline":
             continue
+        own = ZENFLOW_NATIVE_BYTES / ADAM_BYTES if cand in TRAFFIC_36 else 1.0  # the roofline of its own traffic
         for k, style in ((top, "-"), (1, ":")):
-            pts = series(payload["adam"], cand, k, "ratio_to_roofline")
+            pts = [(x, y * own) for x, y in series(payload["adam"], cand, k, "ratio_to_roofline")]
             if pts:
-                ax.plot(*zip(*pts, strict=True), style, color=color, marker="o", ms=3, label=f"{cand} ({k} thr)")
+                ax.plot(*zip(*pts, strict=True), style, color=color, marker="o", ms=3,
+                        label=f"{cand} ({k} thr{', 36 B' if own != 1.0 else ''})")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(0.95, color="k", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("params")
-    ax.set_ylabel("time(roofline) / time(candidate)")
-    ax.set_title("fraction of the memory roofline (same traffic, trivial math); dashed: 0.95")
+    ax.set_ylabel("time(roofline of its traffic) / time(candidate)")
+    ax.set_title("fraction of the memory roofline (its own traffic, trivial math); dashed: 0.95")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
 
@@ -499,6 +597,16 @@ def goals(adam: list[dict], pipeline: list[dict], size: int, threads: int) -> di
         out["adam_vs_roofline"] = {"measured": ours.get("ratio_to_roofline"), "goal": 0.95}
         out["adam_vs_deepspeed"] = {"measured": ours.get("ratio_to_deepspeed"), "goal": 1.0}
         out["adam_vs_torch_fused"] = {"measured": ours.get("ratio_to_torch_fused")}
+        if ours.get("ratio_to_deepspeed_zenflow") is not None:
+            same = pick(adam, "zenflow_out_fp32")
+            out["adam_vs_deepspeed_zenflow_native"] = {
+                "measured": ours["ratio_to_deepspeed_zenflow"],
+                "note": "ours moves 28 bytes/param, DeepSpeed's native ZenFlow Adam 36 (its fp32 stale snapshot)",
+            }
+            out["adam_out_fp32_vs_deepspeed_zenflow_native"] = {
+                "measured": same.get("ratio_to_deepspeed_zenflow") if same else None,
+                "note": "the same 36 bytes/param: cpu_adam_ with out= a fp32 snapshot",
+            }
     if fused:
         out["fused_pipeline_vs_separate_zenflow_kernels"] = {
             "measured": fused.get("speedup_vs_separate_zenflow"),
@@ -551,17 +659,20 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (5 if args.quick else 15)
     threads = [k for k in (1, 2) if k <= numba.config.NUMBA_NUM_THREADS and k <= (os.cpu_count() or 1)]
     ds_cls, ds_reason = _deepspeed_adam()
+    zenflow_op, zenflow_reason = _deepspeed_zenflow_op() if ds_cls is not None else (None, ds_reason)
     if args.wait_quiet > 0:
         print(f"other processes' CPU share before starting: {_wait_quiet(args.wait_quiet):.2f}", flush=True)
-    print(f"sizes {sizes}, threads {threads}, rounds {rounds}, deepspeed: {'yes' if ds_cls else ds_reason}", flush=True)
+    print(f"sizes {sizes}, threads {threads}, rounds {rounds}, deepspeed: {'yes' if ds_cls else ds_reason}, "
+          f"its native ZenFlow Adam: {'yes' if zenflow_op else zenflow_reason}", flush=True)
 
     adam_rows, pipe_rows = [], []
     for n in sizes:
         t0 = time.perf_counter()
-        state = State(n, ds_cls)
+        state = State(n, ds_cls, zenflow_op, threads)
         attempts = 1 if args.quick else 3  # --quick never waits for a quiet machine
         adam_rows += bench_adam(state, n, threads, rounds, attempts)
         pipe_rows += bench_pipeline(state, n, threads, rounds, attempts)
+        state.close()
         del state
         big = [r for r in adam_rows if r["size"] == n and r["threads"] == max(threads)]
         summary = ", ".join(f"{r['candidate']} {r['mparams_per_s']:.0f}" for r in big)
@@ -591,6 +702,9 @@ def main(argv: list[str] | None = None) -> int:
             "NUMBA_NUM_THREADS": numba.config.NUMBA_NUM_THREADS,
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
             "deepspeed": "DeepSpeedCPUAdam" if ds_cls else ds_reason,
+            "deepspeed_zenflow": "cpu_adam extension zenflow_adam_* (native multi-tensor ZenFlow Adam)"
+            if zenflow_op else zenflow_reason,
+            "traffic_bytes_per_param": {**dict.fromkeys(TRAFFIC_36, ZENFLOW_NATIVE_BYTES), "others": ADAM_BYTES},
         },
         "adam": adam_rows,
         "pipeline": pipe_rows,

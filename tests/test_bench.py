@@ -240,3 +240,143 @@ def test_other_benches_reject_bad_options(tmp_path, module):
     proc = run_module(module, "--no-such-option", "--out", str(tmp_path), timeout=120)
     assert_one_line_error(proc, "error:", "--no-such-option")
     assert not list(tmp_path.glob("*.json"))
+
+
+# -- bench.scale -------------------------------------------------------------------------------------------
+
+
+def test_scale_quick(tmp_path):
+    """Every config at two tiny sizes and the per-tensor measurement: the JSON's structure and what must
+    hold whatever the speed (the host budget by buffer, RSS at least the reported buffers)."""
+    proc = run_module("bench.scale", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "scale_cpu.json").read_text())
+    assert (tmp_path / "scale_cpu.png").read_bytes()[:8] == PNG_MAGIC
+    assert result["machine"]["python"] and result["config"]["quick"] is True
+    assert not result["skipped"]
+    runs = result["runs"]
+    configs = ("overlap", "sync", "devacc")
+    assert {(r["size"], r["config"]) for r in runs} == {(s, c) for s in ("32x2", "64x2") for c in configs}
+    for r in runs:
+        where = (r["size"], r["config"])
+        assert r["params"] == r["layers"] * (12 * r["d"] ** 2 + 2 * r["d"]) and r["tensors"] == 6 * r["layers"], where
+        bpp, hb = r["bytes_per_param"], r["host_bytes"]
+        # docs/design.md section 9: master 4, moments 8, accumulation 4 a buffer (two with overlap and host
+        # accumulation), a bf16 copy-out (the fp32 norm vectors add a little), no staging on the CPU link
+        assert bpp["master"] == pytest.approx(4, rel=1e-3), where
+        assert bpp["exp_avg"] == bpp["exp_avg_sq"] == bpp["master"], where
+        acc = 8 if r["config"] == "overlap" else 4
+        assert bpp["accumulation"] == pytest.approx(acc, rel=1e-3), where
+        assert 2 <= bpp["copy_out"] <= 2.02, where
+        assert hb["staging"] == 0 and bpp["total"] == pytest.approx(12 + acc + bpp["copy_out"]), where
+        assert hb["device_sums"] == (hb["master"] if r["config"] == "devacc" else 0), where
+        assert 0 < bpp["fast_state"] < 2, where  # 10% of the columns: fp32 master and moments
+        rss = r["rss"]
+        assert rss["peak"] >= rss["end"] >= rss["reported"] == hb["total"] + hb["fast_state"] + hb["device_sums"]
+        assert rss["peak"] >= rss["params_and_grads"] + rss["reported"], where
+        tm = r["times"]
+        assert len(tm["step_s"]) == len(tm["boundary"]) == r["steps"] == 8 and finite(tm["step_s"]), where
+        assert tm["boundary"] == [t % 4 == 3 for t in range(8)], where  # update_interval 4
+        assert min(tm["step_s"]) > 0 and tm["mean_step_s"] > 0 and tm["cold_first_step_s"] > 0, where
+        hu = r["host_update"]
+        assert hu["count"] == 2 and finite(hu["seconds"]) and hu["roofline_s"] > 0, where
+        assert hu["bytes_per_element"] == (36 if r["config"] == "sync" else 34), where
+        assert r["stats"]["host_updates"] == 2 and r["stats"]["selections"] == 1, where
+        assert {b["pattern"] for b in r["bandwidth"]} == {hu["pattern"], "accumulate"}, where
+        assert all(b["gbps"] > 0 for b in r["bandwidth"]) and hu["fraction_of_roofline_last"] > 0, where
+    assert {(b["pattern"], b["threads"]) for b in result["roofline_bandwidth"]} >= {
+        (r["host_update"]["pattern"], r["host_threads"]) for r in runs}
+    pt = result["per_tensor"]
+    assert {(r["candidate"], r["tensors"]) for r in pt["rows"]} == {
+        (c, n) for c in ("zenflow_cpu_link", "zenflow_async_link", "torch_adamw_foreach") for n in (12, 24)}
+    assert all(r["median_s"] > 0 for r in pt["rows"])
+    assert set(pt["summary"]["zenflow_async_link"]) >= {"us_per_tensor", "vs_torch_adamw_at_12", "vs_torch_adamw_at_24"}
+    ds = result["deepspeed_reference"]
+    assert ds["zero_offload"]["bytes_per_param"] == 16 and ds["zenflow_overlap"]["bytes_per_param"] == 32
+    assert set(result["growth"]) == set(configs)
+
+
+@pytest.mark.parametrize("args, fragment", [(["--sizes", "100x2"], "--sizes"), (["--configs", "fast"], "--configs"),
+                                            (["--steps", "2"], "--steps")], ids=["size", "config", "steps"])
+def test_scale_rejects_bad_options(tmp_path, args, fragment):
+    proc = run_module("bench.scale", *args, "--out", str(tmp_path), timeout=120)
+    assert_one_line_error(proc, "error:", fragment)
+    assert not list(tmp_path.glob("*.json"))
+
+
+# -- bench.step_overhead -----------------------------------------------------------------------------------
+
+
+def test_step_overhead_quick(tmp_path):
+    """Every candidate at both quick counts, in one run: the JSON's structure only (timings are the machine's)."""
+    proc = run_module("bench.step_overhead", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "step_overhead_cpu.json").read_text())
+    candidates = ("zenflow_cpu_link", "zenflow_async_link", "torch_adamw_foreach")
+    assert result["machine"]["python"] and result["config"]["quick"] is True
+    assert result["config"]["clock"] == "time.thread_time" and result["config"]["tensors"] == [8, 16]
+    assert {(r["candidate"], r["tensors"]) for r in result["rows"]} == {(c, n) for c in candidates for n in (8, 16)}
+    for r in result["rows"]:
+        assert r["steps"] > 0 and 0 < r["min_ms"] <= r["median_ms"] and math.isfinite(r["median_ms"]), r
+    assert set(result["summary"]) == set(candidates)
+    summary = result["summary"]["zenflow_async_link"]
+    assert {"ms_at_8", "ms_at_16", "us_per_tensor", "vs_torch_adamw_at_16"} <= set(summary)
+
+
+# -- bench.fsdp2 -------------------------------------------------------------------------------------------
+
+
+def test_fsdp2_quick(tmp_path):
+    """One process against FSDP2 at 2 ranks (ZenFlow, AdamW, AdamW with CPUOffloadPolicy) in one run: the JSON's
+    structure and what must hold whatever the speed: the host state halves at 2 ranks, FSDP2's all-gathers and
+    reduce-scatters are counted, ZenFlow's score all-reduce is far below the gradients, 2 ranks on halves of
+    the batch train as one process on the whole."""
+    proc = run_module("bench.fsdp2", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "fsdp2_cpu.json").read_text())
+    assert (tmp_path / "fsdp2_cpu.png").read_bytes()[:8] == PNG_MAGIC
+    assert result["machine"]["python"] and result["config"]["quick"] is True
+    s = result["summary"]
+    assert list(s) == ["one_zenflow", "one_adamw", "fsdp2_zenflow", "fsdp2_adamw", "fsdp2_offload_adamw"]
+    steps = result["config"]["warmup"] + result["config"]["steps"]
+    for name, row in s.items():
+        world = 2 if name.startswith("fsdp2") else 1
+        assert row["world"] == world and row["torch_threads_per_rank"] >= 1, name
+        assert row["steps_per_s_median"] > 0 and row["steps_per_s_wall"] > 0 and row["step_call_ms_median"] > 0
+        assert len(row["losses"]) == steps and finite(row["losses"]) and math.isfinite(row["final_loss"]), name
+        assert len(row["optimizer_state_bytes_per_rank"]) == len(row["parameter_bytes_per_rank"]) == world, name
+        assert min(row["peak_rss_bytes_per_rank"]) > 0, name
+        assert len(row["other_cpu_share_per_repeat"]) == 1 and row["calm_repeats"] in (0, 1), name
+    one = s["one_adamw"]["parameter_bytes_per_rank"][0]
+    assert s["one_zenflow"]["collective_bytes_per_step"] == s["one_adamw"]["collective_bytes_per_step"] == {}
+    for name in ("fsdp2_zenflow", "fsdp2_adamw", "fsdp2_offload_adamw"):
+        row, twin = s[name], s[result["comparisons"][name]["twin"]]
+        assert sum(row["parameter_bytes_per_rank"]) == one, name  # each rank holds its rows only
+        halves, whole = row["optimizer_state_bytes_per_rank"], twin["optimizer_state_bytes_per_rank"][0]
+        assert max(halves) < 0.6 * whole and sum(halves) == pytest.approx(whole, rel=0.02), name
+        moved = row["collective_bytes_per_step"]
+        # fp32 gradients reduce-scattered once a step (the unsharded buffer), every parameter all-gathered at
+        # least once (the forward; the blocks again in backward)
+        assert moved["FSDP2 reduce-scatter"] >= one and moved["FSDP2 all-gather"] >= one, name
+        assert row["fsdp2_collectives"]["all-gather"]["calls_per_step"] > 0, name
+        # the same training as one process on the whole batch
+        assert result["comparisons"][name]["max_abs_loss_diff"] < 1e-3, name
+    assert set(s["fsdp2_adamw"]["collective_bytes_per_step"]) == {"FSDP2 all-gather", "FSDP2 reduce-scatter"}
+    zen = s["fsdp2_zenflow"]
+    moved = zen["collective_bytes_per_step"]
+    assert 0 < 100 * moved["selection scores"] < moved["FSDP2 reduce-scatter"]
+    assert 0 < moved["gradient norm"] < moved["selection scores"]
+    # ZenFlow's own count of its collectives is what the shims saw on the groups that are not FSDP2's
+    assert zen["zenflow"]["shim_bytes_total_other_groups"] == sum(zen["zenflow"]["collective_bytes_total"].values())
+    one_host, two_host = s["one_zenflow"]["zenflow"]["host_bytes_per_rank"], zen["zenflow"]["host_bytes_per_rank"]
+    assert len(two_host) == 2 and max(h["total"] for h in two_host) < 0.6 * one_host[0]["total"]
+    assert zen["zenflow"]["selections"] == 1 and zen["zenflow"]["host_updates"] == steps // 4
+
+
+@pytest.mark.parametrize("args, fragment", [(["--configs", "one_adamw,sgd"], "--configs"),
+                                            (["--steps", "0"], "--steps"), (["--adamw", "slow"], "--adamw")],
+                         ids=["config", "steps", "adamw"])
+def test_fsdp2_rejects_bad_options(tmp_path, args, fragment):
+    proc = run_module("bench.fsdp2", *args, "--out", str(tmp_path), timeout=120)
+    assert_one_line_error(proc, "error:", fragment)
+    assert not list(tmp_path.glob("*.json"))
