@@ -758,7 +758,7 @@ def plot(payload: dict, path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("parameters")
     ax.set_ylabel("roofline time / measured time")
-    ax.set_title("fraction of the memory roofline (bandwidth measured in each run)")
+    ax.set_title("fraction of the memory roofline (the best bandwidth any run measured)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     from matplotlib.ticker import NullFormatter
