@@ -468,7 +468,11 @@ def main(argv=None) -> int:
             setattr(args, key, value)
     if args.worker_out:
         worker(args)
-        return 0
+        # the rank's work and its results are done: leave without the interpreter's teardown, where gloo's
+        # threads sometimes abort an exiting process ("terminate called without an active exception")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
