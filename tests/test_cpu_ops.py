@@ -29,7 +29,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zenflow_kernels.cpu_ops import accumulate_, accumulate_adam_, cpu_adam_, sum_squares
+from zenflow_kernels.cpu_ops import accumulate_, accumulate_adam_, cpu_adam_, multi_sum_squares, sum_squares
 
 RTOL = 1e-6
 DTYPES_16 = (torch.bfloat16, torch.float16)
@@ -389,6 +389,66 @@ def test_sum_squares_is_finite_iff_input_is(n, dtype, specials, seed):
     assert math.isfinite(got) == bool(torch.isfinite(x).all())
     if math.isfinite(got):
         assert got == pytest.approx(float((x.double() ** 2).sum()), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# multi_sum_squares (the gradient norm of a step)
+# ---------------------------------------------------------------------------------------------
+
+
+def _multi_case(seed: int):
+    """Tensors of every dtype and awkward sizes: empty, one element, a chunk boundary +-1, several chunks."""
+    from zenflow_kernels.cpu_ops.accumulate import SUM_CHUNK
+
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [(0,), (1,), (7, 3), (SUM_CHUNK - 1,), (SUM_CHUNK,), (SUM_CHUNK + 1,), (3, SUM_CHUNK + 5), (64, 64)]
+    dtypes = [torch.float32, *DTYPES_16]
+    return [(torch.randn(shape, generator=gen) * 3).to(dtypes[(n + seed) % 3]) for n, shape in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_multi_sum_squares_matches_float64_sums_and_ignores_the_thread_count(seed):
+    tensors = _multi_case(seed)
+    expected = sum(float((t.double() ** 2).sum()) for t in tensors)
+    rows = [(threads, multi_sum_squares(tensors, num_threads=threads)) for threads in (1, 2)]
+    for sub in (tensors[:1], tensors[1:4], tensors[::-1]):  # subsets and another order
+        assert multi_sum_squares(sub) == pytest.approx(sum(float((t.double() ** 2).sum()) for t in sub), rel=1e-12)
+    assert all(isinstance(got, float) for _, got in rows)
+    assert all(got == pytest.approx(expected, rel=1e-12, abs=0.0) for _, got in rows), (expected, rows)
+    assert rows[0][1] == rows[1][1]  # chunks fixed: the same bits on one thread and on two
+    assert multi_sum_squares([]) == 0.0 and multi_sum_squares([torch.zeros(0, dtype=torch.float16)]) == 0.0
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_multi_sum_squares_is_non_finite_iff_some_tensor_is(bad):
+    from zenflow_kernels.cpu_ops.accumulate import SUM_CHUNK
+
+    rows = []
+    for which in range(1, 8):  # every non-empty tensor; positions at its ends and a chunk boundary
+        for pos in sorted({0, SUM_CHUNK - 1, SUM_CHUNK, -1}):
+            tensors = _multi_case(0)
+            flat = tensors[which].view(-1)
+            if -flat.numel() <= pos < flat.numel():
+                flat[pos] = bad
+                rows.append((which, pos, multi_sum_squares(tensors)))
+    assert len(rows) >= 12 and all(not math.isfinite(got) for *_, got in rows), rows
+    assert math.isfinite(multi_sum_squares(_multi_case(0)))
+
+
+def test_multi_sum_squares_errors_name_the_tensor():
+    good = torch.ones(4)
+    cases = [
+        (lambda: multi_sum_squares(good), TypeError, ["tensors", "list", "Tensor"]),
+        (lambda: multi_sum_squares([good, torch.ones(4, dtype=torch.int32)]), TypeError, ["tensors[1]", "int32"]),
+        (lambda: multi_sum_squares([good, _noncontig()]), ValueError, ["tensors[1]", "contiguous"]),
+        (lambda: multi_sum_squares([torch.ones(4, device="meta")]), ValueError, ["tensors[0]", "CPU"]),
+        (lambda: multi_sum_squares([good, np.ones(4, np.float32)]), TypeError, ["tensors[1]", "ndarray"]),
+        (lambda: multi_sum_squares([good], num_threads=0), ValueError, ["num_threads", "0"]),
+    ]
+    for call, error, words in cases:
+        with pytest.raises(error) as info:
+            call()
+        assert all(w in str(info.value) for w in words), (words, str(info.value))
 
 
 # ---------------------------------------------------------------------------------------------

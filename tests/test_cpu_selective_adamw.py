@@ -5,6 +5,7 @@ import torch
 
 from zenflow_kernels import ops, torch_ops
 from zenflow_kernels.cpu_ops import selective_adamw as numba_ops
+from zenflow_kernels.launch_plan import LaunchItems
 
 SHAPES = [(1, 1), (1, 37), (29, 1), (7, 33), (64, 130)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -176,6 +177,33 @@ def test_multi_form_mixed_list_matches_the_torch_path():
     assert not torch.equal(p_new[2], cases[2][0])  # the updates happened
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3, 7, 64, None])
+def test_multi_form_is_the_same_whatever_the_work_ranges(monkeypatch, parts):
+    """The multi-tensor kernel walks its work items in ``parts`` contiguous ranges (a tensor's row looked up
+    once per range): ranges that start and end inside a tensor, inside a matrix's rows and inside a long
+    vector's blocks, one range per item, and the launcher's own choice (None) all give the single calls' bits."""
+    cases = [make_case(s, d, dense, pc, d != torch.float32, seed=n)
+             for n, (s, d, dense, pc) in enumerate([((37, 50), torch.float32, False, True),
+                                                     ((1, 3 * numba_ops.MULTI_BLOCK + 11), torch.float32, True,
+                                                      False),
+                                                     ((5, 9), torch.float32, False, False),
+                                                     ((64, 130), torch.float32, True, True)])]
+    singles = [run(numba_ops, *c, 2.0) for c in cases]
+    if parts is not None:
+        monkeypatch.setattr(numba_ops, "_parts", lambda work, chunks: min(parts, chunks))
+    params = [c[0].clone() for c in cases]
+    states = [{k: (None if v is None else v.clone()) for k, v in c[2].items()} for c in cases]
+    for n in range(4):
+        numba_ops.multi_selective_adamw_(
+            params, [c[4][n] for c in cases], [c[1] for c in cases], [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states], steps=[c[3] + n for c in cases], lrs=3e-2, beta1=0.9, beta2=0.99,
+            eps=1e-8, weight_decays=[0.05] * len(cases), masters=[s["master"] for s in states], grad_scale=2.0)
+    for j, ((p_single, s_single), p_multi, s_multi) in enumerate(zip(singles, params, states, strict=True)):
+        assert torch.equal(p_single, p_multi), j
+        assert torch.equal(s_single["exp_avg"], s_multi["exp_avg"]), j
+        assert torch.equal(s_single["exp_avg_sq"], s_multi["exp_avg_sq"]), j
+
+
 @pytest.mark.parametrize(
     "mutate, match",
     [
@@ -213,7 +241,7 @@ def test_cpu_dispatch_picks_numba_without_the_interpreter(monkeypatch):
         assert ops._impl(param).column_scores is torch_ops.column_scores
 
 
-def _planned_case(seed=5):
+def _planned_case(seed=5, strided_indices=True):
     """Tensors like the optimizer's: matrices whose per-column steps are views of one flat tensor (one of them
     through strided indices), vectors with integer steps, three dtype groups, a strided gradient, an empty
     tensor and a vector longer than a work block."""
@@ -233,7 +261,7 @@ def _planned_case(seed=5):
     for n, ((R, C), dtype, dense, with_master, strided) in enumerate(spec):
         param = (torch.randn(R, C, generator=g) * 0.5).to(dtype)
         idx = None if dense else torch.randperm(C, generator=g)[: max(1, C // 4)].sort().values
-        if n == 0:
+        if n == 0 and strided_indices:
             idx = torch.stack([idx, idx], dim=1)[:, 0]  # strided indices
         k = C if dense else idx.numel()
         state = [torch.randn(R, k, generator=g) * 0.1, torch.rand(R, k, generator=g) * 0.01,
@@ -249,9 +277,10 @@ def _planned_case(seed=5):
     return rows, widths, flat, grads
 
 
-def _run_planned(planned: bool, events=()):
-    """Six calls, with the events ``{call: what}`` the cache must notice; returns every tensor at the end."""
-    rows, widths, flat, grads = _planned_case()
+def _run_planned(planned: bool, events=(), impl=numba_ops):
+    """Six calls, with the events ``{call: what}`` the cache must notice; returns every tensor at the end.
+    (Triton reads indices as contiguous: its case has no strided ones.)"""
+    rows, widths, flat, grads = _planned_case(strided_indices=impl is numba_ops)
     params = [r[0].clone() for r in rows]
     states = [[None if t is None else t.clone() for t in r[2]] for r in rows]
     flat = flat.clone()
@@ -283,8 +312,8 @@ def _run_planned(planned: bool, events=()):
             for j, (p, gr, r, s, st) in enumerate(zip(params, step_grads, rows, states, steps, strict=True))
         ]
         if planned:
-            items = numba_ops.LaunchItems(items, cache)
-        numba_ops.multi_selective_adamw_items_(items, 0.9, 0.99, 1e-8, 1.0 + 0.5 * n)
+            items = LaunchItems(items, cache)
+        impl.multi_selective_adamw_items_(items, 0.9, 0.99, 1e-8, 1.0 + 0.5 * n)
     return params, states, cache
 
 
@@ -306,6 +335,36 @@ def test_planned_launch_is_bit_identical(event):
             assert (x is None and y is None) or torch.equal(x, y), j
 
 
+@pytest.mark.parametrize("event", [None, "int_steps_differ", "state_replaced", "param_moved", "grad_dtype",
+                                   "grad_strided", "steps_replaced"])
+def test_planned_triton_launch_is_bit_identical(event):
+    """The Triton launcher's plan (its tables laid out once per LaunchItems, under the interpreter): the same
+    bits as laying them out at every call, through the same events as the numba plan's test; laid out again
+    when the items change (a gradient with other strides is another table: its strides are in it)."""
+    sa = pytest.importorskip("zenflow_kernels.triton.selective_adamw")
+    events = {} if event is None else {2: (event,)}
+    p_ref, s_ref, _ = _run_planned(False, events, impl=sa)
+    p_new, s_new, cache = _run_planned(True, events, impl=sa)
+    assert "triton" in cache
+    for j, (a, b) in enumerate(zip(p_ref, p_new, strict=True)):
+        assert torch.equal(a, b), (j, float((a.float() - b.float()).abs().max()))
+    for j, (sa_, sb) in enumerate(zip(s_ref, s_new, strict=True)):
+        for x, y in zip(sa_, sb, strict=True):
+            assert (x is None and y is None) or torch.equal(x, y), j
+    rows, _, _, grads = _planned_case(strided_indices=False)
+    items = [(r[0].clone(), grads[0][j], r[1], *[None if t is None else t.clone() for t in r[2]], 4, 1e-2, 0.0)
+             for j, r in enumerate(rows)]
+    cache = {}
+    sa.multi_selective_adamw_items_(LaunchItems(items, cache), 0.9, 0.99, 1e-8, 1.0)
+    first = cache["triton"]
+    again = [(*it[:1], grads[1][j], *it[2:]) for j, it in enumerate(items)]  # new gradients, same layout
+    sa.multi_selective_adamw_items_(LaunchItems(again, cache), 0.9, 0.99, 1e-8, 1.0)
+    assert cache["triton"] is first
+    again[0] = (again[0][0], again[0][1].t().contiguous().t(), *again[0][2:])  # other strides: laid out again
+    sa.multi_selective_adamw_items_(LaunchItems(again, cache), 0.9, 0.99, 1e-8, 1.0)
+    assert cache["triton"] is not first
+
+
 def test_planned_launch_is_laid_out_once():
     rows, widths, flat, grads = _planned_case()
     params = [r[0].clone() for r in rows]
@@ -313,14 +372,14 @@ def test_planned_launch_is_laid_out_once():
     cache = {}
     plans = []
     for n in range(3):
-        items = numba_ops.LaunchItems(
+        items = LaunchItems(
             [(p, gr, r[1], s[0], s[1], s[2], 4 + n, 1e-2, 0.0)
              for p, gr, r, s in zip(params, grads[n], rows, states, strict=True)], cache)
         numba_ops.multi_selective_adamw_items_(items, 0.9, 0.99, 1e-8, 1.0)
         plans.append(cache["numba"])
     assert plans[0] is plans[1] is plans[2]
     params[1].data = params[1].clone()  # a parameter at another address: laid out again
-    items = numba_ops.LaunchItems(
+    items = LaunchItems(
         [(p, gr, r[1], s[0], s[1], s[2], 9, 1e-2, 0.0) for p, gr, r, s in zip(params, grads[3], rows, states,
                                                                              strict=True)], cache)
     numba_ops.multi_selective_adamw_items_(items, 0.9, 0.99, 1e-8, 1.0)

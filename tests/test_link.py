@@ -567,3 +567,35 @@ def test_place_whole_puts_a_gradient_where_place_would():
             assert p.data.data_ptr() == rings[1].buffers[p.slot].data_ptr() + p.byte
     assert rings[0].used == rings[1].used and rings[0].open == rings[1].open
     assert 3 <= declined < len(sizes)  # the first (no slot yet), the empty one, one that needs the next slot
+
+
+def test_place_run_places_the_prefix_that_fits_whole_as_place_would():
+    """step()'s batch placement: for runs of gradients (dtypes changing inside a run, alignment gaps between
+    them) the pieces are those place() gives one by one, up to the first that does not fit whole in the slot
+    being filled (or is empty); the views are where the pieces say, of their dtype and size."""
+    from zenflow_kernels.staging import StagingRing
+
+    entries = [(0, torch.float32, 16), (1, torch.bfloat16, 7), (2, torch.bfloat16, 9), (3, torch.float32, 5),
+               (4, torch.float16, 1), (5, torch.float32, 3), (6, torch.float32, 40), (7, torch.float32, 0),
+               (8, torch.float32, 2)]
+    rows = []
+    for start in range(len(entries)):
+        rings = [StagingRing(2, 320, lambda n, dt: torch.zeros(n, dtype=dt)) for _ in range(2)]
+        for ring in rings:  # a slot being filled, partly used
+            ring.place(99, torch.float32, 0, 3, lambda slot: True)
+        got = rings[1].place_run(entries[start:])
+        want = []
+        for index, dtype, numel in entries[start:]:
+            if rings[0].place_whole(index, dtype, numel) is None:
+                break
+            want.append(rings[0].pieces[rings[0].current][-1])
+        assert [(p.index, p.slot, p.byte, p.lo, p.numel, p.dtype) for p in got] == [
+            (p.index, p.slot, p.byte, p.lo, p.numel, p.dtype) for p in want], start
+        fields = [[(p.index, p.byte, p.numel, p.dtype) for p in slot] for ring in rings for slot in ring.pieces]
+        assert rings[0].used == rings[1].used and fields[:2] == fields[2:]
+        for p in got:
+            assert p.data.dtype == p.dtype and p.data.numel() == p.numel
+            assert p.data.data_ptr() == rings[1].buffers[p.slot].data_ptr() + p.byte
+        rows.append(len(got))
+    assert rows[0] == 4 and rows[7] == 0  # stops at the one that does not fit (fp16 at byte 320), the empty one
+    assert StagingRing(2, 320, lambda n, dt: torch.zeros(n, dtype=dt)).place_run(entries) == []  # no slot yet

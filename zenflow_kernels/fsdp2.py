@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .sharding import Sharding, column_scores
+from .sharding import Sharding, column_scores, sum_of_squares
 from .zero import Collectives
 
 __all__ = ["FSDP2", "fsdp2_mesh", "is_dtensor"]
@@ -95,11 +95,8 @@ class FSDP2(Sharding):
         return None if g is None else g.to_local()
 
     def grad_norm(self, active: list[int]) -> float:
-        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
         grads = [g for g in (self.own_grad(i) for i in active) if g.numel()]
-        if grads:
-            squares += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum()
-        return float(self.ctx.all_reduce_(squares, "gradient norm").sqrt())
+        return float(self.ctx.all_reduce_(sum_of_squares(grads, self.device), "gradient norm").sqrt())
 
     def scores(self, indices, importances) -> list[torch.Tensor]:
         # partial scores over this rank's rows (a callable scorer sees those rows too), summed over the ranks

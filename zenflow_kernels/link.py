@@ -635,18 +635,26 @@ class RingLink(_Link):
                 del self._staged[i]
         # first every copy into the slots the hooks filled (a gradient that changed since its hook is copied
         # again over its pieces), placing what fits in free slots without waiting; then those slots are final
-        rest, staged = [], self._staged
-        for i, grad in items:
-            if i not in staged and not grad.requires_grad and grad.is_contiguous():
-                # no hook staged it and it fits whole in the slot being filled: one piece, no record (the
-                # slot is handed over below, at this step)
-                piece = ring.place_whole(i, grad.dtype, grad.numel())
-                if piece is not None:
-                    self._copies.append((piece.data, grad.view(-1)))
-                    self._queued_bytes += piece.numel * piece.dtype.itemsize
-                    continue
-            if not self._copy(i, grad, self._free_now):
-                rest.append((i, grad))
+        rest, staged, k, n = [], self._staged, 0, len(items)
+        while k < n:
+            # a run of gradients no hook staged that fit whole in the slot being filled: one piece each, no
+            # record (the slot is handed over below, at this step)
+            end = k
+            while end < n and items[end][0] not in staged and not items[end][1].requires_grad and (
+                    items[end][1].is_contiguous()):
+                end += 1
+            if end > k:
+                run = items[k:end]
+                pieces = ring.place_run([(i, grad.dtype, grad.numel()) for i, grad in run])
+                placed = zip(pieces, run, strict=False)  # the pieces are for a prefix of the run
+                self._copies += [(piece.data, grad.view(-1)) for piece, (_, grad) in placed]
+                self._queued_bytes += sum(piece.numel * piece.dtype.itemsize for piece in pieces)
+                k += len(pieces)
+            if k < n:  # staged by a hook, or it does not fit whole: placed piece by piece
+                i, grad = items[k]
+                if not self._copy(i, grad, self._free_now):
+                    rest.append((i, grad))
+                k += 1
         for slot in [s for s in ring.open if s != ring.current]:
             self._hand_over(slot, buf)
         seal = lambda slot: self._hand_over(slot, buf)  # noqa: E731

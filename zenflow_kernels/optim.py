@@ -135,6 +135,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._chaos = current_chaos()  # testing.chaos: a CPU run uses the asynchronous test link
         self._inflight = None  # the overlapped host update still running (or done, not yet waited)
         self._plan = None  # the fast step's per-selection lists (_fast_plan)
+        self._split: tuple[list[int], list[int], list[int]] | None = None  # (active, its matrices, its vectors)
         # after loading a torch.optim.AdamW/Adam state dict: a matrix's first selection takes its columns'
         # Adam state from the host (the imported moments and step) instead of starting them from zero
         self._seed_from_host = False
@@ -532,8 +533,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _zenflow_step(self, t: int, active: list[int], coef: float | None) -> None:
         state = self.state
-        matrices = [i for i in active if self._params[i].dim() == 2]
-        vectors = [i for i in active if self._params[i].dim() != 2]
+        if self._split is None or self._split[0] != active:  # (the same parameters step at most steps)
+            self._split = (active, [i for i in active if self._params[i].dim() == 2],
+                           [i for i in active if self._params[i].dim() != 2])
+        _, matrices, vectors = self._split
         for i in vectors:
             if "exp_avg" not in state[self._params[i]]:
                 self._init_vector(i)
@@ -545,7 +548,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if reselect:
             self._reselect(reselect)
         # the selected columns' gradients as every replica's fast step reads them
-        self._compact = self._shard.selected_gradients([(i, state[self._params[i]]["selected"]) for i in matrices])
+        if self._shard.exchanges_selected:
+            self._compact = self._shard.selected_gradients(
+                [(i, state[self._params[i]]["selected"]) for i in matrices])
 
         t0 = time.perf_counter()
         self._fast_step(set(active), self._hyper(), coef)
@@ -709,7 +714,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """One fused multi-tensor AdamW over the selected columns of every active matrix and every active
         vector (one launch set per distinct (beta1, beta2, eps) of the param groups: usually one). With every
         parameter active, each launch is laid out once per selection (``LaunchItems``)."""
-        from .cpu_ops.selective_adamw import LaunchItems
+        from .launch_plan import LaunchItems
 
         entries, flat_steps, launches = self._fast_plan()
         if len(active) < len(self._params):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from . import ops
 from .zero import BucketReducer, ZeroContext, check_not_ddp, owners
 
-__all__ = ["Sharding", "Zero1", "Zero2", "column_scores"]
+__all__ = ["Sharding", "Zero1", "Zero2", "column_scores", "sum_of_squares"]
 
 
 def column_scores(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], importances: Sequence) -> list:
@@ -51,6 +51,23 @@ def column_scores(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
         for n, s in zip(chosen, ops.multi_column_scores([grads[n] for n in chosen], kind), strict=True):
             out[n] = s
     return out
+
+
+def sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The float64 sum of the squares of every element of these gradients, as a ``[1]`` tensor on ``device``:
+    non-finite exactly when one holds an inf or NaN (the skip check). CPU: one numba pass per dtype in a
+    fixed order (``cpu_ops.multi_sum_squares``; torch's ``_foreach_norm`` on CPU is a norm call per tensor,
+    about 2 us each); elsewhere torch's multi-tensor norm."""
+    if device.type == "cpu":
+        from .cpu_ops.accumulate import sum_squares_unchecked
+
+        # (step() checked every gradient's device, dtype and layout)
+        total = sum_squares_unchecked([g if g.is_contiguous() else g.contiguous() for g in grads])
+        return torch.tensor([total], dtype=torch.float64)
+    squares = torch.zeros(1, dtype=torch.float64, device=device)
+    if grads:
+        squares += torch.stack(torch._foreach_norm(list(grads), 2, dtype=torch.float32)).double().pow(2).sum()
+    return squares
 
 
 def _call_scorer(scorer, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -74,6 +91,7 @@ class Sharding:
     reducer: BucketReducer | None = None
     consumes_hooks = False  # backward hooks feed this sharding (ZeRO-2) rather than the link
     final_at_backward = True  # a gradient is final when backward produced it (ZeRO averages it in step())
+    exchanges_selected = False  # selected_gradients() does something (else the fast step reads .grad alone)
 
     def __init__(self):
         self.bytes: dict[str, int] = {}  # payload bytes each kind of collective carried
@@ -128,8 +146,7 @@ class Sharding:
         """The global L2 norm of the step's gradient (inf/NaN if any is non-finite), one device sync."""
         if not active:
             return 0.0
-        norms = torch._foreach_norm([self.own_grad(i) for i in active], 2, dtype=torch.float32)
-        return float(torch.stack(norms).double().pow(2).sum().sqrt())
+        return float(sum_of_squares([self.own_grad(i) for i in active], self.device).sqrt())
 
     def scores(self, indices: list[int], importances: list) -> list[torch.Tensor]:
         """Column scores of these matrices' step gradients, each by its importance (:func:`column_scores`);
@@ -268,6 +285,7 @@ class Zero2(Zero1):
 
     stage = 2
     consumes_hooks = True
+    exchanges_selected = True
 
     def __init__(self, process_group, timeout: float, *, release: bool, bucket_numel: int):
         super().__init__(process_group, timeout)
@@ -305,10 +323,7 @@ class Zero2(Zero1):
         grads = [self._averaged[i] for i in active if i in self._averaged]
         if self.rank == 0:
             grads += [self.params[i].grad for i in active if self.params[i].dim() != 2]
-        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if grads:
-            squares += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum()
-        return float(self.ctx.all_reduce_(squares, "gradient norm").sqrt())
+        return float(self.ctx.all_reduce_(sum_of_squares(grads, self.device), "gradient norm").sqrt())
 
     def scores(self, indices, importances) -> list[torch.Tensor]:
         # each owner scores its own matrices, exactly; one all-reduce hands every rank every score vector

@@ -119,17 +119,46 @@ class StagingRing:
     def place_whole(self, index: int, dtype: torch.dtype, numel: int) -> Piece | None:
         """What :meth:`place` does for a gradient that fits whole in the slot being filled (no claim, no seal):
         its one piece; None when it does not fit (or has no elements): :meth:`place` places it."""
+        got = self.place_run([(index, dtype, numel)])
+        return got[0] if got else None
+
+    def place_run(self, entries: list[tuple[int, torch.dtype, int]]) -> list[Piece]:
+        """:meth:`place_whole` for consecutive gradients ``(index, dtype, numel)``: one piece each for the
+        longest prefix of ``entries`` that fits whole in the slot being filled (the rest go through
+        :meth:`place`). The pieces' views are made in one ``split_with_sizes`` per run of one dtype (a
+        slice per piece costs twice as much, and step() places every gradient no hook staged here)."""
         slot = self.current
-        if slot is None or numel == 0:
-            return None
-        start = -(-self.used[slot] // ALIGN_BYTES) * ALIGN_BYTES
-        end = start + numel * dtype.itemsize
-        if end > self.slot_bytes:
-            return None
-        piece = Piece(index, dtype, 0, numel, slot, start, self._view(slot, dtype, start, numel))
-        self.pieces[slot].append(piece)
-        self.used[slot] = end
-        return piece
+        if slot is None:
+            return []
+        used, limit, spans = self.used[slot], self.slot_bytes, []
+        for index, dtype, numel in entries:
+            start = -(-used // ALIGN_BYTES) * ALIGN_BYTES
+            end = start + numel * dtype.itemsize
+            if numel == 0 or end > limit:
+                break
+            spans.append((index, dtype, numel, start))
+            used = end
+        placed: list[Piece] = []
+        k = 0
+        while k < len(spans):
+            dtype = spans[k][1]
+            itemsize, sizes, real = dtype.itemsize, [], []
+            first = pos = spans[k][3] // itemsize
+            while k < len(spans) and spans[k][1] is dtype:
+                index, _, numel, start = spans[k]
+                if start // itemsize > pos:  # the alignment gap before it
+                    sizes.append(start // itemsize - pos)
+                real.append(len(sizes))
+                sizes.append(numel)
+                pos = start // itemsize + numel
+                placed.append(Piece(index, dtype, 0, numel, slot, start))
+                k += 1
+            views = self._view(slot, dtype, first * itemsize, pos - first).split_with_sizes(sizes)
+            for piece, at in zip(placed[len(placed) - len(real):], real, strict=True):
+                piece.data = views[at]
+        self.pieces[slot] += placed
+        self.used[slot] = used
+        return placed
 
     def _take(self, slot: int) -> None:
         """Start filling ``slot`` (its reader is done): allocated on first use."""

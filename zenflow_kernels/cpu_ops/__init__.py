@@ -8,6 +8,7 @@ Public API
     accumulate_adam_(param, acc, grad, exp_avg, exp_avg_sq, *, step, lr, ..., grad_scale=1.0,
                      out=None, zero_acc=False, num_threads=None)
     sum_squares(x, *, num_threads=None) -> float
+    multi_sum_squares(tensors, *, num_threads=None) -> float
     split_cores(pt_reserved_cores_perc, cores=None) -> (train_cores, host_cores)
 
 All tensors are contiguous CPU tensors; state (param, moments, accumulation buffer) is fp32;
@@ -41,8 +42,8 @@ First call of each dtype combination compiles (about 1-2 s); compiled code is ca
 ``__pycache__`` (``cache=True``) and loads in milliseconds afterwards.
 """
 
-from .accumulate import accumulate_, sum_squares
+from .accumulate import accumulate_, multi_sum_squares, sum_squares
 from .adam import accumulate_adam_, cpu_adam_
 from .cores import split_cores
 
-__all__ = ["accumulate_", "accumulate_adam_", "cpu_adam_", "split_cores", "sum_squares"]
+__all__ = ["accumulate_", "accumulate_adam_", "cpu_adam_", "multi_sum_squares", "split_cores", "sum_squares"]

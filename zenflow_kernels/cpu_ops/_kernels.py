@@ -342,6 +342,25 @@ def sum_squares_kernel(x):
     return s
 
 
+@njit(fastmath=REDUCE_FASTMATH, **_JIT)
+def multi_sum_squares_kernel(addrs, numels, chunk_starts, chunk, proto, out):
+    """``out[c]`` = the float64 sum of squares of work item ``c``: elements ``chunk * j`` to
+    ``chunk * (j + 1) - 1`` of tensor t (its ``j``-th chunk; tensor t owns items ``chunk_starts[t]`` to
+    ``chunk_starts[t + 1] - 1``), each tensor ``numels[t]`` elements of ``proto``'s type at ``addrs[t]``.
+    An item's sum has the compiled loop's order (the reassociation ``REDUCE_FASTMATH`` allows), the same
+    whatever the thread count. The loop runs over a slice from 0: ``range(lo, hi)`` indexing would keep
+    numba's negative-index wraparound check in the loop, which stops it vectorising (5x slower)."""
+    for c in prange(chunk_starts[chunk_starts.size - 1]):
+        t = np.searchsorted(chunk_starts, c, side="right") - 1
+        lo = (c - chunk_starts[t]) * chunk
+        x = carray(pointer_at(addrs[t], proto), numels[t])[lo : min(numels[t], lo + chunk)]
+        s = 0.0
+        for i in range(x.size):
+            v = np.float64(load_f32(x, i))
+            s += v * v
+        out[c] = s
+
+
 @njit(**_JIT)
 def convert_kernel(src, out):
     """out[i] = src[i] converted (src float32, bf16-as-int16 or fp16-as-uint16; out likewise)."""
@@ -354,7 +373,8 @@ def convert_kernel(src, out):
 # ---------------------------------------------------------------------------------------------
 
 def column_of(idx, j):
-    """``idx[j]``, or ``j`` when idx is None (a dense update) (numba only)."""
+    """``idx[j]`` as an unsigned index, or ``j`` when idx is None (a dense update) (numba only). Unsigned:
+    numba then indexes without its negative-index wraparound check."""
     raise NotImplementedError("numba-only helper")
 
 
@@ -363,8 +383,33 @@ def _ov_column_of(idx, j):
     if isinstance(idx, (types.NoneType, types.Omitted)):
         return lambda idx, j: j
     if isinstance(idx, types.Array):
-        return lambda idx, j: idx[j]
+        return lambda idx, j: np.uint64(idx[j])
     return None
+
+
+def row_of(a, base, j0, idx):
+    """The part of a flat parameter or gradient that ``column_of(idx, j)`` indexes for columns from ``j0``
+    of the row at ``base``: from the row's start with indices, from column ``j0`` without (numba only)."""
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(row_of, inline="always")
+def _ov_row_of(a, base, j0, idx):
+    if isinstance(idx, (types.NoneType, types.Omitted)):
+        return lambda a, base, j0, idx: a[base + j0 :]
+    return lambda a, base, j0, idx: a[base:]
+
+
+def part_of(a, lo, hi):
+    """``a[lo:hi]``, or None for None (numba only)."""
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(part_of, inline="always")
+def _ov_part_of(a, lo, hi):
+    if isinstance(a, (types.NoneType, types.Omitted)):
+        return lambda a, lo, hi: None
+    return lambda a, lo, hi: a[lo:hi]
 
 
 def load_master(master, s, param, i):
@@ -413,20 +458,29 @@ def _ov_array_at(addr, n, proto):
 def _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, base, sbase, j0, j1, neg_step_size, bc2_sqrt,
                   coef_base, grad_scale, decay, lerp_coeff, lerp_small, beta2, one_minus_beta2, eps):
     """AdamW on selected columns j0..j1-1 of one row: ``base`` is the row's offset in param/grad,
-    ``sbase`` in the compact state, ``coef_base`` the tensor's offset in the per-column coefficients."""
-    for j in range(j0, j1):
-        c = column_of(idx, j)
-        s = sbase + j
-        g = load_f32(grad, base + c) / grad_scale
-        w = load_master(master, s, param, base + c) * decay
-        m = exp_avg[s]
+    ``sbase`` in the compact state, ``coef_base`` the tensor's offset in the per-column coefficients.
+    Everything is indexed from 0 in slices (a loop index numba knows to be non-negative needs no
+    wraparound check, and a dense row then vectorises)."""
+    p = row_of(param, base, j0, idx)
+    g_row = row_of(grad, base, j0, idx)
+    cols = part_of(idx, j0, j1)
+    m_row = exp_avg[sbase + j0 : sbase + j1]
+    v_row = exp_avg_sq[sbase + j0 : sbase + j1]
+    w_row = part_of(master, sbase + j0, sbase + j1)
+    step_size = neg_step_size[coef_base + j0 : coef_base + j1]
+    bc2 = bc2_sqrt[coef_base + j0 : coef_base + j1]
+    for j in range(j1 - j0):
+        c = column_of(cols, j)
+        g = load_f32(g_row, c) / grad_scale
+        w = load_master(w_row, j, p, c) * decay
+        m = m_row[j]
         m = fma(lerp_coeff, g - m, m if lerp_small else g)
-        v = fma(one_minus_beta2 * g, g, exp_avg_sq[s] * beta2)
-        exp_avg[s] = m
-        exp_avg_sq[s] = v
-        w = w + (neg_step_size[coef_base + j] * m) / (np.sqrt(v) / bc2_sqrt[coef_base + j] + eps)
-        store_f32(master, s, w)
-        store_f32(param, base + c, w)
+        v = fma(one_minus_beta2 * g, g, v_row[j] * beta2)
+        m_row[j] = m
+        v_row[j] = v
+        w = w + (step_size[j] * m) / (np.sqrt(v) / bc2[j] + eps)
+        store_f32(w_row, j, w)
+        store_f32(p, c, w)
 
 
 @njit(**_JIT)
@@ -477,6 +531,7 @@ T_PARAM, T_GRAD, T_IDX, T_EXP_AVG, T_EXP_AVG_SQ, T_MASTER, T_ROWS, T_COLS, T_K, 
 def multi_selective_adam_kernel(
     table,
     chunk_starts,
+    parts,
     decay64,
     neg_step_size,
     bc2_sqrt,
@@ -499,7 +554,9 @@ def multi_selective_adam_kernel(
     of a launch has param_proto's, grad_proto's and master_proto's element types (the launcher groups
     them), and all memory is contiguous. The work items are (tensor, row, block of ``block`` selected
     columns); tensor t owns items ``chunk_starts[t]`` to ``chunk_starts[t + 1] - 1``, so one long
-    vector is split as finely as a tall matrix.
+    vector is split as finely as a tall matrix. The items are dealt out in ``parts`` contiguous ranges,
+    one ``prange`` iteration each, walked in order: a tensor's row is found once per range, not per item
+    (a tiny item, a row of a few selected columns, costs little more than its arithmetic).
     """
     grad_scale = np.float32(grad_scale64)
     lerp_coeff, lerp_small, beta2, one_minus_beta2, eps = adam_constants(
@@ -507,25 +564,35 @@ def multi_selective_adam_kernel(
     )
     state_proto = np.empty(0, dtype=np.float32)
     idx_proto = np.empty(0, dtype=np.int64)
-    for c in prange(chunk_starts[chunk_starts.size - 1]):
+    total = chunk_starts[chunk_starts.size - 1]
+    for q in prange(parts):
+        c = q * total // parts
+        stop = (q + 1) * total // parts
         t = np.searchsorted(chunk_starts, c, side="right") - 1
-        rows, cols, k = table[t, T_ROWS], table[t, T_COLS], table[t, T_K]
-        blocks = (k + block - 1) // block
-        local = c - chunk_starts[t]
-        r = local // blocks
-        j0 = (local - r * blocks) * block
-        j1 = min(k, j0 + block)
-        param = carray(pointer_at(table[t, T_PARAM], param_proto), rows * cols)
-        grad = carray(pointer_at(table[t, T_GRAD], grad_proto), rows * cols)
-        exp_avg = carray(pointer_at(table[t, T_EXP_AVG], state_proto), rows * k)
-        exp_avg_sq = carray(pointer_at(table[t, T_EXP_AVG_SQ], state_proto), rows * k)
-        master = array_at(table[t, T_MASTER], rows * k, master_proto)
-        decay = np.float32(decay64[t])
-        coef = table[t, T_COEF]
-        if table[t, T_IDX] != 0:
-            idx = carray(pointer_at(table[t, T_IDX], idx_proto), k)
-            _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, r * cols, r * k, j0, j1, neg_step_size,
-                          bc2_sqrt, coef, grad_scale, decay, lerp_coeff, lerp_small, beta2, one_minus_beta2, eps)
-        else:
-            _adam_columns(param, grad, None, exp_avg, exp_avg_sq, master, r * cols, r * k, j0, j1, neg_step_size,
-                          bc2_sqrt, coef, grad_scale, decay, lerp_coeff, lerp_small, beta2, one_minus_beta2, eps)
+        while c < stop:
+            end = min(stop, chunk_starts[t + 1])
+            rows, cols, k = table[t, T_ROWS], table[t, T_COLS], table[t, T_K]
+            blocks = (k + block - 1) // block
+            param = carray(pointer_at(table[t, T_PARAM], param_proto), rows * cols)
+            grad = carray(pointer_at(table[t, T_GRAD], grad_proto), rows * cols)
+            exp_avg = carray(pointer_at(table[t, T_EXP_AVG], state_proto), rows * k)
+            exp_avg_sq = carray(pointer_at(table[t, T_EXP_AVG_SQ], state_proto), rows * k)
+            master = array_at(table[t, T_MASTER], rows * k, master_proto)
+            decay = np.float32(decay64[t])
+            coef = table[t, T_COEF]
+            dense = table[t, T_IDX] == 0
+            idx = carray(pointer_at(table[t, T_IDX], idx_proto), 0 if dense else k)
+            for local in range(c - chunk_starts[t], end - chunk_starts[t]):
+                r = local // blocks
+                j0 = (local - r * blocks) * block
+                j1 = min(k, j0 + block)
+                if dense:
+                    _adam_columns(param, grad, None, exp_avg, exp_avg_sq, master, r * cols, r * k, j0, j1,
+                                  neg_step_size, bc2_sqrt, coef, grad_scale, decay, lerp_coeff, lerp_small, beta2,
+                                  one_minus_beta2, eps)
+                else:
+                    _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, r * cols, r * k, j0, j1,
+                                  neg_step_size, bc2_sqrt, coef, grad_scale, decay, lerp_coeff, lerp_small, beta2,
+                                  one_minus_beta2, eps)
+            c = end
+            t += 1

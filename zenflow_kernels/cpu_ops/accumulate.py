@@ -8,10 +8,11 @@ the same single read of the data.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import _common as C
-from ._kernels import accumulate_kernel, sum_squares_kernel
+from ._kernels import accumulate_kernel, multi_sum_squares_kernel, sum_squares_kernel
 
 
 def accumulate_(acc: torch.Tensor, grad: torch.Tensor, *, num_threads: int | None = None) -> None:
@@ -53,3 +54,56 @@ def sum_squares(x: torch.Tensor, *, num_threads: int | None = None) -> float:
     if n == 0:
         return 0.0
     return float(C.launch(sum_squares_kernel, n, nthreads, C.as_numpy(x)))
+
+
+SUM_CHUNK = 1 << 14
+"""Elements per work item of ``multi_sum_squares``: a fixed split, so the sum's order (and its bits) does
+not depend on the thread count."""
+
+SUM_PER_THREAD = 1 << 19
+"""Elements a thread of ``multi_sum_squares`` gets at least: a read-only sum runs at ~10 elements a ns,
+so below this a second thread's wake-up and barrier cost more than its share (a gradient norm of a few
+hundred thousand elements, e.g. the step's norm of a small model, runs on the calling thread)."""
+
+_BITS = {torch.float32: np.empty(0, np.float32), torch.bfloat16: np.empty(0, np.int16),
+         torch.float16: np.empty(0, np.uint16)}  # element types of the bit views (see _common.as_numpy)
+
+
+def multi_sum_squares(tensors, *, num_threads: int | None = None) -> float:
+    """``sum(x**2)`` over every element of every tensor, accumulated in float64: one launch per dtype
+    present (usually one) instead of a norm per tensor; returns a Python float.
+
+    Args:
+        tensors: a list of fp32, bf16 or fp16 contiguous CPU tensors (any shapes, dtypes may differ); read
+            only.
+        num_threads: as ``cpu_adam_``.
+
+    Non-finite exactly when some tensor holds an inf or NaN (see ``sum_squares``). Unlike ``sum_squares``,
+    the summation order does not depend on the thread count (chunks of ``SUM_CHUNK`` elements, each summed
+    by the compiled loop, then added in order). An empty list gives 0.0.
+    """
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"tensors must be a list or tuple of tensors, got {type(tensors).__name__}")
+    for i, t in enumerate(tensors):
+        C.check_tensor(f"tensors[{i}]", t, C.GRAD_DTYPES)
+    return sum_squares_unchecked(tensors, C.check_num_threads(num_threads))
+
+
+def sum_squares_unchecked(tensors, nthreads: int = 0) -> float:
+    """``multi_sum_squares`` for a caller that checked the tensors itself (the optimizer checks every
+    gradient once per step): contiguous fp32/bf16/fp16 CPU tensors; anything else is undefined behaviour."""
+    dtypes = [t.dtype for t in tensors]
+    kinds = set(dtypes)
+    total = 0.0
+    for dtype in kinds:
+        group = tensors if len(kinds) == 1 else [t for t, d in zip(tensors, dtypes, strict=True) if d is dtype]
+        addrs = np.array([t.data_ptr() for t in group], dtype=np.int64)
+        numels = np.array([t.numel() for t in group], dtype=np.int64)
+        chunk_starts = np.zeros(len(group) + 1, dtype=np.int64)
+        np.cumsum((numels + SUM_CHUNK - 1) // SUM_CHUNK, out=chunk_starts[1:])
+        out = np.empty(int(chunk_starts[-1]), dtype=np.float64)
+        if out.size:
+            C.launch(multi_sum_squares_kernel, int(numels.sum()), nthreads, addrs, numels, chunk_starts, SUM_CHUNK,
+                     _BITS[dtype], out, per_thread=SUM_PER_THREAD)
+        total += float(out.sum())
+    return total

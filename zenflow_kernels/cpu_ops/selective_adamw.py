@@ -25,12 +25,16 @@ import numpy as np
 import torch
 
 from .. import torch_ops
+from ..launch_plan import PlannedFor
 from . import _common as C
 from ._kernels import T_COEF, T_GRAD, T_IDX, T_K, T_ROWS, multi_selective_adam_kernel, selective_adam_kernel
 
 MULTI_BLOCK = 2048
 """Selected columns per work item of the multi-tensor kernel: a row of a matrix, or a block of a long
 vector, so that one large vector parallelises like a tall matrix."""
+
+PART_ELEMENTS = C.MIN_ELEMENTS_PER_THREAD // 4
+MAX_PARTS = 1024
 
 _PROTO = {torch.float32: np.empty(0, np.float32), torch.bfloat16: np.empty(0, np.int16),
           torch.float16: np.empty(0, np.uint16)}  # element types of the bit views (see _common.as_numpy)
@@ -108,26 +112,6 @@ def multi_selective_adamw_(params, grads, indices_list, exp_avgs, exp_avg_sqs, *
     multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
 
 
-class LaunchItems(list):
-    """Items of ``multi_selective_adamw_items_`` (a list of the same tuples) with a cache for their launch,
-    for a caller that launches the same tensors again and again (the optimizer: every step of a selection).
-
-    ``launch_cache`` is a dict the caller keeps with the tensors it was made for. After the first call the
-    numba launcher keeps its address table, work items and coefficient layout there, and at every later call
-    checks that the items are the same tensors (the same parameter, indices, moment, master and step-tensor
-    objects in the same order, the parameters at the same addresses, the gradients of the same dtypes and
-    contiguity): then it only writes the gradients' addresses, the coefficients of the current step counts
-    and the decay of the current lr and weight decay. Anything else is laid out again. The state tensors
-    must not be re-pointed (``.data =``, ``set_``) while the cache is kept. Other backends see a plain list.
-    """
-
-    __slots__ = ("launch_cache",)
-
-    def __init__(self, items=(), launch_cache: dict | None = None):
-        super().__init__(items)
-        self.launch_cache = {} if launch_cache is None else launch_cache
-
-
 def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale) -> None:
     """The launches of ``multi_selective_adamw_`` for items as ``torch_ops.multi_adamw_args`` returns them
     (or as :class:`LaunchItems`: planned once, see there)."""
@@ -169,12 +153,14 @@ def _launch_group(items, beta1, beta2, eps, grad_scale) -> None:
     neg_step_size, bc2_sqrt = _group_coefficients(items, ks, table[:, T_COEF], beta1, beta2)
     decay = np.array([1.0 - it[7] * it[8] for it in items], dtype=np.float64)
     p0, g0, w0 = items[0][0], items[0][1], items[0][5]
+    work = int((table[:, T_ROWS] * ks).sum())
     C.launch(
         multi_selective_adam_kernel,
-        int((table[:, T_ROWS] * ks).sum()),
+        work,
         0,
         table,
         chunk_starts,
+        _parts(work, int(chunk_starts[-1])),
         decay,
         neg_step_size,
         bc2_sqrt,
@@ -189,6 +175,12 @@ def _launch_group(items, beta1, beta2, eps, grad_scale) -> None:
         eps,
     )
     C.bump_versions(*(t for p, _, _, m, v, w, *_ in items for t in (p, m, v, w)))
+
+
+def _parts(work: int, chunks: int) -> int:
+    """How many contiguous ranges of work items ``multi_selective_adam_kernel`` walks: about PART_ELEMENTS
+    elements each, so that a launch on several threads has a few ranges per thread to balance."""
+    return min(chunks, max(1, work // PART_ELEMENTS), MAX_PARTS)
 
 
 def _group_coefficients(items, ks, coef_base, beta1, beta2) -> tuple[np.ndarray, np.ndarray]:
@@ -219,17 +211,15 @@ def _group_coefficients(items, ks, coef_base, beta1, beta2) -> tuple[np.ndarray,
     return neg_step_size, bc2_sqrt
 
 
+def _numba_grad_layout(g: torch.Tensor) -> tuple:
+    return g.dtype, g.is_contiguous()
+
+
 class _Plan:
     """``multi_selective_adamw_items_`` of one list of tensors, laid out once (see :class:`LaunchItems`)."""
 
     def __init__(self, items):
-        self.n = len(items)
-        # what fits() compares at every call: the tensors planned for (kept alive: the tables hold their
-        # addresses), the parameters' addresses, and each gradient's dtype and contiguity
-        self.static = [(p, idx, m, v, w, s if isinstance(s, torch.Tensor) else None)
-                       for p, _, idx, m, v, w, s, *_ in items]
-        self.param_ptrs = [it[0].data_ptr() for it in items]
-        self.grad_sig = [(it[1].dtype, it[1].is_contiguous()) for it in items]
+        self.made_for = PlannedFor(items, _numba_grad_layout)
         self.slow: list[int] = []  # positions launched one by one (a strided parameter or gradient)
         by_key: dict[tuple, list[int]] = {}
         for t, (p, g, _, m, _, w, *_) in enumerate(items):
@@ -244,15 +234,7 @@ class _Plan:
 
     def fits(self, items) -> bool:
         """Whether ``items`` are the tensors this plan was laid out for."""
-        if len(items) != self.n:
-            return False
-        for it, (p, idx, m, v, w, s) in zip(items, self.static, strict=True):
-            if it[0] is not p or it[2] is not idx or it[3] is not m or it[4] is not v or it[5] is not w:
-                return False
-            if (it[6] is not s) if s is not None else isinstance(it[6], torch.Tensor):
-                return False
-        return ([it[0].data_ptr() for it in items] == self.param_ptrs
-                and [(it[1].dtype, it[1].is_contiguous()) for it in items] == self.grad_sig)
+        return self.made_for.fits(items)
 
     def run(self, items, beta1, beta2, eps, grad_scale) -> None:
         for t in self.slow:
@@ -292,6 +274,7 @@ class _Group:
         self.chunk_starts = np.zeros(len(chosen) + 1, dtype=np.int64)
         np.cumsum(table[:, T_ROWS] * ((ks + MULTI_BLOCK - 1) // MULTI_BLOCK), out=self.chunk_starts[1:])
         self.work = int((table[:, T_ROWS] * ks).sum())
+        self.parts = _parts(self.work, int(self.chunk_starts[-1]))
         self.per_column = [j for j, it in enumerate(chosen) if isinstance(it[6], torch.Tensor)]
         self.scalar = [j for j, it in enumerate(chosen) if not isinstance(it[6], torch.Tensor)]
         self.scalar_rows = np.array(self.scalar, dtype=np.int64)
@@ -339,6 +322,7 @@ class _Group:
             0,
             table,
             self.chunk_starts,
+            self.parts,
             self.decay,
             self.neg_step_size,
             self.bc2_sqrt,

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from .. import _validate as V
+from ..launch_plan import PlannedFor
 from ..torch_ops import multi_adamw_args
 from ._util import TL_DTYPE, device_table, find_segment, launch, search_steps
 
@@ -229,30 +231,68 @@ def multi_selective_adamw_(params, grads, indices_list, exp_avgs, exp_avg_sqs, *
 
 
 def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale) -> None:
-    """The launches of ``multi_selective_adamw_`` for items as ``multi_adamw_args`` returns them."""
+    """The launches of ``multi_selective_adamw_`` for items as ``multi_adamw_args`` returns them (or as
+    ``LaunchItems``: the tables laid out once, see :class:`_Plan`)."""
     if not items:
         return
-    groups: dict[tuple, list] = {}
-    for p, g, idx, m, v, w, step, lr, wd in items:
-        R, K = m.shape
-        if R == 0 or K == 0:
-            continue
-        per_col = isinstance(step, torch.Tensor)
-        key = (p.dtype, g.dtype, idx is not None, w is not None, per_col, tile_for(R, K))
-        decay, step_size, bc2_sqrt = _coeffs(lr, wd, step, beta1, beta2)
-        irow = [p.data_ptr(), g.data_ptr(), 0 if idx is None else idx.data_ptr(), m.data_ptr(), v.data_ptr(),
-                0 if w is None else w.data_ptr(), step.data_ptr() if per_col else 0,
-                R, K, p.stride(0), p.stride(1), g.stride(0), g.stride(1)]
-        groups.setdefault(key, []).append((irow, [lr, decay, step_size, bc2_sqrt]))
-    for (p_dtype, g_dtype, has_idx, has_master, per_col, (br, bk)), rows in groups.items():
-        irows, frows, unit = [], [], 0
-        for irow, frow in rows:
-            irows.append(irow + [unit])
-            frows.append(frow)
-            unit += triton.cdiv(irow[7], br) * triton.cdiv(irow[8], bk)
+    cache = getattr(items, "launch_cache", None)
+    plan = None if cache is None else cache.get("triton")
+    if plan is None or not plan.made_for.fits(items):
+        plan = _Plan(items)
+        if cache is not None:
+            cache["triton"] = plan
+    plan.run(items, beta1, beta2, eps, grad_scale)
+
+
+def _triton_grad_layout(g: torch.Tensor) -> tuple:
+    return g.dtype, g.stride()
+
+
+class _Plan:
+    """The launches of one list of items: per group of tensors sharing (param dtype, grad dtype, dense?,
+    master?, per-column steps?, tile shape), the int table (every column but the gradients' addresses,
+    with each tensor's first unit) and the grid. A call writes the gradients' addresses, builds the float
+    rows (lr, decay and the bias corrections of integer steps, one computation per distinct (step, lr,
+    weight decay)) and copies both tables to the device: no per-tensor attribute reads or tile arithmetic
+    once the plan exists."""
+
+    def __init__(self, items):
+        self.made_for = PlannedFor(items, _triton_grad_layout)
+        by_key: dict[tuple, list[int]] = {}
+        for t, (p, g, idx, m, _, w, step, *_) in enumerate(items):
+            R, K = m.shape
+            if R == 0 or K == 0:
+                continue
+            key = (p.dtype, g.dtype, idx is not None, w is not None, isinstance(step, torch.Tensor), tile_for(R, K))
+            by_key.setdefault(key, []).append(t)
+        self.groups = []
+        for key, positions in by_key.items():
+            br, bk = key[5]
+            irows, unit = [], 0
+            for t in positions:
+                p, g, idx, m, v, w, step, *_ = items[t]
+                R, K = m.shape
+                irows.append([p.data_ptr(), 0, 0 if idx is None else idx.data_ptr(), m.data_ptr(), v.data_ptr(),
+                              0 if w is None else w.data_ptr(), step.data_ptr() if key[4] else 0,
+                              R, K, p.stride(0), p.stride(1), g.stride(0), g.stride(1), unit])
+                unit += triton.cdiv(R, br) * triton.cdiv(K, bk)
+            self.groups.append((key, positions, np.array(irows, dtype=np.int64), unit))
+
+    def run(self, items, beta1, beta2, eps, grad_scale) -> None:
         dev = items[0][0].device
-        launch(_multi_selective_adamw_kernel, (unit,), device_table(irows, dev),
-               device_table(frows, dev, torch.float32), len(irows), search_steps(len(irows)),
-               1 - beta1, beta2, 1 - beta2, _log(beta1), _log(beta2), eps, grad_scale,
-               P_DTYPE=TL_DTYPE[p_dtype], G_DTYPE=TL_DTYPE[g_dtype], HAS_IDX=has_idx, HAS_MASTER=has_master,
-               PER_COL_STEP=per_col, BLOCK_R=br, BLOCK_K=bk, num_warps=_WARPS)
+        coefficients: dict[tuple, list[float]] = {}
+        for (p_dtype, g_dtype, has_idx, has_master, per_col, (br, bk)), positions, irows, unit in self.groups:
+            irows[:, 1] = [items[t][1].data_ptr() for t in positions]  # (device_table copies the table)
+            frows = []
+            for t in positions:
+                *_, step, lr, wd = items[t]
+                key = (None if per_col else step, lr, wd)
+                row = coefficients.get(key)
+                if row is None:
+                    row = coefficients[key] = [lr, *_coeffs(lr, wd, step, beta1, beta2)]
+                frows.append(row)
+            launch(_multi_selective_adamw_kernel, (unit,), device_table(irows, dev),
+                   device_table(frows, dev, torch.float32), len(irows), search_steps(len(irows)),
+                   1 - beta1, beta2, 1 - beta2, _log(beta1), _log(beta2), eps, grad_scale,
+                   P_DTYPE=TL_DTYPE[p_dtype], G_DTYPE=TL_DTYPE[g_dtype], HAS_IDX=has_idx, HAS_MASTER=has_master,
+                   PER_COL_STEP=per_col, BLOCK_R=br, BLOCK_K=bk, num_warps=_WARPS)
