@@ -277,7 +277,7 @@ def _planned_case(seed=5, strided_indices=True):
     return rows, widths, flat, grads
 
 
-def _run_planned(planned: bool, events=(), impl=numba_ops):
+def _run_planned(planned: bool, events=(), impl=numba_ops, same_tensors=False):
     """Six calls, with the events ``{call: what}`` the cache must notice; returns every tensor at the end.
     (Triton reads indices as contiguous: its case has no strided ones.)"""
     rows, widths, flat, grads = _planned_case(strided_indices=impl is numba_ops)
@@ -312,21 +312,25 @@ def _run_planned(planned: bool, events=(), impl=numba_ops):
             for j, (p, gr, r, s, st) in enumerate(zip(params, step_grads, rows, states, steps, strict=True))
         ]
         if planned:
-            items = LaunchItems(items, cache)
+            items = LaunchItems(items, cache, same_tensors=same_tensors)
         impl.multi_selective_adamw_items_(items, 0.9, 0.99, 1e-8, 1.0 + 0.5 * n)
     return params, states, cache
 
 
-@pytest.mark.parametrize("event", [None, "int_steps_differ", "state_replaced", "param_moved", "grad_dtype",
-                                   "grad_strided", "steps_replaced"])
-def test_planned_launch_is_bit_identical(event):
+_EVENTS = [None, "int_steps_differ", "state_replaced", "param_moved", "grad_dtype", "grad_strided", "steps_replaced"]
+
+
+@pytest.mark.parametrize("event, same_tensors", [(e, False) for e in _EVENTS] + [
+    (e, True) for e in _EVENTS if e not in ("state_replaced", "steps_replaced")])  # (those break the promise)
+def test_planned_launch_is_bit_identical(event, same_tensors):
     """LaunchItems (the launch laid out once, only gradients, step coefficients and decay written per call)
     gives the same bits as laying it out at every call, also when what the plan was made for changes (at
     the third call; at the same call a vector's and a matrix's lr differ, and the integer steps' regions split and
-    join)."""
+    join). With ``same_tensors`` (the caller promises the state tensors stay the same objects) the parameters'
+    addresses and the gradients' layout are still checked."""
     events = {} if event is None else {2: (event,)}
     p_ref, s_ref, _ = _run_planned(False, events)
-    p_new, s_new, cache = _run_planned(True, events)
+    p_new, s_new, cache = _run_planned(True, events, same_tensors=same_tensors)
     assert "numba" in cache
     for j, (a, b) in enumerate(zip(p_ref, p_new, strict=True)):
         assert torch.equal(a, b), (j, float((a.float() - b.float()).abs().max()))
@@ -335,8 +339,7 @@ def test_planned_launch_is_bit_identical(event):
             assert (x is None and y is None) or torch.equal(x, y), j
 
 
-@pytest.mark.parametrize("event", [None, "int_steps_differ", "state_replaced", "param_moved", "grad_dtype",
-                                   "grad_strided", "steps_replaced"])
+@pytest.mark.parametrize("event", _EVENTS)
 def test_planned_triton_launch_is_bit_identical(event):
     """The Triton launcher's plan (its tables laid out once per LaunchItems, under the interpreter): the same
     bits as laying them out at every call, through the same events as the numba plan's test; laid out again

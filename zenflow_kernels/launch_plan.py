@@ -28,13 +28,19 @@ class LaunchItems(list):
     addresses, the coefficients of the current step counts and the decay of the current lr and weight
     decay. Anything else is laid out again. The state tensors must not be re-pointed (``.data =``,
     ``set_``) while the cache is kept. Other backends see a plain list.
+
+    ``same_tensors=True`` is the caller's promise that every call with this ``launch_cache`` passes the same
+    parameter, indices, moment, master and step-tensor objects in the same order (the optimizer: its cache
+    lives and dies with its per-selection plan); the check then skips comparing them one by one and only
+    checks what the caller cannot promise (the parameters' addresses, the gradients' layout).
     """
 
-    __slots__ = ("launch_cache",)
+    __slots__ = ("launch_cache", "same_tensors")
 
-    def __init__(self, items=(), launch_cache: dict | None = None):
+    def __init__(self, items=(), launch_cache: dict | None = None, *, same_tensors: bool = False):
         super().__init__(items)
         self.launch_cache = {} if launch_cache is None else launch_cache
+        self.same_tensors = same_tensors
 
 
 class PlannedFor:
@@ -56,7 +62,8 @@ class PlannedFor:
         """Whether ``items`` are the tensors the layout was made for."""
         if len(items) != self.n:
             return False
-        for it, (p, idx, m, v, w, s) in zip(items, self.static, strict=True):
+        for it, (p, idx, m, v, w, s) in ([] if getattr(items, "same_tensors", False) else
+                                         zip(items, self.static, strict=True)):
             if it[0] is not p or it[2] is not idx or it[3] is not m or it[4] is not v or it[5] is not w:
                 return False
             if (it[6] is not s) if s is not None else isinstance(it[6], torch.Tensor):

@@ -277,11 +277,13 @@ class ThreadEngine:
         return torch.zeros(numel, dtype=dtype)
 
     def d2h(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        pairs = list(copies)  # holds src alive until the copy ran (the allocator's record_stream)
+        # holds src alive until the copy ran (the allocator's record_stream); one foreach call: the worker
+        # takes the GIL once, not once per copy, while the training thread runs
+        dsts, srcs = [dst for dst, _ in copies], [src for _, src in copies]
 
         def copy():
-            for dst, src in pairs:
-                dst.copy_(src)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
 
         self._last_d2h = _submit(self._d2h, copy, self._delays)
 
@@ -607,19 +609,22 @@ class RingLink(_Link):
             self.d2h_bytes += self._queued_bytes
             self._copies, self._queued_bytes = [], 0
 
-    def _hand_over(self, slot: int, buf: int) -> None:
-        """Slot ``slot``'s pieces are final: an accumulate job adds them into acc[buf] once the copies issued
-        so far (the queued ones are issued first) have completed; the slot is the job's until it is done."""
+    def _hand_over(self, slots: list[int], buf: int) -> None:
+        """These slots' pieces are final: one accumulate job adds them into acc[buf] (slot by slot) once the
+        copies issued so far (the queued ones are issued first) have completed; the slots are the job's
+        until it is done."""
         self._issue()
         copied = self._engine.d2h_marker()
         ring, host = self._ring, self.host
-        pieces = [(p, p.data) for p in ring.hand_over(slot)]
+        pieces = [(p, p.data) for slot in slots for p in ring.hand_over(slot)]
 
         def add():
             copied.wait()
             host.accumulate_pieces(buf, pieces)
 
-        self._last_accumulate = ring.readers[slot] = _submit(self._accumulator, add, self._delays)
+        self._last_accumulate = job = _submit(self._accumulator, add, self._delays)
+        for slot in slots:
+            ring.readers[slot] = job
 
     def accumulate(self, items, buf: int, *, fuse_min_numel: int | None = None) -> dict:
         """acc[buf] += grad for each ``(index, grad)``, in the background: gradients that changed since their
@@ -655,13 +660,18 @@ class RingLink(_Link):
                 if not self._copy(i, grad, self._free_now):
                     rest.append((i, grad))
                 k += 1
-        for slot in [s for s in ring.open if s != ring.current]:
-            self._hand_over(slot, buf)
-        seal = lambda slot: self._hand_over(slot, buf)  # noqa: E731
-        for i, grad in rest:  # the rest through the ring: a full slot goes to the worker, the next is waited for
-            self._copy(i, grad, self._free_after_wait, seal)
+        final = [s for s in ring.open if s != ring.current]
+        if rest:
+            if final:  # the worker starts on them while the rest waits for slots
+                self._hand_over(final, buf)
+                final = []
+            seal = lambda slot: self._hand_over([slot], buf)  # noqa: E731
+            for i, grad in rest:  # through the ring: a full slot goes to the worker, the next is waited for
+                self._copy(i, grad, self._free_after_wait, seal)
         if ring.current is not None:
-            self._hand_over(ring.current, buf)
+            final.append(ring.current)
+        if final:  # one job for the slots filled last (usually all of this step's)
+            self._hand_over(final, buf)
         self._staged = {}
         # the copies read the gradients as they are now; whatever the user does to them after step()
         # (zero_grad(set_to_none=False), p.grad.zero_(), the next backward adding in place) comes after

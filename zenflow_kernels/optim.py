@@ -136,6 +136,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._inflight = None  # the overlapped host update still running (or done, not yet waited)
         self._plan = None  # the fast step's per-selection lists (_fast_plan)
         self._split: tuple[list[int], list[int], list[int]] | None = None  # (active, its matrices, its vectors)
+        self._shapes: tuple[list[int], list] | None = None  # (indices, their parameters' shapes): step()'s check
         # after loading a torch.optim.AdamW/Adam state dict: a matrix's first selection takes its columns'
         # Adam state from the host (the imported moments and step) instead of starting them from zero
         self._seed_from_host = False
@@ -211,6 +212,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._shard.start(self._params, self._group_of, self.device, self._chaos)
         # the tensors the algorithm reads and writes: the parameters themselves, or (FSDP2) this rank's rows
         self._local = [self._shard.local(p) for p in self._params]
+        self._shapes = None
         for p in self._params:  # a built optimizer has state: torch.distributed.checkpoint would otherwise
             self.state.setdefault(p, {})  # run a (learning rate 0) step to create it
         host_threads = len(host_cores)
@@ -423,10 +425,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         own_grad, local = self._shard.own_grad, self._local
         grads = [(i, g) for i in active if (g := own_grad(i)) is not None]
         # one pass over every gradient: dense, on the device, an allowed dtype, the parameter's shape;
-        # otherwise _check_grad names the first that is not
+        # otherwise _check_grad names the first that is not (the parameters' shapes kept per set of indices)
+        indices = [i for i, _ in grads]
+        if self._shapes is None or self._shapes[0] != indices:
+            self._shapes = (indices, [local[i].shape for i in indices])
         if not {(g.device, g.dtype, g.layout) for _, g in grads} <= {
                 (self.device, dtype, torch.strided) for dtype in _PARAM_DTYPES} or (
-                [g.shape for _, g in grads] != [local[i].shape for i, _ in grads]):
+                [g.shape for _, g in grads] != self._shapes[1]):
             for i, g in grads:
                 self._check_grad(i, g)
         self._compact = None
@@ -743,7 +748,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 grad, idx = own_grad(i), st["selected"]
             else:
                 st["step"] += 1
-                grad, idx = own_grad(i).view(1, -1), None
+                grad, idx = own_grad(i)[None], None  # [1, n], as the parameter's view
             items.append((pv, grad, idx, st["exp_avg"], st["exp_avg_sq"], st.get("master"), st["step"], *numbers[gi]))
             keys.append(group_keys[gi])
         grad_scale = 1.0 if coef is None else 1.0 / coef
@@ -751,7 +756,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for key in distinct:
             chosen = items if len(distinct) == 1 else [item for item, kk in zip(items, keys, strict=True) if kk == key]
             if launches is not None:
-                chosen = LaunchItems(chosen, launches.setdefault(key, {}))
+                chosen = LaunchItems(chosen, launches.setdefault(key, {}), same_tensors=True)
             for bucket in self._buckets(chosen):
                 if self._offload:  # stream this bucket's state in; it goes back out after the update
                     moved = [

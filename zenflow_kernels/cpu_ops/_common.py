@@ -191,13 +191,13 @@ def _resolve_layer() -> None:
         _serialise = None
 
 
-def launch(kernel, n: int, nthreads: int, *args, per_thread: int = MIN_ELEMENTS_PER_THREAD):
+def launch(kernel, n: int, nthreads: int, *args):
     """Run ``kernel(*args)`` over ``n`` elements (GIL released while it runs) on ``nthreads`` threads
-    (0: the calling thread's numba setting), fewer when n is small (at least ``per_thread`` elements a
-    thread); restores the caller's setting. Serialised only on numba's workqueue layer."""
+    (0: the calling thread's numba setting), fewer when n is small; restores the caller's setting.
+    Serialised only on numba's workqueue layer."""
     get, set_ = _get_thread_fns()
     prev = get()
-    k = max(1, min(nthreads or prev, n // per_thread))
+    k = max(1, min(nthreads or prev, n // MIN_ELEMENTS_PER_THREAD))
     if k != prev:
         set_(k)
     try:

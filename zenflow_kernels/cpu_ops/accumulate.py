@@ -60,11 +60,6 @@ SUM_CHUNK = 1 << 14
 """Elements per work item of ``multi_sum_squares``: a fixed split, so the sum's order (and its bits) does
 not depend on the thread count."""
 
-SUM_PER_THREAD = 1 << 19
-"""Elements a thread of ``multi_sum_squares`` gets at least: a read-only sum runs at ~10 elements a ns,
-so below this a second thread's wake-up and barrier cost more than its share (a gradient norm of a few
-hundred thousand elements, e.g. the step's norm of a small model, runs on the calling thread)."""
-
 _BITS = {torch.float32: np.empty(0, np.float32), torch.bfloat16: np.empty(0, np.int16),
          torch.float16: np.empty(0, np.uint16)}  # element types of the bit views (see _common.as_numpy)
 
@@ -104,6 +99,6 @@ def sum_squares_unchecked(tensors, nthreads: int = 0) -> float:
         out = np.empty(int(chunk_starts[-1]), dtype=np.float64)
         if out.size:
             C.launch(multi_sum_squares_kernel, int(numels.sum()), nthreads, addrs, numels, chunk_starts, SUM_CHUNK,
-                     _BITS[dtype], out, per_thread=SUM_PER_THREAD)
+                     _BITS[dtype], out)
         total += float(out.sum())
     return total
