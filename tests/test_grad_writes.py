@@ -62,7 +62,7 @@ def _train(link, batches, *, zero, overlap=True, device_accumulation=False, befo
             for x, y in micro:
                 torch.nn.functional.mse_loss(model(x), y).backward()
             if before_step is not None:
-                before_step(model)
+                before_step(model, opt)
             opt.step()
             zero(model, opt)
         opt.flush()
@@ -116,17 +116,22 @@ def test_micro_batches_accumulating_into_kept_gradients(link, zero):
         assert torch.equal(a, b), f"parameter {i} differs with micro-batches on {link}"
 
 
-def _halve_in_place(model):
+def _halve_in_place(model, opt):
     for p in model.parameters():
         p.grad.mul_(0.5)  # bumps _version: step() copies the gradient again
 
 
-def _halve_through_data(model):
+def _halve_through_data_after_the_copies(model, opt):
+    # whether a hook's copy ran before an unversioned write is a race (on a GPU too: the copy stream runs
+    # when it runs); wait for the copies so that the write comes after them, the case that shows the hazard
+    link = getattr(opt, "_link", None)  # (built at the first step: its hooks start copying after it)
+    if link is not None:
+        link._engine.device_waits_for_d2h()
     for p in model.parameters():
         p.grad.data.mul_(0.5)  # .data shares storage, not the version counter: invisible to the link
 
 
-def _halve_through_data_and_say_so(model):
+def _halve_through_data_and_say_so(model, opt):
     for p in model.parameters():
         p.grad.data.mul_(0.5)
         torch.autograd.graph.increment_version(p.grad)  # the documented remedy
@@ -143,12 +148,12 @@ def test_versioned_write_before_step_is_seen(link):
 @pytest.mark.parametrize("link", LINKS[1:])
 def test_unversioned_write_before_step_is_not_seen_by_the_host_path_unless_the_version_is_bumped(link):
     """Documented behaviour: a write through ``.data`` after backward is invisible to an asynchronous
-    link's staged copies, so the host path accumulates the gradient as backward produced it while the
-    fast path (which reads ``.grad`` at ``step()``) sees the write. ``increment_version`` makes the link
-    copy again: then the bits are the synchronous link's."""
+    link's staged copies once they ran (before, it is a race), so the host path accumulates the gradient
+    as backward produced it while the fast path (which reads ``.grad`` at ``step()``) sees the write.
+    ``increment_version`` makes the link copy again: then the bits are the synchronous link's."""
     batches = _batches(10)
-    want = _train("cpu", batches, zero=_set_to_none, before_step=_halve_through_data)
-    unseen = _train(link, batches, zero=_set_to_none, before_step=_halve_through_data)
+    want = _train("cpu", batches, zero=_set_to_none, before_step=_halve_through_data_and_say_so)
+    unseen = _train(link, batches, zero=_set_to_none, before_step=_halve_through_data_after_the_copies)
     assert any(not torch.equal(a, b) for a, b in zip(unseen, want, strict=True))
     # what the unseen write gives: the host path took the gradients before halving
     fixed = _train(link, batches, zero=_set_to_none, before_step=_halve_through_data_and_say_so)
