@@ -29,7 +29,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zenflow_kernels.cpu_ops import accumulate_, accumulate_adam_, cpu_adam_, multi_sum_squares, sum_squares
+from zenflow_kernels.cpu_ops import (
+    accumulate_,
+    accumulate_adam_,
+    cpu_adam_,
+    multi_accumulate_,
+    multi_sum_squares,
+    sum_squares,
+)
 
 RTOL = 1e-6
 DTYPES_16 = (torch.bfloat16, torch.float16)
@@ -433,6 +440,46 @@ def test_multi_sum_squares_is_non_finite_iff_some_tensor_is(bad):
                 rows.append((which, pos, multi_sum_squares(tensors)))
     assert len(rows) >= 12 and all(not math.isfinite(got) for *_, got in rows), rows
     assert math.isfinite(multi_sum_squares(_multi_case(0)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_multi_accumulate_is_fp32_addition_of_every_pair(seed):
+    """Every dtype, empty and chunk-boundary sizes, mixed in one call: the bits of ``acc.add_(grad.float())``
+    per pair on one thread and on two; versions bumped; the gradients untouched."""
+    grads = _multi_case(seed)
+    gen = torch.Generator().manual_seed(100 + seed)
+    accs = [torch.randn(g.numel(), generator=gen) for g in grads]
+    want = [a.clone().add_(g.reshape(-1).float()) for a, g in zip(accs, grads, strict=True)]
+    kept = [g.clone() for g in grads]
+    for threads in (1, 2):
+        got = [a.clone() for a in accs]
+        versions = [t._version for t in got]
+        multi_accumulate_(got, grads, num_threads=threads)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), threads
+        assert all(t._version > v for t, v in zip(got, versions, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads, kept, strict=True))
+    multi_accumulate_([], [])  # nothing to do
+
+
+def test_multi_accumulate_errors_name_the_tensor_and_write_nothing():
+    accs, grads = [torch.zeros(4), torch.zeros(6)], [torch.ones(4), torch.ones(6, dtype=torch.bfloat16)]
+    cases = [
+        (lambda: multi_accumulate_(accs[0], grads), TypeError, ["accs", "list"]),
+        (lambda: multi_accumulate_(accs, grads[:1]), ValueError, ["same length", "2", "1"]),
+        (lambda: multi_accumulate_([accs[0], torch.zeros(6, dtype=torch.bfloat16)], grads), TypeError,
+         ["accs[1]", "float32"]),
+        (lambda: multi_accumulate_(accs, [grads[0], torch.ones(5)]), ValueError, ["grads[1]", "6 elements"]),
+        (lambda: multi_accumulate_(accs, [grads[0], torch.ones(6, dtype=torch.int32)]), TypeError,
+         ["grads[1]", "int32"]),
+        (lambda: multi_accumulate_(accs, [grads[0], torch.ones(12)[::2]]), ValueError, ["grads[1]", "contiguous"]),
+        (lambda: multi_accumulate_(accs, [grads[0], accs[1]]), ValueError, ["overlap"]),
+        (lambda: multi_accumulate_(accs, grads, num_threads=0), ValueError, ["num_threads"]),
+    ]
+    for call, error, words in cases:
+        with pytest.raises(error) as info:
+            call()
+        assert all(w in str(info.value) for w in words), (words, str(info.value))
+    assert not any(a.any() for a in accs)  # nothing was written
 
 
 def test_multi_sum_squares_errors_name_the_tensor():

@@ -326,17 +326,18 @@ def test_chaos_delays_every_kind_of_asynchronous_job(monkeypatch):
 
 def test_accumulate_pieces_merges_neighbours_in_slot_and_layout(monkeypatch):
     """Pieces adjacent both in their slot and in the shard's layout (a parameter whose size is a multiple
-    of the alignment, then the next one) are added in one call; any other piece in its own. The sums are
-    the pieces' whatever the grouping."""
-    from zenflow_kernels import cpu_ops
+    of the alignment, then the next one) are one run; any other piece its own (the runs then go to one
+    multi-tensor launch). The sums are the pieces' whatever the grouping."""
+    import zenflow_kernels.host as host_module
     from zenflow_kernels.staging import Piece
 
     params = [torch.zeros(s) for s in [(4, 8), (2, 8), (3, 3), (5,)]]  # 32, 16 (aligned), 9, 5 elements
     host = HostShard(params, [0] * 4, num_acc=1)  # flat order: matrices 0, 1, 2, then vector 3
     slot = torch.arange(100, dtype=torch.float32)
     calls = []
-    real = cpu_ops.accumulate_
-    monkeypatch.setattr(cpu_ops, "accumulate_", lambda acc, src: calls.append(acc.numel()) or real(acc, src))
+    real = host_module.accumulate_unchecked
+    monkeypatch.setattr(host_module, "accumulate_unchecked",
+                        lambda accs, srcs: calls.extend(a.numel() for a in accs) or real(accs, srcs))
 
     def piece(i, lo, numel, at):
         return Piece(i, torch.float32, lo, numel, 0, at * 4), slot[at : at + numel]

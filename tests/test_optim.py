@@ -724,8 +724,6 @@ def test_stuck_worker_times_out(device):
 def test_accumulation_failure_surfaces_within_seconds(device, monkeypatch):
     """On an asynchronous link the accumulation runs in a worker: its failure reaches the training
     thread at the next wait on it (the staging slot, the host update), with its traceback."""
-    from zenflow_kernels import cpu_ops
-
     zp = make_params(device=device)
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True)
     opt = ZenFlowAdamW(zp, **HYPER, zenflow=zenflow)
@@ -734,8 +732,11 @@ def test_accumulation_failure_surfaces_within_seconds(device, monkeypatch):
     def broken_accumulate(*args, **kwargs):
         raise RuntimeError("injected accumulation failure")
 
-    monkeypatch.setattr(cpu_ops, "accumulate_", broken_accumulate)  # the asynchronous links' accumulation
-    monkeypatch.setattr(torch, "_foreach_add_", broken_accumulate)  # the synchronous CPU link's
+    import zenflow_kernels.host as host_module
+    import zenflow_kernels.link as link_module
+
+    monkeypatch.setattr(host_module, "accumulate_unchecked", broken_accumulate)  # the asynchronous links'
+    monkeypatch.setattr(link_module, "accumulate_unchecked", broken_accumulate)  # the synchronous CPU link's
     t0 = time.perf_counter()
     with pytest.raises((HostWorkerError, RuntimeError), match="injected accumulation failure") as info:
         drive(opt, zp, grad_sequence(6))

@@ -19,7 +19,7 @@ Device kernels (CUDA -> Triton; CPU -> torch; TRITON_INTERPRET=1 -> Triton on CP
     use_backend        -- force "torch" or "triton" for a block of code
 
 Host kernels (numba, multithreaded, release the GIL), see ``cpu_ops``
-    cpu_adam_, accumulate_, accumulate_adam_, sum_squares, multi_sum_squares, split_cores
+    cpu_adam_, accumulate_, multi_accumulate_, accumulate_adam_, sum_squares, multi_sum_squares, split_cores
 
 Testing (``zenflow_kernels.testing``)
     chaos(seed, max_delay) -- optimizers created inside run the GPU's asynchronous protocol on CPU,
@@ -50,6 +50,7 @@ _EXPORTS = {
     "use_backend": "zenflow_kernels.ops",
     "cpu_adam_": "zenflow_kernels.cpu_ops",
     "accumulate_": "zenflow_kernels.cpu_ops",
+    "multi_accumulate_": "zenflow_kernels.cpu_ops",
     "accumulate_adam_": "zenflow_kernels.cpu_ops",
     "sum_squares": "zenflow_kernels.cpu_ops",
     "multi_sum_squares": "zenflow_kernels.cpu_ops",

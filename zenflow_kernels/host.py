@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from . import cpu_ops
+from .cpu_ops.accumulate import accumulate_unchecked
 
 __all__ = ["HostShard", "HostWorker", "HostWorkerError", "Slot", "layout"]
 
@@ -145,6 +146,7 @@ class HostShard:
         dtype). Pieces adjacent both in the staging slot and in this shard's layout (parameters whose size
         is a multiple of the alignment, staged one after the other) are added in one call."""
         run_acc = run_src = None
+        accs, srcs = [], []  # the runs, added in one multi-tensor launch per dtype
         for piece, data in pieces:
             lo = self.slots[piece.index].offset + piece.lo
             if run_acc is not None and run_src.dtype == data.dtype and run_acc[1] == lo and (
@@ -153,10 +155,13 @@ class HostShard:
                 run_src = run_src.as_strided((run_src.numel() + data.numel(),), (1,))
                 continue
             if run_acc is not None:
-                cpu_ops.accumulate_(self.acc[buf][run_acc[0] : run_acc[1]], run_src)
+                accs.append(self.acc[buf][run_acc[0] : run_acc[1]])
+                srcs.append(run_src)
             run_acc, run_src = (lo, lo + piece.numel), data
         if run_acc is not None:
-            cpu_ops.accumulate_(self.acc[buf][run_acc[0] : run_acc[1]], run_src)
+            accs.append(self.acc[buf][run_acc[0] : run_acc[1]])
+            srcs.append(run_src)
+        accumulate_unchecked(accs, srcs)  # the calling worker thread's numba threads
 
     def update(
         self,

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from .cpu_ops.accumulate import accumulate_unchecked
 from .host import HostShard, HostWorker
 from .staging import ALIGN_BYTES, Staged, StagingRing
 
@@ -466,9 +467,16 @@ class CpuLink(_Link):
                 sums.append(self.host.view(self.host.acc[buf], i))
                 grads.append(grad)
         if sums:
-            # one call for all (fp32 additions, the same bits as cpu_ops.accumulate_): the training thread
-            # is torch's own, so torch's threads are the right ones here, unlike in a worker thread
-            torch._foreach_add_(sums, grads)
+            # one numba launch per gradient dtype (fp32 additions, bf16/fp16 read and widened in the same
+            # pass; torch's mixed-dtype _foreach_add_ takes a slow path per tensor); a strided gradient (the
+            # kernel reads flat memory) through torch
+            flat = [g.is_contiguous() for g in grads]
+            if not all(flat):
+                torch._foreach_add_([t for t, f in zip(sums, flat, strict=True) if not f],
+                                    [g for g, f in zip(grads, flat, strict=True) if not f])
+                sums = [t for t, f in zip(sums, flat, strict=True) if f]
+                grads = [g for g, f in zip(grads, flat, strict=True) if f]
+            accumulate_unchecked(sums, grads)
         self.accumulate_s += time.perf_counter() - t0
         return last
 

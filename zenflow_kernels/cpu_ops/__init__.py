@@ -5,6 +5,7 @@ Public API
               adamw=True, bias_correction=True, grad_scale=1.0, out=None, zero_grad=False,
               num_threads=None)
     accumulate_(acc, grad, *, num_threads=None)
+    multi_accumulate_(accs, grads, *, num_threads=None)
     accumulate_adam_(param, acc, grad, exp_avg, exp_avg_sq, *, step, lr, ..., grad_scale=1.0,
                      out=None, zero_acc=False, num_threads=None)
     sum_squares(x, *, num_threads=None) -> float
@@ -42,8 +43,9 @@ First call of each dtype combination compiles (about 1-2 s); compiled code is ca
 ``__pycache__`` (``cache=True``) and loads in milliseconds afterwards.
 """
 
-from .accumulate import accumulate_, multi_sum_squares, sum_squares
+from .accumulate import accumulate_, multi_accumulate_, multi_sum_squares, sum_squares
 from .adam import accumulate_adam_, cpu_adam_
 from .cores import split_cores
 
-__all__ = ["accumulate_", "accumulate_adam_", "cpu_adam_", "multi_sum_squares", "split_cores", "sum_squares"]
+__all__ = ["accumulate_", "accumulate_adam_", "cpu_adam_", "multi_accumulate_", "multi_sum_squares", "split_cores",
+           "sum_squares"]

@@ -331,6 +331,23 @@ def accumulate_kernel(acc, grad):
         acc[i] = acc[i] + load_f32(grad, i)
 
 
+@njit(**_JIT)
+def multi_accumulate_kernel(acc_addrs, grad_addrs, numels, chunk_starts, chunk, grad_proto):
+    """``acc_t[i] += float32(grad_t[i])`` for every tensor pair t (``numels[t]`` elements at ``acc_addrs[t]``,
+    float32, and at ``grad_addrs[t]``, of ``grad_proto``'s type); work item ``c`` is chunk ``j`` of tensor t
+    (items ``chunk_starts[t]`` to ``chunk_starts[t + 1] - 1``), indexed from 0 in slices (see
+    ``multi_sum_squares_kernel``)."""
+    state_proto = np.empty(0, dtype=np.float32)
+    for c in prange(chunk_starts[chunk_starts.size - 1]):
+        t = np.searchsorted(chunk_starts, c, side="right") - 1
+        lo = (c - chunk_starts[t]) * chunk
+        hi = min(numels[t], lo + chunk)
+        acc = carray(pointer_at(acc_addrs[t], state_proto), numels[t])[lo:hi]
+        grad = carray(pointer_at(grad_addrs[t], grad_proto), numels[t])[lo:hi]
+        for i in range(acc.size):
+            acc[i] = acc[i] + load_f32(grad, i)
+
+
 @njit(fastmath=REDUCE_FASTMATH, **_JIT)
 def sum_squares_kernel(x):
     """sum(float64(x[i])**2) with float64 accumulation; inf/NaN in x give a non-finite sum

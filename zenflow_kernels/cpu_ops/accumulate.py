@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import _common as C
-from ._kernels import accumulate_kernel, multi_sum_squares_kernel, sum_squares_kernel
+from ._kernels import accumulate_kernel, multi_accumulate_kernel, multi_sum_squares_kernel, sum_squares_kernel
 
 
 def accumulate_(acc: torch.Tensor, grad: torch.Tensor, *, num_threads: int | None = None) -> None:
@@ -34,6 +34,51 @@ def accumulate_(acc: torch.Tensor, grad: torch.Tensor, *, num_threads: int | Non
         return
     C.launch(accumulate_kernel, n, nthreads, C.as_numpy(acc), C.as_numpy(grad))
     C.bump_versions(acc)
+
+
+def multi_accumulate_(accs, grads, *, num_threads: int | None = None) -> None:
+    """``acc += grad`` for every pair, in place: one launch per gradient dtype present (usually one) instead
+    of a call per tensor, each element one fp32 addition (the bits of ``accumulate_`` and of
+    ``acc.add_(grad.float())``).
+
+    Args:
+        accs: a list of fp32 contiguous CPU tensors; updated in place.
+        grads: a list as long, of fp32, bf16 or fp16 contiguous CPU tensors, each with its acc's number of
+            elements (any shapes); read only. No two tensors of either list may share memory.
+        num_threads: as ``cpu_adam_``.
+
+    Everything is checked before anything is written.
+    """
+    for name, value in (("accs", accs), ("grads", grads)):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a list or tuple of tensors, got {type(value).__name__}")
+    if len(accs) != len(grads):
+        raise ValueError(f"accs and grads must have the same length, got {len(accs)} and {len(grads)}")
+    for i, (acc, grad) in enumerate(zip(accs, grads, strict=True)):
+        C.check_tensor(f"accs[{i}]", acc, C.STATE_DTYPES)
+        C.check_tensor(f"grads[{i}]", grad, C.GRAD_DTYPES, acc.numel())
+    C.check_disjoint({f"{name}[{i}]": t for name, ts in (("accs", accs), ("grads", grads)) for i, t in enumerate(ts)})
+    accumulate_unchecked(accs, grads, C.check_num_threads(num_threads))
+    C.bump_versions(*accs)
+
+
+def accumulate_unchecked(accs, grads, nthreads: int = 0) -> None:
+    """``multi_accumulate_`` for a caller that made the tensors itself (the host shard's accumulation
+    buffers and staged or checked gradients): contiguous, disjoint, fp32 accs and fp32/bf16/fp16 grads of
+    the same sizes; anything else is undefined behaviour. Versions are not bumped (the buffers are the
+    optimizer's own, never in an autograd graph)."""
+    dtypes = [g.dtype for g in grads]
+    kinds = set(dtypes)
+    for dtype in kinds:
+        chosen = range(len(grads)) if len(kinds) == 1 else [t for t, d in enumerate(dtypes) if d is dtype]
+        numels = np.array([grads[t].numel() for t in chosen], dtype=np.int64)
+        chunk_starts = np.zeros(len(numels) + 1, dtype=np.int64)
+        np.cumsum((numels + SUM_CHUNK - 1) // SUM_CHUNK, out=chunk_starts[1:])
+        if chunk_starts[-1]:
+            C.launch(multi_accumulate_kernel, int(numels.sum()), nthreads,
+                     np.array([accs[t].data_ptr() for t in chosen], dtype=np.int64),
+                     np.array([grads[t].data_ptr() for t in chosen], dtype=np.int64), numels, chunk_starts,
+                     SUM_CHUNK, _BITS[dtype])
 
 
 def sum_squares(x: torch.Tensor, *, num_threads: int | None = None) -> float:
