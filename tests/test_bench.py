@@ -325,6 +325,28 @@ def test_step_overhead_quick(tmp_path):
     assert {"ms_at_8", "ms_at_16", "us_per_tensor", "vs_torch_adamw_at_16"} <= set(summary)
 
 
+# -- bench.host_multi --------------------------------------------------------------------------------------
+
+
+def test_host_multi_quick(tmp_path):
+    """Both ops, both dtypes, both quick sizes in one run: the JSON's structure, and what holds whatever the
+    speed: the norms agree with float64 sums (ours to 1e-12, torch's fp32 norms to 1e-5)."""
+    proc = run_module("bench.host_multi", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "host_multi_cpu.json").read_text())
+    assert (tmp_path / "host_multi_cpu.png").read_bytes()[:8] == PNG_MAGIC
+    assert result["machine"]["python"] and result["config"]["quick"] is True
+    rows = result["rows"]
+    assert {(r["op"], r["dtype"], r["hidden"]) for r in rows} == {
+        (op, dt, h) for op in ("grad_norm", "accumulate") for dt in ("bfloat16", "float32") for h in (32, 64)}
+    for r in rows:
+        for name in ("ours", "ours_unchecked", "torch"):
+            assert r[f"{name}_ms"] > 0 and math.isfinite(r[f"{name}_ms"]), r
+        if r["op"] == "grad_norm":
+            assert r["ours_rel_error"] < 1e-12 and r["ours_unchecked_rel_error"] < 1e-12, r
+            assert r["torch_rel_error"] < 1e-5, r
+
+
 # -- bench.fsdp2 -------------------------------------------------------------------------------------------
 
 

@@ -300,6 +300,9 @@ def _worker_loop(jobs: queue.Queue, num_threads: int | None, cores: Sequence[int
         except BaseException:  # SystemExit and the like end the thread: the job is never done
             job.tb = traceback.format_exc()
             return
+        # a done job keeps its result, not its work: a completion waited on later (a copy job standing for
+        # every copy before it) must not hold a step's gradients alive
+        job.fn = job.args = None
         job.done.set()
 
 

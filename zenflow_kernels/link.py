@@ -289,7 +289,10 @@ class ThreadEngine:
         self._last_d2h = _submit(self._d2h, copy, self._delays)
 
     def d2h_marker(self) -> Future:
-        self._last_d2h = _submit(self._d2h, _nothing, self._delays)
+        """The last job queued on the copy thread (it runs its jobs in order): no job of its own, unless
+        none was queued yet."""
+        if self._last_d2h is None:
+            self._last_d2h = _submit(self._d2h, _nothing, self._delays)
         return self._last_d2h
 
     def h2d(self, work: Callable[[], None]) -> Future:
