@@ -317,6 +317,20 @@ def _run_planned(planned: bool, events=(), impl=numba_ops, same_tensors=False):
     return params, states, cache
 
 
+def _planned_matches_unplanned(impl, event, same_tensors=False) -> dict:
+    """Six calls laid out once (``event`` at the third) against six laid out each time: every tensor's
+    bits; returns the plan's cache."""
+    events = {} if event is None else {2: (event,)}
+    p_ref, s_ref, _ = _run_planned(False, events, impl=impl)
+    p_new, s_new, cache = _run_planned(True, events, impl=impl, same_tensors=same_tensors)
+    for j, (a, b) in enumerate(zip(p_ref, p_new, strict=True)):
+        assert torch.equal(a, b), (j, float((a.float() - b.float()).abs().max()))
+    for j, (sa, sb) in enumerate(zip(s_ref, s_new, strict=True)):
+        for x, y in zip(sa, sb, strict=True):
+            assert (x is None and y is None) or torch.equal(x, y), j
+    return cache
+
+
 _EVENTS = [None, "int_steps_differ", "state_replaced", "param_moved", "grad_dtype", "grad_strided", "steps_replaced"]
 
 
@@ -328,15 +342,7 @@ def test_planned_launch_is_bit_identical(event, same_tensors):
     the third call; at the same call a vector's and a matrix's lr differ, and the integer steps' regions split and
     join). With ``same_tensors`` (the caller promises the state tensors stay the same objects) the parameters'
     addresses and the gradients' layout are still checked."""
-    events = {} if event is None else {2: (event,)}
-    p_ref, s_ref, _ = _run_planned(False, events)
-    p_new, s_new, cache = _run_planned(True, events, same_tensors=same_tensors)
-    assert "numba" in cache
-    for j, (a, b) in enumerate(zip(p_ref, p_new, strict=True)):
-        assert torch.equal(a, b), (j, float((a.float() - b.float()).abs().max()))
-    for j, (sa, sb) in enumerate(zip(s_ref, s_new, strict=True)):
-        for x, y in zip(sa, sb, strict=True):
-            assert (x is None and y is None) or torch.equal(x, y), j
+    assert "numba" in _planned_matches_unplanned(numba_ops, event, same_tensors)
 
 
 @pytest.mark.parametrize("event", _EVENTS)
@@ -345,15 +351,7 @@ def test_planned_triton_launch_is_bit_identical(event):
     bits as laying them out at every call, through the same events as the numba plan's test; laid out again
     when the items change (a gradient with other strides is another table: its strides are in it)."""
     sa = pytest.importorskip("zenflow_kernels.triton.selective_adamw")
-    events = {} if event is None else {2: (event,)}
-    p_ref, s_ref, _ = _run_planned(False, events, impl=sa)
-    p_new, s_new, cache = _run_planned(True, events, impl=sa)
-    assert "triton" in cache
-    for j, (a, b) in enumerate(zip(p_ref, p_new, strict=True)):
-        assert torch.equal(a, b), (j, float((a.float() - b.float()).abs().max()))
-    for j, (sa_, sb) in enumerate(zip(s_ref, s_new, strict=True)):
-        for x, y in zip(sa_, sb, strict=True):
-            assert (x is None and y is None) or torch.equal(x, y), j
+    assert "triton" in _planned_matches_unplanned(sa, event)
     rows, _, _, grads = _planned_case(strided_indices=False)
     items = [(r[0].clone(), grads[0][j], r[1], *[None if t is None else t.clone() for t in r[2]], 4, 1e-2, 0.0)
              for j, r in enumerate(rows)]
