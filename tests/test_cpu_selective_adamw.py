@@ -94,103 +94,11 @@ def test_strided_gradient_falls_back_and_agrees():
     torch.testing.assert_close(p_new, p_ref, rtol=1e-6, atol=1e-7)
 
 
-def test_multi_form_equals_single_calls():
-    cases = [make_case(s, d, dense, pc, d != torch.float32, seed=n)
-             for n, (s, d, dense, pc) in enumerate([((7, 33), torch.float32, False, True),
-                                                     ((1, 50), torch.bfloat16, True, False),
-                                                     ((20, 8), torch.float16, False, False)])]
+def _assert_multi_equals_singles(spec) -> None:
+    """Four multi-tensor calls over the cases ``(shape, dtype, dense, per-column steps)`` give the bits of four
+    single calls per case."""
+    cases = [make_case(shape, d, dense, pc, d != torch.float32, seed=n) for n, (shape, d, dense, pc) in enumerate(spec)]
     singles = [run(numba_ops, *c, 2.0) for c in cases]
-    params = [c[0].clone() for c in cases]
-    states = [{k: (None if v is None else v.clone()) for k, v in c[2].items()} for c in cases]
-    for n in range(4):
-        numba_ops.multi_selective_adamw_(
-            params, [c[4][n] for c in cases], [c[1] for c in cases], [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states], steps=[c[3] + n for c in cases], lrs=3e-2, beta1=0.9, beta2=0.99,
-            eps=1e-8, weight_decays=[0.05] * 3, masters=[s["master"] for s in states], grad_scale=2.0)
-    for (p_single, s_single), p_multi, s_multi in zip(singles, params, states, strict=True):
-        assert torch.equal(p_single, p_multi)
-        assert torch.equal(s_single["exp_avg"], s_multi["exp_avg"])
-
-
-def test_multi_form_mixed_list_matches_the_torch_path():
-    """One call over a list that exercises every branch of the multi-tensor launcher: three dtype groups
-    with and without masters, dense and selected, per-column and shared steps, a vector longer than a
-    work block, a strided gradient (torch path), empty tensors, strided indices, and enough elements for
-    several threads; every tensor against the torch implementation of the same call."""
-    g = torch.Generator().manual_seed(11)
-    spec = [  # (rows, cols, dtype, dense, per-column step, master, strided gradient)
-        ((64, 130), torch.float32, False, True, False, False),
-        ((1, 3 * numba_ops.MULTI_BLOCK + 5), torch.float32, True, False, False, False),
-        ((400, 420), torch.float32, True, False, False, False),  # 168000 elements: more than one thread
-        ((9, 31), torch.bfloat16, False, True, True, False),
-        ((1, 77), torch.bfloat16, True, False, True, False),
-        ((13, 40), torch.float16, False, False, False, False),
-        ((5, 6), torch.float32, False, True, False, True),
-        ((0, 8), torch.float32, True, False, False, False),
-        ((7, 12), torch.float32, False, True, False, False),  # k = 0 below
-    ]
-    cases = []
-    for n, ((R, C), dtype, dense, per_column, with_master, strided) in enumerate(spec):
-        param = (torch.randn(R, C, generator=g) * 0.5).to(dtype)
-        if dense:
-            idx, k = None, C
-        else:
-            k = 0 if n == len(spec) - 1 else max(1, C // 4)
-            idx = torch.randperm(C, generator=g)[:k].sort().values
-            if n == 0:  # a strided view of the same sorted indices
-                idx = torch.stack([idx, idx], dim=1)[:, 0]
-                assert not idx.is_contiguous()
-        state = [torch.randn(R, k, generator=g) * 0.1, torch.rand(R, k, generator=g) * 0.01,
-                 param[:, slice(None) if dense else idx].float().clone() if with_master else None]
-        step = torch.randint(1, 40, (k,), generator=g) if per_column else 3 + n
-        grads = [torch.randn(R, C, generator=g).to(dtype) for _ in range(3)]
-        if strided:
-            grads = [x.t().contiguous().t() for x in grads]
-        cases.append((param, idx, state, step, grads))
-
-    def run(impl):
-        params = [c[0].clone() for c in cases]
-        states = [[None if t is None else t.clone() for t in c[2]] for c in cases]
-        for n in range(3):
-            impl.multi_selective_adamw_(
-                params, [c[4][n] for c in cases], [c[1] for c in cases], [s[0] for s in states], [s[1] for s in states],
-                steps=[c[3] + n for c in cases], lrs=[1e-2 * (1 + j) for j in range(len(cases))], beta1=0.9,
-                beta2=0.99, eps=1e-8, weight_decays=[0.1 if j % 2 else 0.0 for j in range(len(cases))],
-                masters=[s[2] for s in states], grad_scale=1.5)
-        return params, states
-
-    (p_ref, s_ref), (p_new, s_new) = run(torch_ops), run(numba_ops)
-    failures = []
-    for j, (c, a, b, sa, sb) in enumerate(zip(cases, p_ref, p_new, s_ref, s_new, strict=True)):
-        tol = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[a.dtype]
-        if not torch.allclose(b.float(), a.float(), rtol=tol, atol=1e-6):
-            failures.append((j, "param", float((b.float() - a.float()).abs().max())))
-        for name, x, y in zip(("exp_avg", "exp_avg_sq", "master"), sa, sb, strict=True):
-            if x is not None and not torch.allclose(y, x, rtol=1e-6, atol=1e-7):
-                failures.append((j, name, float((y - x).abs().max())))
-        if c[1] is not None and c[1].numel() < c[0].shape[1]:  # columns not selected are never touched
-            rest = torch.ones(c[0].shape[1], dtype=torch.bool)
-            rest[c[1]] = False
-            if not torch.equal(b[:, rest], c[0][:, rest]):
-                failures.append((j, "unselected columns changed", None))
-    assert not failures, failures
-    assert not torch.equal(p_new[2], cases[2][0])  # the updates happened
-
-
-@pytest.mark.parametrize("parts", [1, 2, 3, 7, 64, None])
-def test_multi_form_is_the_same_whatever_the_work_ranges(monkeypatch, parts):
-    """The multi-tensor kernel walks its work items in ``parts`` contiguous ranges (a tensor's row looked up
-    once per range): ranges that start and end inside a tensor, inside a matrix's rows and inside a long
-    vector's blocks, one range per item, and the launcher's own choice (None) all give the single calls' bits."""
-    cases = [make_case(s, d, dense, pc, d != torch.float32, seed=n)
-             for n, (s, d, dense, pc) in enumerate([((37, 50), torch.float32, False, True),
-                                                     ((1, 3 * numba_ops.MULTI_BLOCK + 11), torch.float32, True,
-                                                      False),
-                                                     ((5, 9), torch.float32, False, False),
-                                                     ((64, 130), torch.float32, True, True)])]
-    singles = [run(numba_ops, *c, 2.0) for c in cases]
-    if parts is not None:
-        monkeypatch.setattr(numba_ops, "_parts", lambda work, chunks: min(parts, chunks))
     params = [c[0].clone() for c in cases]
     states = [{k: (None if v is None else v.clone()) for k, v in c[2].items()} for c in cases]
     for n in range(4):
@@ -202,6 +110,23 @@ def test_multi_form_is_the_same_whatever_the_work_ranges(monkeypatch, parts):
         assert torch.equal(p_single, p_multi), j
         assert torch.equal(s_single["exp_avg"], s_multi["exp_avg"]), j
         assert torch.equal(s_single["exp_avg_sq"], s_multi["exp_avg_sq"]), j
+
+
+def test_multi_form_equals_single_calls():
+    _assert_multi_equals_singles([((7, 33), torch.float32, False, True), ((1, 50), torch.bfloat16, True, False),
+                                  ((20, 8), torch.float16, False, False)])
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7, 64, None])
+def test_multi_form_is_the_same_whatever_the_work_ranges(monkeypatch, parts):
+    """The multi-tensor kernel walks its work items in ``parts`` contiguous ranges (a tensor's row looked up
+    once per range): ranges that start and end inside a tensor, inside a matrix's rows and inside a long
+    vector's blocks, one range per item, and the launcher's own choice (None) all give the single calls' bits."""
+    if parts is not None:
+        monkeypatch.setattr(numba_ops, "_parts", lambda work, chunks: min(parts, chunks))
+    _assert_multi_equals_singles([((37, 50), torch.float32, False, True),
+                                  ((1, 3 * numba_ops.MULTI_BLOCK + 11), torch.float32, True, False),
+                                  ((5, 9), torch.float32, False, False), ((64, 130), torch.float32, True, True)])
 
 
 @pytest.mark.parametrize(
