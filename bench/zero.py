@@ -102,7 +102,11 @@ def free_port() -> int:
 
 
 def run_world(world: int, args) -> list[dict]:
-    out = Path(tempfile.mkdtemp(prefix=f"zero{world}-"))
+    with tempfile.TemporaryDirectory(prefix=f"zero{world}-") as tmp:  # the ranks' JSON, read back, then gone
+        return _run_world(world, args, Path(tmp))
+
+
+def _run_world(world: int, args, out: Path) -> list[dict]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "bench.zero", "--worker-out", str(out), "--model", args.model, "--steps",
