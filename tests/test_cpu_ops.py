@@ -442,6 +442,33 @@ def test_multi_sum_squares_is_non_finite_iff_some_tensor_is(bad):
     assert math.isfinite(multi_sum_squares(_multi_case(0)))
 
 
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])
+def test_the_optimizers_gradient_norm_on_either_path(bad):
+    """``sharding.sum_of_squares``, what step() reads the norm and the skip check from: the CPU path (this
+    numba pass) and the GPU path (torch's multi-tensor fp32 norms, run here on CPU tensors) give the float64
+    sum of squares, to float64 rounding and to fp32-norm rounding; non-finite exactly when a gradient is."""
+    from zenflow_kernels.sharding import _foreach_sum_of_squares, sum_of_squares
+
+    grads = _multi_case(1)
+    if bad is not None:
+        grads[3].view(-1)[7] = bad
+    exact = sum(float((g.double() ** 2).sum()) for g in grads)
+    cpu = sum_of_squares(grads, torch.device("cpu"))
+    gpu_path = _foreach_sum_of_squares(grads, torch.device("cpu"))
+    assert cpu.dtype == gpu_path.dtype == torch.float64 and cpu.shape == gpu_path.shape == (1,)
+    if bad is None:
+        assert float(cpu) == pytest.approx(exact, rel=1e-12) and float(gpu_path) == pytest.approx(exact, rel=1e-5)
+    else:
+        assert not math.isfinite(float(cpu)) and not math.isfinite(float(gpu_path))
+    strided = [g.t() for g in grads if g.dim() == 2]  # copied to contiguous first on the CPU path
+    want = sum(float((g.double() ** 2).sum()) for g in strided)
+    assert math.isfinite(want) == math.isfinite(float(sum_of_squares(strided, torch.device("cpu"))))
+    if math.isfinite(want):
+        assert float(sum_of_squares(strided, torch.device("cpu"))) == pytest.approx(want, rel=1e-12)
+    cpu_device = torch.device("cpu")
+    assert float(sum_of_squares([], cpu_device)) == 0.0 == float(_foreach_sum_of_squares([], cpu_device))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_multi_accumulate_is_fp32_addition_of_every_pair(seed):
     """Every dtype, empty and chunk-boundary sizes, mixed in one call: the bits of ``acc.add_(grad.float())``

@@ -64,6 +64,12 @@ def sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch
         # (step() checked every gradient's device, dtype and layout)
         total = sum_squares_unchecked([g if g.is_contiguous() else g.contiguous() for g in grads])
         return torch.tensor([total], dtype=torch.float64)
+    return _foreach_sum_of_squares(grads, device)
+
+
+def _foreach_sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """:func:`sum_of_squares` on a GPU: fp32 norms from torch's multi-tensor kernel, squared and summed in
+    float64 on the device (no host sync until the caller reads it)."""
     squares = torch.zeros(1, dtype=torch.float64, device=device)
     if grads:
         squares += torch.stack(torch._foreach_norm(list(grads), 2, dtype=torch.float32)).double().pow(2).sum()
