@@ -5,6 +5,7 @@ Tests that take ``device`` run once per link: "cpu" (the synchronous CPU link), 
 and, when CUDA is present, "cuda" (parameters on the GPU, the CUDA link, the Triton kernels).
 """
 
+import contextlib
 import copy
 import gc
 import itertools
@@ -324,6 +325,43 @@ def test_zen_auto_votes_match_the_oracle(device, name):
         assert boundaries == [1] * 12
     else:
         assert 0 < sum(boundaries) < 12  # the votes decided something: neither never nor always
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transposed_parameters_and_their_strided_gradients_match_the_oracle(device, overlap, dtype):
+    """Parameters stored transposed (``nn.Parameter(w.t())``), with gradients strided like them as autograd
+    lays them out: the gradient norm, the fast step (the strided path of the kernels), the accumulation on
+    either link, the host update and the write-back all read and write them; with clipping, the oracle's
+    weights at every step (bf16: the oracle takes fp32 only, so the same optimizer on contiguous copies,
+    within bf16 rounding)."""
+    shapes = [(6, 9), (7, 5), (5,)]
+    g = torch.Generator().manual_seed(8)
+    base = [torch.randn(s[::-1], generator=g).t() if len(s) == 2 else torch.randn(s, generator=g) for s in shapes]
+    zp = [torch.nn.Parameter(b.to(device, dtype).t().contiguous().t() if b.dim() == 2 else b.to(device, dtype))
+          for b in base]
+    rp = [torch.nn.Parameter(b.clone().to(dtype)) for b in base]
+    assert not zp[0].is_contiguous() and zp[0].stride() == (1, 6)
+    zenflow = dict(topk_ratio=0.34, select_strategy="step", select_interval=4, update_interval=2,
+                   overlap_step=overlap, full_warm_up_rounds=1)
+    oracle = ReferenceZenFlow if dtype == torch.float32 else ZenFlowAdamW
+    ref = oracle(rp, **HYPER, zenflow=zenflow, max_grad_norm=3.0)
+    with ref if dtype != torch.float32 else contextlib.nullcontext(), ZenFlowAdamW(
+            zp, **HYPER, zenflow=zenflow, max_grad_norm=3.0) as opt:
+        for t in range(9):
+            grads = [torch.randn(s, generator=g) for s in shapes]
+            for p, q, gr in zip(zp, rp, grads, strict=True):
+                # autograd's layout: a gradient strided like its parameter
+                p.grad = torch.empty_like(p).copy_(gr.to(dtype))
+                q.grad = gr.to(dtype)
+            assert not zp[0].grad.is_contiguous()
+            opt.step()
+            ref.step()
+            opt.flush()
+            ref.flush()
+            for i, (x, y) in enumerate(zip(snapshot(zp), rp, strict=True)):
+                tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+                torch.testing.assert_close(x, y.detach(), **tol, msg=lambda m, t=t, i=i: f"step {t}, param {i}: {m}")
 
 
 @pytest.mark.parametrize("topk_ratio", [0.0, 1.0])
