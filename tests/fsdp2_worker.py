@@ -11,6 +11,7 @@ from the same start, and compares.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -140,7 +141,7 @@ def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> Non
     model = wrap(make_model(seed=1 if case["kind"] == "load" else 0), case)  # load: other weights, overwritten
     params = list(model.parameters())
     data = batches(case["steps"])
-    ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else _nothing()
+    ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else contextlib.nullcontext()
     with ctx:
         opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=case["zenflow"],
                            max_grad_norm=case.get("max_grad_norm"))
@@ -177,7 +178,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
     data = batches(case["steps"])
-    ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else _nothing()
+    ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else contextlib.nullcontext()
     result: dict = {"weights": [], "selections": []}
     with ctx:
         opt = ZenFlowAdamW(param_groups(model, case), **HYPER, zenflow=case["zenflow"],
@@ -203,14 +204,6 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
         result.update(stats=opt.stats(), host_bytes=opt.host_bytes(), names=names,
                       local_rows=[p.to_local().shape[0] for p in params])
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ of their own.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import sys
@@ -72,7 +73,7 @@ def one_process(case: dict, reference: bool = False):
     opt = factory(W.param_groups(model, case), **W.HYPER, zenflow=case["zenflow"],
                   max_grad_norm=case.get("max_grad_norm"))
     weights, selections = [], []
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case.get("mixed_precision") else _nothing()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case.get("mixed_precision") else contextlib.nullcontext()
     with use_backend("numba"):
         for batch in W.batches(STEPS):
             with autocast:
@@ -86,14 +87,6 @@ def one_process(case: dict, reference: bool = False):
         if not reference:
             opt.close()
     return weights, selections, [p.detach().clone() for p in params]
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _low_precision(case: dict) -> bool:

@@ -10,6 +10,7 @@ to the reference.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -172,7 +173,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     kwargs = dict(HYPER, zenflow=case["zenflow"], max_grad_norm=case.get("max_grad_norm"),
                   zero_stage=case.get("zero_stage", 1), collective_timeout=case.get("timeout", 60.0),
                   release_gradients=case.get("release_gradients"))
-    ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else _nothing()
+    ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else contextlib.nullcontext()
     result: dict = {}
     hooks: dict[str, list] = {}  # post-accumulate-grad hooks per parameter (the worker sets none), by moment
 
@@ -214,14 +215,6 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
         count_hooks("closed")
         result["hooks"] = hooks
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(run=None, **init) -> int:
