@@ -1,5 +1,7 @@
 """The CPU fast path (numba selective AdamW) against the torch implementation of the same contract."""
 
+import os
+
 import pytest
 import torch
 
@@ -202,10 +204,18 @@ def _planned_case(seed=5, strided_indices=True):
     return rows, widths, flat, grads
 
 
-def _run_planned(planned: bool, events=(), impl=numba_ops, same_tensors=False):
+def _on(device: str, rows, flat, grads):
+    """The case's tensors on ``device`` (their strides kept)."""
+    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return ([(dev(r[0]), dev(r[1]), [dev(t) for t in r[2]], *r[3:]) for r in rows], dev(flat),
+            [[dev(x) for x in step] for step in grads])
+
+
+def _run_planned(planned: bool, events=(), impl=numba_ops, same_tensors=False, device="cpu"):
     """Six calls, with the events ``{call: what}`` the cache must notice; returns every tensor at the end.
     (Triton reads indices as contiguous: its case has no strided ones.)"""
     rows, widths, flat, grads = _planned_case(strided_indices=impl is numba_ops)
+    rows, flat, grads = _on(device, rows, flat, grads)
     params = [r[0].clone() for r in rows]
     states = [[None if t is None else t.clone() for t in r[2]] for r in rows]
     flat = flat.clone()
@@ -242,12 +252,12 @@ def _run_planned(planned: bool, events=(), impl=numba_ops, same_tensors=False):
     return params, states, cache
 
 
-def _planned_matches_unplanned(impl, event, same_tensors=False) -> dict:
+def _planned_matches_unplanned(impl, event, same_tensors=False, device="cpu") -> dict:
     """Six calls laid out once (``event`` at the third) against six laid out each time: every tensor's
     bits; returns the plan's cache."""
     events = {} if event is None else {2: (event,)}
-    p_ref, s_ref, _ = _run_planned(False, events, impl=impl)
-    p_new, s_new, cache = _run_planned(True, events, impl=impl, same_tensors=same_tensors)
+    p_ref, s_ref, _ = _run_planned(False, events, impl=impl, device=device)
+    p_new, s_new, cache = _run_planned(True, events, impl=impl, same_tensors=same_tensors, device=device)
     for j, (a, b) in enumerate(zip(p_ref, p_new, strict=True)):
         assert torch.equal(a, b), (j, float((a.float() - b.float()).abs().max()))
     for j, (sa, sb) in enumerate(zip(s_ref, s_new, strict=True)):
@@ -270,14 +280,22 @@ def test_planned_launch_is_bit_identical(event, same_tensors):
     assert "numba" in _planned_matches_unplanned(numba_ops, event, same_tensors)
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+_TRITON_DEVICES = (["cpu"] if _INTERPRET else []) + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.skipif(not _TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 or a CUDA device")
+@pytest.mark.parametrize("device", _TRITON_DEVICES)
 @pytest.mark.parametrize("event", _EVENTS)
-def test_planned_triton_launch_is_bit_identical(event):
-    """The Triton launcher's plan (its tables laid out once per LaunchItems, under the interpreter): the same
-    bits as laying them out at every call, through the same events as the numba plan's test; laid out again
-    when the items change (a gradient with other strides is another table: its strides are in it)."""
+def test_planned_triton_launch_is_bit_identical(event, device):
+    """The Triton launcher's plan (its tables laid out once per LaunchItems; on CPU under the interpreter, on
+    a GPU in bench/gpu_suite.sh): the same bits as laying them out at every call, through the same events
+    as the numba plan's test; laid out again when the items change (a gradient with other strides is
+    another table: its strides are in it)."""
     sa = pytest.importorskip("zenflow_kernels.triton.selective_adamw")
-    assert "triton" in _planned_matches_unplanned(sa, event)
-    rows, _, _, grads = _planned_case(strided_indices=False)
+    assert "triton" in _planned_matches_unplanned(sa, event, device=device)
+    rows, _, flat, grads = _planned_case(strided_indices=False)
+    rows, flat, grads = _on(device, rows, flat, grads)
     items = [(r[0].clone(), grads[0][j], r[1], *[None if t is None else t.clone() for t in r[2]], 4, 1e-2, 0.0)
              for j, r in enumerate(rows)]
     cache = {}
