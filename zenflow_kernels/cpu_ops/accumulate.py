@@ -67,13 +67,7 @@ def accumulate_unchecked(accs, grads, nthreads: int = 0) -> None:
     buffers and staged or checked gradients): contiguous, disjoint, fp32 accs and fp32/bf16/fp16 grads of
     the same sizes; anything else is undefined behaviour. Versions are not bumped (the buffers are the
     optimizer's own, never in an autograd graph)."""
-    dtypes = [g.dtype for g in grads]
-    kinds = set(dtypes)
-    for dtype in kinds:
-        chosen = range(len(grads)) if len(kinds) == 1 else [t for t, d in enumerate(dtypes) if d is dtype]
-        numels = np.array([grads[t].numel() for t in chosen], dtype=np.int64)
-        chunk_starts = np.zeros(len(numels) + 1, dtype=np.int64)
-        np.cumsum((numels + SUM_CHUNK - 1) // SUM_CHUNK, out=chunk_starts[1:])
+    for dtype, chosen, numels, chunk_starts in _work_items(grads):
         if chunk_starts[-1]:
             C.launch(multi_accumulate_kernel, int(numels.sum()), nthreads,
                      np.array([accs[t].data_ptr() for t in chosen], dtype=np.int64),
@@ -102,8 +96,8 @@ def sum_squares(x: torch.Tensor, *, num_threads: int | None = None) -> float:
 
 
 SUM_CHUNK = 1 << 14
-"""Elements per work item of ``multi_sum_squares``: a fixed split, so the sum's order (and its bits) does
-not depend on the thread count."""
+"""Elements per work item of ``multi_sum_squares`` and ``multi_accumulate_``: a fixed split, so the sum's
+order (and its bits) does not depend on the thread count."""
 
 _BITS = {torch.float32: np.empty(0, np.float32), torch.bfloat16: np.empty(0, np.int16),
          torch.float16: np.empty(0, np.uint16)}  # element types of the bit views (see _common.as_numpy)
@@ -132,18 +126,27 @@ def multi_sum_squares(tensors, *, num_threads: int | None = None) -> float:
 def sum_squares_unchecked(tensors, nthreads: int = 0) -> float:
     """``multi_sum_squares`` for a caller that checked the tensors itself (the optimizer checks every
     gradient once per step): contiguous fp32/bf16/fp16 CPU tensors; anything else is undefined behaviour."""
-    dtypes = [t.dtype for t in tensors]
-    kinds = set(dtypes)
     total = 0.0
-    for dtype in kinds:
-        group = tensors if len(kinds) == 1 else [t for t, d in zip(tensors, dtypes, strict=True) if d is dtype]
-        addrs = np.array([t.data_ptr() for t in group], dtype=np.int64)
-        numels = np.array([t.numel() for t in group], dtype=np.int64)
-        chunk_starts = np.zeros(len(group) + 1, dtype=np.int64)
-        np.cumsum((numels + SUM_CHUNK - 1) // SUM_CHUNK, out=chunk_starts[1:])
+    for dtype, chosen, numels, chunk_starts in _work_items(tensors):
         out = np.empty(int(chunk_starts[-1]), dtype=np.float64)
         if out.size:
-            C.launch(multi_sum_squares_kernel, int(numels.sum()), nthreads, addrs, numels, chunk_starts, SUM_CHUNK,
-                     _BITS[dtype], out)
+            C.launch(multi_sum_squares_kernel, int(numels.sum()), nthreads,
+                     np.array([tensors[t].data_ptr() for t in chosen], dtype=np.int64), numels, chunk_starts,
+                     SUM_CHUNK, _BITS[dtype], out)
         total += float(out.sum())
     return total
+
+
+def _work_items(tensors):
+    """The work items of the multi-tensor kernels here, one launch per dtype present: ``(dtype, positions
+    of its tensors, their numels, chunk_starts)`` with tensor t owning items ``chunk_starts[t]`` to
+    ``chunk_starts[t + 1] - 1`` (``SUM_CHUNK`` elements each). Dtypes come in order of first appearance, so
+    a mixed list's per-dtype sums are added in one order on every run and rank."""
+    dtypes = [t.dtype for t in tensors]
+    kinds = dict.fromkeys(dtypes)
+    for dtype in kinds:
+        chosen = range(len(tensors)) if len(kinds) == 1 else [t for t, d in enumerate(dtypes) if d is dtype]
+        numels = np.array([tensors[t].numel() for t in chosen], dtype=np.int64)
+        chunk_starts = np.zeros(len(numels) + 1, dtype=np.int64)
+        np.cumsum((numels + SUM_CHUNK - 1) // SUM_CHUNK, out=chunk_starts[1:])
+        yield dtype, chosen, numels, chunk_starts
