@@ -116,99 +116,18 @@ def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale) -> None:
     """The launches of ``multi_selective_adamw_`` for items as ``torch_ops.multi_adamw_args`` returns them
     (or as :class:`LaunchItems`: planned once, see there)."""
     cache = getattr(items, "launch_cache", None)
-    if cache is not None:
-        plan = cache.get("numba")
-        if plan is None or not plan.fits(items):
-            plan = cache["numba"] = _Plan(items)
-        plan.run(items, beta1, beta2, eps, grad_scale)
-        return
-    groups: dict[tuple, list] = {}
-    for item in items:
-        p, g, idx, m, v, w, s, lr, wd = item
-        if p.shape[0] * m.shape[1] == 0:
-            continue
-        if not _fusable(p, g):
-            _launch(p, g, idx, m, v, w, s, lr, beta1, beta2, eps, wd, grad_scale)
-            continue
-        groups.setdefault((p.dtype, g.dtype, w is None), []).append(item)
-    for group in groups.values():
-        _launch_group(group, beta1, beta2, eps, grad_scale)
-
-
-def _launch_group(items, beta1, beta2, eps, grad_scale) -> None:
-    """One multi-tensor kernel launch for tensors of the same dtypes (all contiguous, none empty)."""
-    keep = []  # contiguous copies of strided indices must outlive the launch
-    rows = []
-    for p, g, idx, m, v, w, *_ in items:
-        if idx is not None and not idx.is_contiguous():
-            idx = idx.contiguous()
-            keep.append(idx)
-        rows.append((p.data_ptr(), g.data_ptr(), 0 if idx is None else idx.data_ptr(), m.data_ptr(), v.data_ptr(),
-                     0 if w is None else w.data_ptr(), p.shape[0], p.shape[1], m.shape[1], 0))
-    table = np.array(rows, dtype=np.int64)
-    ks = table[:, T_K]
-    np.cumsum(ks[:-1], out=table[1:, T_COEF])
-    chunk_starts = np.zeros(len(items) + 1, dtype=np.int64)
-    np.cumsum(table[:, T_ROWS] * ((ks + MULTI_BLOCK - 1) // MULTI_BLOCK), out=chunk_starts[1:])
-    neg_step_size, bc2_sqrt = _group_coefficients(items, ks, table[:, T_COEF], beta1, beta2)
-    decay = np.array([1.0 - it[7] * it[8] for it in items], dtype=np.float64)
-    p0, g0, w0 = items[0][0], items[0][1], items[0][5]
-    work = int((table[:, T_ROWS] * ks).sum())
-    C.launch(
-        multi_selective_adam_kernel,
-        work,
-        0,
-        table,
-        chunk_starts,
-        _parts(work, int(chunk_starts[-1])),
-        decay,
-        neg_step_size,
-        bc2_sqrt,
-        _PROTO[p0.dtype],
-        _PROTO[g0.dtype],
-        None if w0 is None else _PROTO[torch.float32],
-        MULTI_BLOCK,
-        grad_scale,
-        1.0 - beta1,
-        beta2,
-        1.0 - beta2,
-        eps,
-    )
-    C.bump_versions(*(t for p, _, _, m, v, w, *_ in items for t in (p, m, v, w)))
+    plan = None if cache is None else cache.get("numba")
+    if plan is None or not plan.fits(items):
+        plan = _Plan(items)  # laid out for this call (kept when the caller keeps a cache)
+        if cache is not None:
+            cache["numba"] = plan
+    plan.run(items, beta1, beta2, eps, grad_scale)
 
 
 def _parts(work: int, chunks: int) -> int:
     """How many contiguous ranges of work items ``multi_selective_adam_kernel`` walks: about PART_ELEMENTS
     elements each, so that a launch on several threads has a few ranges per thread to balance."""
     return min(chunks, max(1, work // PART_ELEMENTS), MAX_PARTS)
-
-
-def _group_coefficients(items, ks, coef_base, beta1, beta2) -> tuple[np.ndarray, np.ndarray]:
-    """Every tensor's per-column coefficients, concatenated (float32 [sum k]): the values of
-    ``_coefficients``, with one computation per distinct (step, lr) and one vectorised pass over all
-    per-column step counts."""
-    scalar: dict[tuple, tuple[float, float]] = {}
-    neg, bc2, per_column = [], [], []
-    for t, (*_, step, lr, _) in enumerate(items):
-        if isinstance(step, torch.Tensor):
-            per_column.append(t)
-            neg.append(0.0)
-            bc2.append(0.0)
-            continue
-        key = (step, lr)
-        if key not in scalar:
-            a, b = _coefficients(step, lr, beta1, beta2, 1)
-            scalar[key] = (float(a[0]), float(b[0]))
-        neg.append(scalar[key][0])
-        bc2.append(scalar[key][1])
-    neg_step_size = np.repeat(np.array(neg, dtype=np.float32), ks)
-    bc2_sqrt = np.repeat(np.array(bc2, dtype=np.float32), ks)
-    if per_column:
-        s = torch.cat([items[t][6] for t in per_column]).numpy().astype(np.float64)
-        lr = np.repeat(np.array([items[t][7] for t in per_column], dtype=np.float64), ks[per_column])
-        where = np.concatenate([np.arange(coef_base[t], coef_base[t] + ks[t]) for t in per_column])
-        neg_step_size[where], bc2_sqrt[where] = _column_coefficients(s, lr, beta1, beta2)
-    return neg_step_size, bc2_sqrt
 
 
 def _numba_grad_layout(g: torch.Tensor) -> tuple:
