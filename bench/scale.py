@@ -661,6 +661,18 @@ _COLORS = {"overlap": "C0", "sync": "C1", "devacc": "C2"}
 _BUFFERS = ["master", "exp_avg", "exp_avg_sq", "accumulation", "copy_out", "staging", "fast_state", "device_sums"]
 
 
+def _against_size(ax, ylabel: str, title: str, log_y: bool = False) -> None:
+    """A panel against model size: log parameter axis, labels, legend, grid."""
+    ax.set_xscale("log")
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+
+
 def plot(payload: dict, path) -> None:
     pyplot = plt()
     runs = payload["runs"]
@@ -698,12 +710,7 @@ def plot(payload: dict, path) -> None:
         ax.plot(*series(c, lambda r: r["rss"]["peak_over_base_per_param"]), ":s", color=_COLORS[c], ms=3,
                 label=f"{c}: peak RSS over the process's base (params + grads + all)")
     ds_lines(ax)
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("bytes per parameter")
-    ax.set_title("bytes per parameter against model size")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
+    _against_size(ax, "bytes per parameter", "bytes per parameter against model size")
 
     ax = axes[0, 2]
     for c in configs:
@@ -713,13 +720,7 @@ def plot(payload: dict, path) -> None:
                 label=f"{c}: between boundaries")
         ax.plot(*series(c, lambda r: r["times"]["cold_first_step_s"] * 1e3), "--", color=_COLORS[c], alpha=0.6,
                 label=f"{c}: first (cold)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("ms")
-    ax.set_title("step() time against model size (optimizer alone)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
+    _against_size(ax, "ms", "step() time against model size (optimizer alone)", log_y=True)
 
     ax = axes[1, 0]
     for c in configs:
@@ -727,13 +728,7 @@ def plot(payload: dict, path) -> None:
                 label=f"{c}: host update ({'1 worker' if c != 'sync' else 'training'} thread(s))")
         ax.plot(*series(c, lambda r: r["host_update"].get("roofline_s", float("nan")) * 1e3), ":", color=_COLORS[c],
                 label=f"{c}: memory roofline")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("ms")
-    ax.set_title("host update (the last, alone) against the memory roofline")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
+    _against_size(ax, "ms", "host update (the last, alone) against the memory roofline", log_y=True)
 
     ax = axes[1, 1]
     rows = payload["per_tensor"]["rows"]
@@ -755,12 +750,8 @@ def plot(payload: dict, path) -> None:
                                                                       float("nan"))),
                     ":s", color=_COLORS[c], ms=3, label=f"{c}: step between boundaries vs acc += g roofline")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("roofline time / measured time")
-    ax.set_title("fraction of the memory roofline (the best bandwidth any run measured)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
+    _against_size(ax, "roofline time / measured time",
+                  "fraction of the memory roofline (the best bandwidth any run measured)")
     from matplotlib.ticker import NullFormatter
 
     for ax in axes.flat:
