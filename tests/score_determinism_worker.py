@@ -12,7 +12,6 @@ gathered over gloo, to OUT_DIR/rank<r>.pt.
 from __future__ import annotations
 
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zero_worker import HYPER  # noqa: E402  (the ZeRO tests' AdamW numbers)
+from zero_worker import HYPER, run_rank  # noqa: E402  (the ZeRO tests' AdamW numbers, a rank's process)
 
 from zenflow_kernels import ZenFlowAdamW  # noqa: E402
 from zenflow_kernels.ops import use_backend  # noqa: E402
@@ -48,38 +47,28 @@ def near_tie_grad(seed: int = 0) -> torch.Tensor:
     return g
 
 
-def main() -> int:
+def near_tie_rank(rank: int, world: int, out_dir: Path) -> None:
     from zenflow_kernels.triton import column_scores as cs
     from zenflow_kernels.triton._util import force_config
 
-    out_dir = Path(sys.argv[1])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        # two matrices, so that each rank owns one host shard
-        params = [torch.nn.Parameter(torch.zeros(R, C)) for _ in range(2)]
-        grad = near_tie_grad()
-        selections = []
-        kernel = cs._multi_column_scores_kernel
-        with use_backend("triton"), force_config(kernel, rank) as config, ZenFlowAdamW(
-                params, **HYPER, zenflow=ZEN, zero_stage=1, collective_timeout=60.0) as opt:
-            for _ in range(STEPS):
-                for p in params:
-                    p.grad = grad.clone()
-                opt.step()
-                selections.append([opt.state[p]["selected"].tolist() if "selected" in opt.state[p] else None
-                                   for p in params])
-            opt.flush()
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, selections)
-        torch.save(dict(config=str(config), selections=selections, gathered=gathered), out_dir / f"rank{rank}.pt")
-    except Exception:
-        (out_dir / f"error-rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    dist.destroy_process_group()
-    return 0
+    # two matrices, so that each rank owns one host shard
+    params = [torch.nn.Parameter(torch.zeros(R, C)) for _ in range(2)]
+    grad = near_tie_grad()
+    selections = []
+    kernel = cs._multi_column_scores_kernel
+    with use_backend("triton"), force_config(kernel, rank) as config, ZenFlowAdamW(
+            params, **HYPER, zenflow=ZEN, zero_stage=1, collective_timeout=60.0) as opt:
+        for _ in range(STEPS):
+            for p in params:
+                p.grad = grad.clone()
+            opt.step()
+            selections.append([opt.state[p]["selected"].tolist() if "selected" in opt.state[p] else None
+                               for p in params])
+        opt.flush()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, selections)
+    torch.save(dict(config=str(config), selections=selections, gathered=gathered), out_dir / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_rank(near_tie_rank, Path(sys.argv[1])))

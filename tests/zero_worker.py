@@ -222,14 +222,24 @@ def main(run=None, **init) -> int:
     ``run_case``) on one gloo process group (``init``: more ``init_process_group`` arguments)."""
     run = run or run_case
     cases = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
+
+    def every_case(rank: int, world: int, out_dir: Path) -> None:
+        with use_backend("numba"):
+            for case in cases:
+                run(case, rank, world, out_dir)
+
+    return run_rank(every_case, Path(sys.argv[2]), **init)
+
+
+def run_rank(body, out_dir: Path, **init) -> int:
+    """One rank's process: one torch thread, a gloo process group (``init``: more ``init_process_group``
+    arguments), ``body(rank, world, out_dir)``; a failure's traceback goes to ``error-rank<r>.txt`` for the
+    test to show, then the process fails."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", **init)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        with use_backend("numba"):
-            for case in cases:
-                run(case, rank, world, out_dir)
+        body(rank, world, out_dir)
     except Exception:
         (out_dir / f"error-rank{rank}.txt").write_text(traceback.format_exc())
         raise
