@@ -34,16 +34,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, write_json
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, run_ranks, write_json
 
 CONFIGS: dict[str, dict] = {
     "one_zenflow": dict(world=1, fsdp2=False, optimizer="zenflow"),
@@ -302,14 +299,6 @@ def worker(args) -> None:
 # -- the driver ------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def machine_busy_s() -> float | None:
     """CPU seconds every process of the machine has used since boot, all cores (None without /proc/stat)."""
     try:
@@ -321,32 +310,19 @@ def machine_busy_s() -> float | None:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def run_config(name: str, args, data: Path, out: Path) -> list[dict]:
+def run_config(name: str, args, data: Path) -> list[dict]:
     """One launch of a configuration: its ranks' results, each with ``other_cpu_share``: the CPU time the
     rest of the machine used meanwhile (every process but these ranks), per wall second, over the cores."""
     world = CONFIGS[name]["world"]
-    out.mkdir(parents=True)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "bench.fsdp2", "--worker-out", str(out), "--worker-config", name,
-           "--worker-data", str(data), "--model", args.model, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--adamw", args.adamw]
+    worker_args = ["--worker-config", name, "--worker-data", str(data), "--model", args.model, "--steps",
+                   str(args.steps), "--warmup", str(args.warmup), "--adamw", args.adamw]
     busy0, wall0 = machine_busy_s(), time.perf_counter()
     children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    procs = [subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    errors = []
-    for p in procs:
-        _, err = p.communicate(timeout=1800)
-        if p.returncode:
-            errors.append(err[-3000:])
-    if errors:
-        raise SystemExit(f"bench.fsdp2: a rank of {name} failed:\n{errors[0]}")
+    ranks = run_ranks("bench.fsdp2", world, worker_args, timeout=1800, what=f"a rank of {name}")
     busy1, wall = machine_busy_s(), time.perf_counter() - wall0
     children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     mine = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     other = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0 - mine) / (wall * cores()))
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for r in ranks:
         r["other_cpu_share"] = other
     return ranks
@@ -487,7 +463,7 @@ def main(argv=None) -> int:
             # round r starts at configuration r (mod their number): no configuration always runs first or
             # right after the same neighbour
             for name in names[repeat % len(names):] + names[: repeat % len(names)]:
-                ranks = run_config(name, args, data, Path(tmp, f"{name}-{repeat}"))
+                ranks = run_config(name, args, data)
                 runs[name].append(ranks)
                 print(f"repeat {repeat}: {name}: median step {median_ms(ranks, 'step_s'):.1f} ms, "
                       f"{min(r['steps_per_s'] for r in ranks):.2f} steps/s over the wall time", flush=True)

@@ -4,7 +4,8 @@ Timing: warm-up calls, then ``repeats`` timed calls with ``time.perf_counter`` (
 synchronise when a CUDA tensor is involved), reported as median and spread. Candidates that are
 compared are run *interleaved* round by round (``interleaved``): machines here drift by 2x within
 minutes, so only medians taken side by side compare. Results go to JSON (with the machine
-description) and CSV; plots are drawn from that data, never from live objects.
+description) and CSV; plots are drawn from that data, never from live objects. Benchmarks that measure
+in fresh processes start them with ``run_ranks`` (one process per rank) or ``run_child`` (one process).
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import csv
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -273,3 +277,65 @@ def int_at_least(minimum: int):
         return value
 
     return parse
+
+
+# -- child processes -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(extra: dict | None) -> dict:
+    env = {**os.environ, **(extra or {})}
+    env.pop("TRITON_INTERPRET", None)  # benchmarks time the default path, never Triton's interpreter
+    return env
+
+
+def run_ranks(module: str, world: int, args: list[str], *, timeout: float, what: str = "a rank",
+              env_extra: dict | None = None) -> list[dict]:
+    """Start ``world`` processes ``python -m <module> --worker-out DIR <args>`` from the repository root,
+    as torchrun would (MASTER_ADDR/MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK, plus ``env_extra``; without
+    ``TRITON_INTERPRET``), and return their results: rank r writes its JSON to ``DIR/rank{r}.json``, DIR
+    being a temporary folder removed once they are read. Each rank is waited on for up to ``timeout``
+    seconds; its stdout is discarded. A failing rank ends the caller with ``SystemExit("<module>: <what>
+    failed:")`` and the last 3000 characters of the first failing rank's stderr."""
+    env = _child_env({**(env_extra or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                      "WORLD_SIZE": str(world)})
+    with tempfile.TemporaryDirectory(prefix=f"{module.rsplit('.', 1)[-1]}-ranks-") as tmp:
+        cmd = [sys.executable, "-m", module, "--worker-out", tmp, *args]
+        procs = [subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        errors = []
+        try:
+            for p in procs:  # every rank is waited on: a failed one's peers end when their collectives fail
+                _, err = p.communicate(timeout=timeout)
+                if p.returncode:
+                    errors.append(err[-3000:])
+        finally:
+            for p in procs:  # after a timeout, no rank is left running
+                p.kill()
+        if errors:
+            raise SystemExit(f"{module}: {what} failed:\n{errors[0]}")
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def run_child(module: str, args: list[str], *, timeout: float, what: str = "the process",
+              env_extra: dict | None = None) -> dict:
+    """Run one process ``python -m <module> <args> --worker-out PATH`` from the repository root (the
+    environment plus ``env_extra``, without ``TRITON_INTERPRET``), killed after ``timeout`` seconds, and
+    return the JSON it wrote to PATH, a file in a temporary folder removed once it is read. Its stdout is
+    discarded; a failure ends the caller with ``SystemExit("<module>: <what> failed:")`` and the last 3000
+    characters of its stderr."""
+    with tempfile.TemporaryDirectory(prefix=f"{module.rsplit('.', 1)[-1]}-") as tmp:
+        out = Path(tmp, "result.json")
+        proc = subprocess.run([sys.executable, "-m", module, *args, "--worker-out", str(out)], cwd=REPO,
+                              env=_child_env(env_extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, timeout=timeout)
+        if proc.returncode:
+            raise SystemExit(f"{module}: {what} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())

@@ -63,16 +63,12 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.cpu_adam import _wait_quiet
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, write_json_light
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, run_child, write_json_light
 
 # (d, layers): ~12.6M, 42M, 151M, 472M parameters; 6 tensors a layer
 SIZES = [(512, 4), (768, 6), (1024, 12), (1280, 24)]
@@ -450,16 +446,8 @@ def predicted_bytes(d: int, layers: int, config: str) -> int:
 
 
 def _child(kind: str, spec: dict, timeout: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
-        out = Path(tmp) / "result.json"
-        env = {**os.environ, **MALLOC_ENV}
-        env.pop("TRITON_INTERPRET", None)
-        cmd = [sys.executable, "-m", "bench.scale", "--worker", kind, "--spec", json.dumps(spec),
-               "--worker-out", str(out)]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode:
-            raise SystemExit(f"bench.scale: the {kind} process {spec} failed:\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
+    return run_child("bench.scale", ["--worker", kind, "--spec", json.dumps(spec)], timeout=timeout,
+                     what=f"the {kind} process {spec}", env_extra=MALLOC_ENV)
 
 
 def _parse_size(text: str) -> tuple[int, int]:

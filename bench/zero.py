@@ -15,17 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, write_json
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, run_ranks, write_json
 
 
 def worker(args) -> None:
@@ -95,30 +90,10 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, args) -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix=f"zero{world}-") as tmp:  # the ranks' JSON, read back, then gone
-        return _run_world(world, args, Path(tmp))
-
-
-def _run_world(world: int, args, out: Path) -> list[dict]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "bench.zero", "--worker-out", str(out), "--model", args.model, "--steps",
-           str(args.steps), "--warmup", str(args.warmup), "--stage", str(args.stage), "--batch-scale",
-           str(args.batch_scale)]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
-    for p in procs:
-        _, err = p.communicate(timeout=1800)
-        if p.returncode:
-            raise SystemExit(f"bench.zero: a rank of world size {world} failed:\n{err[-3000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    worker_args = ["--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup), "--stage",
+                   str(args.stage), "--batch-scale", str(args.batch_scale)]
+    return run_ranks("bench.zero", world, worker_args, timeout=1800, what=f"a rank of world size {world}")
 
 
 def main(argv=None) -> int:
