@@ -55,6 +55,11 @@ class _FakeEvent:
     def synchronize(self):
         pass
 
+    def query(self):
+        return self.complete
+
+    complete = False
+
 
 class _FakeStream:
     def __init__(self, device=None):
@@ -133,7 +138,9 @@ def test_cuda_engine_events_block_and_pinning_runs_on_the_engines_device(monkeyp
     engine.d2h([(torch.zeros(2), torch.ones(2))])
     marker = engine.d2h_marker()
     guard = engine.h2d(lambda: None)
-    assert len(_FakeEvent.made) == 2 and all(e.blocking for e in _FakeEvent.made)
+    # the events a thread waits on block; the one recorded after each D2H job is only queried
+    assert len(_FakeEvent.made) == 3 and marker.event.blocking and guard.event.blocking
+    assert not engine._reading[0][0].blocking
     assert marker.event.recorded_on is engine._d2h and guard.event.recorded_on is engine._h2d
     engine.thread_setup()
     assert cuda.set_devices == [(threading.current_thread().name, device)]
@@ -141,6 +148,33 @@ def test_cuda_engine_events_block_and_pinning_runs_on_the_engines_device(monkeyp
     assert engine._d2h.synchronized and engine._h2d.synchronized
     assert cuda.cudart.registered == {} and engine.pinned_bytes()["pinned_requested"] == 0
     buf.add_(1)
+
+
+def test_cuda_engine_issues_a_jobs_copies_in_one_call_and_holds_sources_until_they_ran(monkeypatch):
+    """One ``torch._foreach_copy_(..., non_blocking=True)`` per D2H job on the D2H stream (not a Python copy_ and
+    record_stream per piece); each job's sources stay referenced until its event reports the copies done."""
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s, non_blocking=False: calls.append(
+        (len(d), non_blocking)) or real(d, s))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: pytest.fail("record_stream per source"))
+    engine = link.CudaEngine(torch.device("cuda", 0))
+    dsts, srcs = [torch.zeros(3) for _ in range(5)], [torch.full((3,), float(k)) for k in range(5)]
+    engine.d2h(list(zip(dsts, srcs, strict=True)))
+    assert calls == [(5, True)] and [float(d[0]) for d in dsts] == [0, 1, 2, 3, 4]
+    first = engine._reading[0]
+    assert first[1] == srcs and first[0].recorded_on is engine._d2h and not first[0].blocking
+    engine.d2h([(torch.zeros(1), torch.ones(1))])  # the first job's event is not complete: both held
+    assert len(engine._reading) == 2
+    first[0].complete = True
+    engine.d2h([(torch.zeros(1), torch.ones(1))])  # now it is: its sources are let go
+    assert len(engine._reading) == 2 and engine._reading[0] is not first
+    engine.d2h([])  # nothing to copy: no call, no event
+    assert len(calls) == 3
+    engine.close()
+    assert not engine._reading
 
 
 def test_pinned_sizes_count_whole_pages():

@@ -16,10 +16,12 @@ the remedy (``torch.autograd.graph.increment_version``), both tested below.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels import ZenFlowAdamW, ZenFlowWarning
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import chaos
 
@@ -47,9 +49,11 @@ def _batches(steps, micro=1, seed=5):
             for _ in range(steps)]
 
 
-def _train(link, batches, *, zero, overlap=True, device_accumulation=False, before_step=None, seed=0):
+def _train(link, batches, *, zero, overlap=True, device_accumulation=False, before_step=None, seed=0,
+           declare=False):
     """Train a fresh model on ``batches`` (a list of micro-batch lists) with ``zero(model, opt)`` after
-    every step; returns the flushed weights."""
+    every step (``declare``: all micro-batches but the last inside ``opt.no_sync()``); returns the flushed
+    weights."""
     model = _model(seed)
     zenflow = dict(ZENFLOW, overlap_step=overlap, device_accumulation=device_accumulation)
     if link == "cpu":
@@ -59,8 +63,9 @@ def _train(link, batches, *, zero, overlap=True, device_accumulation=False, befo
             opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow)
     with opt:
         for micro in batches:
-            for x, y in micro:
-                torch.nn.functional.mse_loss(model(x), y).backward()
+            for k, (x, y) in enumerate(micro):
+                with opt.no_sync() if declare and k < len(micro) - 1 else contextlib.nullcontext():
+                    torch.nn.functional.mse_loss(model(x), y).backward()
             if before_step is not None:
                 before_step(model, opt)
             opt.step()
@@ -106,12 +111,15 @@ def test_zeroing_in_place_after_step_gives_the_synchronous_bits(link, zero, over
 
 @pytest.mark.parametrize("link", LINKS[1:])
 @pytest.mark.parametrize("zero", ["model.zero_grad(False)", "grad.zero_()"])
-def test_micro_batches_accumulating_into_kept_gradients(link, zero):
-    """Three micro-batches add into the same ``.grad`` after backward hooks staged it, then it is zeroed
-    in place: the same bits as the synchronous link."""
+@pytest.mark.parametrize("declare", [False, True])
+def test_micro_batches_accumulating_into_kept_gradients(link, zero, declare):
+    """Three micro-batches add into the same ``.grad`` (undeclared: after backward hooks staged it, with one
+    warning naming ``opt.no_sync()``; declared: hooks copy only in the last, handing slots over), then it is
+    zeroed in place: the same bits as the synchronous link."""
     batches = _batches(12, micro=3)
     want = _train("cpu", batches, zero=_set_to_none)
-    got = _train(link, batches, zero=ZEROS[zero])
+    with contextlib.nullcontext() if declare else pytest.warns(ZenFlowWarning, match="fired twice"):
+        got = _train(link, batches, zero=ZEROS[zero], declare=declare)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"parameter {i} differs with micro-batches on {link}"
 

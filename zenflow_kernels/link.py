@@ -45,17 +45,17 @@ Links:
 
 from __future__ import annotations
 
-import contextvars
+import collections
+import math
 import mmap
-import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .cpu_ops.accumulate import accumulate_unchecked
+from .cpu_ops.accumulate import accumulate_unchecked, sum_squares_unchecked
+from .device_model import Chaos, Timeline, _Delays, modeled_copy, recorded
 from .host import HostShard, HostWorker
 from .staging import ALIGN_BYTES, Staged, StagingRing
 
@@ -94,55 +94,6 @@ class Event:
         self.event.synchronize()  # created with blocking=True: the waiting thread sleeps, not spins
 
 
-# -- chaos: seeded delays ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Chaos:
-    """Seeded random delays for the asynchronous CPU link (see :func:`zenflow_kernels.testing.chaos`)."""
-
-    seed: int = 0
-    max_delay: float = 0.005
-
-
-_CHAOS: contextvars.ContextVar[Chaos | None] = contextvars.ContextVar("zenflow_kernels_chaos", default=None)
-
-
-def current_chaos() -> Chaos | None:
-    """The chaos settings in force here (``testing.chaos``), or None."""
-    return _CHAOS.get()
-
-
-class _Delays:
-    """Draws (before, after) sleeps for each asynchronous job, on the submitting thread, so one seed
-    gives one sequence of delays whatever the threads then do."""
-
-    def __init__(self, chaos: Chaos):
-        self._rng = random.Random(chaos.seed)
-        self._max = chaos.max_delay
-
-    def draw(self) -> tuple[float, float]:
-        """Seconds to sleep before a job's work and after it, together at most ``max_delay``. Half the
-        jobs run at once: a reader that lags while its writer races ahead is what uncovers a missing
-        wait, and uniform delays on every thread would mostly cancel out."""
-        if self._rng.random() < 0.5:
-            return 0.0, 0.0
-        total = self._rng.uniform(0.0, self._max)
-        before = total * self._rng.random()
-        return before, total - before
-
-    def wrap(self, fn: Callable) -> Callable:
-        before, after = self.draw()
-
-        def delayed(*args):
-            time.sleep(before)  # the work starts late: a writer that did not wait for its reader loses
-            result = fn(*args)
-            time.sleep(after)  # and completes late: a reader that did not wait reads stale data
-            return result
-
-        return delayed
-
-
 # -- engines: where copies run ---------------------------------------------------------------------------
 
 
@@ -157,6 +108,7 @@ class CudaEngine:
         self._d2h = torch.cuda.Stream(device)
         self._h2d = torch.cuda.Stream(device)
         self._pinned: list[torch.Tensor] = []  # page-locked by this engine (kept alive until close)
+        self._reading: collections.deque = collections.deque()  # (event, sources) of D2H copies in flight
 
     def thread_setup(self) -> None:
         """Run first on every worker thread that waits on this engine's events."""
@@ -190,12 +142,21 @@ class CudaEngine:
         return torch.cuda.current_stream(self.device)
 
     def d2h(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Enqueue ``dst.copy_(src)`` for each pair after the device work issued so far."""
+        """Enqueue ``dst.copy_(src)`` for each pair after the device work issued so far, in one call. The
+        sources stay referenced here until their copies' event has completed (a later call or close()
+        finds it so): the caching allocator cannot hand their memory to new work while a copy reads it,
+        without a ``record_stream`` per source."""
+        if not copies:
+            return
+        dsts, srcs = [dst for dst, _ in copies], [src for _, src in copies]
         self._d2h.wait_stream(self._current())
         with torch.cuda.stream(self._d2h):
-            for dst, src in copies:
-                dst.copy_(src, non_blocking=True)
-                src.record_stream(self._d2h)  # the allocator keeps src alive until the copy ran
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            done = torch.cuda.Event()  # only queried, never waited on
+            done.record(self._d2h)
+        while self._reading and self._reading[0][0].query():
+            self._reading.popleft()
+        self._reading.append((done, srcs))
 
     def d2h_marker(self) -> Event:
         """A completion for every D2H copy enqueued so far."""
@@ -203,9 +164,9 @@ class CudaEngine:
         event.record(self._d2h)
         return Event(event)
 
-    def h2d(self, work: Callable[[], None]) -> Event:
-        """Run ``work`` (copies into device tensors) on the H2D stream after the device work issued so
-        far; later device work waits for it (stream order, no host wait)."""
+    def h2d(self, work: Callable[[], None], nbytes: int = 0) -> Event:
+        """Run ``work`` (copies into device tensors, ``nbytes`` in all) on the H2D stream after the device work
+        issued so far; later device work waits for it (stream order, no host wait)."""
         self._h2d.wait_stream(self._current())
         with torch.cuda.stream(self._h2d):
             work()
@@ -249,6 +210,7 @@ class CudaEngine:
         ``state_dict()`` after ``close()`` works)."""
         self._d2h.synchronize()
         self._h2d.synchronize()
+        self._reading.clear()
         cudart = torch.cuda.cudart()
         for t in self._pinned:
             cudart.cudaHostUnregister(t.data_ptr())
@@ -262,8 +224,11 @@ class ThreadEngine:
 
     moves_state = True
 
-    def __init__(self, *, timeout: float | None, delays: _Delays | None):
+    def __init__(self, *, timeout: float | None, delays: _Delays | None, d2h_bytes_per_s: float | None = None,
+                 h2d_bytes_per_s: float | None = None, timeline: Timeline | None = None):
         self._delays = delays
+        # the modeled device: each copy job takes bytes / bandwidth on its thread (device_model.py)
+        self._d2h_rate, self._h2d_rate, self.timeline = d2h_bytes_per_s, h2d_bytes_per_s, timeline
         self._d2h = HostWorker(timeout=timeout, name="zenflow-d2h")
         self._h2d = HostWorker(timeout=timeout, name="zenflow-h2d")
         self.workers = [self._d2h, self._h2d]
@@ -286,6 +251,8 @@ class ThreadEngine:
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
 
+        nbytes = sum(src.numel() * src.element_size() for src in srcs)
+        copy = modeled_copy(copy, nbytes, self._d2h_rate, self.timeline, "d2h")
         self._last_d2h = _submit(self._d2h, copy, self._delays)
 
     def d2h_marker(self) -> Future:
@@ -295,12 +262,12 @@ class ThreadEngine:
             self._last_d2h = _submit(self._d2h, _nothing, self._delays)
         return self._last_d2h
 
-    def h2d(self, work: Callable[[], None]) -> Future:
+    def h2d(self, work: Callable[[], None], nbytes: int = 0) -> Future:
         def run():
             with torch.no_grad():  # grad mode is per thread: the work writes into parameters
                 work()
 
-        handle = _submit(self._h2d, run, self._delays)
+        handle = _submit(self._h2d, modeled_copy(run, nbytes, self._h2d_rate, self.timeline, "h2d"), self._delays)
         self._device_waits.append(handle)
         return handle
 
@@ -353,6 +320,31 @@ def _nothing() -> None:
     return None
 
 
+class _EarlyHandOver:
+    """One step's hand-over from backward hooks: the accumulation buffer, the parameters with pieces handed
+    over (training thread), and, from the accumulate worker, those it added and whether it met an inf/NaN
+    (read by the training thread only after waiting for the jobs)."""
+
+    __slots__ = ("buf", "handed", "added", "poisoned")
+
+    def __init__(self):
+        self.buf = 0
+        self.handed: set[int] = set()
+        self.added: set[int] = set()
+        self.poisoned = False
+
+
+def _unchanged(rec: Staged, grad: torch.Tensor) -> bool:
+    """``grad`` is the tensor a staged record copied, not written since: the same object, or (FSDP2's
+    ``to_local()`` makes a new view each call) a view of the same memory, and the same version. Holding
+    ``rec.grad`` keeps that memory alive, so no other tensor can have been allocated there."""
+    if rec.version != grad._version:
+        return False
+    old = rec.grad
+    return old is grad or (old.data_ptr() == grad.data_ptr() and old.dtype == grad.dtype
+                           and old.shape == grad.shape and old.stride() == grad.stride())
+
+
 def pinned_sizes(spans: Sequence[tuple[int, int]]) -> dict[str, int]:
     """``(address, bytes)`` of page-locked buffers -> bytes requested and reserved (whole pages)."""
     page = mmap.PAGESIZE
@@ -387,14 +379,30 @@ class _Link:
         self.accumulate_s = 0.0  # the training thread accumulated gradients itself
         self.d2h_bytes = 0  # bytes moved device -> host (gradients) and host -> device (weights)
         self.h2d_bytes = 0
+        self.early_bytes = 0  # gradient bytes handed to the accumulate worker from backward hooks
+        # this step, for the optimizer (take_step_report): every gradient a hook copied was unchanged at
+        # step(); the parameters whose interval restarted (their counts start again)
+        self.hooks_clean = True
+        self.restarted: set[int] = set()
+
+    def take_step_report(self) -> tuple[bool, set[int]]:
+        """``(hooks_clean, restarted)`` for the step just accumulated or discarded, reset for the next."""
+        report = self.hooks_clean, self.restarted
+        self.hooks_clean, self.restarted = True, set()
+        return report
+
+    timeline: Timeline | None = None  # the modeled device's (testing.chaos), where one is recorded
 
     def wait(self, handle) -> Any:
-        """Wait for a completion on the training thread; the time counts as stall."""
+        """Wait for a completion on the training thread (or in a backward hook); the time counts as stall."""
         t0 = time.perf_counter()
         try:
             return handle.wait()
         finally:
-            self.waited_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.waited_s += t1 - t0
+            if self.timeline is not None:
+                self.timeline.add("wait", "", t0, t1)
 
     def submit_update(self, fn: Callable) -> Future:
         """Run a host update in the background (``overlap_step``); returns its completion."""
@@ -442,8 +450,10 @@ class _Link:
 
         return work
 
-    def _count_write_back(self, items) -> None:
-        self.h2d_bytes += sum(src.numel() * src.element_size() for _, src, _ in items)
+    def _count_write_back(self, items) -> int:
+        nbytes = sum(src.numel() * src.element_size() for _, src, _ in items)
+        self.h2d_bytes += nbytes
+        return nbytes
 
 
 class CpuLink(_Link):
@@ -451,7 +461,7 @@ class CpuLink(_Link):
 
     kind = "cpu"
 
-    def stage(self, i: int, grad: torch.Tensor) -> None:
+    def stage(self, i: int, grad: torch.Tensor, buf: int | None = None) -> None:
         """Nothing to start early: accumulation reads the gradient where it is."""
 
     def accumulate(
@@ -555,9 +565,12 @@ class RingLink(_Link):
         self._queued_bytes = 0  # their bytes
         self._last_accumulate = None  # completion of every accumulation issued so far
         self._guard = None  # completion of the last write-back: the copy-out buffers are free after it
+        self.timeline = getattr(engine, "timeline", None)
+        # this step's hand-over from backward hooks (stage(..., buf)): what went to the worker before step()
+        self._early = _EarlyHandOver()
 
     def submit_update(self, fn: Callable) -> Future:
-        return _submit(self._updater, fn, self._delays)
+        return _submit(self._updater, recorded(fn, self.timeline, "update"), self._delays)
 
     @property
     def staging_bytes(self) -> int:
@@ -570,16 +583,30 @@ class RingLink(_Link):
         return reader is None or reader.done()
 
     def _free_after_wait(self, slot: int) -> bool:
-        """step()'s claim: wait for the slot's reader (the wait counts as stall)."""
+        """step()'s claim, and a hook's that hands over: wait for the slot's reader (the wait counts as
+        stall)."""
         reader = self._ring.readers[slot]
         if reader is not None:
             self.wait(reader)
         return True
 
-    def stage(self, i: int, grad: torch.Tensor) -> None:
-        """Start copying parameter ``i``'s gradient into the staging ring (from a backward hook, as soon as
-        backward produced it), as far as free slots allow; step() copies the rest."""
-        self._copy(i, grad, self._free_now)
+    def stage(self, i: int, grad: torch.Tensor, buf: int | None = None) -> None:
+        """Start copying parameter ``i``'s gradient into the staging ring, from a backward hook, as soon as
+        backward produced it.
+
+        ``buf`` None: the gradient may still change before ``step()`` (the optimizer has not seen that it is
+        final): it is copied as far as free slots allow, and step() hands the slots over (re-copying what
+        changed). ``buf`` given: the gradient is this step's, final (docs/design.md section 9): a slot that
+        is full goes to the accumulate worker at once, into acc[buf], and a hook that finds no free slot
+        waits for one, so the ring keeps cycling during backward whatever the model's size. What such a
+        hand-over commits is checked at ``step()`` (:meth:`accumulate`, :meth:`discard`)."""
+        if i in self._early.handed:  # a second backward: step() restarts it (it cannot be copied over)
+            return
+        if buf is None:
+            self._copy(i, grad, self._free_now)
+        else:
+            self._early.buf = buf
+            self._copy(i, grad, self._free_after_wait, lambda slot: self._hand_over([slot], buf, early=True))
         self._issue()
 
     def _copy(self, i: int, grad: torch.Tensor, claim, seal=None) -> bool:
@@ -592,15 +619,17 @@ class RingLink(_Link):
                 for piece in rec.pieces:
                     piece.live = False
                 rec = None
-            elif rec.grad is grad and rec.version == grad._version and rec.placed == grad.numel():
+                self.hooks_clean = False
+            elif _unchanged(rec, grad) and rec.placed == grad.numel():
                 return True  # copied whole (by its hook) and unchanged since
         src = grad.detach() if grad.requires_grad else grad
         flat = src.view(-1) if grad.is_contiguous() else src.reshape(-1)
         numel, itemsize = flat.numel(), grad.dtype.itemsize
         if rec is None:
             rec = self._staged[i] = Staged(grad, grad._version)
-        elif rec.grad is not grad or rec.version != grad._version:
+        elif not _unchanged(rec, grad):
             rec.grad, rec.version = grad, grad._version  # changed since: copy it again over the same pieces
+            self.hooks_clean = False
             self._copies += [(p.data, flat if p.numel == numel else flat[p.lo : p.lo + p.numel]) for p in rec.pieces]
             self._queued_bytes += rec.placed * itemsize
         if rec.placed < numel:
@@ -620,18 +649,35 @@ class RingLink(_Link):
             self.d2h_bytes += self._queued_bytes
             self._copies, self._queued_bytes = [], 0
 
-    def _hand_over(self, slots: list[int], buf: int) -> None:
+    def _hand_over(self, slots: list[int], buf: int, early: bool = False) -> None:
         """These slots' pieces are final: one accumulate job adds them into acc[buf] (slot by slot) once the
         copies issued so far (the queued ones are issued first) have completed; the slots are the job's
-        until it is done."""
+        until it is done. ``early``: handed over from a backward hook, before step() knew the step's
+        gradient is finite: the job adds nothing once a piece of this step holds an inf or NaN, and says
+        which parameters it added (:class:`_EarlyHandOver`)."""
         self._issue()
         copied = self._engine.d2h_marker()
-        ring, host = self._ring, self.host
+        ring, host, timeline = self._ring, self.host, self.timeline
         pieces = [(p, p.data) for slot in slots for p in ring.hand_over(slot)]
+        record = self._early if early else None
+        if early:
+            record.handed.update(p.index for p, _ in pieces)
+            self.early_bytes += sum(data.numel() * data.element_size() for _, data in pieces)
 
         def add():
             copied.wait()
-            host.accumulate_pieces(buf, pieces)
+            t0 = time.perf_counter()
+            if record is None:
+                host.accumulate_pieces(buf, pieces)
+            elif not record.poisoned:
+                if math.isfinite(sum_squares_unchecked([data for _, data in pieces])):
+                    host.accumulate_pieces(buf, pieces)
+                    record.added.update(p.index for p, _ in pieces)
+                else:  # the step will be skipped: nothing of it may reach acc[buf] from now on
+                    record.poisoned = True
+            if timeline is not None:
+                timeline.add("accumulate", "early" if early else "step", t0, time.perf_counter(),
+                             sum(data.numel() * data.element_size() for _, data in pieces))
 
         self._last_accumulate = job = _submit(self._accumulator, add, self._delays)
         for slot in slots:
@@ -643,9 +689,11 @@ class RingLink(_Link):
         is not staged yet goes through the ring slot by slot (a full slot goes to the worker at once; a
         slot is filled again once the worker is done with it). Returns ``{}`` (nothing is left to fuse)."""
         ring = self._ring
-        wanted = {i for i, _ in items}
+        wanted = {i: grad for i, grad in items}
+        self._restart_changed(wanted)
         for i, rec in list(self._staged.items()):
             if i not in wanted:  # staged by a hook, not accumulated at this step
+                self.hooks_clean = False
                 for piece in rec.pieces:
                     piece.live = False
                 del self._staged[i]
@@ -684,6 +732,7 @@ class RingLink(_Link):
         if final:  # one job for the slots filled last (usually all of this step's)
             self._hand_over(final, buf)
         self._staged = {}
+        self._early = _EarlyHandOver()
         # the copies read the gradients as they are now; whatever the user does to them after step()
         # (zero_grad(set_to_none=False), p.grad.zero_(), the next backward adding in place) comes after
         self._engine.device_orders_after_d2h()
@@ -699,9 +748,48 @@ class RingLink(_Link):
         self._engine.after_d2h(lambda: torch._foreach_zero_(sums))  # the next interval starts from zero
         self.d2h_bytes += sum(total.numel() * total.element_size() for total in sums)
 
+    def _restart_changed(self, wanted: dict[int, torch.Tensor]) -> None:
+        """step() of a step whose hooks handed slots over: a gradient that changed after its pieces went to
+        the worker (a second backward, an in-place change), or that this step does not accumulate, cannot
+        be taken back out of acc[buf] (a sum in fp32; the ring keeps no copy). Its interval restarts: its
+        sum is zeroed behind the jobs that added into it and it is staged again whole; the optimizer
+        resets its count (:attr:`restarted`)."""
+        early, restart = self._early, set()
+        for i in early.handed:
+            rec, grad = self._staged.get(i), wanted.get(i)
+            if grad is None or rec is None or not _unchanged(rec, grad):
+                restart.add(i)
+        if restart:
+            self._restart(restart, early.buf)
+            for i in restart:
+                rec = self._staged.pop(i, None)
+                for piece in rec.pieces if rec is not None else ():
+                    piece.live = False  # pieces still in open slots: not added
+            self.hooks_clean = False
+
+    def _restart(self, indices: set[int], buf: int) -> None:
+        """acc[buf] of these parameters <- 0, after every accumulate job issued so far (jobs run in order)."""
+        views = [self.host.view(self.host.acc[buf], i) for i in sorted(indices)]
+
+        def zero():
+            for v in views:
+                v.zero_()
+
+        self._last_accumulate = _submit(self._accumulator, zero, self._delays)
+        self.restarted |= indices
+
     def discard(self) -> None:
-        """Forget what was staged this step (a skipped step): its slots are filled again next step."""
+        """Forget what was staged this step (a skipped step): its slots are filled again next step. What
+        hooks handed over early: a job that met the inf/NaN first added nothing after it; the parameters
+        added before it restart their interval (waiting for those jobs: a skipped step is rare)."""
+        early = self._early
+        if early.handed:
+            if self._last_accumulate is not None:
+                self.wait(self._last_accumulate)
+            if early.added:
+                self._restart(set(early.added), early.buf)
         self._staged = {}
+        self._early = _EarlyHandOver()
         self._ring.drop_open()
 
     def accumulation(self) -> Future | None:
@@ -712,8 +800,8 @@ class RingLink(_Link):
         return self._guard
 
     def write_back(self, items) -> None:
-        self._guard = self._engine.h2d(self._write_back_work(items))
-        self._count_write_back(items)
+        nbytes = self._count_write_back(items)
+        self._guard = self._engine.h2d(self._write_back_work(items), nbytes)
 
     def before_grad_write(self) -> None:
         """Gradients are about to be written in place: the copies reading them must finish first."""
@@ -722,7 +810,10 @@ class RingLink(_Link):
     def join(self) -> None:
         t0 = time.perf_counter()
         self._engine.join()
-        self.waited_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.waited_s += t1 - t0
+        if self.timeline is not None and t1 - t0 > 1e-4:
+            self.timeline.add("wait", "join", t0, t1)
 
     def synchronize(self) -> None:
         if self._last_accumulate is not None:
@@ -773,7 +864,8 @@ def make_link(
         return RingLink(host, engine, kind="cuda", **common)
     if chaos is not None:
         delays = _Delays(chaos) if chaos.max_delay > 0 else None
-        engine = ThreadEngine(timeout=timeout, delays=delays)
+        engine = ThreadEngine(timeout=timeout, delays=delays, d2h_bytes_per_s=chaos.d2h_bytes_per_s,
+                              h2d_bytes_per_s=chaos.h2d_bytes_per_s, timeline=chaos.timeline)
         host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices)
         return RingLink(host, engine, kind="cpu-async", delays=delays, **common)
     host = HostShard(params, groups, num_acc=num_acc, indices=indices)

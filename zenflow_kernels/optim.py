@@ -19,10 +19,12 @@ here, on the training thread.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,9 +32,10 @@ import torch
 
 from . import cpu_ops, ops
 from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings, num_selected
+from .device_model import current_chaos
 from .fsdp2 import FSDP2, fsdp2_mesh
 from .host import HostWorkerError
-from .link import current_chaos, make_link
+from .link import make_link
 from .schedule import Schedule, resolve_schedule
 from .sharding import Sharding, Zero1, Zero2
 from .zero import world_of
@@ -142,6 +145,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._seed_from_host = False
         self._pending: list[int] = []  # parameters whose host result awaits its write-back
         self._stats = _Telemetry()
+        # when gradients cross during backward (docs/design.md section 9): a hook hands a full staging slot to
+        # the host only once the step's gradients are known final at their hooks: declared
+        # (set_requires_gradient_sync / no_sync; the integrations), and seen so in a whole step first
+        # ("learning" -> "on"); a step that shows otherwise (a hook firing twice, a gradient changed after
+        # its hook) turns it "off" for the run: gradients then cross at step(), exact
+        self._requires_sync = True
+        self._sync_source = None  # an integration's "is this backward the last before step()?" (callable)
+        self._handover = "learning"
+        self._handover_why = "no step yet"
+        self._fired: set[int] = set()  # parameters whose hook fired since the last step()
+        self._repeat = False  # a hook fired twice since the last step(): an undeclared second backward
+        self._hook_report: tuple[bool, set[int]] = (True, set())  # the link's, for this step
+        self._warned: set[str] = set()
 
     # -- set-up ------------------------------------------------------------------------------------
 
@@ -255,6 +271,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # an asynchronous link starts each gradient's copy as soon as backward produces it, where that is the
         # step's gradient (ZeRO averages it in step() first); ZeRO-2's reductions start from the hooks
         hooks = []
+        if not (self._link.asynchronous and self._shard.final_at_backward):
+            self._handover, self._handover_why = "off", (
+                "ZeRO-2 reduces gradients to their owners first" if self._shard.consumes_hooks else
+                "ZeRO-1 averages gradients in step()" if self._link.asynchronous else
+                "a synchronous link (nothing to overlap)")
         if self._link.asynchronous and self._shard.final_at_backward or self._shard.consumes_hooks:
             ref = weakref.ref(self)
             hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
@@ -264,16 +285,29 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _grad_ready(self, i: int, p: torch.Tensor) -> None:
         """Backward finished parameter ``i``'s gradient: start its copy to the host if the host path will
-        need it at the coming step (every parameter in warm-up, matrices after). step() re-copies it if
-        it changes before then (another micro-batch, clipping, unscaling)."""
+        need it at the coming step (every parameter in warm-up, matrices after). Where the step's gradients
+        are final at their hooks (``_handover == "on"``) full staging slots go to the host now; otherwise
+        step() re-copies what changed before then (another micro-batch, clipping, unscaling)."""
         if self._closed:
             return
+        final = self._requires_sync and (self._sync_source is None or self._sync_source())
         if self._shard.consumes_hooks:  # ZeRO-2: the gradient goes to its owner first, averaged
-            self._shard.grad_ready(i, self._check_grad)
+            self._shard.grad_ready(i, self._check_grad, final)
             return
+        if not final:  # declared: a later backward still adds to it; the last one's hook copies it
+            return
+        if i in self._fired:
+            self._repeat = True
+        self._fired.add(i)
         if not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_acc is not None):
             return
-        self._link.stage(i, self._shard.own_grad(i))
+        early = self.EARLY_HANDOVER and self._handover == "on" and not self._repeat
+        self._link.stage(i, self._shard.own_grad(i), self._acc_buf if early else None)
+
+    EARLY_HANDOVER = True
+    """Full staging slots go to the host from backward's hooks once the step's gradients are known final there
+    (docs/design.md section 9). False (on the class or an instance) leaves them to step(), as before: for
+    comparison (bench.overlap)."""
 
     ZERO_BUCKET_NUMEL = 1 << 23
     """ZeRO-2 reduces matrices' gradients in buckets of at most this many elements (one owner, one dtype)."""
@@ -297,6 +331,36 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         base = super().__repr__()  # "ZenFlowAdamW (\nParameter Group 0\n    ...\n)"
         zen = "".join(f"    {k}: {v!r}\n" for k, v in self.config.to_dict().items())
         return f"{base[:-1]}ZenFlow\n{zen}    max_grad_norm: {self.max_grad_norm!r}\n)"
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Declare whether the coming backward passes are the last before ``step()`` (True, the default) or
+        micro-batches whose gradients a later backward still adds to (False), as FSDP2's
+        ``set_requires_gradient_sync`` does for its reduce-scatter. Backward hooks copy nothing to the host
+        while it is False (the gradients would change), and where every step's gradients are final at
+        their hooks, full staging slots go to the host during the last backward instead of after it
+        (docs/design.md section 9). Undeclared accumulation stays exact; it only crosses after backward
+        (one warning says so). The Hugging Face and Lightning callbacks declare it from the trainer."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"ZenFlowAdamW.set_requires_gradient_sync: requires_gradient_sync="
+                            f"{requires_gradient_sync!r} is invalid: allowed True or False")
+        self._requires_sync = requires_gradient_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """``set_requires_gradient_sync(False)`` for the block, as DDP's ``no_sync()``: run every micro-batch's
+        backward but the last inside it::
+
+            for k, batch in enumerate(micro_batches):
+                with opt.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
+                    loss_fn(model(batch)).backward()
+            opt.step()
+        """
+        before = self._requires_sync
+        self._requires_sync = False
+        try:
+            yield
+        finally:
+            self._requires_sync = before
 
     def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
         """Give the epoch length, in optimizer steps (batches divided by gradient-accumulation steps,
@@ -440,6 +504,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not math.isfinite(norm):
             self.skipped_steps += 1
             self._link.discard()
+            self._hook_report = self._link.take_step_report()
+            self._restart_counts(self._hook_report[1])
+            self._after_hooks(skipped=True)
             return loss
         coef = None if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
         t0 = time.perf_counter()
@@ -450,6 +517,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         else:
             self._zenflow_step(self.t, active, coef)
         self._link.join()  # the write-backs of this step are visible to whatever runs next
+        self._after_hooks(skipped=False)
         self._stats.last_step_end = time.perf_counter()
         self._stats.step_seconds.append(self._stats.last_step_end - t0)
         self.t += 1
@@ -489,8 +557,65 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         fuse_min = self.FUSE_MIN_NUMEL if fuse and self.max_grad_norm is None else None
         mine = self._shard.mine(indices)
         last = self._link.accumulate([(i, self._shard.grad(i)) for i in mine], buf, fuse_min_numel=fuse_min)
+        self._hook_report = self._link.take_step_report()
+        self._restart_counts(self._hook_report[1])
         self._count(indices)
         return last
+
+    def _restart_counts(self, indices) -> None:
+        """These parameters' intervals restarted (the link zeroed their sums): their counts start again."""
+        counts = self._counts[self._acc_buf]
+        for i in indices:
+            counts[i] = 0
+        self._stats.interval_restarts += len(indices)
+
+    def _after_hooks(self, *, skipped: bool) -> None:
+        """What this step showed about its gradients at their hooks, for the next steps' hand-over, and the
+        warnings about it (each once)."""
+        clean, restarted = self._hook_report
+        fired, repeat = bool(self._fired), self._repeat
+        self._hook_report, self._fired, self._repeat = (True, set()), set(), False
+        if repeat and not restarted:
+            self._warn_once(
+                "accumulation",
+                "ZenFlowAdamW: a gradient's hook fired twice before step() (undeclared gradient accumulation over "
+                "micro-batches, or a second backward): gradients are then final only at step(), so they cross to the "
+                "host after backward instead of during it (results stay exact). Declare the micro-batches that a "
+                "later one still adds to: `with opt.no_sync(): loss.backward()` for all but the last (or "
+                "opt.set_requires_gradient_sync(False/True); FSDP2: model.set_requires_gradient_sync); the Hugging "
+                "Face and Lightning ZenFlowCallback do it for you")
+        if restarted and skipped:
+            self._warn_once(
+                "skip-restart",
+                f"ZenFlowAdamW: step {self.t} held inf/NaN gradients after {len(restarted)} parameters' finite "
+                "gradients had reached the host accumulation during backward; the step is skipped, and those "
+                "parameters' host interval restarts at the next step (a sum cannot be taken back; docs/design.md "
+                "section 9)")
+        elif restarted:
+            self._warn_once(
+                "handover-restart",
+                f"ZenFlowAdamW: step {self.t}: {len(restarted)} gradients changed after backward's hooks had handed "
+                "them to the host (a second backward or an in-place change, where the earlier steps had none): their "
+                "host interval restarts at this step. Gradients now cross at step() for the rest of the run; declare "
+                "micro-batches with opt.no_sync()")
+        if not fired or skipped and not repeat:  # a skipped step's gradients were not compared at step()
+            return
+        ok = clean and not repeat
+        if self._handover == "learning":
+            self._handover = "on" if ok else "off"
+            self._handover_why = ("every gradient final at its hook" if ok else
+                                  "a second backward before step()" if repeat else
+                                  "gradients changed between backward and step() (clipping, unscaling, an in-place "
+                                  "write) or were not stepped")
+        elif self._handover == "on" and not ok and not skipped:
+            self._handover = "off"
+            self._handover_why = f"step {self.t}: " + ("a second backward" if repeat else "a gradient changed after "
+                                                                                          "its hook")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, ZenFlowWarning, stacklevel=4)
 
     def _accumulate_on_device(self, indices: list[int]) -> None:
         """``device_accumulation``: add these gradients into the device-side sums of the interval."""
@@ -1154,7 +1279,7 @@ def _shutdown(link, torch_threads: int | None, hooks) -> None:
         torch.set_num_threads(torch_threads)
 
 
-_LINK_COUNTERS = ("waited_s", "accumulate_s", "d2h_bytes", "h2d_bytes")
+_LINK_COUNTERS = ("waited_s", "accumulate_s", "d2h_bytes", "h2d_bytes", "early_bytes")
 
 
 class _Telemetry:
@@ -1169,6 +1294,7 @@ class _Telemetry:
         self.selection_steps: list[int] = []
         self.jaccard: list[float] = []
         self.captured: list[float] = []
+        self.interval_restarts = 0  # parameters whose host interval restarted (docs/design.md section 9)
 
     def retire(self, link) -> None:
         """Keep a link's counters before it is replaced."""
@@ -1219,10 +1345,17 @@ class _Telemetry:
             "d2h_bytes": int(moved["d2h_bytes"]),
             "h2d_bytes": int(moved["h2d_bytes"]),
             "d2h_bytes_per_step": moved["d2h_bytes"] / opt.t if opt.t else 0.0,
+            # of them, gradient bytes backward's hooks handed to the host accumulation during backward
+            "d2h_bytes_in_backward": int(moved["early_bytes"]),
             "h2d_bytes_per_step": moved["h2d_bytes"] / opt.t if opt.t else 0.0,
             # ZeRO: payload bytes each kind of collective carried (gradients, gradient presence, write-back,
             # host state, clipping norm, checkpoint); empty on one rank
             "host_bytes": opt.host_bytes(),
+            # gradients crossing during backward (docs/design.md section 9): "learning" (first step), "on" or
+            # "off", why, and parameters whose host interval restarted because a hand-over could not stand
+            "handover": opt._handover,
+            "handover_why": opt._handover_why,
+            "interval_restarts": self.interval_restarts,
             "collective_bytes": dict(opt._shard.bytes),
             "collective_bytes_per_step": {k: v / opt.t for k, v in opt._shard.bytes.items()} if opt.t else {},
         }

@@ -133,8 +133,9 @@ class Sharding:
         """This rank's own gradient of parameter ``i`` as backward left it (shaped like :meth:`local`)."""
         return self.params[i].grad
 
-    def grad_ready(self, i: int, check: Callable[[int, torch.Tensor], None]) -> None:
-        """A backward hook (only when :attr:`consumes_hooks`): parameter ``i``'s gradient is complete."""
+    def grad_ready(self, i: int, check: Callable[[int, torch.Tensor], None], final: bool = True) -> None:
+        """A backward hook (only when :attr:`consumes_hooks`): parameter ``i``'s gradient is complete for this
+        backward; ``final``: no later backward adds to it before ``step()`` (declared)."""
 
     def active(self) -> list[int]:
         """The parameters taking part in this step (those with a gradient)."""
@@ -303,11 +304,13 @@ class Zero2(Zero1):
         order = [i for i in self.ctx.order if params[i].dim() == 2]
         self.reducer = BucketReducer(self.ctx, params, order[::-1], self._bucket_numel, release=self.release)
 
-    def grad_ready(self, i, check) -> None:
+    def grad_ready(self, i, check, final=True) -> None:
         p = self.params[i]
         if p.dim() == 2:
             if self.release:  # checked now: step() will not see it
                 check(i, p.grad)
+            elif not final:  # declared: a later micro-batch changes it; step() reduces what no hook started
+                return
             self.reducer.grad_ready(i)
 
     def active(self) -> list[int]:

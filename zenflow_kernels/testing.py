@@ -2,7 +2,8 @@
 
 :func:`chaos` runs the GPU's asynchronous protocol on CPU with seeded random delays, so ordering bugs
 (a read before a copy finished, a count taken before a worker ran, a buffer reused too early) show up
-as wrong numbers in a CPU test instead of only on a GPU.
+as wrong numbers in a CPU test instead of only on a GPU. With copy bandwidths it is also a modeled
+device: copies take the time a PCIe link would, and a :class:`Timeline` shows when each lane was busy.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import contextlib
 import math
 from collections.abc import Iterator
 
-from .link import _CHAOS, Chaos
+from .device_model import _CHAOS, Chaos, Timeline
 
-__all__ = ["chaos"]
+__all__ = ["Timeline", "chaos"]
 
 
 @contextlib.contextmanager
-def chaos(seed: int = 0, max_delay: float = 0.005) -> Iterator[Chaos]:
+def chaos(seed: int = 0, max_delay: float = 0.005, *, d2h_bytes_per_s: float | None = None,
+          h2d_bytes_per_s: float | None = None, timeline: Timeline | None = None) -> Iterator[Chaos]:
     """Every ``ZenFlowAdamW`` created inside this block whose parameters are on CPU uses the asynchronous
     CPU link instead of the synchronous one: the protocol of the CUDA link (a staging ring, a D2H and an
     H2D copy thread standing in for the streams, an accumulation worker, completions as futures, and
@@ -25,6 +27,12 @@ def chaos(seed: int = 0, max_delay: float = 0.005) -> Iterator[Chaos]:
     before and after every asynchronous job: gradient staging, accumulation, host update, write-back.
     Under ZeRO (several ranks) each rank also sleeps before every collective, with a sequence of its
     own, so the ranks arrive out of step and asynchronous reductions complete late.
+
+    The modeled device (docs/testing.md): with ``d2h_bytes_per_s`` / ``h2d_bytes_per_s`` (bytes per second,
+    e.g. ``25e9`` for PCIe 4 x16) each gradient copy job / write-back job takes at least ``bytes /
+    bandwidth`` seconds on its copy thread, sleeping without the GIL as a copy engine runs beside the host,
+    so a CPU run shows how much of a step's transfer backward hides. ``timeline``: a :class:`Timeline`
+    the link records its lanes into (copies, accumulation, host updates, waits).
 
     Results stay bit-identical to the synchronous CPU link for the same inputs; a difference is an
     ordering bug. ``max_delay=0`` keeps the threads and drops the sleeps. Optimizers on CUDA are not
@@ -41,7 +49,16 @@ def chaos(seed: int = 0, max_delay: float = 0.005) -> Iterator[Chaos]:
         math.isfinite(max_delay) and max_delay >= 0
     ):
         raise ValueError(f"chaos: max_delay={max_delay!r} is invalid: allowed a finite number of seconds >= 0")
-    settings = Chaos(seed=seed, max_delay=float(max_delay))
+    for name, rate in (("d2h_bytes_per_s", d2h_bytes_per_s), ("h2d_bytes_per_s", h2d_bytes_per_s)):
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (
+                math.isfinite(rate) and rate > 0)):
+            raise ValueError(f"chaos: {name}={rate!r} is invalid: allowed None or a finite number of bytes per "
+                             "second > 0")
+    if timeline is not None and not isinstance(timeline, Timeline):
+        raise TypeError(f"chaos: timeline={timeline!r} is invalid: allowed None or a zenflow_kernels.testing.Timeline")
+    settings = Chaos(seed=seed, max_delay=float(max_delay),
+                     d2h_bytes_per_s=None if d2h_bytes_per_s is None else float(d2h_bytes_per_s),
+                     h2d_bytes_per_s=None if h2d_bytes_per_s is None else float(h2d_bytes_per_s), timeline=timeline)
     token = _CHAOS.set(settings)
     try:
         yield settings

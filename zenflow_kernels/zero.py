@@ -42,8 +42,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .device_model import Chaos, _Delays
 from .host import ALIGN, layout
-from .link import Chaos, _Delays
 
 __all__ = [
     "BucketReducer", "Exchange", "ZeroCollectiveError", "ZeroContext", "check_not_ddp", "owner_runs", "owners",
