@@ -2,6 +2,7 @@
 data, a few steps on CPU. What they save and evaluate holds flushed weights, a resumed run continues
 exactly, the epoch length arrives, and importing the package imports neither framework."""
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import torch
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.ops import use_backend
+from zenflow_kernels.testing import chaos
 
 
 @pytest.fixture(autouse=True)
@@ -183,6 +185,35 @@ def test_hf_hands_over_the_epoch_length_in_optimizer_steps(tmp_path):
     assert opt.schedule.select_interval == 4 and opt.selections == 1
 
 
+@pytest.fixture
+def small_ring(monkeypatch):
+    """A staging ring many times smaller than the models here, so that slots cycle during backward."""
+    from zenflow_kernels.link import RingLink
+
+    monkeypatch.setattr(RingLink, "STAGING_SLOTS", 4)
+    monkeypatch.setattr(RingLink, "STAGING_SLOT_BYTES", 1024)
+
+
+def test_hf_gradient_accumulation_is_declared_and_exact(tmp_path, small_ring):
+    """gradient_accumulation_steps=3 on the asynchronous link: the callback lets the optimizer read the
+    Trainer's per-micro-batch sync flag, so hooks copy nothing during the first two micro-batches (no
+    "fired twice" warning: warnings are errors here) and the run gives the synchronous link's weights. The
+    Trainer rescales gradients in place after backward (clip_grad_norm_), so they cross at step()."""
+    runs = {}
+    for name in ("sync", "chaos"):
+        model = tiny_gpt2()
+        with chaos(seed=0) if name == "chaos" else contextlib.nullcontext():
+            opt = ZenFlowAdamW(model.parameters(), lr=1e-2, zenflow=ZEN)
+        hf_trainer(tmp_path / name, model, optimizers=(opt, None), gradient_accumulation_steps=3, max_steps=4,
+                   save_strategy="no", eval_strategy="no").train()
+        runs[name] = flat_weights(model), opt.stats()
+    for k, v in runs["sync"][0].items():
+        assert torch.equal(v, runs["chaos"][0][k]), k
+    stats = runs["chaos"][1]
+    assert stats["handover"] == "off" and "changed between backward and step()" in stats["handover_why"]
+    assert opt._sync_source is None  # let go at the end of training
+
+
 # -- Lightning ----------------------------------------------------------------------------------------------
 
 L = pytest.importorskip("lightning.pytorch")
@@ -308,3 +339,20 @@ def test_lightning_hands_over_the_epoch_length(tmp_path):
         trainer.fit(module, loader(40))
     # 40 samples / batch 4 = 10 batches; 3 accumulation steps: ceil(10 / 3) = 4 optimizer steps per epoch
     assert trainer.optimizers[0].schedule.steps_per_epoch == 4
+
+
+def test_lightning_gradient_accumulation_hands_over_in_the_last_micro_batch(tmp_path, small_ring):
+    """accumulate_grad_batches=3 on the asynchronous link: the callback declares each backward (its last
+    micro-batch runs inside optimizer.step's closure), gradients cross during that backward, and the run
+    gives the synchronous link's weights."""
+    weights, stats = {}, None
+    for name in ("sync", "chaos"):
+        module = TinyModule(ZEN)
+        trainer = lightning_trainer(tmp_path / name, max_steps=6, accumulate_grad_batches=3, limit_val_batches=0)
+        with chaos(seed=1) if name == "chaos" else contextlib.nullcontext():
+            trainer.fit(module, loader(72))
+        weights[name] = flat_weights(module)
+        stats = trainer.optimizers[0].stats()
+    for k, v in weights["sync"].items():
+        assert torch.equal(v, weights["chaos"][k]), k
+    assert stats["handover"] == "on" and stats["d2h_bytes_in_backward"] > 0

@@ -8,12 +8,14 @@ Usage::
 
     trainer = L.Trainer(..., callbacks=[ZenFlowCallback(), ModelCheckpoint(...)])
 
-What it does: flushes every ZenFlowAdamW of the trainer before validation, testing and prediction
-(``on_*_start``) and when a checkpoint is written (``on_save_checkpoint``: the checkpoint's model and
-optimizer states, collected before callbacks run, are taken again after the flush, so the ``.ckpt``
-holds current weights), flushes and closes them at the end of training, and at the start of training
-gives them the epoch length in optimizer steps, ``ceil(num_training_batches / accumulate_grad_batches)``,
-when they were built without one.
+What it does: before every backward, declares to every ZenFlowAdamW of the trainer whether it is a micro-batch
+that a later one still adds to (``accumulate_grad_batches``; ``set_requires_gradient_sync``), so that
+gradients cross to the host during the last micro-batch's backward and are not copied during the others;
+flushes them before validation, testing and prediction (``on_*_start``) and when a checkpoint is written
+(``on_save_checkpoint``: the checkpoint's model and optimizer states, collected before callbacks run, are
+taken again after the flush, so the ``.ckpt`` holds current weights), flushes and closes them at the end of
+training, and at the start of training gives them the epoch length in optimizer steps,
+``ceil(num_training_batches / accumulate_grad_batches)``, when they were built without one.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class ZenFlowCallback(Callback):
         batches = int(batches) if isinstance(batches, (int, float)) and batches != float("inf") else None
         give_epoch_length(_zenflow_optimizers(trainer), batches, trainer.accumulate_grad_batches, "ZenFlowCallback")
 
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        final = not trainer.fit_loop._should_accumulate()
+        for opt in _zenflow_optimizers(trainer):
+            opt.set_requires_gradient_sync(final)
+
     def _flush(self, trainer) -> None:
         for opt in _zenflow_optimizers(trainer):
             opt.flush()
@@ -59,5 +66,6 @@ class ZenFlowCallback(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         for opt in _zenflow_optimizers(trainer):
+            opt.set_requires_gradient_sync(True)
             opt.flush()
             opt.close()
