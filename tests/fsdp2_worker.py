@@ -104,9 +104,13 @@ def rank_slice(batch, rank: int, world: int):
     return tokens[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n]
 
 
-def backward(model, batch, rank, world, micro: int = 1):
+def backward(model, batch, rank, world, micro: int = 1, declare: bool = False):
+    """``micro`` backward passes over this rank's slice; ``declare``: all but the last without FSDP2's
+    gradient sync (``set_requires_gradient_sync(False)``: no reduce-scatter, so no hook fires for them)."""
     tokens, targets = rank_slice(batch, rank, world)
     for m in range(micro):
+        if declare:
+            model.set_requires_gradient_sync(m == micro - 1)
         n = tokens.shape[0] // micro
         loss = loss_of(model, tokens[m * n : (m + 1) * n], targets[m * n : (m + 1) * n]) / micro
         loss.backward()
@@ -185,7 +189,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
                            max_grad_norm=case.get("max_grad_norm"), collective_timeout=case.get("timeout", 60.0))
     with opt:
         for t, batch in enumerate(data):
-            backward(model, batch, rank, world, micro=case.get("micro", 1))
+            backward(model, batch, rank, world, micro=case.get("micro", 1), declare=case.get("declare", False))
             # the asynchronous link starts each gradient's copy from the hook FSDP2 calls after its
             # reduce-scatter: how many are staged before step() runs
             result.setdefault("staged_by_hooks", []).append(len(getattr(opt._link, "_staged", {})) if t else None)

@@ -41,6 +41,8 @@ CASES = {
     "devacc": dict(zenflow=dict(ZEN, device_accumulation=True)),
     "chaos": dict(zenflow=dict(ZEN, update_interval=3), chaos=0, max_grad_norm=1.0),
     "micro": dict(zenflow=ZEN, micro=2, chaos=2),  # FSDP2's hooks fire at each backward with the running sum
+    # declared with FSDP2's own set_requires_gradient_sync(False): no hook fires for the first micro-batch
+    "micro_declared": dict(zenflow=ZEN, micro=2, chaos=2, declare=True),
     "bf16": dict(zenflow=ZEN, dtype="bfloat16"),
     "mixed_precision": dict(zenflow=ZEN, mixed_precision=True),
     # per-group settings: the embedding host-only, the head chosen by a callable scorer (partial scores summed)
@@ -168,6 +170,18 @@ def test_gradient_copies_start_from_the_hook_fsdp2_calls_after_its_reduce_scatte
     for result in ranks:
         assert result["staged_by_hooks"][0] is None
         assert result["staged_by_hooks"][1:] == [matrices] * (STEPS - 1)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_micro_batches_declared_through_fsdp2_hand_over_during_backward(runs, world):
+    """Micro-batches under the asynchronous link: undeclared, every hook fires twice a step (FSDP2 reduces
+    each micro-batch), so gradients cross at step(); declared with FSDP2's own
+    ``model.set_requires_gradient_sync(False)``, the first micro-batch fires no hook and the last one's hand
+    full slots to the host during backward. Both match one process (test above)."""
+    for result in runs[world]["micro"]:
+        assert result["stats"]["handover"] == "off" and result["stats"]["d2h_bytes_in_backward"] == 0
+    for result in runs[world]["micro_declared"]:
+        assert result["stats"]["handover"] == "on" and result["stats"]["d2h_bytes_in_backward"] > 0
 
 
 def test_a_rank_with_an_empty_shard_takes_part(runs):

@@ -94,14 +94,16 @@ def batch(steps: int, size: int = 8):
     return [(torch.randn(size, 16, generator=g), torch.randn(size, 8, generator=g)) for _ in range(steps)]
 
 
-def train_model(model, opt, batches, part: slice, micro: int, held: list | None = None) -> None:
-    """Backward on ``part`` of each batch in ``micro`` micro-batches (mean loss over the part), then step.
-    ``held``: gets, after each step's backward, the gradient elements the rank then holds: in ``.grad``
-    (matrices, vectors) and in ZeRO-2's reductions (its own sums, inputs still in flight)."""
+def train_model(model, opt, batches, part: slice, micro: int, held: list | None = None, declare: bool = False) -> None:
+    """Backward on ``part`` of each batch in ``micro`` micro-batches (mean loss over the part), then step
+    (``declare``: all but the last inside ``opt.no_sync()``). ``held``: gets, after each step's backward, the
+    gradient elements the rank then holds: in ``.grad`` (matrices, vectors) and in ZeRO-2's reductions (its
+    own sums, inputs still in flight)."""
     for x, y in batches:
         xs, ys = x[part].chunk(micro), y[part].chunk(micro)
-        for xm, ym in zip(xs, ys, strict=True):
-            (torch.nn.functional.mse_loss(model(xm), ym) / micro).backward()
+        for k, (xm, ym) in enumerate(zip(xs, ys, strict=True)):
+            with opt.no_sync() if declare and k < micro - 1 else contextlib.nullcontext():
+                (torch.nn.functional.mse_loss(model(xm), ym) / micro).backward()
         if held is not None:
             grads = [p.grad for p in model.parameters()]
             reducer = opt._shard.reducer
@@ -123,7 +125,7 @@ def run_model_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     size = 8
     part = slice(rank * size // world, (rank + 1) * size // world)
     held: list[dict] = []
-    train_model(model, opt, batch(case["steps"], size), part, case.get("micro", 1), held)
+    train_model(model, opt, batch(case["steps"], size), part, case.get("micro", 1), held, case.get("declare", False))
     opt.flush()
     reducer = opt._shard.reducer
     params = list(model.parameters())
