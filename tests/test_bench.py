@@ -7,6 +7,7 @@ the suite by conftest) is removed for these: benchmarks time the default path, n
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -404,3 +405,50 @@ def test_fsdp2_rejects_bad_options(tmp_path, args, fragment):
     proc = run_module("bench.fsdp2", *args, "--out", str(tmp_path), timeout=120)
     assert_one_line_error(proc, "error:", fragment)
     assert not list(tmp_path.glob("*.json"))
+
+
+# -- bench.overlap, bench.overlap_gpu ------------------------------------------------------------------------
+
+
+def test_overlap_quick(tmp_path):
+    """Both quick sizes (1x and 12x the modeled ring), both bandwidths, every variant, in fresh processes: the
+    JSON's structure, the PNG, and what holds whatever the speed: every modeled copy took at least its bytes
+    over the bandwidth (so the d2h lane inside backward can only be a share of it), hand-over on for the
+    default variant and off for at_step, and the gradient bytes crossing are the same for all three."""
+    proc = run_module("bench.overlap", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "overlap_cpu.json").read_text())
+    assert (tmp_path / "overlap_cpu.png").read_bytes()[:8] == PNG_MAGIC
+    assert result["machine"]["python"] and result["config"]["quick"] is True
+    rows = result["rows"]
+    assert {(r["size"], r["bandwidth"], r["variant"]) for r in rows} == {
+        (s, b, v) for s in (1, 12) for b in ("pcie", "slow") for v in ("handover", "at_step")}
+    assert [s["times_ring"] >= s["size"] * 0.9 for s in result["sizes"]] == [True, True]
+    for r in rows:
+        assert r["wall_s"] > 0 and r["free_wall_s"] > 0 and r["backward_s"] > 0, r
+        assert math.isfinite(r["added_stall_s"]) and r["transfer_s"] > 0 and r["hidden_share"] >= 0, r
+        assert r["handover"] == ("off" if r["variant"] == "at_step" else "on"), r
+        if r["variant"] == "at_step":
+            assert r["d2h_bytes_in_backward"] == 0, r
+        else:
+            assert r["d2h_bytes_in_backward"] > 0, r
+    for (size, bw), group in itertools.groupby(sorted(rows, key=lambda r: (r["size"], r["bandwidth"])),
+                                               key=lambda r: (r["size"], r["bandwidth"])):
+        assert len({r["d2h_bytes"] for r in group}) == 1, (size, bw)
+    assert {"handover", "at_step"} <= set(result["timelines"])
+    assert set(result["summary"]) == {f"{b}/{v}" for b in ("pcie", "slow") for v in ("handover", "at_step")}
+
+
+def test_overlap_gpu_runs_its_code_path_on_cpu(tmp_path):
+    """bench.overlap_gpu is for a lent GPU (bench/gpu_suite.sh); on CPU with --device cpu --quick the same code
+    runs every variant end to end (nothing is hidden on CPU: the JSON's structure only)."""
+    proc = run_module("bench.overlap_gpu", "--device", "cpu", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "overlap_gpu.json").read_text())
+    assert [r["run"] for r in result["runs"]] == ["adamw", "offload", "zenflow", "zenflow_at_step"]
+    for r in result["runs"]:
+        assert r["ms_per_step"] > 0 and math.isfinite(r["loss"]), r
+    assert result["config"]["device"] == "cpu" and result["config"]["params"] > 0
+    proc = run_module("bench.overlap_gpu", "--out", str(tmp_path / "gpu"), timeout=120)
+    if not __import__("torch").cuda.is_available():
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout

@@ -1353,8 +1353,8 @@ class _Telemetry:
             "host_bytes": opt.host_bytes(),
             # gradients crossing during backward (docs/design.md section 9): "learning" (first step), "on" or
             # "off", why, and parameters whose host interval restarted because a hand-over could not stand
-            "handover": opt._handover,
-            "handover_why": opt._handover_why,
+            "handover": opt._handover if opt.EARLY_HANDOVER else "off",
+            "handover_why": opt._handover_why if opt.EARLY_HANDOVER else "EARLY_HANDOVER is False",
             "interval_restarts": self.interval_restarts,
             "collective_bytes": dict(opt._shard.bytes),
             "collective_bytes_per_step": {k: v / opt.t for k, v in opt._shard.bytes.items()} if opt.t else {},

@@ -1,0 +1,289 @@
+"""How much of a step's gradient transfer backward hides, on the modeled device (docs/testing.md).
+
+    python -m bench.overlap [--out DIR] [--quick] [--sizes 1 4 16 64] [--steps 8] [--batch 256]
+
+On CPU a device-to-host copy is a memcpy, so the asynchronous test link (``testing.chaos``) models one:
+each copy job takes ``bytes / bandwidth`` on its copy thread. A staging ring of 4 x 1 MiB (shrunk
+through ``RingLink.STAGING_SLOT_BYTES`` so that a CPU-sized model is many times larger than it, as a
+7 B model is many times the default 64 MiB ring) and an fp32 MLP of ``d = 512`` layers (1 MiB of
+gradient each), sized 1x to 64x the ring. Each size runs in a fresh process (``bench.harness.run_child``).
+
+Bandwidths: ``pcie``, 25 GB/s (PCIe 4 x16), and ``slow``, chosen per size so that the transfer takes 40% of
+backward (the median of three training steps without the model, taken first; on this machine's backward 25
+GB/s hides almost anything; ``slow`` is where the design shows). Variants:
+
+* ``handover``: the link as it is: full slots go to the host from backward's hooks;
+* ``at_step``: hand-over from hooks switched off (``ZenFlowAdamW.EARLY_HANDOVER = False``): what the link did
+  before, hooks copy into free slots only and step() moves the rest.
+
+Each variant runs twice, with the bandwidth model and without it (copies are memcpys), on copies of one
+model and batch, the four runs interleaved step by step. The "device" here is the CPU that also runs
+the host's accumulation, so each variant is compared with itself: the added stall is the median over
+steps of the modeled run's wall time (forward + backward + ``step()``) minus that of the same variant's
+unmodeled step taken just before it. Also reported: backward, ``step()``, the training thread's waits on the
+link (``stats()["worker_wait_s"]``), each over the transfer time (matrix gradient bytes / bandwidth), and the
+share of the transfer that ran while backward did (the timeline's d2h lane inside backward). Goal (issue
+23): with backward longer than the transfer, the added stall <= 10% of the transfer time at every size.
+Results: ``overlap_cpu.json`` and ``overlap_cpu.png`` (the two panels against model size and one step's
+timeline per variant at the largest size) in ``bench/results``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import time
+
+from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, run_child, write_json_light
+
+SLOT_BYTES = 1 << 20  # the modeled ring: 4 slots of this, 4 MiB
+RING_SLOTS = 4
+D = 512
+SIZES = [1, 4, 16, 64]
+QUICK_SIZES = [1, 12]  # d = 128, slots of 16 KiB: structure only, per-slot overheads dominate
+PCIE = 25e9
+SLOW_SHARE = 0.4  # "slow": the transfer takes this share of the measured backward
+VARIANTS = ("handover", "at_step")
+ZENFLOW = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, full_warm_up_rounds=0,
+               select_strategy="step", select_interval=1000)
+GOAL_SHARE = 0.10
+
+
+def build_model(layers: int, d: int, seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
+    mods = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(d, d), torch.nn.ReLU()]
+    return torch.nn.Sequential(*mods[:-1])
+
+
+def measure_size(spec: dict) -> dict:
+    """One model size: every bandwidth, every variant, interleaved; in this process."""
+    import torch
+
+    from zenflow_kernels.link import RingLink
+
+    d, ring = spec["d"], spec["slot_bytes"] * RING_SLOTS
+    layers = max(1, math.ceil(spec["size"] * ring / (d * d * 4)))
+    base = build_model(layers, d)
+    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    matrix_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.dim() == 2)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(spec["batch"], d, generator=g), torch.randn(spec["batch"], d, generator=g)
+
+    saved = RingLink.STAGING_SLOTS, RingLink.STAGING_SLOT_BYTES
+    RingLink.STAGING_SLOTS, RingLink.STAGING_SLOT_BYTES = RING_SLOTS, spec["slot_bytes"]
+    try:
+        return _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes)
+    finally:
+        RingLink.STAGING_SLOTS, RingLink.STAGING_SLOT_BYTES = saved
+
+
+def _run(base, bytes_per_s: float | None, early: bool) -> dict:
+    """A copy of the model and its optimizer on the asynchronous link (modeled at ``bytes_per_s``, or with
+    plain memcpys), with its own timeline."""
+    from zenflow_kernels import ZenFlowAdamW
+    from zenflow_kernels.testing import Timeline, chaos
+
+    model, timeline = copy.deepcopy(base), Timeline()
+    with chaos(seed=0, max_delay=0, d2h_bytes_per_s=bytes_per_s, h2d_bytes_per_s=bytes_per_s, timeline=timeline):
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-4, zenflow=ZENFLOW)
+    opt.EARLY_HANDOVER = early
+    return dict(model=model, opt=opt, timeline=timeline, steps=[])
+
+
+def _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes) -> dict:
+    from zenflow_kernels.ops import use_backend
+
+    with use_backend("numba"):  # the backward "slow" is sized from: training steps as the runs take them
+        probe = _run(base, None, True)
+        for t in range(5):
+            _step(probe, x, y, measured=t >= 2)
+        probe["opt"].close()
+    backward_s = statistics.median(s["backward"] for s in probe["steps"])
+    d, ring = spec["d"], spec["slot_bytes"] * RING_SLOTS
+    share = spec.get("slow_share", SLOW_SHARE)
+    bandwidths = {name: rate for name, rate in (("pcie", PCIE), ("slow", matrix_bytes / (share * backward_s)))
+                  if name in spec.get("bandwidths", ("pcie", "slow"))}
+    out = dict(size=spec["size"], layers=layers, d=d, params=sum(p.numel() for p in base.parameters()),
+               grad_bytes=grad_bytes, matrix_grad_bytes=matrix_bytes, ring_bytes=ring,
+               times_ring=matrix_bytes / ring, backward_s_alone=backward_s, batch=spec["batch"], rows=[], timelines={})
+    with use_backend("numba"):
+        for bw_name, bw in bandwidths.items():
+            # each variant with the modeled bandwidth ("bw") and without it ("free", copies are memcpys)
+            runs = {(variant, link): _run(base, bw if link == "bw" else None, variant == "handover")
+                    for variant in VARIANTS for link in ("free", "bw")}
+            for t in range(spec["warmup"] + spec["steps"]):
+                for run in runs.values():
+                    _step(run, x, y, measured=t >= spec["warmup"])
+            transfer_s = matrix_bytes / bw
+            for variant in VARIANTS:
+                run, free = runs[variant, "bw"], runs[variant, "free"]
+                steps, timeline = run["steps"], run["timeline"]
+                # the d2h lane inside each step's backward, over the transfer the step needs
+                hidden = [timeline.busy("d2h", s["backward_start"], s["backward_end"]) for s in steps]
+                stats = run["opt"].stats()
+                row = dict(size=spec["size"], bandwidth=bw_name, bytes_per_s=bw, variant=variant, transfer_s=transfer_s,
+                           wall_s=statistics.median(s["wall"] for s in steps),
+                           free_wall_s=statistics.median(s["wall"] for s in free["steps"]),
+                           backward_s=statistics.median(s["backward"] for s in steps),
+                           step_s=statistics.median(s["step"] for s in steps),
+                           waited_s=statistics.median(s["waited"] for s in steps),
+                           # each step against the same variant's step without the bandwidth model, taken just
+                           # before it: what the transfer adds, with the machine's drift cancelled
+                           added_stall_s=statistics.median(s["wall"] - f["wall"] for s, f in zip(
+                               steps, free["steps"], strict=True)),
+                           # the same for the training thread's waits on the link: copies are sleeps on other
+                           # threads, so waits are the only way the transfer reaches the training thread
+                           added_waits_s=statistics.median(s["waited"] - f["waited"] for s, f in zip(
+                               steps, free["steps"], strict=True)),
+                           hidden_share=statistics.median(hidden) / transfer_s,
+                           handover=stats["handover"], d2h_bytes_in_backward=stats["d2h_bytes_in_backward"],
+                           d2h_bytes=stats["d2h_bytes"])
+                row["added_stall_share"] = row["added_stall_s"] / transfer_s
+                row["waited_share"] = row["waited_s"] / transfer_s
+                row["added_waits_share"] = row["added_waits_s"] / transfer_s
+                out["rows"].append(row)
+                if bw_name == "slow":  # one step's lanes, for the picture
+                    s = steps[len(steps) // 2]
+                    out["timelines"][variant] = [
+                        (lane, label, a - s["start"], b - s["start"], n)
+                        for lane, label, a, b, n in timeline.between(s["start"], s["end"] + 0.3 * s["wall"])]
+            for run in runs.values():
+                run["opt"].close()
+    return out
+
+
+def _step(run: dict, x, y, *, measured: bool) -> None:
+    """One training step of a run, its spans marked on its timeline."""
+    import torch.nn.functional as F
+
+    model, opt, timeline = run["model"], run["opt"], run["timeline"]
+    waited = opt.stats()["worker_wait_s"] if opt._built else 0.0
+    t0 = time.perf_counter()
+    with timeline.span("forward"):
+        loss = F.mse_loss(model(x), y)
+    t1 = time.perf_counter()
+    with timeline.span("backward"):
+        loss.backward()
+    t2 = time.perf_counter()
+    with timeline.span("step"):
+        opt.step()
+        opt.zero_grad()
+    t3 = time.perf_counter()
+    if measured:
+        run["steps"].append(dict(start=t0, backward_start=t1, backward_end=t2, end=t3, wall=t3 - t0,
+                                 backward=t2 - t1, step=t3 - t2, waited=opt.stats()["worker_wait_s"] - waited))
+
+
+def _worker(args) -> int:
+    result = measure_size(json.loads(args.spec))
+    with open(args.worker_out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = OneLineParser(prog="python -m bench.overlap", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="output folder (default bench/results)")
+    ap.add_argument("--quick", action="store_true", help="two small sizes, a few steps (the test suite's run)")
+    ap.add_argument("--sizes", type=int_at_least(1), nargs="+", default=None,
+                    help=f"model sizes in multiples of the ring (default {' '.join(map(str, SIZES))})")
+    ap.add_argument("--steps", type=int_at_least(2), default=None, help="measured steps per variant (default 8)")
+    ap.add_argument("--batch", type=int_at_least(1), default=None, help="rows per batch (default 256)")
+    ap.add_argument("--worker-spec", dest="spec", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", dest="worker_out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.spec is not None:
+        return _worker(args)
+    out_dir = output_dir(args.out)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
+    d = 128 if args.quick else D
+    slot_bytes = (16 << 10) if args.quick else SLOT_BYTES
+    steps, warmup = args.steps or (2 if args.quick else 8), 1 if args.quick else 2
+    batch = args.batch or (64 if args.quick else 256)
+    started = time.perf_counter()
+    results = []
+    for size in sizes:
+        spec = dict(size=size, d=d, slot_bytes=slot_bytes, batch=batch, steps=steps, warmup=warmup)
+        results.append(run_child("bench.overlap", ["--worker-spec", json.dumps(spec)], timeout=1800,
+                                 what=f"the size {size}x process"))
+    rows = [r for res in results for r in res["rows"]]
+    summary = {}
+    for bw in ("pcie", "slow"):
+        for variant in VARIANTS:
+            sel = [r for r in rows if r["bandwidth"] == bw and r["variant"] == variant]
+            summary[f"{bw}/{variant}"] = dict(
+                worst_added_stall_share=max(r["added_stall_share"] for r in sel),
+                worst_waited_share=max(r["waited_share"] for r in sel),
+                goal_met=all(r["added_stall_share"] <= GOAL_SHARE for r in sel if r["backward_s"] > r["transfer_s"]))
+    payload = dict(config=dict(sizes=sizes, d=d, ring_slots=RING_SLOTS, slot_bytes=slot_bytes, batch=batch, steps=steps,
+                               warmup=warmup, quick=args.quick, zenflow=ZENFLOW, pcie_bytes_per_s=PCIE,
+                               slow_share_of_backward=SLOW_SHARE, goal_share=GOAL_SHARE, dtype="float32"),
+                   sizes=[{k: v for k, v in res.items() if k not in ("rows", "timelines")} for res in results],
+                   rows=rows, summary=summary, timelines=results[-1]["timelines"],
+                   total_s=time.perf_counter() - started, machine=machine_info_light())
+    name = "overlap_cpu"
+    path = write_json_light(out_dir / f"{name}.json", payload)
+    plot(payload, out_dir / f"{name}.png")
+    print(f"{'size':>5} {'x ring':>7} {'bandwidth':>9} {'variant':>9} {'transfer ms':>12} {'backward ms':>12} "
+          f"{'added ms':>9} {'added/xfer':>10} {'waits/xfer':>10} {'hidden':>7}")
+    by_size = {res["size"]: res for res in results}
+    for r in rows:
+        print(f"{r['size']:>5} {by_size[r['size']]['times_ring']:>7.1f} {r['bandwidth']:>9} {r['variant']:>9} "
+              f"{1e3 * r['transfer_s']:>12.1f} {1e3 * r['backward_s']:>12.1f} {1e3 * r['added_stall_s']:>9.1f} "
+              f"{r['added_stall_share']:>10.2f} {r['waited_share']:>10.2f} {r['hidden_share']:>7.2f}")
+    for key, s in summary.items():
+        print(f"{key}: worst added stall {s['worst_added_stall_share']:.2f} of the transfer, worst waits "
+              f"{s['worst_waited_share']:.2f}; goal (<= {GOAL_SHARE:.2f}) {'met' if s['goal_met'] else 'not met'}")
+    print(f"wrote {path}")
+    return 0
+
+
+LANES = ("forward", "backward", "step", "wait", "d2h", "accumulate", "update", "h2d")
+COLORS = dict(forward="#9ecae1", backward="#3182bd", step="#6baed6", wait="#e6550d", d2h="#31a354",
+              accumulate="#756bb1", update="#bcbddc", h2d="#a1d99b")
+
+
+def plot(payload: dict, path) -> None:
+    p = plt()
+    fig, axes = p.subplots(2, 2, figsize=(13, 8))
+    rows = payload["rows"]
+    times_ring = {s["size"]: s["times_ring"] for s in payload["sizes"]}
+    for ax, key, title in ((axes[0][0], "added_stall_share", "added stall per step / transfer time"),
+                           (axes[0][1], "hidden_share", "transfer during backward / transfer time")):
+        for bw, style in (("slow", "-"), ("pcie", ":")):
+            for variant, marker in (("handover", "o"), ("at_step", "s")):
+                sel = sorted((r for r in rows if r["bandwidth"] == bw and r["variant"] == variant),
+                             key=lambda r: r["size"])
+                ax.plot([times_ring[r["size"]] for r in sel], [r[key] for r in sel], style, marker=marker,
+                        label=f"{variant}, {bw}")
+        if key == "added_stall_share":
+            ax.axhline(payload["config"]["goal_share"], color="grey", lw=0.8, ls="--", label="goal")
+        ax.set_xscale("log")
+        ax.set_xlabel("model gradient / staging ring")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    for ax, variant in zip(axes[1], ("handover", "at_step"), strict=True):
+        spans = payload["timelines"].get(variant, [])
+        for y, lane in enumerate(LANES):
+            bars = [(a * 1e3, (b - a) * 1e3) for ln, _, a, b, _ in spans if ln == lane]
+            ax.broken_barh(bars, (y - 0.4, 0.8), color=COLORS[lane])
+        ax.set_yticks(range(len(LANES)), LANES)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms from the step's forward")
+        ax.set_title(f"one step, {variant} (largest size, slow)")
+    fig.suptitle("bench.overlap: gradient transfer on the modeled device (CPU, " +
+                 f"ring {payload['config']['ring_slots']} x {payload['config']['slot_bytes'] >> 10} KiB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    p.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
