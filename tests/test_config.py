@@ -291,6 +291,11 @@ def test_round_trip_through_to_dict():
         ({"zero_optimization": {"stage": 2}}, "without a zero_optimization.zenflow block"),
         ({"zero_optimization": {"zenflow": [1, 2]}}, "zenflow block .* is a list"),
         ({"zenflow": "fast"}, "zenflow block .* is a str"),
+        # read, so refused rather than silently ignored (the host state stays in memory)
+        ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}, "zenflow": {}}},
+         r"zero_optimization.offload_optimizer.device='nvme' .* is not supported: allowed \"cpu\""),
+        ({"zero_optimization": {"offload_param": {"device": "NVMe"}, "zenflow": {}}},
+         r"zero_optimization.offload_param.device='NVMe' .* is not supported"),
         (42, "of type int is invalid"),
     ],
 )

@@ -294,6 +294,14 @@ def _zenflow_block(data: dict, where: str) -> dict:
         zero = data["zero_optimization"]
         if not isinstance(zero, dict) or "zenflow" not in zero:
             raise ZenFlowConfigError(f"{where} is a DeepSpeed config without a zero_optimization.zenflow block")
+        for key in ("offload_optimizer", "offload_param"):
+            device = zero.get(key, {}).get("device") if isinstance(zero.get(key), dict) else None
+            if isinstance(device, str) and device.lower() == "nvme":
+                # read, so it must act or be refused: the host state is kept in memory (no NVMe tier yet)
+                raise ZenFlowConfigError(
+                    f"zero_optimization.{key}.device={device!r} in {where} is not supported: allowed \"cpu\" or "
+                    "\"none\" (ZenFlowAdamW keeps the optimizer's host state in host memory; NVMe offload would "
+                    "otherwise be silently ignored)")
         block = zero["zenflow"]
     elif "zenflow" in data:
         block = data["zenflow"]
