@@ -10,7 +10,8 @@ One interval on a GPU (``overlap_step=True``), time running right::
     training thread   backward -(hooks)-> stage(g_i) ... step: fast step | accumulate() | boundary: wait U(n-1),
                                                                              write_back(), update U(n)
     D2H stream          g_i -> ring slot s (own dtype) ... marker(s) --+
-    accumulate worker                                  wait marker(s); acc[b] += pieces of s  (then s is free)
+    accumulate worker   wait marker(s); acc[b] += pieces of s  (then s is free): from the hook once s is full
+                        when the step's gradients are final at their hooks, else from step()
     update worker                                        wait last accumulate of b; AdamW(acc[b]); wait guard;
                                                          write out; acc[b] = 0
     H2D stream                                       out -> non-selected columns -> event (= the guard);
@@ -19,9 +20,10 @@ One interval on a GPU (``overlap_step=True``), time running right::
 Buffers and their owners (who writes, who reads, which wait hands them over):
 
 * staging slot ``s`` (a ring of ``STAGING_SLOTS`` bounded byte buffers, each allocated once; staging.py):
-  written by the D2H copies of one step, read by the accumulate job it is handed to at ``step()``, once
-  its gradients are final; filled again only after that job completed (a hook only checks, ``step()``
-  waits).
+  written by the D2H copies of one step, read by the accumulate job it is handed to once its gradients
+  are final: from a backward hook when the step's gradients are known final there (docs/design.md
+  section 5.1), else at ``step()``; filled again only after that job completed (a hook that hands over
+  waits for it, one that does not only checks; ``step()`` waits).
 * ``acc[b]``: written by the accumulate jobs of the intervals that use ``b`` (in order, one worker),
   read and zeroed by that interval's host update, which first waits for the last of those jobs; the
   training thread reads it only after draining (checkpoints).
@@ -536,9 +538,10 @@ class RingLink(_Link):
     """Slots of the staging ring (docs/design.md section 9)."""
     STAGING_SLOT_BYTES = 1 << 24
     """The most bytes one staging slot holds: the ring's host memory is at most ``STAGING_SLOTS`` times
-    this (64 MiB pinned), whatever the model. Gradients that backward's hooks could not stage for lack of
-    a free slot are copied at ``step()``, which waits for slots as the accumulate worker frees them;
-    raise it (a class attribute, read when the link is built) to trade pinned memory for that wait."""
+    this (64 MiB pinned), whatever the model. Where a step's gradients are final at their hooks, full slots
+    go to the accumulate worker during backward and the ring cycles; elsewhere what the hooks could not
+    stage for lack of a free slot is copied at ``step()``, which waits for slots as the worker frees them
+    (a class attribute, read when the link is built; the tests and bench.overlap shrink it)."""
     asynchronous = True
 
     def __init__(self, host: HostShard, engine, *, kind: str, delays: _Delays | None = None, **kwargs):

@@ -3,16 +3,18 @@ from the device to the accumulation buffers (docs/design.md sections 6 and 9).
 
 A slot is one flat byte buffer (pinned on a GPU) of at most ``slot_bytes``. A gradient is copied into the
 slot being filled as one or more *pieces* (a range of its flat elements at a 64-byte aligned offset); a
-gradient larger than what a slot has left continues in the next slot. A slot filled in a step is handed
-to the accumulate worker at ``step()``, when every gradient it holds is known to be final (a later
-micro-batch or an in-place write changes a gradient after its hook copied it: it is copied again over
-the same pieces). A slot is filled again only once that worker is done with it (its *reader*).
+gradient larger than what a slot has left continues in the next slot. A slot is handed to the accumulate
+worker once every gradient it holds is final: as soon as it is full, from a backward hook, where the
+step's gradients are known final at their hooks (``place(..., seal=...)``; docs/design.md section 5.1),
+else at ``step()`` (a later micro-batch or an in-place write changes a gradient after its hook copied it:
+it is copied again over the same pieces). A slot is filled again only once that worker is done with it
+(its *reader*).
 
 Memory: at most ``slots * slot_bytes`` (allocated lazily), whatever the model size, instead of a
 whole-shard buffer per slot and gradient dtype; the link sizes the slots so that a small shard's ring
-holds two steps of its gradients and no more.
-What a bounded ring costs: backward hooks start copies only while a slot is free (they never wait);
-what did not fit is copied at ``step()``, which waits for slots as the accumulate worker frees them.
+holds two steps of its gradients and no more. Where hooks hand slots over, backward waits for a slot
+only when the host cannot keep up; where they cannot, hooks copy only while a slot is free (they never
+wait) and what did not fit is copied at ``step()``, which waits for slots as the worker frees them.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ class StagingRing:
         """Pieces for elements ``[lo, lo + numel)`` of a gradient, in the current slot and the next ones.
         ``claim(slot)`` says whether the ring may move on to that slot (it waits for the slot's reader, or
         only checks it); when it refuses, fewer elements than asked are placed. ``seal(slot)``, if given,
-        hands a full slot over before the ring moves on (at ``step()``; hooks leave full slots open), so
+        hands a full slot over before the ring moves on (at ``step()``, or from a hook whose gradient is
+        final; other hooks leave full slots open), so
         ``on_piece(piece)`` is called as each piece is placed: its copy must be issued before its slot is
         sealed."""
         placed: list[Piece] = []
