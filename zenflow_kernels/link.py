@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from ._memory import gather_columns
 from .cpu_ops.accumulate import accumulate_unchecked, sum_squares_unchecked
 from .device_model import Chaos, Timeline, _Delays, modeled_copy, recorded
 from .host import HostShard, HostWorker
@@ -446,7 +447,8 @@ class _Link:
                 if keep_columns is None or keep_columns.numel() == 0:
                     p.copy_(src, non_blocking=True)
                     continue
-                keep = p[:, keep_columns]  # the fast path owns these columns: preserve what it wrote
+                # the fast path owns these columns: preserve what it wrote (a transient copy: see _memory)
+                keep = gather_columns(p, keep_columns)
                 p.copy_(src, non_blocking=True)
                 p[:, keep_columns] = keep
 
