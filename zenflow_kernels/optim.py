@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 from . import cpu_ops, ops
+from ._memory import gather_columns
 from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings, num_selected
+from .cpu_ops.accumulate import accumulate_unchecked
 from .device_model import current_chaos
 from .fsdp2 import FSDP2, fsdp2_mesh
 from .host import HostWorkerError
@@ -621,7 +623,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """``device_accumulation``: add these gradients into the device-side sums of the interval."""
         host, acc = self._host, self._device_acc
         mine = self._shard.mine(indices)
-        torch._foreach_add_([host.view(acc, i) for i in mine], [self._shard.grad(i) for i in mine])
+        sums, grads = [host.view(acc, i) for i in mine], [self._shard.grad(i) for i in mine]
+        if acc.device.type == "cpu" and all(g.is_contiguous() for g in grads):
+            # the numba pass widens each gradient as it reads it (the bits of torch's add); torch's mixed-dtype
+            # add makes an fp32 copy of every bf16/fp16 gradient first: per-step temporaries (see _memory)
+            accumulate_unchecked(sums, grads)
+        else:
+            torch._foreach_add_(sums, grads)
         self._count(indices)
 
     def _count(self, indices: list[int]) -> None:
@@ -708,14 +716,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Where fast-path Adam state is kept: the device, or host memory (the link's) with ``offload``."""
         return self._link.new_host_state(t) if self._offload else t.to(self.device)
 
-    def _from_host(self, i: int, name: str, cols: torch.Tensor | None = None) -> torch.Tensor:
+    def _from_host(self, i: int, name: str, cols: torch.Tensor | None = None, transient: bool = False) -> torch.Tensor:
         """A copy of parameter ``i``'s host ``master``/``exp_avg``/``exp_avg_sq`` (fp32, parameter shape;
-        ``cols``: those columns only), on the device. ZeRO: its owner broadcasts it."""
+        ``cols``: those columns only), on the device. ZeRO: its owner broadcasts it. ``transient``: a
+        temporary (the columns are gathered into transient memory where it is made: see _memory)."""
         host, p = self._host, self._local[i]
 
         def make():
             t = host.view(getattr(host, name), i)
-            return t.clone() if cols is None else t[:, cols.cpu()]
+            if cols is None:
+                return t.clone()
+            return gather_columns(t, cols.cpu()) if transient else t[:, cols.cpu()]
 
         shape = tuple(p.shape) if cols is None else (p.shape[0], cols.numel())
         return self._shard.from_host(i, make, shape, torch.float32)
@@ -751,40 +762,54 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             R, k = p.shape[0], new.numel()
             owned = i in host.slots  # ZeRO: this rank holds the matrix's host state
             old = st.get("selected")
-            m = torch.zeros(R, k, dtype=torch.float32, device=self.device)
-            v = torch.zeros_like(m)
-            steps = torch.zeros(k, dtype=torch.int64, device=self.device)
+            carry = old is not None and old.numel() > 0
+            # the same k, the state where the fast step reads it: the new state is written over the old through
+            # transient [R, k] temporaries (a second fast-path state freed, or heap temporaries of this size,
+            # would stay in the process's RSS: see _memory)
+            in_place = carry and not self._offload and tuple(st["exp_avg"].shape) == (R, k)
             # a low-precision matrix keeps an fp32 master of its selected columns; entering columns take
             # the host master's value (the live weight is that value, rounded)
-            master = self._from_host(i, "master", new) if p.dtype != torch.float32 else None
-            if old is None and self._seed_from_host:  # continuing an imported AdamW run
-                m.copy_(self._from_host(i, "exp_avg", new))
-                v.copy_(self._from_host(i, "exp_avg_sq", new))
-                steps.fill_(self._host_step(i))
-            if old is not None and old.numel():
+            master = self._from_host(i, "master", new, transient=in_place) if p.dtype != torch.float32 else None
+            if carry:
                 # sorted index sets: position of each new column in the old set, if it was there
                 pos = torch.searchsorted(old, new).clamp_(max=old.numel() - 1)
                 stay = old[pos] == new
-                old_m, old_v = st["exp_avg"].to(self.device), st["exp_avg_sq"].to(self.device)
                 old_master = st["master"].to(self.device) if master is not None else None
-                m[:, stay] = old_m[:, pos[stay]]
-                v[:, stay] = old_v[:, pos[stay]]
-                steps[stay] = st["step"][pos[stay]]
-                if master is not None:
-                    master[:, stay] = old_master[:, pos[stay]]
                 gone = ~torch.isin(old, new)
                 if owned and gone.any():  # ownership returns to the host, value included
-                    src = old_master[:, gone] if master is not None else p[:, old[gone]]
+                    src = (gather_columns(old_master, gone.nonzero().view(-1)) if master is not None
+                           else gather_columns(p, old[gone]))
                     host.view(host.master, i)[:, old[gone].cpu()] = src.to("cpu", torch.float32)
                 jaccards.append(float(stay.sum()) / max(1, int(torch.unique(torch.cat([old, new])).numel())))
-            st["selected"], st["exp_avg"], st["exp_avg_sq"], st["step"] = (
-                new,
-                self._to_state(m),
-                self._to_state(v),
-                steps,
-            )
-            if master is not None:
-                st["master"] = self._to_state(master)
+            if in_place:  # staying columns move to their new positions; entering ones start as below
+                for name in ("exp_avg", "exp_avg_sq"):
+                    st[name].copy_(gather_columns(st[name], pos).masked_fill_(~stay, 0))
+                if master is not None:
+                    torch.where(stay, gather_columns(old_master, pos), master, out=st["master"])
+                st["selected"], st["step"] = new, st["step"][pos].masked_fill_(~stay, 0)
+            else:
+                m = torch.zeros(R, k, dtype=torch.float32, device=self.device)
+                v = torch.zeros_like(m)
+                steps = torch.zeros(k, dtype=torch.int64, device=self.device)
+                if old is None and self._seed_from_host:  # continuing an imported AdamW run
+                    m.copy_(self._from_host(i, "exp_avg", new))
+                    v.copy_(self._from_host(i, "exp_avg_sq", new))
+                    steps.fill_(self._host_step(i))
+                if carry:
+                    old_m, old_v = st["exp_avg"].to(self.device), st["exp_avg_sq"].to(self.device)
+                    m[:, stay] = old_m[:, pos[stay]]
+                    v[:, stay] = old_v[:, pos[stay]]
+                    steps[stay] = st["step"][pos[stay]]
+                    if master is not None:
+                        master[:, stay] = old_master[:, pos[stay]]
+                st["selected"], st["exp_avg"], st["exp_avg_sq"], st["step"] = (
+                    new,
+                    self._to_state(m),
+                    self._to_state(v),
+                    steps,
+                )
+                if master is not None:
+                    st["master"] = self._to_state(master)
             captured += float(s[new].sum()) if k else 0.0
             total += float(s.sum())
         self._stats.record_selection(self.t, jaccards, captured / total if total > 0 else float("nan"))
