@@ -145,6 +145,8 @@ def _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes) -> dict:
                            hidden_share=statistics.median(hidden) / transfer_s,
                            handover=stats["handover"], d2h_bytes_in_backward=stats["d2h_bytes_in_backward"],
                            d2h_bytes=stats["d2h_bytes"])
+                # the share of backward the transfer took in this run (the bandwidth was sized from the probe)
+                row["transfer_share_of_backward"] = transfer_s / statistics.median(s["backward"] for s in free["steps"])
                 row["added_stall_share"] = row["added_stall_s"] / transfer_s
                 row["waited_share"] = row["waited_s"] / transfer_s
                 row["added_waits_share"] = row["added_waits_s"] / transfer_s
@@ -218,10 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     for bw in ("pcie", "slow"):
         for variant in VARIANTS:
             sel = [r for r in rows if r["bandwidth"] == bw and r["variant"] == variant]
+            fits = [r for r in sel if r["transfer_share_of_backward"] < 1]  # backward longer than the transfer
             summary[f"{bw}/{variant}"] = dict(
                 worst_added_stall_share=max(r["added_stall_share"] for r in sel),
-                worst_waited_share=max(r["waited_share"] for r in sel),
-                goal_met=all(r["added_stall_share"] <= GOAL_SHARE for r in sel if r["backward_s"] > r["transfer_s"]))
+                worst_added_waits_share=max(r["added_waits_share"] for r in sel),
+                goal_met_wall=all(r["added_stall_share"] <= GOAL_SHARE for r in fits),
+                goal_met_waits=all(r["added_waits_share"] <= GOAL_SHARE for r in fits),
+                sizes_where_backward_is_longer=[r["size"] for r in fits])
     payload = dict(config=dict(sizes=sizes, d=d, ring_slots=RING_SLOTS, slot_bytes=slot_bytes, batch=batch, steps=steps,
                                warmup=warmup, quick=args.quick, zenflow=ZENFLOW, pcie_bytes_per_s=PCIE,
                                slow_share_of_backward=SLOW_SHARE, goal_share=GOAL_SHARE, dtype="float32"),
@@ -232,15 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json_light(out_dir / f"{name}.json", payload)
     plot(payload, out_dir / f"{name}.png")
     print(f"{'size':>5} {'x ring':>7} {'bandwidth':>9} {'variant':>9} {'transfer ms':>12} {'backward ms':>12} "
-          f"{'added ms':>9} {'added/xfer':>10} {'waits/xfer':>10} {'hidden':>7}")
+          f"{'added ms':>9} {'added/xfer':>10} {'+waits/xfer':>11} {'hidden':>7}")
     by_size = {res["size"]: res for res in results}
     for r in rows:
         print(f"{r['size']:>5} {by_size[r['size']]['times_ring']:>7.1f} {r['bandwidth']:>9} {r['variant']:>9} "
               f"{1e3 * r['transfer_s']:>12.1f} {1e3 * r['backward_s']:>12.1f} {1e3 * r['added_stall_s']:>9.1f} "
-              f"{r['added_stall_share']:>10.2f} {r['waited_share']:>10.2f} {r['hidden_share']:>7.2f}")
+              f"{r['added_stall_share']:>10.2f} {r['added_waits_share']:>11.2f} {r['hidden_share']:>7.2f}")
     for key, s in summary.items():
-        print(f"{key}: worst added stall {s['worst_added_stall_share']:.2f} of the transfer, worst waits "
-              f"{s['worst_waited_share']:.2f}; goal (<= {GOAL_SHARE:.2f}) {'met' if s['goal_met'] else 'not met'}")
+        print(f"{key}: worst added stall {s['worst_added_stall_share']:.2f} of the transfer (wall), "
+              f"{s['worst_added_waits_share']:.2f} (waits); goal (<= {GOAL_SHARE:.2f} where backward is longer, "
+              f"sizes {s['sizes_where_backward_is_longer']}): wall {'met' if s['goal_met_wall'] else 'not met'}, "
+              f"waits {'met' if s['goal_met_waits'] else 'not met'}")
     print(f"wrote {path}")
     return 0
 
@@ -252,32 +259,39 @@ COLORS = dict(forward="#9ecae1", backward="#3182bd", step="#6baed6", wait="#e655
 
 def plot(payload: dict, path) -> None:
     p = plt()
-    fig, axes = p.subplots(2, 2, figsize=(13, 8))
+    fig = p.figure(figsize=(15, 8.5))
+    grid = fig.add_gridspec(2, 6)
+    top = [fig.add_subplot(grid[0, 2 * k : 2 * k + 2]) for k in range(3)]
+    bottom = [fig.add_subplot(grid[1, 3 * k : 3 * k + 3]) for k in range(2)]
     rows = payload["rows"]
     times_ring = {s["size"]: s["times_ring"] for s in payload["sizes"]}
-    for ax, key, title in ((axes[0][0], "added_stall_share", "added stall per step / transfer time"),
-                           (axes[0][1], "hidden_share", "transfer during backward / transfer time")):
-        for bw, style in (("slow", "-"), ("pcie", ":")):
+    for ax, key, title, bandwidths in (
+            (top[0], "added_stall_share", "added wall time per step / transfer (slow)", ("slow",)),
+            (top[1], "added_waits_share", "added training-thread waits / transfer", ("slow", "pcie")),
+            (top[2], "hidden_share", "transfer during backward / transfer", ("slow", "pcie"))):
+        for bw, style in ((bw, "-" if bw == "slow" else ":") for bw in bandwidths):
             for variant, marker in (("handover", "o"), ("at_step", "s")):
                 sel = sorted((r for r in rows if r["bandwidth"] == bw and r["variant"] == variant),
                              key=lambda r: r["size"])
                 ax.plot([times_ring[r["size"]] for r in sel], [r[key] for r in sel], style, marker=marker,
                         label=f"{variant}, {bw}")
-        if key == "added_stall_share":
+        if key != "hidden_share":
             ax.axhline(payload["config"]["goal_share"], color="grey", lw=0.8, ls="--", label="goal")
+            ax.set_ylim(-0.3, 1.3)
         ax.set_xscale("log")
         ax.set_xlabel("model gradient / staging ring")
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    for ax, variant in zip(axes[1], ("handover", "at_step"), strict=True):
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+    for ax, variant in zip(bottom, ("handover", "at_step"), strict=True):
         spans = payload["timelines"].get(variant, [])
         for y, lane in enumerate(LANES):
-            bars = [(a * 1e3, (b - a) * 1e3) for ln, _, a, b, _ in spans if ln == lane]
+            bars = [(a * 1e3, (b - a) * 1e3) for ln, _, a, b, _ in spans if ln == lane and (
+                ln != "wait" or b - a > 5e-5)]  # (checks of finished jobs recorded before the link filtered them)
             ax.broken_barh(bars, (y - 0.4, 0.8), color=COLORS[lane])
         ax.set_yticks(range(len(LANES)), LANES)
         ax.invert_yaxis()
         ax.set_xlabel("ms from the step's forward")
-        ax.set_title(f"one step, {variant} (largest size, slow)")
+        ax.set_title(f"one step, {variant} (largest size, slow bandwidth)", fontsize=10)
     fig.suptitle("bench.overlap: gradient transfer on the modeled device (CPU, " +
                  f"ring {payload['config']['ring_slots']} x {payload['config']['slot_bytes'] >> 10} KiB)")
     fig.tight_layout()

@@ -322,3 +322,50 @@ def test_a_model_many_times_the_ring_hides_its_transfer_behind_backward():
     assert on["d2h_bytes_in_backward"] > 0.5 * on["d2h_bytes"] and off["d2h_bytes_in_backward"] == 0, report
     assert on["added_waits_s"] <= 0.25 * on["transfer_s"], report
     assert off["added_waits_s"] >= 0.5 * off["transfer_s"], report
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_user_patterns_around_hand_over_keep_the_synchronous_bits(ring, seed):
+    """What users write around a hand-over, on a ring 12x smaller than the model, under chaos: two param
+    groups with their own settings, a layer without a gradient every third step (frozen, then thawed),
+    ``zero_grad(set_to_none=False)``, an evaluation between steps, and a save + load into a fresh optimizer
+    mid-interval (whose hand-over starts learning again): the synchronous link's bits at every step."""
+    model = mlp()
+    zenflow = dict(ZENFLOW, overlap_step=True)
+    data = batches(12, micro=1)
+
+    def run_patterns(seed):
+        m = copy.deepcopy(model)
+        layers = [mod for mod in m if isinstance(mod, torch.nn.Linear)]
+        groups = [dict(params=[p for layer in layers[:3] for p in layer.parameters()]),
+                  dict(params=[p for layer in layers[3:] for p in layer.parameters()], lr=5e-3, topk_ratio=0.5)]
+
+        def make():
+            if seed is None:
+                return ZenFlowAdamW(groups, **HYPER, zenflow=zenflow)
+            with chaos(seed=seed):
+                return ZenFlowAdamW(groups, **HYPER, zenflow=zenflow)
+
+        opt, history = make(), []
+        for t, batch in enumerate(data):
+            x, y = batch[0]
+            layers[2].weight.requires_grad_(t % 3 != 1)  # no gradient for it this step
+            F.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            with torch.no_grad():  # an evaluation between steps reads the live weights
+                F.mse_loss(m(x), y)
+            if t == 6:  # mid-interval: save, and continue in a fresh optimizer
+                state = opt.state_dict()
+                opt.close()
+                opt = make()
+                opt.load_state_dict(state)
+            history.append(snapshot(m.parameters()))
+        stats = opt.stats()
+        opt.close()
+        return history, stats
+
+    want, _ = run_patterns(None)
+    got, stats = run_patterns(seed)
+    assert_same(want, got)
+    assert stats["handover"] == "on" and stats["interval_restarts"] == 0 and stats["d2h_bytes_in_backward"] > 0

@@ -404,7 +404,7 @@ class _Link:
         finally:
             t1 = time.perf_counter()
             self.waited_s += t1 - t0
-            if self.timeline is not None:
+            if self.timeline is not None and t1 - t0 > 5e-5:  # blocked, not a check of a finished job
                 self.timeline.add("wait", "", t0, t1)
 
     def submit_update(self, fn: Callable) -> Future:
