@@ -22,8 +22,11 @@ Host kernels (numba, multithreaded, release the GIL), see ``cpu_ops``
     cpu_adam_, accumulate_, multi_accumulate_, accumulate_adam_, sum_squares, multi_sum_squares, split_cores
 
 Testing (``zenflow_kernels.testing``)
-    chaos(seed, max_delay) -- optimizers created inside run the GPU's asynchronous protocol on CPU,
-                              with seeded random delays (``link.py`` holds that protocol)
+    chaos(seed, max_delay, d2h_bytes_per_s=, h2d_bytes_per_s=, timeline=)
+                           -- optimizers created inside run the GPU's asynchronous protocol on CPU,
+                              with seeded random delays (``link.py`` holds that protocol), and, with
+                              bandwidths, a modeled device whose copies take bytes / bandwidth
+    Timeline               -- the modeled device's lanes (copies, accumulation, updates, waits)
 """
 
 from __future__ import annotations

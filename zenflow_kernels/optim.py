@@ -77,6 +77,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         collective_timeout: longest wait in seconds for one collective; a rank that fails or stops
             stepping ends the others with an error naming the collective instead of a hang.
 
+    With gradient accumulation, run every backward but the last inside :meth:`no_sync` (or
+    :meth:`set_requires_gradient_sync`): on a GPU the last one's gradients then cross to the host during
+    backward (docs/design.md section 5.1; ``stats()["handover"]`` says whether they do).
     ``step()`` reads ``p.grad``; parameters whose ``.grad`` is None take no part in that step. Use
     :meth:`flush` to land the last host update before evaluating or exporting weights, and
     :meth:`close` (or ``with ZenFlowAdamW(...) as opt:``) to stop the background worker.
