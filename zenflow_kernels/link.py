@@ -601,7 +601,7 @@ class RingLink(_Link):
 
         ``buf`` None: the gradient may still change before ``step()`` (the optimizer has not seen that it is
         final): it is copied as far as free slots allow, and step() hands the slots over (re-copying what
-        changed). ``buf`` given: the gradient is this step's, final (docs/design.md section 9): a slot that
+        changed). ``buf`` given: the gradient is this step's, final (docs/design.md section 5.1): a slot that
         is full goes to the accumulate worker at once, into acc[buf], and a hook that finds no free slot
         waits for one, so the ring keeps cycling during backward whatever the model's size. What such a
         hand-over commits is checked at ``step()`` (:meth:`accumulate`, :meth:`discard`)."""

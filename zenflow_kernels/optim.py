@@ -150,7 +150,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._seed_from_host = False
         self._pending: list[int] = []  # parameters whose host result awaits its write-back
         self._stats = _Telemetry()
-        # when gradients cross during backward (docs/design.md section 9): a hook hands a full staging slot to
+        # when gradients cross during backward (docs/design.md section 5.1): a hook hands a full staging slot to
         # the host only once the step's gradients are known final at their hooks: declared
         # (set_requires_gradient_sync / no_sync; the integrations), and seen so in a whole step first
         # ("learning" -> "on"); a step that shows otherwise (a hook firing twice, a gradient changed after
@@ -311,7 +311,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     EARLY_HANDOVER = True
     """Full staging slots go to the host from backward's hooks once the step's gradients are known final there
-    (docs/design.md section 9). False (on the class or an instance) leaves them to step(), as before: for
+    (docs/design.md section 5.1). False (on the class or an instance) leaves them to step(), as before: for
     comparison (bench.overlap)."""
 
     ZERO_BUCKET_NUMEL = 1 << 23
@@ -343,7 +343,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         ``set_requires_gradient_sync`` does for its reduce-scatter. Backward hooks copy nothing to the host
         while it is False (the gradients would change), and where every step's gradients are final at
         their hooks, full staging slots go to the host during the last backward instead of after it
-        (docs/design.md section 9). Undeclared accumulation stays exact; it only crosses after backward
+        (docs/design.md section 5.1). Undeclared accumulation stays exact; it only crosses after backward
         (one warning says so). The Hugging Face and Lightning callbacks declare it from the trainer."""
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(f"ZenFlowAdamW.set_requires_gradient_sync: requires_gradient_sync="
@@ -595,7 +595,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 f"ZenFlowAdamW: step {self.t} held inf/NaN gradients after {len(restarted)} parameters' finite "
                 "gradients had reached the host accumulation during backward; the step is skipped, and those "
                 "parameters' host interval restarts at the next step (a sum cannot be taken back; docs/design.md "
-                "section 9)")
+                "section 5.1)")
         elif restarted:
             self._warn_once(
                 "handover-restart",
@@ -612,7 +612,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                   "a second backward before step()" if repeat else
                                   "gradients changed between backward and step() (clipping, unscaling, an in-place "
                                   "write) or were not stepped")
-        elif self._handover == "on" and not ok and not skipped:
+        elif self._handover == "on" and (repeat or not ok and not skipped):
             self._handover = "off"
             self._handover_why = f"step {self.t}: " + ("a second backward" if repeat else "a gradient changed after "
                                                                                           "its hook")
@@ -1322,7 +1322,7 @@ class _Telemetry:
         self.selection_steps: list[int] = []
         self.jaccard: list[float] = []
         self.captured: list[float] = []
-        self.interval_restarts = 0  # parameters whose host interval restarted (docs/design.md section 9)
+        self.interval_restarts = 0  # parameters whose host interval restarted (docs/design.md section 5.1)
 
     def retire(self, link) -> None:
         """Keep a link's counters before it is replaced."""
@@ -1379,7 +1379,7 @@ class _Telemetry:
             # ZeRO: payload bytes each kind of collective carried (gradients, gradient presence, write-back,
             # host state, clipping norm, checkpoint); empty on one rank
             "host_bytes": opt.host_bytes(),
-            # gradients crossing during backward (docs/design.md section 9): "learning" (first step), "on" or
+            # gradients crossing during backward (docs/design.md section 5.1): "learning" (first step), "on" or
             # "off", why, and parameters whose host interval restarted because a hand-over could not stand
             "handover": opt._handover if opt.EARLY_HANDOVER else "off",
             "handover_why": opt._handover_why if opt.EARLY_HANDOVER else "EARLY_HANDOVER is False",
