@@ -369,3 +369,23 @@ def test_user_patterns_around_hand_over_keep_the_synchronous_bits(ring, seed):
     got, stats = run_patterns(seed)
     assert_same(want, got)
     assert stats["handover"] == "on" and stats["interval_restarts"] == 0 and stats["d2h_bytes_in_backward"] > 0
+
+
+def test_state_dict_between_backward_and_step_after_a_hand_over_is_refused(ring):
+    """Once hooks added part of a step's gradients to the host sums, a checkpoint before step() would hold half
+    a step: state_dict() says so instead; after step() it works, and nothing was changed by the refusal."""
+    model, data = mlp(), batches(4, micro=1)
+    with chaos(seed=0):
+        opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=dict(ZENFLOW, overlap_step=True))
+    with opt:
+        for x, y in (b[0] for b in data[:3]):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.stats()["handover"] == "on"
+        x, y = data[3][0]
+        F.mse_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) between backward and step\(\)"):
+            opt.state_dict()
+        opt.step()
+        assert opt.state_dict()["zenflow"]["t"] == 4

@@ -388,6 +388,12 @@ class _Link:
         self.hooks_clean = True
         self.restarted: set[int] = set()
 
+    @property
+    def handed_this_step(self) -> bool:
+        """Backward's hooks have added part of the coming step's gradients to the host sums already."""
+        early = getattr(self, "_early", None)
+        return early is not None and bool(early.handed)
+
     def take_step_report(self) -> tuple[bool, set[int]]:
         """``(hooks_clean, restarted)`` for the step just accumulated or discarded, reset for the next."""
         report = self.hooks_clean, self.restarted

@@ -1079,6 +1079,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                        seed_from_host=self._seed_from_host)
         zenflow["zero"] = dict(stage=self.zero_stage, world=self._shard.world, rank=self._shard.rank,
                                consolidated=consolidated)
+        if self._built and self._link.handed_this_step:
+            raise RuntimeError(
+                "ZenFlowAdamW.state_dict() between backward and step(): backward's hooks have already added part of "
+                "this step's gradients to the host sums (docs/design.md section 5.1), so a checkpoint now would hold "
+                "half a step. Save after step() (or before backward)")
         if self._built:
             self._drain()
             self._link.synchronize()  # accumulation, write-backs and offloaded state have all landed
