@@ -408,10 +408,15 @@ class _Link:
         try:
             return handle.wait()
         finally:
-            t1 = time.perf_counter()
-            self.waited_s += t1 - t0
-            if self.timeline is not None and t1 - t0 > 5e-5:  # blocked, not a check of a finished job
-                self.timeline.add("wait", "", t0, t1)
+            self._waited(t0)
+
+    def _waited(self, t0: float, label: str = "") -> None:
+        """The training thread (or a hook) waited since ``t0``: counted as stall, and on the timeline where
+        it blocked (not a check of a finished job)."""
+        t1 = time.perf_counter()
+        self.waited_s += t1 - t0
+        if self.timeline is not None and t1 - t0 > 5e-5:
+            self.timeline.add("wait", label, t0, t1)
 
     def submit_update(self, fn: Callable) -> Future:
         """Run a host update in the background (``overlap_step``); returns its completion."""
@@ -821,10 +826,7 @@ class RingLink(_Link):
     def join(self) -> None:
         t0 = time.perf_counter()
         self._engine.join()
-        t1 = time.perf_counter()
-        self.waited_s += t1 - t0
-        if self.timeline is not None and t1 - t0 > 1e-4:
-            self.timeline.add("wait", "join", t0, t1)
+        self._waited(t0, "join")
 
     def synchronize(self) -> None:
         if self._last_accumulate is not None:
