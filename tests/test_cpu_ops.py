@@ -447,7 +447,7 @@ def test_the_optimizers_gradient_norm_on_either_path(bad):
     """``sharding.sum_of_squares``, what step() reads the norm and the skip check from: the CPU path (this
     numba pass) and the GPU path (torch's multi-tensor fp32 norms, run here on CPU tensors) give the float64
     sum of squares, to float64 rounding and to fp32-norm rounding; non-finite exactly when a gradient is."""
-    from zenflow_kernels.sharding import _foreach_sum_of_squares, sum_of_squares
+    from zenflow_kernels.sharding.base import _foreach_sum_of_squares, sum_of_squares
 
     grads = _multi_case(1)
     if bad is not None:

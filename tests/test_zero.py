@@ -17,7 +17,7 @@ from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.config import ZenFlowConfig
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
-from zenflow_kernels.zero import owner_runs, owners
+from zenflow_kernels.sharding.zero_context import owner_runs, owners
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_worker  # noqa: E402

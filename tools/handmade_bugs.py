@@ -84,7 +84,7 @@ BUGS = [
     ),
     Bug(
         "exchange-span-from-zero",
-        "zenflow_kernels/zero.py",
+        "zenflow_kernels/sharding/zero_context.py",
         "span = host.out[dtype][lo:hi] if r == self.rank",
         "span = host.out[dtype][: hi - lo] if r == self.rank",
         "(c) the owner sends its copy-out from the start of its shard, as if the written-back parameters "
@@ -94,7 +94,7 @@ BUGS = [
     ),
     Bug(
         "exchange-span-read-from-zero",
-        "zenflow_kernels/zero.py",
+        "zenflow_kernels/sharding/zero_context.py",
         "exchange.received[s.index] = span[s.out_offset - lo : s.out_offset - lo + s.numel].view(",
         "exchange.received[s.index] = span[s.out_offset : s.out_offset + s.numel].view(",
         "(c) a replica reads the received span at the owner's shard offsets, as if it began at offset 0",

@@ -43,7 +43,7 @@ _EXPORTS = {
     "resolve_schedule": "zenflow_kernels.schedule",
     "ReferenceZenFlow": "zenflow_kernels.reference",
     "ZenFlowAdamW": "zenflow_kernels.optim",
-    "ZeroCollectiveError": "zenflow_kernels.zero",
+    "ZeroCollectiveError": "zenflow_kernels.sharding",
     "column_scores": "zenflow_kernels.ops",
     "topk_columns": "zenflow_kernels.ops",
     "selective_adamw_": "zenflow_kernels.ops",

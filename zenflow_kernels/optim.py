@@ -35,12 +35,10 @@ from ._memory import gather_columns
 from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings, num_selected
 from .cpu_ops.accumulate import accumulate_unchecked
 from .device_model import current_chaos
-from .fsdp2 import FSDP2, fsdp2_mesh
 from .host import HostWorkerError
 from .link import make_link
 from .schedule import Schedule, resolve_schedule
-from .sharding import Sharding, Zero1, Zero2
-from .zero import world_of
+from .sharding import FSDP2, Sharding, Zero1, Zero2, fsdp2_mesh, world_of
 
 __all__ = ["ZenFlowAdamW", "HostWorkerError"]
 
@@ -130,7 +128,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_params()
-        # how the ranks hold gradients and host state (sharding.py): the one thing that differs between one
+        # how the ranks hold gradients and host state (sharding/): the one thing that differs between one
         # process, ZeRO and FSDP2; the algorithm below is the same for all
         self._shard: Sharding = self._sharding(world, process_group, float(collective_timeout))
         self._shard.accept(self._params)

@@ -1,5 +1,5 @@
 """ZenFlowAdamW on FSDP2 (``torch.distributed.fsdp.fully_shard``): one more way of holding gradients behind
-the seam (sharding.py; docs/fsdp2.md).
+the seam (sharding/; docs/fsdp2.md).
 
 FSDP2 shards every parameter along dim 0 on a 1-D device mesh: a rank holds a block of rows of each
 ``[out, in]`` weight (``p.to_local()``, a view of FSDP2's sharded storage: writing it under ``no_grad``
@@ -14,7 +14,7 @@ those rows (``p.grad.to_local()``). ZenFlow's columns cross every rank's block, 
 * the gradient norm (clipping, the non-finite skip) and the host update's clipping norm are sums of
   squares over the ranks, so every rank decides the same.
 
-The collectives run on groups of their own over the mesh's ranks (zero.Collectives: timed, chaos delays,
+The collectives run on groups of their own over the mesh's ranks (collectives.Collectives: timed, chaos delays,
 errors naming the collective), not on the mesh's group, which FSDP2's own collectives use.
 """
 
@@ -25,18 +25,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .sharding import Sharding, column_scores, sum_of_squares
-from .zero import Collectives
+from .base import Sharding, column_scores, is_dtensor, sum_of_squares
+from .collectives import Collectives
 
-__all__ = ["FSDP2", "fsdp2_mesh", "is_dtensor"]
-
-
-def is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without distributed
-        return False
-    return isinstance(t, DTensor)
+__all__ = ["FSDP2", "fsdp2_mesh"]
 
 
 def fsdp2_mesh(params: Sequence[torch.Tensor]):

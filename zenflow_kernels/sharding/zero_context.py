@@ -31,37 +31,21 @@ which gradients exist), waits at most ``timeout`` seconds, and fails with a
 per kind for ``stats()``.
 """
 
+
 from __future__ import annotations
 
-import datetime
 import gc
 import math
-import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .device_model import Chaos, _Delays
-from .host import ALIGN, layout
+from ..device_model import Chaos
+from ..host import ALIGN, layout
+from .collectives import Collectives
 
-__all__ = [
-    "BucketReducer", "Exchange", "ZeroCollectiveError", "ZeroContext", "check_not_ddp", "owner_runs", "owners",
-    "world_of",
-]
-
-
-class ZeroCollectiveError(RuntimeError):
-    """A collective failed or timed out (another rank failed, hung or left)."""
-
-
-def world_of(process_group) -> int:
-    """The number of ranks ZenFlowAdamW partitions over: 1 without ``torch.distributed``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if process_group is not None:
-            raise ValueError("ZenFlowAdamW: process_group was given but torch.distributed is not initialised")
-        return 1
-    return dist.get_world_size(process_group)
+__all__ = ["BucketReducer", "Exchange", "ZeroContext", "check_not_ddp", "owner_runs", "owners"]
 
 
 def owner_runs(sizes: Sequence[int], world: int) -> list[int]:
@@ -100,136 +84,6 @@ def check_not_ddp(params: Sequence[torch.Tensor]) -> None:
                 "unwrapped model's parameters (model.module.parameters()) and do not wrap it in DDP"
             )
 
-
-class Collectives:
-    """Timed collectives over the ranks of ``process_group`` on groups of their own: the training
-    thread's, a gloo group for the host worker (two threads never interleave calls on one group) and a
-    gloo group for small per-step checks. Each waits at most ``timeout`` seconds and raises
-    :class:`ZeroCollectiveError` naming this rank, the collective and what it carried; bytes are counted
-    per kind.
-
-    Args:
-        process_group: the group to run over (None: the default group).
-        timeout: seconds any one collective may take.
-        chaos: ``testing.chaos`` settings: each rank sleeps a seeded random time (its own sequence) before
-            starting each collective, so the ranks arrive out of step and an asynchronous collective
-            completes late: a result read before its wait then differs on CPU.
-
-    Every rank of ``process_group`` must create it at the same point: creating its groups is collective.
-    """
-
-    def __init__(self, *, process_group, timeout: float, chaos: Chaos | None = None):
-        self.rank = dist.get_rank(process_group)
-        self.world = dist.get_world_size(process_group)
-        self.timeout = timeout
-        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-        delta = datetime.timedelta(seconds=timeout)
-        self._train = dist.new_group(ranks, timeout=delta)
-        self._host = dist.new_group(ranks, timeout=delta, backend="gloo")
-        # stage 2 checks which gradients exist while reductions the hooks started are in flight on _train
-        self._meta = dist.new_group(ranks, timeout=delta, backend="gloo")
-        self.bytes: dict[str, int] = {}
-        self.failed = False  # a collective failed: the ranks are out of step, no further collective
-        # one delay sequence per rank and per calling thread (training thread, host worker)
-        self._delays = None
-        if chaos is not None and chaos.max_delay > 0:
-            self._delays = {name: _Delays(Chaos(seed=chaos.seed * 7919 + 2 * self.rank + k, max_delay=chaos.max_delay))
-                            for k, name in enumerate(("train", "host"))}
-
-    # -- one collective ----------------------------------------------------------------------------
-
-    def _fail(self, kind: str, op: str, nbytes: int, exc: Exception) -> ZeroCollectiveError:
-        self.failed = True
-        return ZeroCollectiveError(
-            f"ZenFlowAdamW rank {self.rank} of {self.world}: {op} of {kind} ({nbytes} bytes) failed or took "
-            f"longer than {self.timeout:g} s; another rank probably failed or stopped calling step() "
-            f"({type(exc).__name__}: {exc})"
-        )
-
-    def start(self, kind: str, op: str, tensor: torch.Tensor, call, *, host: bool = False, group=None) -> tuple:
-        """Start a collective (``call()`` returns its work on ``group``, default the training group);
-        :meth:`finish` waits for it. ``host``: it runs on the host worker's group (and draws the host
-        worker's chaos delays)."""
-        group = self._host if host else (self._train if group is None else group)
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._delays is not None:
-            time.sleep(sum(self._delays["host" if host else "train"].draw()))
-        try:
-            work = call()
-        except Exception as exc:  # gloo/NCCL raise RuntimeError (or DistBackendError) for a dead peer
-            raise self._fail(kind, op, nbytes, exc) from exc
-        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
-        return (work, kind, op, nbytes, dist.get_backend(group) == "nccl")
-
-    def finish(self, handle: tuple) -> None:
-        work, kind, op, nbytes, nccl = handle
-        try:
-            if nccl:
-                # Work.wait(timeout) on NCCL polls a CPU core until the collective completes; without one it
-                # orders the current stream after it (no host wait) and the group's own timeout (given at
-                # new_group) ends a hung collective through NCCL's watchdog
-                work.wait()
-            else:  # gloo: a blocking wait, bounded here
-                work.wait(datetime.timedelta(seconds=self.timeout))
-        except Exception as exc:
-            raise self._fail(kind, op, nbytes, exc) from exc
-
-    def _run(self, kind: str, op: str, tensor: torch.Tensor, call, *, host: bool = False, group=None) -> None:
-        self.finish(self.start(kind, op, tensor, call, host=host, group=group))
-
-    def all_reduce_(self, tensor: torch.Tensor, kind: str, *, host: bool = False) -> torch.Tensor:
-        """Sum ``tensor`` over the ranks, in place (``host``: on the host worker's group)."""
-        group = self._host if host else self._train
-        self._run(kind, "all_reduce", tensor, lambda: dist.all_reduce(tensor, group=group, async_op=True), host=host)
-        return tensor
-
-    def broadcast_(self, tensor: torch.Tensor, src: int, kind: str) -> torch.Tensor:
-        """``tensor`` <- rank ``src``'s (``src`` is a rank of the partitioned group)."""
-        src_global = dist.get_global_rank(self._train, src)
-        self._run(kind, "broadcast", tensor,
-                  lambda: dist.broadcast(tensor, src=src_global, group=self._train, async_op=True))
-        return tensor
-
-    # -- what the optimizer asks for ---------------------------------------------------------------
-
-    def check_presence(self, active: Sequence[int], num_params: int) -> None:
-        """Every rank must have a gradient for the same parameters: one missing on some rank would leave
-        the ranks' collectives mismatched. One all-reduce of an int32 per parameter (its own group)."""
-        mask = torch.zeros(num_params, dtype=torch.int32)
-        mask[list(active)] = 1
-        group = self._meta
-        self._run("gradient presence", "all_reduce", mask, lambda: dist.all_reduce(mask, group=group, async_op=True),
-                  group=group)
-        bad = ((mask != 0) & (mask != self.world)).nonzero().flatten().tolist()
-        if bad:
-            self.failed = True
-            raise ValueError(
-                f"ZenFlowAdamW rank {self.rank}: parameters {bad[:8]} have a gradient on some ranks and not on "
-                "others; under ZeRO every rank must produce a gradient for the same parameters each step "
-                "(set unused parameters' .grad to zeros, or to None on every rank)"
-            )
-
-    def average_(self, grads: Sequence[torch.Tensor], kind: str) -> None:
-        """Average these tensors over the ranks, in place: one flat all-reduce per dtype."""
-        self.sum_(grads, kind, divide=True)
-
-    def sum_(self, tensors: Sequence[torch.Tensor], kind: str, *, divide: bool = False) -> None:
-        """Sum (``divide``: average) these tensors over the ranks, in place: one flat all-reduce per dtype."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for same in by_dtype.values():
-            flat = torch._utils._flatten_dense_tensors(same)
-            self.all_reduce_(flat, kind)
-            if divide:
-                flat.div_(self.world)
-            for t, total in zip(same, torch._utils._unflatten_dense_tensors(flat, same), strict=True):
-                t.copy_(total)
-
-    def sum_host(self, value: float) -> float:
-        """A float summed over the ranks, from the host worker (the clipping norm's squares)."""
-        t = torch.tensor([value], dtype=torch.float64)
-        return float(self.all_reduce_(t, "clipping norm", host=True))
 
 class ZeroContext(Collectives):
     """The ranks, the owner of every parameter, the other ranks' shard layouts and the collectives.

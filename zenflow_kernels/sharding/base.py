@@ -1,38 +1,23 @@
-"""How the ranks hold gradients and host state: the seam between ZenFlow's algorithm and data parallelism
-(docs/design.md, "The seam").
-
-``optim.py`` holds the algorithm once. What differs between one process, ZeRO-1, ZeRO-2 and FSDP2 is
-behind :class:`Sharding`: which parameters this rank's host shard holds, where a step's (averaged)
-gradient of a parameter comes from, and how column scores, the selected columns' gradients, the
-gradient norm, host state and the write-back cross ranks. One process is the base class itself.
-
-=================  =============  ======================  ===================  ===========================
-                   one process    ZeRO-1                  ZeRO-2               FSDP2 (fsdp2.py)
-=================  =============  ======================  ===================  ===========================
-host shard         every param    own run of params       own run of params    every param's local rows
-step's gradient    ``.grad``      ``.grad`` all-reduced   owner: reduced from  FSDP2's reduce-scattered
-                                  (averaged)              backward hooks       local shard
-column scores      local          local (same on every    owner's, all-reduced partial (local rows),
-                                  rank)                                        all-reduced (summed)
-selected columns'  ``.grad``      ``.grad``               owners' summed        local rows, no collective
-gradients
-gradient norm      local          local                   all-reduced          all-reduced
-host state         local          broadcast by its owner  broadcast by owner   local
-write-back         local          owners broadcast        owners broadcast     local (FSDP2 all-gathers)
-=================  =============  ======================  ===================  ===========================
-"""
+"""The seam's base: :class:`Sharding` is one process (every gradient the local ``.grad``, the host shard every
+parameter, nothing crossing ranks); ZeRO (zero.py) and FSDP2 (fsdp2.py) override what differs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from . import ops
-from .zero import BucketReducer, ZeroContext, check_not_ddp, owners
+from .. import ops
 
-__all__ = ["Sharding", "Zero1", "Zero2", "column_scores", "sum_of_squares"]
+__all__ = ["Sharding", "column_scores", "is_dtensor", "sum_of_squares"]
+
+
+def is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed
+        return False
+    return isinstance(t, DTensor)
 
 
 def column_scores(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], importances: Sequence) -> list:
@@ -59,7 +44,7 @@ def sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch
     fixed order (``cpu_ops.multi_sum_squares``; torch's ``_foreach_norm`` on CPU is a norm call per tensor,
     about 2 us each); elsewhere torch's multi-tensor norm."""
     if device.type == "cpu":
-        from .cpu_ops.accumulate import sum_squares_unchecked
+        from ..cpu_ops.accumulate import sum_squares_unchecked
 
         # (step() checked every gradient's device, dtype and layout)
         total = sum_squares_unchecked([g if g.is_contiguous() else g.contiguous() for g in grads])
@@ -94,7 +79,7 @@ class Sharding:
     rank = 0
     stage = 0
     owned: list[int] | None = None  # the parameters this rank's host shard holds (None: all)
-    reducer: BucketReducer | None = None
+    reducer = None  # ZeRO-2: the BucketReducer its hooks feed
     consumes_hooks = False  # backward hooks feed this sharding (ZeRO-2) rather than the link
     final_at_backward = True  # a gradient is final when backward produced it (ZeRO averages it in step())
     exchanges_selected = False  # selected_gradients() does something (else the fast step reads .grad alone)
@@ -109,8 +94,6 @@ class Sharding:
 
     def accept(self, params: Sequence[torch.Tensor]) -> None:
         """Refuse parameters this way of holding them cannot take (at construction)."""
-        from .fsdp2 import is_dtensor
-
         if any(is_dtensor(p) for p in params):
             raise ValueError("ZenFlowAdamW: some parameters are DTensors (FSDP2) and others are not: allowed all of "
                              "one kind (a model wrapped with fully_shard throughout, or plain parameters)")
@@ -216,150 +199,3 @@ class Sharding:
     def checkpoint_tensor(self, i: int, make: Callable[[], torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         """Parameter ``i``'s ``make()`` (an fp32 CPU tensor its holder computes) on every rank."""
         return make()
-
-
-class Zero1(Sharding):
-    """ZeRO-1: every gradient averaged on every rank (one flat all-reduce per dtype); each rank's host holds
-    its own run of parameters (zero.py), and owners broadcast what only they hold."""
-
-    stage = 1
-    final_at_backward = False
-
-    def __init__(self, process_group, timeout: float):
-        super().__init__()
-        self._group, self._timeout = process_group, timeout
-        self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        self.ctx: ZeroContext | None = None
-
-    def accept(self, params) -> None:
-        super().accept(params)
-        check_not_ddp(params)
-
-    def start(self, params, groups, device, chaos) -> None:
-        super().start(params, groups, device, chaos)
-        if self.ctx is None:  # once: creating its groups is collective (a reload keeps it)
-            self.ctx = ZeroContext(params, groups, process_group=self._group, timeout=self._timeout,
-                                   chaos=chaos if device.type == "cpu" else None)
-            self.bytes = self.ctx.bytes
-        self.owned = self.ctx.owned
-
-    @property
-    def failed(self) -> bool:
-        return self.ctx is not None and self.ctx.failed
-
-    def gather(self, active: list[int]) -> None:
-        self.ctx.check_presence(active, len(self.params))
-        self.ctx.average_([self.params[i].grad for i in active], "gradients")
-
-    def mine(self, indices) -> list[int]:
-        owned = set(self.owned)
-        return [i for i in indices if i in owned]
-
-    def from_host(self, i, make, shape, dtype, kind="host state") -> torch.Tensor:
-        return self.ctx.from_owner(i, make, shape, dtype, self.device, kind)
-
-    def sum_over_ranks(self):
-        return self.ctx.sum_host
-
-    def start_exchange(self, host, indices, dtypes):
-        return self.ctx.start_exchange(host, indices, dtypes)
-
-    def received(self, exchange, host, indices, dtypes, wait) -> dict:
-        if exchange is None:  # a synchronous update: hand them over now
-            exchange = self.ctx.start_exchange(host, indices, dtypes)
-        return wait(exchange)
-
-    def settle(self, exchange) -> None:
-        if exchange is not None:
-            exchange.wait()
-
-    def holds(self, i: int) -> bool:
-        return self.ctx.owner[i] == self.rank
-
-    def will_hold(self, params, groups) -> list[int]:
-        return [i for i, r in enumerate(owners(params, groups, self.world)) if r == self.rank]
-
-    def checkpoint_tensor(self, i, make, shape) -> torch.Tensor:
-        t = make() if self.holds(i) else torch.empty(shape, dtype=torch.float32)
-        return self.ctx.broadcast_(t.to(self.device), self.ctx.owner[i], "checkpoint").to("cpu")
-
-
-class Zero2(Zero1):
-    """ZeRO-2: each matrix's gradient reduced to its owner only, in buckets started from backward hooks
-    (``release``: its ``.grad`` let go as its bucket starts); owners score their matrices and the scores
-    are all-reduced; vectors averaged on every rank; the selected columns' averaged gradients summed from
-    their owners (or, keeping ``.grad``, the local selected columns averaged)."""
-
-    stage = 2
-    consumes_hooks = True
-    exchanges_selected = True
-
-    def __init__(self, process_group, timeout: float, *, release: bool, bucket_numel: int):
-        super().__init__(process_group, timeout)
-        self.release, self._bucket_numel = release, bucket_numel
-        self._averaged: dict[int, torch.Tensor] = {}
-
-    def start(self, params, groups, device, chaos) -> None:
-        super().start(params, groups, device, chaos)
-        order = [i for i in self.ctx.order if params[i].dim() == 2]
-        self.reducer = BucketReducer(self.ctx, params, order[::-1], self._bucket_numel, release=self.release)
-
-    def grad_ready(self, i, check, final=True) -> None:
-        p = self.params[i]
-        if p.dim() == 2:
-            if self.release:  # checked now: step() will not see it
-                check(i, p.grad)
-            elif not final:  # declared: a later micro-batch changes it; step() reduces what no hook started
-                return
-            self.reducer.grad_ready(i)
-
-    def active(self) -> list[int]:
-        # released gradients: a matrix whose bucket the hooks started has .grad None
-        arrived = self.reducer.arrivals
-        return [i for i, p in enumerate(self.params) if p.grad is not None or i in arrived]
-
-    def gather(self, active: list[int]) -> None:
-        self.ctx.check_presence(active, len(self.params))
-        self._averaged = self.reducer.finish(set(active))
-        self.ctx.average_([self.params[i].grad for i in active if self.params[i].dim() != 2], "vector gradients")
-
-    def grad(self, i: int) -> torch.Tensor:
-        averaged = self._averaged.get(i)
-        return averaged if averaged is not None else self.params[i].grad
-
-    def grad_norm(self, active: list[int]) -> float:
-        # owners' matrices, and the vectors once (rank 0), summed over the ranks
-        grads = [self._averaged[i] for i in active if i in self._averaged]
-        if self.rank == 0:
-            grads += [self.params[i].grad for i in active if self.params[i].dim() != 2]
-        return float(self.ctx.all_reduce_(sum_of_squares(grads, self.device), "gradient norm").sqrt())
-
-    def scores(self, indices, importances) -> list[torch.Tensor]:
-        # each owner scores its own matrices, exactly; one all-reduce hands every rank every score vector
-        kind = dict(zip(indices, importances, strict=True))
-        mine = [i for i in indices if i in self._averaged]
-        own = dict(zip(mine, column_scores([self._averaged[i] for i in mine], [self.params[i] for i in mine],
-                                           [kind[i] for i in mine]), strict=True))
-        flat = torch.cat([
-            own[i].float() if i in own else torch.zeros(self.params[i].shape[1], device=self.device)
-            for i in indices
-        ]) if indices else torch.zeros(0, device=self.device)
-        self.ctx.all_reduce_(flat, "selection scores")
-        return list(flat.split([self.params[i].shape[1] for i in indices]))
-
-    def selected_gradients(self, chosen):
-        chosen = [(i, sel) for i, sel in chosen if sel.numel()]
-        if self.release:  # each owner's averaged columns, zeros elsewhere, summed
-            compact = [
-                self._averaged[i][:, sel] if i in self._averaged
-                else torch.zeros(self.params[i].shape[0], sel.numel(), device=self.device,
-                                 dtype=self.reducer.grad_dtype.get(i, self.params[i].dtype))
-                for i, sel in chosen
-            ]
-            self.ctx.sum_(compact, "selected columns")
-            return {i: c for (i, _), c in zip(chosen, compact, strict=True)}
-        compact = [self.params[i].grad[:, sel] for i, sel in chosen]
-        self.ctx.average_(compact, "selected columns")
-        for (i, sel), avg in zip(chosen, compact, strict=True):
-            self.params[i].grad[:, sel] = avg
-        return None

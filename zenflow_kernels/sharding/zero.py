@@ -1,0 +1,159 @@
+"""ZeRO-1/2 behind the seam: :class:`Zero1` and :class:`Zero2` (the collectives and ownership are in
+zero_context.py; docs/design.md section 7)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .base import Sharding, column_scores, sum_of_squares
+from .zero_context import BucketReducer, ZeroContext, check_not_ddp, owners
+
+__all__ = ["Zero1", "Zero2"]
+
+
+class Zero1(Sharding):
+    """ZeRO-1: every gradient averaged on every rank (one flat all-reduce per dtype); each rank's host holds
+    its own run of parameters (zero_context.py), and owners broadcast what only they hold."""
+
+    stage = 1
+    final_at_backward = False
+
+    def __init__(self, process_group, timeout: float):
+        super().__init__()
+        self._group, self._timeout = process_group, timeout
+        self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.ctx: ZeroContext | None = None
+
+    def accept(self, params) -> None:
+        super().accept(params)
+        check_not_ddp(params)
+
+    def start(self, params, groups, device, chaos) -> None:
+        super().start(params, groups, device, chaos)
+        if self.ctx is None:  # once: creating its groups is collective (a reload keeps it)
+            self.ctx = ZeroContext(params, groups, process_group=self._group, timeout=self._timeout,
+                                   chaos=chaos if device.type == "cpu" else None)
+            self.bytes = self.ctx.bytes
+        self.owned = self.ctx.owned
+
+    @property
+    def failed(self) -> bool:
+        return self.ctx is not None and self.ctx.failed
+
+    def gather(self, active: list[int]) -> None:
+        self.ctx.check_presence(active, len(self.params))
+        self.ctx.average_([self.params[i].grad for i in active], "gradients")
+
+    def mine(self, indices) -> list[int]:
+        owned = set(self.owned)
+        return [i for i in indices if i in owned]
+
+    def from_host(self, i, make, shape, dtype, kind="host state") -> torch.Tensor:
+        return self.ctx.from_owner(i, make, shape, dtype, self.device, kind)
+
+    def sum_over_ranks(self):
+        return self.ctx.sum_host
+
+    def start_exchange(self, host, indices, dtypes):
+        return self.ctx.start_exchange(host, indices, dtypes)
+
+    def received(self, exchange, host, indices, dtypes, wait) -> dict:
+        if exchange is None:  # a synchronous update: hand them over now
+            exchange = self.ctx.start_exchange(host, indices, dtypes)
+        return wait(exchange)
+
+    def settle(self, exchange) -> None:
+        if exchange is not None:
+            exchange.wait()
+
+    def holds(self, i: int) -> bool:
+        return self.ctx.owner[i] == self.rank
+
+    def will_hold(self, params, groups) -> list[int]:
+        return [i for i, r in enumerate(owners(params, groups, self.world)) if r == self.rank]
+
+    def checkpoint_tensor(self, i, make, shape) -> torch.Tensor:
+        t = make() if self.holds(i) else torch.empty(shape, dtype=torch.float32)
+        return self.ctx.broadcast_(t.to(self.device), self.ctx.owner[i], "checkpoint").to("cpu")
+
+
+class Zero2(Zero1):
+    """ZeRO-2: each matrix's gradient reduced to its owner only, in buckets started from backward hooks
+    (``release``: its ``.grad`` let go as its bucket starts); owners score their matrices and the scores
+    are all-reduced; vectors averaged on every rank; the selected columns' averaged gradients summed from
+    their owners (or, keeping ``.grad``, the local selected columns averaged)."""
+
+    stage = 2
+    consumes_hooks = True
+    exchanges_selected = True
+
+    def __init__(self, process_group, timeout: float, *, release: bool, bucket_numel: int):
+        super().__init__(process_group, timeout)
+        self.release, self._bucket_numel = release, bucket_numel
+        self._averaged: dict[int, torch.Tensor] = {}
+
+    def start(self, params, groups, device, chaos) -> None:
+        super().start(params, groups, device, chaos)
+        order = [i for i in self.ctx.order if params[i].dim() == 2]
+        self.reducer = BucketReducer(self.ctx, params, order[::-1], self._bucket_numel, release=self.release)
+
+    def grad_ready(self, i, check, final=True) -> None:
+        p = self.params[i]
+        if p.dim() == 2:
+            if self.release:  # checked now: step() will not see it
+                check(i, p.grad)
+            elif not final:  # declared: a later micro-batch changes it; step() reduces what no hook started
+                return
+            self.reducer.grad_ready(i)
+
+    def active(self) -> list[int]:
+        # released gradients: a matrix whose bucket the hooks started has .grad None
+        arrived = self.reducer.arrivals
+        return [i for i, p in enumerate(self.params) if p.grad is not None or i in arrived]
+
+    def gather(self, active: list[int]) -> None:
+        self.ctx.check_presence(active, len(self.params))
+        self._averaged = self.reducer.finish(set(active))
+        self.ctx.average_([self.params[i].grad for i in active if self.params[i].dim() != 2], "vector gradients")
+
+    def grad(self, i: int) -> torch.Tensor:
+        averaged = self._averaged.get(i)
+        return averaged if averaged is not None else self.params[i].grad
+
+    def grad_norm(self, active: list[int]) -> float:
+        # owners' matrices, and the vectors once (rank 0), summed over the ranks
+        grads = [self._averaged[i] for i in active if i in self._averaged]
+        if self.rank == 0:
+            grads += [self.params[i].grad for i in active if self.params[i].dim() != 2]
+        return float(self.ctx.all_reduce_(sum_of_squares(grads, self.device), "gradient norm").sqrt())
+
+    def scores(self, indices, importances) -> list[torch.Tensor]:
+        # each owner scores its own matrices, exactly; one all-reduce hands every rank every score vector
+        kind = dict(zip(indices, importances, strict=True))
+        mine = [i for i in indices if i in self._averaged]
+        own = dict(zip(mine, column_scores([self._averaged[i] for i in mine], [self.params[i] for i in mine],
+                                           [kind[i] for i in mine]), strict=True))
+        flat = torch.cat([
+            own[i].float() if i in own else torch.zeros(self.params[i].shape[1], device=self.device)
+            for i in indices
+        ]) if indices else torch.zeros(0, device=self.device)
+        self.ctx.all_reduce_(flat, "selection scores")
+        return list(flat.split([self.params[i].shape[1] for i in indices]))
+
+    def selected_gradients(self, chosen):
+        chosen = [(i, sel) for i, sel in chosen if sel.numel()]
+        if self.release:  # each owner's averaged columns, zeros elsewhere, summed
+            compact = [
+                self._averaged[i][:, sel] if i in self._averaged
+                else torch.zeros(self.params[i].shape[0], sel.numel(), device=self.device,
+                                 dtype=self.reducer.grad_dtype.get(i, self.params[i].dtype))
+                for i, sel in chosen
+            ]
+            self.ctx.sum_(compact, "selected columns")
+            return {i: c for (i, _), c in zip(chosen, compact, strict=True)}
+        compact = [self.params[i].grad[:, sel] for i, sel in chosen]
+        self.ctx.average_(compact, "selected columns")
+        for (i, sel), avg in zip(chosen, compact, strict=True):
+            self.params[i].grad[:, sel] = avg
+        return None
