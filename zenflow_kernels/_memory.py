@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TRANSIENT_BYTES", "gather_columns", "transient_empty"]
+__all__ = ["TRANSIENT_BYTES", "gather_columns", "host_copy", "transient_empty"]
 
 TRANSIENT_BYTES = 32 << 20
 """The ceiling of glibc's dynamic mmap threshold on 64-bit Linux (``DEFAULT_MMAP_THRESHOLD_MAX``)."""
@@ -38,3 +38,10 @@ def gather_columns(src: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         return src[:, cols]
     out = transient_empty(numel, src.dtype).view(src.shape[0], cols.numel())
     return torch.index_select(src, 1, cols, out=out)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t`` (any device; a DTensor's caller passes its local tensor) in transient memory."""
+    out = transient_empty(t.numel(), t.dtype).view(t.shape)
+    out.copy_(t.detach())
+    return out

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from . import cpu_ops, ops
-from ._memory import gather_columns
+from ._memory import gather_columns, host_copy
 from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings, num_selected
 from .cpu_ops.accumulate import accumulate_unchecked
 from .device_model import current_chaos
@@ -125,6 +125,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # this step's selected columns' gradients where only those exist ({i: [R, k]}; ZeRO-2 released)
         self._compact: dict[int, torch.Tensor] | None = None
         self._exchange = None  # the owners' hand-over of the pending write-back, started by its host update
+        self._received = None  # ZeRO: that hand-over's results, taken inside flushed() before their write-back
+        self._unflushed: dict[int, torch.Tensor] | None = None  # inside flushed(): the weights to restore
+        self._flushed_depth = 0  # flushed() contexts open
+        self._flushed_held = False  # an integration holds the flushed weights (_hold_flushed)
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_params()
@@ -388,13 +392,78 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def flush(self) -> None:
         """Wait for any in-flight host update and write back every pending result, so the live weights
-        hold everything the host has computed (before evaluation, export or the end of training)."""
+        hold everything the host has computed, from now on (the end of training, export). The pending
+        result then lands one interval early and the run continues from it: to save or evaluate mid-run
+        without changing the run, use :meth:`flushed`. Inside :meth:`flushed` it keeps the flushed weights
+        (nothing is restored at the context's end)."""
         if not self._built:
             return
         self._drain()
+        self._unflushed = None  # inside flushed(): these weights stay (the write-back below is the real one)
         self._write_back(self._pending)
         self._pending = []
         self._link.join()
+
+    @contextlib.contextmanager
+    def flushed(self) -> Iterator[ZenFlowAdamW]:
+        """A context in which the parameters hold the flushed weights (what :meth:`flush` gives: every host
+        update computed so far applied) and after which they hold again, bit for bit, the weights training
+        continues from: save and evaluate inside it, and the run ends as it would without them
+        (docs/design.md section 5.2)::
+
+            with opt.flushed():
+                evaluate(model); torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+
+        ``state_dict()`` inside it records, for each parameter with a pending host result, the weights it
+        held before (``"unflushed"``), and ``load_state_dict`` writes them back into the parameters: load the
+        model first, then the optimizer (as torch.distributed.checkpoint, the Hugging Face Trainer and
+        Lightning do), and the resumed run is bit-identical to the uninterrupted one. Costs: host memory for
+        one copy of the parameters with a pending result (their dtype: 2 bytes per parameter in bf16,
+        freed at exit), no device memory; one device-to-host copy of them at entry, the pending write-back
+        (done again at its boundary), one host-to-device copy at exit. ``step()`` and ``load_state_dict()``
+        inside it are errors; contexts nest (the outermost restores)."""
+        self._enter_flushed()
+        self._flushed_depth += 1
+        try:
+            yield self
+        finally:
+            self._flushed_depth -= 1
+            self._leave_flushed()
+
+    @torch.no_grad()
+    def _enter_flushed(self) -> None:
+        """Parameters <- the flushed weights, keeping the live ones to restore (no-op when already inside)."""
+        if self._unflushed is not None or not self._built or self._closed:
+            return
+        if self._link.handed_this_step:
+            raise RuntimeError(
+                "ZenFlowAdamW.flushed() between backward and step(): backward's hooks have already added part of "
+                "this step's gradients to the host sums (docs/design.md section 5.1). Save or evaluate after "
+                "step() (or before backward)")
+        self._drain()
+        self._link.synchronize()  # the last write-back and fast step have landed in the live weights
+        self._unflushed = {i: host_copy(self._local[i]) for i in self._pending}
+        self._write_back(self._pending)  # (ZeRO: the owners' results are kept for the one at the boundary)
+        self._link.join()
+
+    @torch.no_grad()
+    def _leave_flushed(self) -> None:
+        """Restore the live weights kept at entry, once no context holds them any more."""
+        if self._flushed_depth or self._flushed_held or self._unflushed is None:
+            return
+        kept, self._unflushed = self._unflushed, None
+        self._link.join()
+        for i, t in kept.items():
+            self._local[i].copy_(t)
+
+    def _hold_flushed(self, held: bool) -> None:
+        """The integrations' form of :meth:`flushed`: from a callback before a save or an evaluation until one
+        after it (or the next batch's start)."""
+        self._flushed_held = held
+        if held:
+            self._enter_flushed()
+        else:
+            self._leave_flushed()
 
     def selected_columns(self, param: torch.Tensor) -> torch.Tensor | None:
         """The columns of a matrix parameter currently on the fast path (int64, sorted ascending, on the
@@ -485,6 +554,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._flushed_depth:
+            raise RuntimeError(
+                "ZenFlowAdamW.step() inside opt.flushed(): the parameters hold the flushed weights, which training "
+                "does not continue from; step after the with-block")
+        if self._flushed_held:  # an integration missed the hook that restores before the next forward
+            self._warn_once("held", "ZenFlowAdamW.step(): the weights flushed for a save or an evaluation were still "
+                            "in place when this step's forward ran (no callback restored them); restored now. The run "
+                            "differs from one without the save/evaluation from here on")
+            self._hold_flushed(False)
         if not self._built:
             self._build()
         self._link.check()
@@ -1036,15 +1114,25 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._stats.host_seconds.append(result["seconds"])
             self._exchange = result.get("exchange")
 
+    def _take_received(self, indices: list[int]) -> dict:
+        """ZeRO: the other owners' results for these parameters (the exchange is consumed once; a
+        :meth:`flushed` context keeps them for the write-back at the boundary)."""
+        if self._received is not None:
+            received, self._received = self._received, None
+            return received
+        exchange, self._exchange = self._exchange, None  # ZeRO: the owners' results reach every replica first
+        return self._shard.received(exchange, self._host, indices, {i: self._params[i].dtype for i in indices},
+                                    self._link.wait)
+
     @torch.no_grad()
     def _write_back(self, indices: list[int]) -> None:
         """Live weights <- the host copy-out buffers: the non-selected columns of each matrix with a
         selection, the whole parameter otherwise (vectors, warm-up)."""
         if not indices:
             return
-        exchange, self._exchange = self._exchange, None  # ZeRO: the owners' results reach every replica first
-        others = self._shard.received(exchange, self._host, indices, {i: self._params[i].dtype for i in indices},
-                                      self._link.wait)
+        others = self._take_received(indices)
+        if self._unflushed is not None:  # inside flushed(): this write-back lands again at its boundary
+            self._received = others
         items = []
         for i in indices:
             p = self._local[i]
@@ -1091,6 +1179,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in self.state[p].items()
                 }
                 st.update(acc_count=self._counts[self._acc_buf][i], pending=i in self._pending)
+                if self._unflushed is not None and i in self._unflushed:  # inside flushed(): what training holds
+                    st["unflushed"] = self._unflushed[i]
                 if consolidated:  # every parameter's host state, from the rank holding it
                     fields = {
                         name: self._from_host(i, name).to("cpu") for name in ("master", "exp_avg", "exp_avg_sq")
@@ -1127,6 +1217,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         :class:`ZenFlowWarning` first). A ``torch.optim.AdamW`` (or ``Adam``) state dict starts ZenFlow
         from its moments and step counts instead (see :meth:`_load_adam`). Anything else is an error, and
         nothing is changed before every check passed."""
+        if self._unflushed is not None:
+            raise RuntimeError("ZenFlowAdamW.load_state_dict() inside opt.flushed() (or while an integration holds the "
+                               "flushed weights): leave the context first")
         state_dict = self._shard.import_state_dict(state_dict, self)  # FSDP2: torch.distributed.checkpoint's form
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) or not \
                 isinstance(state_dict.get("state"), dict):
@@ -1153,11 +1246,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         saved_state = state_dict["state"]
         for idx, st in saved_state.items():
             p = self._shard.local(self._params[int(idx)])
-            if "host_master" in st and tuple(st["host_master"].shape) != tuple(p.shape):
-                raise ValueError(
-                    f"ZenFlowAdamW.load_state_dict: parameter {idx} was saved with shape "
-                    f"{tuple(st['host_master'].shape)}, this one is {tuple(p.shape)}"
-                )
+            for key in ("host_master", "unflushed"):
+                if key in st and tuple(st[key].shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"ZenFlowAdamW.load_state_dict: parameter {idx} was saved with shape "
+                        f"{tuple(st[key].shape)} ({key}), this one is {tuple(p.shape)}"
+                    )
         if zenflow.get("built"):
             # ZeRO: this rank needs the host state of the parameters it will hold (a consolidated dict, or a
             # dict saved by the same rank at the same world size, has it)
@@ -1207,6 +1301,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._counts[self._acc_buf][i] = int(st["acc_count"])
             if st["pending"]:
                 self._pending.append(i)
+            if "unflushed" in st:  # saved inside flushed(): the model holds the flushed weights, training these
+                self._local[i].copy_(st["unflushed"])
             fast = {k: v for k, v in st.items() if k not in _HOST_KEYS}
             self.state[p] = {
                 # copies: the optimizer must not share storage with the caller's state dict
@@ -1228,6 +1324,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._built, self._inflight = False, None
         self.state.clear()
         self._pending = []
+        self._received = None
         self._plan = None
 
     def _load_adam(self, state_dict: dict) -> None:
@@ -1290,7 +1387,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
 
 _FAST_STATE_KEYS = frozenset({"exp_avg", "exp_avg_sq", "master"})
-_HOST_KEYS = frozenset({"host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "acc", "acc_count", "pending"})
+_HOST_KEYS = frozenset({"host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "acc", "acc_count", "pending",
+                        "unflushed"})
 
 
 def _grad_ready_hook(ref: weakref.ref, i: int):

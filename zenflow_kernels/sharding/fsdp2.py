@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .._memory import host_copy
 from .base import Sharding, column_scores, is_dtensor, sum_of_squares
 from .collectives import Collectives
 
@@ -146,6 +147,11 @@ class FSDP2(Sharding):
             out = {k: self._sharded(st.pop(k), p) for k in self._SHARDED}
             out.update(host_step=int(st.pop("host_step")), acc_count=int(st.pop("acc_count")),
                        pending=int(st.pop("pending")))
+            # always present (torch.distributed.checkpoint loads only the keys a fresh optimizer's dict has): the
+            # weights training continues from when saved inside flushed(), else a copy of the live ones, unused
+            unflushed = st.pop("unflushed", None)
+            out["has_unflushed"] = int(unflushed is not None)
+            out["unflushed"] = self._sharded(host_copy(opt._local[i]) if unflushed is None else unflushed, p)
             low = p.dtype != torch.float32
             if p.dim() == 2:
                 k = opt.config.num_selected(p.shape[1])
@@ -184,6 +190,8 @@ class FSDP2(Sharding):
             st = {k: (v.to_local() if is_dtensor(v) else v) for k, v in st.items()}
             out = {k: st[k] for k in self._SHARDED}
             out.update(host_step=int(st["host_step"]), acc_count=int(st["acc_count"]), pending=bool(st["pending"]))
+            if int(st.get("has_unflushed", 0)):
+                out["unflushed"] = st["unflushed"]
             if int(st["has_fast"]):
                 names = [n for n in self._FAST if n in st]
                 if self.params[i].dim() == 2:
