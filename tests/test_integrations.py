@@ -106,7 +106,9 @@ def test_hf_checkpoints_hold_flushed_weights(tmp_path, with_callback):
     on_disk = load_file(str(tmp_path / "checkpoint-4" / "model.safetensors"))
     same = all(torch.equal(on_disk[k], flushed[k]) for k in on_disk)
     assert same == with_callback
-    assert all(torch.equal(before[k], flushed[k]) for k in before) == with_callback
+    # a host update was pending at the save (the case tests something); with the callback, on_save gave back
+    # the weights training continues from before this recorder ran
+    assert not all(torch.equal(before[k], flushed[k]) for k in before)
     if with_callback:
         assert opt._closed  # flushed and closed at the end of training
         final = load_file(str(tmp_path / "checkpoint-8" / "model.safetensors"))
@@ -172,6 +174,35 @@ def test_hf_resume_from_a_checkpoint_is_exact(tmp_path):
         assert torch.equal(straight[k], resumed[k]), k
 
 
+@pytest.mark.parametrize("seed", [None, 2])
+def test_hf_saving_and_evaluating_every_3_steps_leave_the_run_bit_identical(tmp_path, seed):
+    """12 steps of a GPT-2 with dropout, saving and evaluating every 3 (host updates every 3, pending at
+    each), end with the weights, bit for bit, of the same run that never saves or evaluates; on the
+    synchronous link and under chaos. The control: with ``isolated_rng=False`` the evaluation's draw from
+    torch's generator changes the dropout masks that follow (as it does for any optimizer)."""
+    from zenflow_kernels.integrations.transformers import ZenFlowCallback
+
+    runs = {}
+    for name, args, isolated in (("plain", dict(save_strategy="no", eval_strategy="no"), True),
+                                 ("saves", dict(save_steps=3, eval_steps=3), True),
+                                 ("shared-rng", dict(save_steps=3, eval_steps=3), False)):
+        model = tiny_gpt2()
+        assert model.config.resid_pdrop > 0  # dropout: the run draws from torch's generator every step
+        with chaos(seed=seed) if seed is not None else contextlib.nullcontext():
+            opt = ZenFlowAdamW(model.parameters(), lr=1e-2, zenflow=ZEN)
+        trainer = hf_trainer(tmp_path / name, model, optimizers=(opt, None), max_steps=12, **args)
+        for c in trainer.callback_handler.callbacks:
+            if isinstance(c, ZenFlowCallback):
+                c.isolated_rng = isolated
+        trainer.train()
+        runs[name] = flat_weights(model)
+        assert opt._closed and opt.host_updates >= 4
+    assert len(list((tmp_path / "saves").glob("checkpoint-*"))) == 4
+    for k, v in runs["plain"].items():
+        assert torch.equal(v, runs["saves"][k]), k
+    assert not all(torch.equal(v, runs["shared-rng"][k]) for k, v in runs["plain"].items())
+
+
 def test_hf_hands_over_the_epoch_length_in_optimizer_steps(tmp_path):
     zen = dict(topk_ratio=0.25, select_strategy="epoch", select_interval=1, update_interval=1)
     model = tiny_gpt2()
@@ -220,10 +251,11 @@ L = pytest.importorskip("lightning.pytorch")
 
 
 class TinyModule(L.LightningModule):
-    def __init__(self, zenflow, seed=0):
+    def __init__(self, zenflow, seed=0, dropout=0.0):
         super().__init__()
         torch.manual_seed(seed)
-        self.net = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 6))
+        self.net = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Dropout(dropout),
+                                       torch.nn.Linear(24, 6))
         self.zenflow = zenflow
         self.flushed_at_save = {}
 
@@ -257,29 +289,72 @@ def lightning_trainer(tmp_path, max_steps=8, **kw):
     return L.Trainer(**(defaults | kw))
 
 
+def ZenFlowCallbackFor():  # noqa: N802 (a factory: the import stays inside the tests that use Lightning)
+    from zenflow_kernels.integrations.lightning import ZenFlowCallback
+
+    return ZenFlowCallback()
+
+
 def loader(n=16, batch=4, seed=0):
     return torch.utils.data.DataLoader(pairs(n, seed), batch_size=batch)
 
 
+class FlushAt(TinyModule):
+    """Flushes after training step ``at`` and records the weights: what a checkpoint there should hold."""
+
+    def __init__(self, zenflow, at, seed=0, dropout=0.0):
+        super().__init__(zenflow, seed, dropout)
+        self.at, self.flushed = at, None
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_step == self.at:
+            self.trainer.optimizers[0].flush()
+            self.flushed = {k: v.clone() for k, v in self.state_dict().items()}
+
+
 def test_lightning_checkpoints_hold_flushed_weights_and_resume_exactly(tmp_path):
-    module = TinyModule(ZEN)
+    """Validating and checkpointing every epoch (4 steps) leaves a run with dropout bit-identical to one that
+    does neither; the checkpoint holds the weights flush() gives there, and resuming from it is exact. The
+    control: with ``isolated_rng=False`` validation's draw from torch's generator changes later dropout."""
+    module = TinyModule(ZEN, dropout=0.2)
     trainer = lightning_trainer(tmp_path / "a")
     trainer.fit(module, loader(), loader(8, seed=1))
     opt = trainer.optimizers[0]
     assert opt._closed
     final = {k: v.clone() for k, v in module.state_dict().items()}
-    ckpt = torch.load(tmp_path / "a" / "step=4.ckpt", weights_only=False)
-    # the weights in the checkpoint are the flushed ones: loading the optimizer state marks nothing pending
-    assert not any(st.get("pending") for st in ckpt["optimizer_states"][0]["state"].values())
-
-    resumed = TinyModule(ZEN, seed=3)
-    lightning_trainer(tmp_path / "b").fit(resumed, loader(), loader(8, seed=1),
-                                          ckpt_path=str(tmp_path / "a" / "step=4.ckpt"))
-    for k, v in resumed.state_dict().items():
+    plain = TinyModule(ZEN, dropout=0.2)
+    lightning_trainer(tmp_path / "p", enable_checkpointing=False, limit_val_batches=0,
+                      callbacks=[ZenFlowCallbackFor()]).fit(plain, loader())
+    for k, v in plain.state_dict().items():
         assert torch.equal(v, final[k]), k
+    shared = TinyModule(ZEN, dropout=0.2)
+    callback = ZenFlowCallbackFor()
+    callback.isolated_rng = False
+    lightning_trainer(tmp_path / "s", enable_checkpointing=False, callbacks=[callback]).fit(
+        shared, loader(), loader(8, seed=1))
+    assert not all(torch.equal(v, final[k]) for k, v in shared.state_dict().items())
+    ckpt = torch.load(tmp_path / "a" / "step=4.ckpt", weights_only=False)
+    # a host update was pending at the save: the optimizer state carries the weights training continued from
+    states = ckpt["optimizer_states"][0]["state"].values()
+    assert any(st.get("pending") for st in states) and all("unflushed" in st for st in states if st.get("pending"))
+    flush_at = FlushAt(ZEN, at=4, dropout=0.2)
+    lightning_trainer(tmp_path / "f", max_steps=4, enable_checkpointing=False, limit_val_batches=0,
+                      callbacks=[ZenFlowCallbackFor()]).fit(flush_at, loader())
+    for k, v in ckpt["state_dict"].items():
+        assert torch.equal(v, flush_at.flushed[k]), k
+
     end = torch.load(tmp_path / "a" / "step=8.ckpt", weights_only=False)
     for k, v in end["state_dict"].items():
         assert torch.equal(v, final[k]), k
+
+    # resume (without dropout: a Lightning checkpoint does not hold torch's generator, whatever the optimizer)
+    straight = TinyModule(ZEN)
+    lightning_trainer(tmp_path / "c").fit(straight, loader(), loader(8, seed=1))
+    resumed = TinyModule(ZEN, seed=3)
+    lightning_trainer(tmp_path / "b").fit(resumed, loader(), loader(8, seed=1),
+                                          ckpt_path=str(tmp_path / "c" / "step=4.ckpt"))
+    for k, v in resumed.state_dict().items():
+        assert torch.equal(v, straight.state_dict()[k]), k
 
 
 class RecordAtValidation(TinyModule):

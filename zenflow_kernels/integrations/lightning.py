@@ -11,18 +11,25 @@ Usage::
 What it does: before every backward, declares to every ZenFlowAdamW of the trainer whether it is a micro-batch
 that a later one still adds to (``accumulate_grad_batches``; ``set_requires_gradient_sync``), so that
 gradients cross to the host during the last micro-batch's backward and are not copied during the others;
-flushes them before validation, testing and prediction (``on_*_start``) and when a checkpoint is written
-(``on_save_checkpoint``: the checkpoint's model and optimizer states, collected before callbacks run, are
-taken again after the flush, so the ``.ckpt`` holds current weights), flushes and closes them at the end of
-training, and at the start of training gives them the epoch length in optimizer steps,
+gives the parameters the flushed weights (``ZenFlowAdamW.flushed()``: every host update computed so far
+applied) for validation, testing and prediction (``on_*_start``) and when a checkpoint is written
+(``on_save_checkpoint``: the checkpoint's model and optimizer states, collected before callbacks run, are taken
+again, so the ``.ckpt`` holds the flushed weights and an optimizer state that resumes the run exactly), and
+gives back the weights training continues from, bit for bit, before the next training batch
+(``on_train_batch_start``); a validation inside ``fit`` runs on its own random-number state
+(``isolated_rng=True``, the default: the generators as the last training batch left them are put back in
+``on_validation_end``): how often a run validates or saves does not change it. It flushes and closes them
+at the end of training, and at the start of training gives them the epoch length in optimizer steps,
 ``ceil(num_training_batches / accumulate_grad_batches)``, when they were built without one.
 """
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
-from . import find_zenflow, give_epoch_length
+from .._memory import host_copy
+from . import RandomState, find_zenflow, give_epoch_length
 
 __all__ = ["ZenFlowCallback"]
 
@@ -32,7 +39,7 @@ def _zenflow_optimizers(trainer) -> list:
 
 
 class ZenFlowCallback(Callback):
-    """Flush ZenFlowAdamW where Lightning reads weights, close it at the end, give it the epoch length."""
+    """Flushed weights where Lightning reads them (the run unchanged), close at the end, the epoch length."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         batches = trainer.num_training_batches
@@ -44,28 +51,48 @@ class ZenFlowCallback(Callback):
         for opt in _zenflow_optimizers(trainer):
             opt.set_requires_gradient_sync(final)
 
-    def _flush(self, trainer) -> None:
+    def _hold(self, trainer, held: bool) -> None:
         for opt in _zenflow_optimizers(trainer):
-            opt.flush()
+            opt._hold_flushed(held)
+
+    def __init__(self, isolated_rng: bool = True):
+        self.isolated_rng = isolated_rng
+        self._rng: RandomState | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.isolated_rng:  # (validation's data loader draws before on_validation_start: taken here)
+            self._rng = RandomState()
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        self._flush(trainer)
+        self._hold(trainer, True)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._rng is not None and getattr(trainer.state.fn, "value", None) == "fit":
+            # training continues after it (and ModelCheckpoint, which runs last, records the generators)
+            self._rng.restore()
 
     def on_test_start(self, trainer, pl_module) -> None:
-        self._flush(trainer)
+        self._hold(trainer, True)
 
     def on_predict_start(self, trainer, pl_module) -> None:
-        self._flush(trainer)
+        self._hold(trainer, True)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        self._flush(trainer)
-        # Lightning collected these before calling the callbacks: take them again, current
-        checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
+        self._hold(trainer, True)  # (already held after a validation: ModelCheckpoint saves at its end)
+        # Lightning collected these before calling the callbacks: take them again, flushed; host copies of the
+        # model's (its tensors are the parameters themselves, which the next batch restores, and a checkpoint
+        # may be written later, by an asynchronous CheckpointIO)
+        checkpoint["state_dict"] = {k: host_copy(v) if torch.is_tensor(v) else v
+                                    for k, v in trainer.strategy.lightning_module_state_dict().items()}
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._hold(trainer, False)  # the weights training continues from, before this batch's forward
 
     def on_train_end(self, trainer, pl_module) -> None:
         for opt in _zenflow_optimizers(trainer):
             opt.set_requires_gradient_sync(True)
+            opt._hold_flushed(False)
             opt.flush()
             opt.close()

@@ -10,13 +10,22 @@ What it does, and why: with ``gradient_accumulation_steps > 1`` it lets the opti
 whether that micro-batch is the last before the optimizer step (the Trainer sets accelerate's
 ``GradientState.sync_gradients`` before each one), so gradients are not copied to the host during the others
 (``ZenFlowAdamW.set_requires_gradient_sync``). The Trainer saves checkpoints
-(``checkpoint-N/model.safetensors``) and evaluates right after an optimizer step, and nothing in it knows that
-ZenFlow's non-selected columns are written back one interval late, so it would save and evaluate weights up to
-``update_interval`` steps stale. The callback flushes the optimizer in ``on_step_end`` / ``on_epoch_end``
-whenever the Trainer is about to save or evaluate (the default flow callback has decided by then), flushes and
-closes it at the end of training (``trainer.save_model()`` afterwards saves current weights), and at the start
-of training gives it the epoch length in optimizer steps, ``ceil(len(train_dataloader) /
-gradient_accumulation_steps)``, when it was built without one. A closed optimizer cannot step again: a second
+(``checkpoint-N/model.safetensors``)
+and evaluates right after an optimizer step, and nothing in it knows that ZenFlow's non-selected columns are
+written back one interval late, so it would save and evaluate weights up to ``update_interval`` steps stale.
+Whenever the Trainer is about to save or evaluate (``on_step_end`` / ``on_epoch_end``: the default flow
+callback has decided by then) the callback gives the parameters the flushed weights
+(``ZenFlowAdamW.flushed()``), and gives back the weights training continues from, bit for bit, after the save
+(``on_save``), after an evaluation not followed by a save (``on_evaluate``), or at the latest before the next
+step's first forward (``on_step_begin`` / ``on_epoch_begin``): how often a run saves or evaluates does not
+change it, and its optimizer checkpoint resumes it exactly. An evaluation runs on its own random-number state
+(``isolated_rng=True``, the default): the generators are put back in ``on_evaluate``, before a checkpoint
+records them, since the evaluation's data loader draws from torch's global generator and, with dropout, any
+optimizer's run would otherwise depend on how often it evaluates. At the last step it flushes for good (the end of
+training: before the Trainer loads a best model, if asked to), closes the optimizer at the end
+(``trainer.save_model()`` afterwards saves current weights), and at the start of training gives it the epoch
+length in optimizer steps, ``ceil(len(train_dataloader) / gradient_accumulation_steps)``, when it was built
+without one. A closed optimizer cannot step again: a second
 ``trainer.train()`` needs a new one.
 """
 
@@ -26,14 +35,14 @@ import warnings
 
 from transformers import TrainerCallback
 
-from . import find_zenflow, give_epoch_length
+from . import RandomState, find_zenflow, give_epoch_length
 
 __all__ = ["ZenFlowCallback"]
 
 
 class ZenFlowCallback(TrainerCallback):
-    """Flush ZenFlowAdamW before every save and evaluation and at the end of training, close it at the
-    end, and give it the epoch length (see the module docstring)."""
+    """Save and evaluate ZenFlowAdamW's flushed weights without changing the run, flush and close it at the end
+    of training, and give it the epoch length (see the module docstring)."""
 
     def _optimizer(self, kwargs):
         opt = find_zenflow(kwargs.get("optimizer"))
@@ -58,21 +67,57 @@ class ZenFlowCallback(TrainerCallback):
                 batches = None
             give_epoch_length([opt], batches, args.gradient_accumulation_steps, "ZenFlowCallback")
 
-    def _flush_if_needed(self, control, kwargs):
-        if control.should_save or control.should_evaluate:
+    def __init__(self, isolated_rng: bool = True):
+        self.isolated_rng = isolated_rng
+        self._rng: RandomState | None = None
+
+    def _before_save_or_evaluate(self, args, control, kwargs):
+        if control.should_evaluate and self.isolated_rng:
+            self._rng = RandomState()  # put back after the evaluation, before a checkpoint records it
+        if control.should_training_stop:  # the last step: flush for good before anything reads the weights
+            # (a best model loaded at the end must not get this run's pending update written over it)
             opt = self._optimizer(kwargs)
             if opt is not None:
+                opt._hold_flushed(False)
                 opt.flush()
+        elif control.should_save or control.should_evaluate:
+            opt = self._optimizer(kwargs)
+            if opt is not None:
+                opt._hold_flushed(True)
+
+    def _restore(self, kwargs):
+        opt = find_zenflow(kwargs.get("optimizer"))
+        if opt is not None:
+            opt._hold_flushed(False)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._flush_if_needed(control, kwargs)
+        self._before_save_or_evaluate(args, control, kwargs)
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        self._flush_if_needed(control, kwargs)
+        self._before_save_or_evaluate(args, control, kwargs)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._restore(kwargs)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self._rng is not None:
+            self._rng, rng = None, self._rng
+            rng.restore()
+        # a save may follow (should_save already set, or save_strategy="best" deciding from these metrics):
+        # on_save, or the next step's start, restores then
+        if not control.should_save and str(getattr(args.save_strategy, "value", args.save_strategy)) != "best":
+            self._restore(kwargs)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._restore(kwargs)
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._restore(kwargs)
 
     def on_train_end(self, args, state, control, **kwargs):
         opt = self._optimizer(kwargs)
         if opt is not None:
             opt._sync_source = None
+            opt._hold_flushed(False)
             opt.flush()
             opt.close()
