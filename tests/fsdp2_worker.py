@@ -167,15 +167,24 @@ def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> Non
             result["weights"][t] = [p.full_tensor().detach().clone() for p in params]
             if case["kind"] == "save" and t + 1 == case["save_at"]:
                 result["pending_at_save"] = opt._inflight is not None  # a host update in flight
-                dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                         checkpoint_id=checkpoint)
+                # flushed: save (and evaluate) the flushed weights inside opt.flushed(), training unchanged
+                with opt.flushed() if case.get("flushed") else contextlib.nullcontext():
+                    result["saved_weights"] = [p.full_tensor().detach().clone() for p in params]
+                    with torch.no_grad():
+                        model(data[0][0])  # an evaluation forward (FSDP2 all-gathers what the ranks hold)
+                    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                             checkpoint_id=checkpoint)
+            if case["kind"] == "flush" and t + 1 == case["save_at"]:  # what a save inside flushed() should hold
+                opt.flush()
+                result["saved_weights"] = [p.full_tensor().detach().clone() for p in params]
+                break
         opt.flush()
         result["flushed"] = [p.full_tensor().detach().clone() for p in params]
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
 
 
 def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
-    if case.get("kind") in ("save", "load"):
+    if case.get("kind") in ("save", "load", "flush"):
         return run_checkpoint_case(case, rank, world, out_dir)
     dtype = getattr(torch, case.get("dtype", "float32"))
     model = wrap(make_model(dtype=dtype), case)

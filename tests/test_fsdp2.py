@@ -238,12 +238,16 @@ def checkpoint_runs(tmp_path_factory):
     save = dict(name="save", kind="save", steps=14, save_at=5, zenflow=zen, checkpoint=str(tmp / "checkpoint"),
                 chaos=1, max_grad_norm=1.0)
     load = dict(save, name="load", kind="load")
+    # the same save inside opt.flushed() (with an evaluation forward), its resume, and a run flushing there
+    save_flushed = dict(save, name="save_flushed", flushed=True, checkpoint=str(tmp / "checkpoint_flushed"))
+    load_flushed = dict(save_flushed, name="load_flushed", kind="load")
+    flush = dict(save, name="flush", kind="flush")
     out = {}
     for world in (2, 1, 3):
         where = tmp / f"w{world}"
         where.mkdir()
-        results, done = launch([save, load] if world == 2 else [load], where, world=world, timeout=300.0,
-                               worker=WORKER)
+        cases = [save, save_flushed, flush, load, load_flushed] if world == 2 else [load, load_flushed]
+        results, done = launch(cases, where, world=world, timeout=300.0, worker=WORKER)
         for rc, _, err in done:
             assert rc == 0, err[-4000:]
         out[world] = results
@@ -269,3 +273,25 @@ def test_a_dcp_checkpoint_continues_at_any_world_size(checkpoint_runs, world):
                 assert torch.equal(a, b)
             else:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 1, 3])
+def test_a_dcp_save_inside_flushed_holds_the_flushed_weights_and_changes_nothing(checkpoint_runs, world):
+    """Saved inside ``opt.flushed()`` at 2 ranks: the run goes on bit-identical to the one saved outside it,
+    the checkpoint's model holds what flush() gives there, and loading it (model, then optimizer) continues
+    as loading the other checkpoint does, bit for bit, at every world size (the unflushed weights are
+    resharded with the rest)."""
+    runs = checkpoint_runs[2]
+    plain, flushed = runs["save"][0], runs["save_flushed"][0]
+    for t in plain["weights"]:
+        for a, b in zip(flushed["weights"][t], plain["weights"][t], strict=True):
+            assert torch.equal(a, b), f"step {t}: saving inside flushed() changed the run"
+    for a, b in zip(flushed["saved_weights"], runs["flush"][0]["saved_weights"], strict=True):
+        assert torch.equal(a, b)  # inside: the flushed weights
+    assert any(not torch.equal(a, c) for a, c in zip(flushed["saved_weights"], plain["saved_weights"],
+                                                      strict=True)), "nothing was pending at the save"
+    for other, this in zip(checkpoint_runs[world]["load"], checkpoint_runs[world]["load_flushed"], strict=True):
+        assert sorted(this["weights"]) == list(range(5, 14))
+        for t, weights in this["weights"].items():
+            for a, b in zip(weights, other["weights"][t], strict=True):
+                assert torch.equal(a, b), f"step {t} at {world} ranks: the flushed checkpoint resumes differently"
