@@ -135,6 +135,11 @@ CASES = [
 # the same run without the reloads: a rank that loads its own checkpoint continues bit for bit
 CASES_NO_RELOAD = [dict({k: v for k, v in CASES[-1].items() if k != "reload_at"},
                         name="s2_groups_first_missing_straight")]
+# "save" and "s2_save" saving inside opt.flushed() at steps 10 and 13: resuming from each save (ZeRO-1), going
+# on (ZeRO-2, chaos)
+CASES_FLUSHED = [dict(next(c for c in CASES if c["name"] == name), name=f"{name}_flushed", flushed_at=[10, 13],
+                      resume_at=resume, chaos=chaos) for name, chaos, resume in (("save", None, [10, 13]),
+                                                                                 ("s2_save", 1, []))]
 MODEL_CASES = [
     dict(name="model_s1", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=1),
     dict(name="model_s2", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=2),
@@ -177,7 +182,8 @@ def test_three_ranks_with_param_groups_and_missing_gradients(three_ranks, case):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
-    results, done = launch(CASES + CASES_NO_RELOAD + MODEL_CASES + [dict(name="errors", kind="errors")], tmp)
+    results, done = launch(CASES + CASES_NO_RELOAD + CASES_FLUSHED + MODEL_CASES + [dict(name="errors", kind="errors")],
+                           tmp)
     for rc, _out, err in done:
         assert rc == 0, err[-3000:]
     return results
@@ -356,6 +362,25 @@ def test_collective_bytes_are_reported_per_kind(two_ranks):
         assert moved["gradient presence"] == 20 * len(zero_worker.SHAPES) * 4
         assert moved["write-back"] > 0 and moved["host state"] > 0
         assert r["stats"]["collective_bytes_per_step"]["gradients"] == grad_bytes
+
+
+@pytest.mark.parametrize("case", CASES_FLUSHED, ids=[c["name"] for c in CASES_FLUSHED])
+def test_saving_inside_flushed_and_resuming_from_it_leave_zero_runs_bit_identical(two_ranks, case):
+    """ZeRO-1 and ZeRO-2 (chaos) at 2 ranks: each rank saves inside ``opt.flushed()`` at steps 10 and 13, and
+    resumes from each save (ZeRO-1: the flushed weights into the model, then the state) or goes on (ZeRO-2:
+    the context's write-back takes the other owner's broadcast result, kept for the write-back at the
+    boundary, so no byte moves twice); each ends bit-identical to the same run without them."""
+    straight = two_ranks[case["name"].removesuffix("_flushed")]
+    for r, s in zip(two_ranks[case["name"]], straight, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], s["params"], strict=True))
+        if not case["resume_at"]:
+            assert r["stats"]["collective_bytes"]["write-back"] == s["stats"]["collective_bytes"]["write-back"]
+        for t, (before, inside) in r["flushed"].items():
+            assert any(not torch.equal(a, b) for a, b in zip(before, inside, strict=True)), f"nothing pending at {t}"
+    ranks = two_ranks[case["name"]]
+    for t in case["flushed_at"]:  # every replica saw the same flushed weights
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["flushed"][t][1], ranks[1]["flushed"][t][1],
+                                                     strict=True))
 
 
 @pytest.mark.parametrize("name", ["save", "s2_save"])

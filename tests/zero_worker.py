@@ -199,6 +199,17 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
             for _ in range(case.get("reload_at", []).count(t + 1)):  # this rank's own checkpoint, loaded back
                 opt.load_state_dict(opt.state_dict())
                 count_hooks("reload")
+            if t + 1 in case.get("flushed_at", ()):  # save inside opt.flushed(), then resume from that save
+                before = [p.detach().clone() for p in params]
+                with opt.flushed():
+                    inside = [p.detach().clone() for p in params]
+                    sd = opt.state_dict()
+                result.setdefault("flushed", {})[t + 1] = (before, inside)
+                if t + 1 in case.get("resume_at", ()):
+                    with torch.no_grad():  # the model loaded from that checkpoint holds the flushed weights ...
+                        for p, w in zip(params, inside, strict=True):
+                            p.copy_(w)
+                    opt.load_state_dict(sd)  # ... the optimizer's state gives back the ones training continues from
             if save_at is not None and t + 1 == save_at:
                 result["consolidated"] = opt.consolidated_state_dict()
                 result["per_rank"] = opt.state_dict()
