@@ -78,8 +78,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     With gradient accumulation, run every backward but the last inside :meth:`no_sync` (or
     :meth:`set_requires_gradient_sync`): on a GPU the last one's gradients then cross to the host during
     backward (docs/design.md section 5.1; ``stats()["handover"]`` says whether they do).
-    ``step()`` reads ``p.grad``; parameters whose ``.grad`` is None take no part in that step. Use
-    :meth:`flush` to land the last host update before evaluating or exporting weights, and
+    ``step()`` reads ``p.grad``; parameters whose ``.grad`` is None take no part in that step. Save and
+    evaluate inside :meth:`flushed` (the flushed weights, then the ones training continues from, bit for
+    bit), use :meth:`flush` to land the last host update at the end of training or before an export, and
     :meth:`close` (or ``with ZenFlowAdamW(...) as opt:``) to stop the background worker.
     """
 
