@@ -64,9 +64,11 @@ def main(argv=None) -> int:
             loss.backward()
             opt.step()
             opt.zero_grad()
-        # a checkpoint: model and optimizer state (the optimizer drains its in-flight host update first)
+        # a checkpoint of the flushed weights (every host update computed so far applied) and the optimizer
+        # state; after the block the weights training continues from are back, bit for bit
         path = Path(tempfile.mkdtemp()) / "ckpt.pt"
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+        with opt.flushed():
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
         for x, y in data[half:]:
             loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
             loss.backward()
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     torch.manual_seed(1)
     again = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 16)).to(device)
     ckpt = torch.load(path, weights_only=False)
-    again.load_state_dict(ckpt["model"])
+    again.load_state_dict(ckpt["model"])  # the model first, then the optimizer
     with ZenFlowAdamW(again.parameters(), lr=3e-3, weight_decay=0.01, max_grad_norm=1.0, zenflow=zenflow) as opt2:
         opt2.load_state_dict(ckpt["opt"])
         for x, y in data[half:]:

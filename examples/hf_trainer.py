@@ -4,9 +4,10 @@
     python examples/hf_trainer.py             # about 10 seconds on CPU
     python examples/hf_trainer.py --steps 8   # shorter (the test suite runs it like this)
 
-ZenFlowCallback flushes the optimizer before every checkpoint and evaluation (so checkpoint-N holds
-current weights, not ones an interval stale), closes it at the end, and hands it the epoch length in
-optimizer steps. GPT-2's projections are ``Conv1D`` layers that store their weight as ``[in, out]``:
+ZenFlowCallback gives the model the flushed weights for every checkpoint and evaluation (so checkpoint-N
+holds current weights, not ones an interval stale) and the weights training continues from afterwards (so
+saving and evaluating do not change the run), closes the optimizer at the end, and hands it the epoch
+length in optimizer steps. GPT-2's projections are ``Conv1D`` layers that store their weight as ``[in, out]``:
 for them a ZenFlow "column" is an output feature, not an input channel as for ``nn.Linear``.
 """
 
