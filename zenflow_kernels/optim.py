@@ -460,10 +460,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _hold_flushed(self, held: bool) -> None:
         """The integrations' form of :meth:`flushed`: from a callback before a save or an evaluation until one
         after it (or the next batch's start)."""
-        self._flushed_held = held
         if held:
             self._enter_flushed()
+            self._flushed_held = self._unflushed is not None  # (not built yet, or closed: nothing to hold)
         else:
+            self._flushed_held = False
             self._leave_flushed()
 
     def selected_columns(self, param: torch.Tensor) -> torch.Tensor | None:
