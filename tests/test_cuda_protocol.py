@@ -24,9 +24,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zenflow_kernels import ZenFlowAdamW, link, zero
+from zenflow_kernels import ZenFlowAdamW, link
 from zenflow_kernels.host import HostWorkerError
 from zenflow_kernels.ops import use_backend
+from zenflow_kernels.sharding import zero_context
 from zenflow_kernels.testing import chaos
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -236,7 +237,7 @@ class _FakeWork:
 
 @pytest.mark.parametrize("backend,bounded", [("nccl", False), ("gloo", True)])
 def test_collectives_wait_without_polling_on_nccl_and_bounded_on_gloo(monkeypatch, backend, bounded):
-    ctx = object.__new__(zero.ZeroContext)
+    ctx = object.__new__(zero_context.ZeroContext)
     ctx.timeout, ctx._delays, ctx.bytes, ctx.failed = 7.0, None, {}, False
     ctx._train, ctx._host = object(), object()
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend if group is ctx._train else "gloo")
