@@ -1,0 +1,205 @@
+"""The NVMe tier's storage layer (issue 25, first step): host Adam state in a private file, streamed through
+the in-memory host's numba Adam block by block with the same bits, and every fault (no space, an I/O error
+at an offset, a short transfer) either handled or raised naming file and offset, with nothing left on disk."""
+
+import errno
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zenflow_kernels import cpu_ops
+from zenflow_kernels.state_files import FIELDS, StateFileError, StateFiles, _PosixIO
+from zenflow_kernels.streamed_adam import Run, streamed_adam_
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+
+
+def test_files_are_private_unique_reserved_and_removed(tmp_path):
+    a = StateFiles(tmp_path, 5000, block_numel=1024)
+    b = StateFiles(tmp_path, 5000, block_numel=1024)  # the same path, the same rank: no collision
+    assert a.path != b.path and os.path.dirname(a.path) != os.path.dirname(b.path)
+    assert stat.S_IMODE(os.stat(a.folder).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(a.path).st_mode) == 0o600
+    assert os.stat(a.path).st_size == a.nbytes == 5 * 1024 * 12  # reserved at creation
+    assert os.stat(a.path).st_blocks * 512 >= a.nbytes  # allocated, not a sparse file
+    a.close()
+    a.close()  # idempotent
+    assert not os.path.exists(a.folder) and os.path.exists(b.folder)
+    folder = b.folder
+    del b  # collected: removed too
+    assert not os.path.exists(folder)
+    assert os.listdir(tmp_path) == []
+
+
+def test_files_are_removed_at_interpreter_exit(tmp_path):
+    code = ("import sys; from zenflow_kernels.state_files import StateFiles\n"
+            f"f = StateFiles({str(tmp_path)!r}, 4096, block_numel=1024); print(f.folder); sys.stdout.flush()\n"
+            "import os; os.environ['KEEP_REF'] = f.folder\n")  # a live reference at exit
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and not os.path.exists(out.stdout.strip())
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(numel=-1), "numel=-1"), (dict(numel=True), "numel=True"), (dict(block_numel=1000), "block_numel=1000"),
+])
+def test_bad_arguments_are_refused_naming_them(tmp_path, bad, match):
+    with pytest.raises(ValueError, match=match):
+        StateFiles(tmp_path, **(dict(numel=10, block_numel=1024) | bad))
+    with pytest.raises(ValueError, match="not an existing directory"):
+        StateFiles(tmp_path / "missing", 10, block_numel=1024)
+    assert os.listdir(tmp_path) == []
+
+
+def test_too_little_space_fails_at_creation_naming_path_needed_and_free(tmp_path):
+    with pytest.raises(StateFileError, match=rf"needs {(1 << 46) * 12} bytes .* has \d+ bytes free") as info:
+        StateFiles(tmp_path, 1 << 46, block_numel=1 << 20)
+    assert info.value.errno == errno.ENOSPC and str(tmp_path) in str(info.value)
+    assert os.listdir(tmp_path) == []  # nothing left behind
+
+    class Full(_PosixIO):  # the space check passed, the reservation finds the disk full
+        @staticmethod
+        def fallocate(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(StateFileError, match=r"reserving 61440 bytes .* failed: No space left") as info:
+        StateFiles(tmp_path, 5000, block_numel=1024, io=Full())
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == []
+
+
+def test_fields_read_and_write_across_blocks(tmp_path):
+    files = StateFiles(tmp_path, 5000, block_numel=1024)
+    for field in FIELDS:
+        assert torch.equal(files.read(field, 0, 5000), torch.zeros(5000))  # reserved space reads as zeros
+    data = {f: torch.randn(5000, generator=torch.Generator().manual_seed(k)) for k, f in enumerate(FIELDS)}
+    for f in FIELDS:
+        files.write(f, 0, data[f])
+    files.write("exp_avg", 1000, torch.full((100,), 7.0))  # across the first block boundary
+    data["exp_avg"][1000:1100] = 7.0
+    for f in FIELDS:
+        assert torch.equal(files.read(f, 0, 5000), data[f])
+        assert torch.equal(files.read(f, 1023, 4097), data[f][1023:4097])
+    files.close()
+    with pytest.raises(StateFileError, match="after close"):
+        files.read("master", 0, 10)
+
+
+def _state(numel, seed):
+    g = torch.Generator().manual_seed(seed)
+    return dict(master=torch.randn(numel, generator=g), exp_avg=torch.randn(numel, generator=g) * 0.1,
+                exp_avg_sq=torch.rand(numel, generator=g) * 0.01, acc=torch.randn(numel, generator=g) * 3)
+
+
+def _in_memory(state, runs):
+    """The in-memory host's update of the same runs: one cpu_adam_ call per run."""
+    s = {k: v.clone() for k, v in state.items()}
+    outs = []
+    for lo, hi, dtype, adam in runs:
+        out = None if dtype is None else torch.empty(hi - lo, dtype=dtype)
+        cpu_ops.cpu_adam_(s["master"][lo:hi], s["acc"][lo:hi], s["exp_avg"][lo:hi], s["exp_avg_sq"][lo:hi], out=out,
+                          zero_grad=True, **adam)
+        outs.append(out)
+    return s, outs
+
+
+RUN_SETS = {
+    "one run, ragged": (5000, [(0, 5000, torch.bfloat16, dict(HYPER, step=3, grad_scale=4.0))]),
+    "runs sharing blocks": (5000, [(0, 1500, torch.float32, dict(HYPER, step=1, grad_scale=1.0)),
+                                   (1504, 2048, torch.float16, dict(HYPER, step=7, grad_scale=2.0)),
+                                   (3000, 3001, None, dict(HYPER, step=2, grad_scale=3.0, lr=0.1))]),
+    "gaps and the last element": (4097, [(16, 32, torch.bfloat16, dict(HYPER, step=5, grad_scale=1.0)),
+                                         (4096, 4097, torch.float32, dict(HYPER, step=1, grad_scale=1.0))]),
+    "smaller than a block": (100, [(0, 100, torch.float32, dict(HYPER, step=2, grad_scale=1.0))]),
+}
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("block_numel", [1024, 2048])
+@pytest.mark.parametrize("name", list(RUN_SETS))
+def test_streamed_adam_gives_the_in_memory_bits(tmp_path, name, block_numel, depth):
+    numel, runs = RUN_SETS[name]
+    state = _state(numel, seed=len(name))
+    expected, outs = _in_memory(state, runs)
+    files = StateFiles(tmp_path, numel, block_numel=block_numel)
+    for f in FIELDS:
+        files.write(f, 0, state[f])
+    acc = state["acc"].clone()
+    got_outs = [None if dtype is None else torch.empty(hi - lo, dtype=dtype) for lo, hi, dtype, _ in runs]
+    work = [Run(lo, hi, o, adam) for (lo, hi, _, adam), o in zip(runs, got_outs, strict=True)]
+    report = streamed_adam_(files, acc, work, depth=depth)
+    touched = {j for lo, hi, _, _ in runs for j in range(lo // block_numel, -(-hi // block_numel))}
+    assert report["blocks"] == len(touched)
+    for f in FIELDS:
+        assert torch.equal(files.read(f, 0, numel), expected[f]), f
+    assert torch.equal(acc, expected["acc"])  # zeroed where stepped, kept elsewhere
+    for a, b in zip(got_outs, outs, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    files.close()
+
+
+class FailAt(_PosixIO):
+    """``op`` ("read"/"write") raises ``code`` at the call whose file offset is ``offset``; transfers are cut
+    short to at most ``short`` bytes (a kernel may transfer less than asked)."""
+
+    def __init__(self, op=None, offset=None, code=errno.EIO, short=None):
+        self.op, self.offset, self.code, self.short, self.writes = op, offset, code, short, []
+
+    def _cut(self, bufs):
+        if self.short is None:
+            return bufs
+        out, left = [], self.short
+        for b in bufs:
+            if left <= 0:
+                break
+            out.append(b[:left])
+            left -= len(out[-1])
+        return out
+
+    def preadv(self, fd, bufs, offset):
+        if self.op == "read" and offset == self.offset:
+            raise OSError(self.code, os.strerror(self.code))
+        return os.preadv(fd, self._cut(bufs), offset)
+
+    def pwritev(self, fd, bufs, offset):
+        if self.op == "write" and offset == self.offset:
+            raise OSError(self.code, os.strerror(self.code))
+        self.writes.append(offset)
+        return os.pwritev(fd, self._cut(bufs), offset)
+
+
+def test_short_transfers_continue_where_they_stopped(tmp_path):
+    numel, runs = RUN_SETS["runs sharing blocks"]
+    state = _state(numel, seed=3)
+    expected, _ = _in_memory(state, runs)
+    files = StateFiles(tmp_path, numel, block_numel=1024, io=FailAt(short=5000))
+    for f in FIELDS:
+        files.write(f, 0, state[f])
+    streamed_adam_(files, state["acc"].clone(), [Run(lo, hi, None, adam) for lo, hi, _, adam in runs])
+    for f in FIELDS:
+        assert torch.equal(files.read(f, 0, numel), expected[f])
+
+
+@pytest.mark.parametrize("op, code", [("read", errno.EIO), ("write", errno.EIO), ("write", errno.ENOSPC)])
+def test_an_io_error_during_the_stream_raises_naming_file_and_offset(tmp_path, op, code):
+    numel = 8 * 1024
+    state = _state(numel, seed=5)
+    block_bytes = 1024 * 12
+    io = FailAt()
+    files = StateFiles(tmp_path, numel, block_numel=1024, io=io)
+    for f in FIELDS:
+        files.write(f, 0, state[f])
+    io.op, io.offset, io.code, io.writes = op, 3 * block_bytes, code, []
+    with pytest.raises(StateFileError, match=rf"{op} of {block_bytes} bytes at offset {3 * block_bytes} of "
+                                             rf".*rank0.state failed: {os.strerror(code)}") as info:
+        streamed_adam_(files, state["acc"].clone(), [Run(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))])
+    assert info.value.errno == code
+    # the blocks after the failed one were not written
+    assert all(offset < 3 * block_bytes for offset in io.writes), io.writes
+    folder = files.folder
+    files.close()
+    assert not os.path.exists(folder)
