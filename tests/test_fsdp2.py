@@ -277,14 +277,15 @@ def test_a_dcp_checkpoint_continues_at_any_world_size(checkpoint_runs, world):
 
 # -- HSDP: fully_shard on a 2-D mesh (replicate x shard), parameters placed (Replicate(), Shard(0)) ---------
 #
-# One launch at 4 ranks (2 replicas x 2 shards) runs every HSDP case: two trainings compared with one process
-# and a checkpoint saved and loaded at 4 ranks. The loads of that checkpoint into 1-D FSDP2 at 2 ranks and 1
-# rank ride on checkpoint_runs' launches (case "from_hsdp").
+# One launch at 4 ranks (2 replicas x 2 shards) runs every HSDP case: a training compared with one process
+# and a checkpoint saved and loaded at 4 ranks (both under testing.chaos). The loads of that checkpoint into
+# 1-D FSDP2 at 2 ranks and 1 rank ride on checkpoint_runs' launches (case "from_hsdp"). Kept to one training
+# case: the suite's time (this file's 1-D cases cover the settings; HSDP changes only the collectives' ranks).
 
 HSDP_MESH = [2, 2]
 HSDP_CASES = {
-    "hsdp": dict(zenflow=ZEN, max_grad_norm=0.5, mesh=HSDP_MESH),  # overlap, clipping active
-    "hsdp_chaos": dict(zenflow=dict(ZEN, update_interval=3), chaos=0, max_grad_norm=1.0, mesh=HSDP_MESH),
+    # overlap, clipping active, the asynchronous link and collectives delayed out of step
+    "hsdp": dict(zenflow=ZEN, max_grad_norm=0.5, chaos=0, mesh=HSDP_MESH),
 }
 
 

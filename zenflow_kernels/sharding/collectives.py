@@ -56,17 +56,19 @@ class Collectives:
         self.world = dist.get_world_size(process_group)
         self.timeout = timeout
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-        every = [ranks] if partition is None else [sorted(int(r) for r in group) for group in partition]
-        if partition is not None and sorted(ranks) not in every:
+        every = None if partition is None else [sorted(int(r) for r in group) for group in partition]
+        if every is not None and (ranks is None or sorted(ranks) not in every):
             raise ValueError(f"ZenFlowAdamW: ranks {ranks} are not one of the groups {every}")
-        self.where = "" if partition is None else f" (of global ranks {sorted(ranks)})"
+        self.where = "" if every is None else f" (of global ranks {sorted(ranks)})"
         delta = datetime.timedelta(seconds=timeout)
 
         def own(**kwargs):
+            if every is None:
+                return dist.new_group(ranks, timeout=delta, **kwargs)
             mine = None
             for group in every:  # every rank creates every group, in the same order
                 made = dist.new_group(group, timeout=delta, **kwargs)
-                if group == (None if ranks is None else sorted(ranks)):
+                if group == sorted(ranks):
                     mine = made
             return mine
 
@@ -76,11 +78,11 @@ class Collectives:
         self._meta = own(backend="gloo")
         self.bytes: dict[str, int] = {}
         self.failed = False  # a collective failed: the ranks are out of step, no further collective
-        # one delay sequence per rank (of the world: HSDP's replicas draw their own) and per calling thread
-        # (training thread, host worker)
+        # one delay sequence per rank (with a partition, per rank of the world: HSDP's replicas draw their own)
+        # and per calling thread (training thread, host worker)
         self._delays = None
         if chaos is not None and chaos.max_delay > 0:
-            seed_rank = dist.get_rank()
+            seed_rank = self.rank if every is None else dist.get_rank()
             self._delays = {name: _Delays(Chaos(seed=chaos.seed * 7919 + 2 * seed_rank + k, max_delay=chaos.max_delay))
                             for k, name in enumerate(("train", "host"))}
 
