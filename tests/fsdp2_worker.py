@@ -120,7 +120,10 @@ def wrap(model, case):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if case.get("mesh"):  # HSDP: (replicas, shards), parameters placed (Replicate(), Shard(0))
+        mesh = init_device_mesh("cpu", tuple(case["mesh"]), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     extra = {}
     if case.get("mixed_precision"):
         extra["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -183,6 +186,13 @@ def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> Non
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
 
 
+def _row_offset(p) -> int:
+    """The first global row of this rank's shard of DTensor ``p``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return int(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1][0])
+
+
 def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     if case.get("kind") in ("save", "load", "flush"):
         return run_checkpoint_case(case, rank, world, out_dir)
@@ -215,7 +225,9 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
         opt.flush()
         result["flushed"] = [p.full_tensor().detach().clone() for p in params]
         result.update(stats=opt.stats(), host_bytes=opt.host_bytes(), names=names,
-                      local_rows=[p.to_local().shape[0] for p in params])
+                      local_rows=[p.to_local().shape[0] for p in params],
+                      row_offsets=[_row_offset(p) for p in params],
+                      collective_world=opt._shard.ctx.world if opt._shard.ctx is not None else None)
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
 
 

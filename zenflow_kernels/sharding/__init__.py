@@ -21,6 +21,9 @@ host state         local          broadcast by its owner  broadcast by owner   l
 write-back         local          owners broadcast        owners broadcast     local (FSDP2 all-gathers)
 =================  =============  ======================  ===================  ===========================
 
+FSDP2 covers HSDP too (``fully_shard`` on a 2-D replicate x shard mesh): the same, with every collective over
+the shard dimension only (the replicas hold the same gradients and identical copies of the host state).
+
 Modules, each importing only those above it: ``base`` (:class:`Sharding`, one process), ``collectives``
 (timed collectives shared by ZeRO and FSDP2), ``zero_context`` (ZeRO's ownership, exchanges and buckets),
 ``zero`` (:class:`Zero1`, :class:`Zero2`), ``fsdp2`` (:class:`FSDP2`). ``optim.py`` imports this package;

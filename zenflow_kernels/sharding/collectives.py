@@ -42,26 +42,48 @@ class Collectives:
         chaos: ``testing.chaos`` settings: each rank sleeps a seeded random time (its own sequence) before
             starting each collective, so the ranks arrive out of step and an asynchronous collective
             completes late: a result read before its wait then differs on CPU.
+        partition: the ranks of every group of a partition of the world, ``process_group``'s among them
+            (HSDP: each replica's shard group). ``dist.new_group`` is collective over every rank of the world,
+            so every rank creates every group of the partition, in the same order, and keeps its own.
 
-    Every rank of ``process_group`` must create it at the same point: creating its groups is collective.
+    Every rank of ``process_group`` (with ``partition``: every rank of the world) must create it at the same
+    point: creating its groups is collective.
     """
 
-    def __init__(self, *, process_group, timeout: float, chaos: Chaos | None = None):
+    def __init__(self, *, process_group, timeout: float, chaos: Chaos | None = None,
+                 partition: Sequence[Sequence[int]] | None = None):
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self.timeout = timeout
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+        every = None if partition is None else [sorted(int(r) for r in group) for group in partition]
+        if every is not None and (ranks is None or sorted(ranks) not in every):
+            raise ValueError(f"ZenFlowAdamW: ranks {ranks} are not one of the groups {every}")
+        self.where = "" if every is None else f" (of global ranks {sorted(ranks)})"
         delta = datetime.timedelta(seconds=timeout)
-        self._train = dist.new_group(ranks, timeout=delta)
-        self._host = dist.new_group(ranks, timeout=delta, backend="gloo")
+
+        def own(**kwargs):
+            if every is None:
+                return dist.new_group(ranks, timeout=delta, **kwargs)
+            mine = None
+            for group in every:  # every rank creates every group, in the same order
+                made = dist.new_group(group, timeout=delta, **kwargs)
+                if group == sorted(ranks):
+                    mine = made
+            return mine
+
+        self._train = own()
+        self._host = own(backend="gloo")
         # stage 2 checks which gradients exist while reductions the hooks started are in flight on _train
-        self._meta = dist.new_group(ranks, timeout=delta, backend="gloo")
+        self._meta = own(backend="gloo")
         self.bytes: dict[str, int] = {}
         self.failed = False  # a collective failed: the ranks are out of step, no further collective
-        # one delay sequence per rank and per calling thread (training thread, host worker)
+        # one delay sequence per rank (with a partition, per rank of the world: HSDP's replicas draw their own)
+        # and per calling thread (training thread, host worker)
         self._delays = None
         if chaos is not None and chaos.max_delay > 0:
-            self._delays = {name: _Delays(Chaos(seed=chaos.seed * 7919 + 2 * self.rank + k, max_delay=chaos.max_delay))
+            seed_rank = self.rank if every is None else dist.get_rank()
+            self._delays = {name: _Delays(Chaos(seed=chaos.seed * 7919 + 2 * seed_rank + k, max_delay=chaos.max_delay))
                             for k, name in enumerate(("train", "host"))}
 
     # -- one collective ----------------------------------------------------------------------------
@@ -69,8 +91,8 @@ class Collectives:
     def _fail(self, kind: str, op: str, nbytes: int, exc: Exception) -> ZeroCollectiveError:
         self.failed = True
         return ZeroCollectiveError(
-            f"ZenFlowAdamW rank {self.rank} of {self.world}: {op} of {kind} ({nbytes} bytes) failed or took "
-            f"longer than {self.timeout:g} s; another rank probably failed or stopped calling step() "
+            f"ZenFlowAdamW rank {self.rank} of {self.world}{self.where}: {op} of {kind} ({nbytes} bytes) failed or "
+            f"took longer than {self.timeout:g} s; another rank probably failed or stopped calling step() "
             f"({type(exc).__name__}: {exc})"
         )
 

@@ -14,8 +14,16 @@ those rows (``p.grad.to_local()``). ZenFlow's columns cross every rank's block, 
 * the gradient norm (clipping, the non-finite skip) and the host update's clipping norm are sums of
   squares over the ranks, so every rank decides the same.
 
-The collectives run on groups of their own over the mesh's ranks (collectives.Collectives: timed, chaos delays,
-errors naming the collective), not on the mesh's group, which FSDP2's own collectives use.
+HSDP (``fully_shard`` on a 2-D mesh ``(replicate, shard)``; parameters placed ``(Replicate(), Shard(0))``) is
+the same within each replica: FSDP2 reduce-scatters over the shard dimension and all-reduces over the
+replicate dimension, so the replicas hold the same mean gradient of the same rows. Every collective above
+then runs over the shard dimension only (the replicas compute the same sums and select the same columns),
+and each replica's ranks hold identical copies of their rows' host state.
+
+The collectives run on groups of their own over the mesh's (shard) ranks (collectives.Collectives: timed,
+chaos delays, errors naming the collective), not on the mesh's groups, which FSDP2's own collectives use.
+Under HSDP every rank creates every replica's shard groups, in the same order (creating a group is
+collective over the whole world).
 """
 
 from __future__ import annotations
@@ -33,22 +41,26 @@ __all__ = ["FSDP2", "fsdp2_mesh"]
 
 
 def fsdp2_mesh(params: Sequence[torch.Tensor]):
-    """The 1-D device mesh FSDP2 shards these parameters over (every one a DTensor placed ``Shard(0)`` on it),
-    or None when none is a DTensor. Any other mix is an error naming what was found."""
+    """The device mesh FSDP2 shards these parameters over, or None when none is a DTensor: a 1-D mesh (every
+    parameter placed ``(Shard(0),)`` on it) or HSDP's 2-D mesh (every parameter placed ``(Replicate(),
+    Shard(0))``: replicate x shard). Any other mix or placement is an error naming what was found."""
     found = [p for p in params if is_dtensor(p)]
     if not found:
         return None
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     if len(found) != len(params):
         raise ValueError("ZenFlowAdamW: some parameters are DTensors (FSDP2) and others are not: allowed all of one "
                          "kind (a model wrapped with fully_shard throughout, or plain parameters)")
     mesh = found[0].device_mesh
+    allowed = {1: (Shard(0),), 2: (Replicate(), Shard(0))}
     for i, p in enumerate(found):
-        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        if tuple(p.placements) != allowed.get(p.device_mesh.ndim):
             raise ValueError(
-                f"ZenFlowAdamW: parameter {i} is a DTensor placed {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
-                "mesh: allowed FSDP2's (Shard(0),) on a 1-D mesh (fully_shard without tensor parallelism or HSDP)")
+                f"ZenFlowAdamW: parameter {i} (shape {tuple(p.shape)}) is a DTensor placed {tuple(p.placements)} on a "
+                f"{p.device_mesh.ndim}-D mesh: allowed FSDP2's (Shard(0),) on a 1-D mesh or HSDP's (Replicate(), "
+                "Shard(0)) on a 2-D (replicate, shard) mesh (fully_shard; tensor parallelism and other placements "
+                "are not supported)")
         if p.device_mesh != mesh:
             raise ValueError(f"ZenFlowAdamW: parameter {i} is sharded over another device mesh than parameter 0: "
                              "allowed one mesh")
@@ -56,12 +68,20 @@ def fsdp2_mesh(params: Sequence[torch.Tensor]):
 
 
 class FSDP2(Sharding):
-    """FSDP2's sharded parameters: this rank's rows of every parameter (module docstring)."""
+    """FSDP2's sharded parameters: this rank's rows of every parameter (module docstring); under HSDP the
+    collectives run over the shard dimension (``world`` and ``rank`` are within it)."""
 
     def __init__(self, mesh, timeout: float):
         super().__init__()
         self.mesh, self._timeout = mesh, timeout
-        self._group = mesh.get_group()
+        self.hsdp = mesh.ndim == 2  # replicate x shard: the collectives run over the shard dimension only
+        self._group = mesh.get_group(1) if self.hsdp else mesh.get_group()
+        # HSDP: every replica's shard ranks (the rows of the mesh), for creating every replica's groups
+        self._partition = [row.tolist() for row in mesh.mesh] if self.hsdp else None
+        if self.hsdp and mesh.mesh.numel() != dist.get_world_size():
+            raise ValueError(f"ZenFlowAdamW: HSDP's mesh {mesh.mesh.tolist()} covers {mesh.mesh.numel()} of the "
+                             f"{dist.get_world_size()} ranks: allowed a mesh over every rank")
+        # world and rank: within the shard group (a replica's ranks), which the host state is split over
         self.world, self.rank = dist.get_world_size(self._group), dist.get_rank(self._group)
         self.ctx: Collectives | None = None
 
@@ -72,7 +92,7 @@ class FSDP2(Sharding):
         super().start(params, groups, device, chaos)
         if self.ctx is None:  # once: creating its groups is collective (a reload keeps it)
             self.ctx = Collectives(process_group=self._group, timeout=self._timeout,
-                                   chaos=chaos if device.type == "cpu" else None)
+                                   chaos=chaos if device.type == "cpu" else None, partition=self._partition)
             self.bytes = self.ctx.bytes
 
     @property
