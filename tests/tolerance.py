@@ -14,7 +14,9 @@ parts, and so is the assertion:
   difference grows by at most about ``2 * lr`` per step whose update rounding noise decided. ``steps``
   counts those steps; a test that cannot tell which they were passes every step run (an upper count).
 
-"A few" is ``max_outliers`` elements or ``max_outlier_fraction`` of them, whichever allows more.
+"A few" is ``max_outliers`` elements (1: torchtune's case was one element) or ``max_outlier_fraction`` of
+them (0.1%), whichever allows more. None of the multi-rank comparisons in the tests has one today (the
+largest difference measured is 4.8e-7); the allowance is what the statement admits, not slack for a test.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from __future__ import annotations
 import torch
 
 TYPICAL = 1e-5
-MAX_OUTLIER_FRACTION = 0.01
-MAX_OUTLIERS = 4
+MAX_OUTLIER_FRACTION = 0.001
+MAX_OUTLIERS = 1
 
 
 def stated_bound(lr: float, steps: int, typical: float = TYPICAL) -> float:
