@@ -1,7 +1,8 @@
 """ZenFlowAdamW on FSDP2 (``fully_shard``) over gloo, CPU: processes started by the test, one per rank
 (tests/fsdp2_worker.py), each training on its slice of the same global batches. Every case must match
-one process on the whole batches (a plain model, ZenFlowAdamW) and the reference, step by step, select
-the same columns on every rank, and hold 1/world of the host state per rank.
+one process on the whole batches (a plain model, ZenFlowAdamW) and the reference, step by step, within the
+bound docs/design.md states ("Numeric guarantees"; tests/tolerance.py), select the same columns on every
+rank, and hold 1/world of the host state per rank.
 
 All cases of one world size run in one launch (process start-up shared); the failure cases need launches
 of their own. HSDP (4 ranks as 2 replicas x 2 shards) runs in one launch of its own and is compared with one
@@ -28,6 +29,7 @@ from zenflow_kernels.reference import ReferenceZenFlow
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fsdp2_worker as W  # noqa: E402
 from test_zero import free_port, launch  # noqa: E402
+from tolerance import assert_within_stated_bound  # noqa: E402
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -100,10 +102,12 @@ def _low_precision(case: dict) -> bool:
     return bool(case.get("mixed_precision") or case.get("dtype") == "bfloat16")
 
 
-def _assert_close(a: torch.Tensor, b: torch.Tensor, case: dict, what: str) -> None:
+def _assert_close(a: torch.Tensor, b: torch.Tensor, case: dict, what: str, steps: int) -> None:
+    """FSDP2 against one process after ``steps`` steps: the means of rank means round otherwise than the
+    whole batch's mean, so within the stated bound (docs/design.md, "Numeric guarantees"), not bit for bit."""
     a, b = a.float(), b.float()
     if not _low_precision(case):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+        assert_within_stated_bound(a, b, lr=W.HYPER["lr"], steps=steps, what=what)
         return
     # within bf16 noise: a column that fell the other way at a near tie moves by a few updates (lr 1e-2)
     diff = (a - b).abs()
@@ -126,13 +130,13 @@ def test_fsdp2_matches_one_process_and_the_reference(runs, name, world):
         assert base["selections"] == selections, "FSDP2 selected other columns than one process"
     for t, (got, want) in enumerate(zip(base["weights"], weights, strict=True)):
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            _assert_close(a, b, case, f"{name} world {world} step {t} param {i}")
+            _assert_close(a, b, case, f"{name} world {world} step {t} param {i}", t + 1)
     for i, (a, b) in enumerate(zip(base["flushed"], flushed, strict=True)):
-        _assert_close(a, b, case, f"{name} world {world} flushed param {i}")
+        _assert_close(a, b, case, f"{name} world {world} flushed param {i}", STEPS)
     if not _low_precision(case):
         _, _, ref = one_process(case, reference=True)
         for i, (a, b) in enumerate(zip(base["flushed"], ref, strict=True)):
-            _assert_close(a, b, case, f"{name} world {world} flushed param {i} vs the reference")
+            _assert_close(a, b, case, f"{name} world {world} flushed param {i} vs the reference", STEPS)
     stats = base["stats"]
     assert stats["steps"] == STEPS and stats["selections"] >= 3
     assert set(stats["collective_bytes"]) >= {"selection scores", "gradient norm"}
@@ -272,13 +276,15 @@ def test_a_dcp_checkpoint_continues_at_any_world_size(checkpoint_runs, world):
             for i, (a, b) in enumerate(zip(weights, base["weights"][t], strict=True)):
                 if world == 2:  # the same shards: the same bits
                     assert torch.equal(a, b), f"step {t} param {i} differs after the reload"
-                else:  # resharded: sums over other row blocks, within 1e-5
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        for a, b in zip(result["flushed"], base["flushed"], strict=True):
+                else:  # resharded: sums over other row blocks, within the stated bound from the resume on
+                    assert_within_stated_bound(a, b, lr=W.HYPER["lr"], steps=t + 1 - result["loaded_t"],
+                                               what=f"world {world} step {t} param {i}")
+        for i, (a, b) in enumerate(zip(result["flushed"], base["flushed"], strict=True)):
             if world == 2:
                 assert torch.equal(a, b)
             else:
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+                assert_within_stated_bound(a, b, lr=W.HYPER["lr"], steps=len(result["weights"]),
+                                           what=f"world {world} flushed param {i}")
 
 
 @pytest.mark.parametrize("world", [2, 1, 3])
@@ -336,21 +342,13 @@ def hsdp_runs(tmp_path_factory):
 # takes the whole batch's mean, and the two round differently; Adam normalises the update, so a column whose
 # gradient is rounding noise (|g| ~ eps) moves by up to lr on its first step either way. Hence: all but at
 # most 0.1% of the elements compared at a step (at least 1) within 1e-5, and none beyond 2 * lr * steps.
-# The bound: each Adam update of an element is at most lr in magnitude (Kingma & Ba, section 2.1: |m^/v^| <= 1
-# when 1 - beta1 <= sqrt(1 - beta2), here 0.1 <= 0.1; the fast step and the host step alike), so two runs that
-# start equal and take ``steps`` updates each differ by at most 2 * lr * steps (decoupled weight decay only
-# shrinks a difference). Measured (this machine): HSDP 2x2 vs one process at most 2.4e-7, no element beyond 1e-5.
-STATED_ATOL = 1e-5
-STATED_LOOSE_FRACTION = 1e-3
+# The tolerance against one process is the one docs/design.md section 10 states (tests/tolerance.py):
+# measured here, HSDP 2x2 vs one process at most 2.4e-7, no element beyond 1e-5.
 
 
 def _assert_within_stated_bound(got: list[torch.Tensor], want: list[torch.Tensor], steps: int, what: str) -> None:
-    diff = torch.cat([(a.float() - b.float()).abs().flatten() for a, b in zip(got, want, strict=True)])
-    loose = int((diff > STATED_ATOL).sum())
-    allowed = max(1, int(STATED_LOOSE_FRACTION * diff.numel()))
-    bound = 2 * W.HYPER["lr"] * steps
-    assert loose <= allowed, f"{what}: {loose} of {diff.numel()} elements beyond {STATED_ATOL} (allowed {allowed})"
-    assert diff.max() <= bound, f"{what}: max difference {diff.max():.3e} beyond 2 * lr * steps = {bound:.3e}"
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert_within_stated_bound(a, b, lr=W.HYPER["lr"], steps=steps, what=f"{what} param {i}")
 
 
 @pytest.mark.parametrize("name", list(HSDP_CASES))

@@ -1,6 +1,10 @@
 """ZeRO-1 over torch.distributed (gloo, CPU): processes started by the test, one per rank, as torchrun
 would start them (tests/zero_worker.py). Each rank gets a different gradient; their average is fed to
-one rank and to the reference, which the ranks must match."""
+one rank and to the reference, which the ranks must match as docs/design.md ("Numeric guarantees")
+states: replicas bit for bit among themselves; at 2 ranks bit for bit against one rank fed that average (a
+sum of two rounds the same in either order); at 3 ranks (the all-reduce's order of the sum), on half batches
+against one rank on the whole batch (a mean of rank means) and against the reference, within the stated
+bound (tests/tolerance.py)."""
 
 import json
 import os
@@ -21,6 +25,7 @@ from zenflow_kernels.sharding.zero_context import owner_runs, owners
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_worker  # noqa: E402
+from tolerance import assert_all_within_stated_bound  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(zero_worker.__file__)
@@ -101,6 +106,15 @@ def close(actual, expected, rtol=1e-5, atol=1e-6):
     return all(torch.allclose(a.float(), e.float(), rtol=rtol, atol=atol) for a, e in pairs)
 
 
+def assert_as_stated(actual, expected, case: dict, what: str, steps: int | None = None) -> None:
+    """Ranks against one rank (or the reference) where the bits are not the same (sums over other orders or
+    slices): within the stated bound of docs/design.md, "Numeric guarantees" (HYPER's lr: the largest of the
+    case's groups)."""
+    assert_all_within_stated_bound([a.float() for a in actual], [e.float() for e in expected],
+                                   lr=zero_worker.HYPER["lr"], steps=case["steps"] if steps is None else steps,
+                                   what=f"{case['name']}: {what}")
+
+
 CASES = [
     dict(name="sync", zenflow=ZEN, steps=20),
     dict(name="overlap", zenflow=dict(ZEN, overlap_step=True), steps=20),
@@ -175,8 +189,8 @@ def test_three_ranks_with_param_groups_and_missing_gradients(three_ranks, case):
     assert sorted(i for r in ranks for i in r["owned"]) == list(range(len(zero_worker.SHAPES)))
     for other in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], other["params"], strict=True))
-    assert close(ranks[0]["params"], single_rank(case, world=3))
-    assert close(ranks[0]["params"], reference(case, world=3))
+    assert_as_stated(ranks[0]["params"], single_rank(case, world=3), case, "3 ranks against 1 rank")
+    assert_as_stated(ranks[0]["params"], reference(case, world=3), case, "3 ranks against the reference")
 
 
 @pytest.fixture(scope="module")
@@ -196,9 +210,11 @@ def test_two_ranks_match_one_rank_and_the_reference(two_ranks, case):
     for other in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], other["params"], strict=True))
     one = single_rank(case, world=2)
-    assert close(ranks[0]["params"], one), "2 ranks on their halves differ from 1 rank on the average"
+    # 1 rank fed the average as the all-reduce computes it (g0 + g1, then / 2): the same bits
+    for i, (a, b) in enumerate(zip(ranks[0]["params"], one, strict=True)):
+        assert torch.equal(a, b), f"param {i}: 2 ranks differ from 1 rank on their average by {(a - b).abs().max()}"
     if case.get("dtype", "float32") == "float32":
-        assert close(ranks[0]["params"], reference(case, world=2)), "2 ranks differ from the reference"
+        assert_as_stated(ranks[0]["params"], reference(case, world=2), case, "2 ranks against the reference")
     # and the weights moved: the comparison is not between two copies of the initial values
     init = zero_worker.make_params(getattr(torch, case.get("dtype", "float32")))
     assert not close(ranks[0]["params"], init, rtol=1e-3, atol=1e-3)
@@ -275,7 +291,7 @@ def test_two_ranks_on_half_batches_match_one_rank_on_the_whole_batch(two_ranks, 
         zero_worker.train_model(model, opt, zero_worker.batch(case["steps"]), slice(0, 8), 1)
         opt.flush()
         one = [p.detach().clone() for p in model.parameters()]
-    assert close(ranks[0]["params"], one)
+    assert_as_stated(ranks[0]["params"], one, case, "2 ranks on half batches against 1 rank on the whole batch")
     assert not close(one, list(zero_worker.make_model().parameters()), rtol=1e-3, atol=1e-3)
     if case["zero_stage"] == 2:
         # the reductions started during backward, in buckets (from the second step on: the hooks are set
@@ -390,7 +406,8 @@ def test_a_consolidated_checkpoint_continues_on_one_rank(two_ranks, name):
     sd = ranks[0]["consolidated"]
     assert sd["zenflow"]["zero"] == dict(stage=case.get("zero_stage", 1), world=2, rank=0, consolidated=True)
     resumed = single_rank(case, world=2, state=(ranks[0]["params_at_save"], sd, case["save_at"]))
-    assert close(resumed, ranks[0]["params"])
+    # 1 rank fed the ranks' average continues the 2 ranks' run bit for bit (as 1 rank matches 2 above)
+    assert all(torch.equal(a, b) for a, b in zip(resumed, ranks[0]["params"], strict=True))
     # a rank's own dict holds only its parameters' host state, and says so when loaded elsewhere
     per_rank = ranks[1]["per_rank"]
     held = {i for i, st in per_rank["state"].items() if "host_master" in st}
