@@ -45,8 +45,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 16)).to(device)
-    zenflow = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step", select_interval=50,
-                   pt_reserved_cores_perc=1.0 if not cuda else 0.5)
+    zenflow = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step", select_interval=50)
     opt = ZenFlowAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, max_grad_norm=1.0, zenflow=zenflow,
                        zero_stage=args.zero_stage)
     batch = 16 * world

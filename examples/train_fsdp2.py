@@ -90,8 +90,7 @@ def main(argv=None) -> int:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    zenflow = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step", select_interval=20,
-                   pt_reserved_cores_perc=1.0 if not cuda else 0.5)
+    zenflow = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step", select_interval=20)
     opt = ZenFlowAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, max_grad_norm=1.0, zenflow=zenflow)
     batch, context = 8 * world, 32
     losses = []

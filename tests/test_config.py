@@ -42,6 +42,7 @@ ACCEPTED = [
     ("steps_per_epoch", None, None),
     ("steps_per_epoch", 1, 1),
     ("steps_per_epoch", 123, 123),
+    ("pt_reserved_cores_perc", "auto", "auto"),
     ("pt_reserved_cores_perc", 0, 0.0),
     ("pt_reserved_cores_perc", 0.25, 0.25),
     ("pt_reserved_cores_perc", 1.0, 1.0),
@@ -105,6 +106,9 @@ REJECTED = [
     ("pt_reserved_cores_perc", -0.5),
     ("pt_reserved_cores_perc", 2),
     ("pt_reserved_cores_perc", True),
+    ("pt_reserved_cores_perc", None),
+    ("pt_reserved_cores_perc", "AUTO"),
+    ("pt_reserved_cores_perc", "0.5"),
     ("importance", "l3"),
     ("importance", "L2"),
     ("importance", None),
@@ -174,12 +178,37 @@ def test_defaults_follow_deepspeed():
         "auto_ratio": 0.99,
         "full_warm_up_rounds": 0,
         "steps_per_epoch": None,
-        "pt_reserved_cores_perc": 0.5,
+        "pt_reserved_cores_perc": "auto",  # DeepSpeed's 0.5 on a GPU, 1.0 on a CPU-only run
         "importance": "l2",
         "max_update_interval": DEFAULT_MAX_UPDATE_INTERVAL,
         "device_accumulation": False,
         "selection_seed": 0,
     }
+
+
+def test_reserved_cores_auto_resolves_by_device_and_a_given_value_stays():
+    """``pt_reserved_cores_perc``: not given, 1.0 for CPU parameters (training and the host worker share the
+    cores) and DeepSpeed's 0.5 on a GPU; a value given is used on every device; the setting, not its
+    resolution, is what to_dict/from_dict (and so a checkpoint) carry."""
+    from zenflow_kernels.config import reserved_cores_perc
+
+    auto = ZenFlowConfig()
+    assert auto.pt_reserved_cores_perc == "auto"
+    assert [auto.reserved_cores_perc(d) for d in ("cpu", "cuda", "xpu")] == [1.0, 0.5, 0.5]
+    for given in (0.5, 1.0, 0.25, 0):
+        cfg = ZenFlowConfig(pt_reserved_cores_perc=given)
+        assert [cfg.reserved_cores_perc(d) for d in ("cpu", "cuda")] == [float(given)] * 2
+    assert reserved_cores_perc("auto", "cpu") == 1.0 and reserved_cores_perc(0.5, "cpu") == 0.5
+    with pytest.raises(ZenFlowConfigError, match=r"pt_reserved_cores_perc=2 is invalid: allowed 'auto' or a number"):
+        reserved_cores_perc(2, "cpu")
+    for cfg in (auto, ZenFlowConfig(pt_reserved_cores_perc=0.5)):
+        again = ZenFlowConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+        assert again == cfg and again.pt_reserved_cores_perc == cfg.pt_reserved_cores_perc
+    # a DeepSpeed config without the key is "auto" (0.5 on its GPUs, as DeepSpeed); with it, the value
+    ds = {"zero_optimization": {"zenflow": {"topk_ratio": 0.05}}}
+    assert ZenFlowConfig.from_dict(ds).reserved_cores_perc("cuda") == 0.5
+    ds["zero_optimization"]["zenflow"]["pt_reserved_cores_perc"] = 0.5
+    assert ZenFlowConfig.from_dict(ds).reserved_cores_perc("cpu") == 0.5
 
 
 def test_cross_field_rules():

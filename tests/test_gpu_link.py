@@ -86,3 +86,18 @@ def test_pinned_buffers_are_page_locked_at_their_exact_size():
     assert grown < 0.01 * hb["pinned_requested"], grown
     opt.close()
     assert opt._link.pinned_bytes()["pinned_requested"] == 0
+
+
+def test_cuda_parameters_keep_deepspeeds_core_split_by_default(monkeypatch):
+    """``pt_reserved_cores_perc="auto"`` is DeepSpeed's 0.5 for parameters on a GPU (1.0 only on a CPU-only
+    run: tests/test_reserved_cores.py)."""
+    from zenflow_kernels import cpu_ops
+
+    seen, real = [], cpu_ops.split_cores
+    monkeypatch.setattr(cpu_ops, "split_cores", lambda perc, cores=None: seen.append(perc) or real(perc, cores))
+    model = _model()
+    with ZenFlowAdamW(model.parameters(), zenflow=ZEN) as opt:
+        model(torch.randn(8, 1024, device="cuda")).square().mean().backward()
+        opt.step()
+        assert opt.config.pt_reserved_cores_perc == "auto"
+    assert seen == [0.5]

@@ -12,7 +12,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from .config import ZenFlowConfig, ZenFlowConfigError
+from .config import RESERVED_CORES_PERC_CPU, RESERVED_CORES_PERC_DEVICE, ZenFlowConfig, ZenFlowConfigError
 from .schedule import Schedule, resolve_schedule
 
 
@@ -54,11 +54,17 @@ def _fmt_steps(steps: list[int], limit: int = 24) -> str:
     return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
 
 
+_AUTO_NOTES = {
+    "pt_reserved_cores_perc": f"  ({RESERVED_CORES_PERC_CPU} for CPU parameters: training and the host worker share "
+                              f"the cores; {RESERVED_CORES_PERC_DEVICE} on a GPU)",
+}
+
+
 def explain(config: ZenFlowConfig, schedule: Schedule, steps: int) -> str:
     """The human-readable report printed by ``explain``."""
     lines = ["zenflow config:"]
     for key, value in config.to_dict().items():
-        lines.append(f"  {key} = {value!r}")
+        lines.append(f"  {key} = {value!r}" + (_AUTO_NOTES.get(key, "") if value == "auto" else ""))
     s = schedule
     lines.append("resolved schedule:")
     strategy_note = " (from 'auto')" if config.select_strategy == "auto" else ""

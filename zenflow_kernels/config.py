@@ -20,10 +20,17 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["ZenFlowConfig", "ZenFlowConfigError", "ZenFlowWarning", "DEFAULT_MAX_UPDATE_INTERVAL"]
+__all__ = ["ZenFlowConfig", "ZenFlowConfigError", "ZenFlowWarning", "DEFAULT_MAX_UPDATE_INTERVAL",
+           "reserved_cores_perc"]
 
 DEFAULT_MAX_UPDATE_INTERVAL = 32
 """Default bound on a Zen-auto update interval when the select interval does not bound it."""
+
+RESERVED_CORES_PERC_CPU = 1.0
+"""``pt_reserved_cores_perc="auto"`` for CPU parameters: training and the host worker share every core (the
+worker takes the threads torch leaves free; README, *Running without a GPU*)."""
+RESERVED_CORES_PERC_DEVICE = 0.5
+"""``pt_reserved_cores_perc="auto"`` for parameters on an accelerator: DeepSpeed's default."""
 
 
 class ZenFlowConfigError(ValueError):
@@ -49,11 +56,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_fraction(field: str, value: Any) -> float:
+def _check_fraction(field: str, value: Any, or_: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise _fail(field, value, "a number in [0, 1]")
+        raise _fail(field, value, f"{or_}a number in [0, 1]")
     if not 0.0 <= float(value) <= 1.0:
-        raise _fail(field, value, "a number in [0, 1]")
+        raise _fail(field, value, f"{or_}a number in [0, 1]")
     return float(value)
 
 
@@ -86,7 +93,9 @@ class ZenFlowConfig:
     full_warm_up_rounds: steps of plain synchronous host AdamW before selection starts.
     steps_per_epoch: optimizer steps in an epoch (None, or an integer >= 1).
     pt_reserved_cores_perc: fraction of this rank's cores reserved for training; the host worker
-        gets the rest.
+        gets the rest. ``"auto"`` (the default): 1.0 when the parameters are on the CPU (a CPU-only run:
+        training and the host worker share the cores), 0.5 (DeepSpeed's default) on a GPU; resolved when the
+        optimizer is built (:meth:`reserved_cores_perc`). A number given is used as given, on any device.
     importance: how columns are chosen: ``"l2"`` (top-k by sum of squares of the gradient's column),
         ``"l1"`` (sum of absolute values), ``"random"`` (a seeded uniform choice of k columns at every
         selection: the control experiment), or a callable ``scores(grad, param) -> [C] tensor`` (a
@@ -113,7 +122,7 @@ class ZenFlowConfig:
     auto_ratio: float = 0.99
     full_warm_up_rounds: int = 0
     steps_per_epoch: int | None = None
-    pt_reserved_cores_perc: float = 0.5
+    pt_reserved_cores_perc: float | str = "auto"
     importance: str | Callable = "l2"
     max_update_interval: int = DEFAULT_MAX_UPDATE_INTERVAL
     device_accumulation: bool = False
@@ -141,7 +150,9 @@ class ZenFlowConfig:
         set_(self, "full_warm_up_rounds", _check_int("full_warm_up_rounds", self.full_warm_up_rounds, 0))
         if self.steps_per_epoch is not None:
             set_(self, "steps_per_epoch", _check_int("steps_per_epoch", self.steps_per_epoch, 1))
-        set_(self, "pt_reserved_cores_perc", _check_fraction("pt_reserved_cores_perc", self.pt_reserved_cores_perc))
+        if not (isinstance(self.pt_reserved_cores_perc, str) and self.pt_reserved_cores_perc == "auto"):
+            set_(self, "pt_reserved_cores_perc",
+                 _check_fraction("pt_reserved_cores_perc", self.pt_reserved_cores_perc, "'auto' or "))
         set_(self, "importance", check_importance("importance", self.importance))
         set_(self, "max_update_interval", _check_int("max_update_interval", self.max_update_interval, 1))
         set_(self, "device_accumulation", _check_bool("device_accumulation", self.device_accumulation))
@@ -201,9 +212,23 @@ class ZenFlowConfig:
 
     # -- derived values ---------------------------------------------------------------------------
 
+    def reserved_cores_perc(self, device_type: str) -> float:
+        """``pt_reserved_cores_perc`` for parameters on a device of type ``device_type`` (``"cpu"``,
+        ``"cuda"``, ...): the number given, or what ``"auto"`` resolves to there (:func:`reserved_cores_perc`)."""
+        return reserved_cores_perc(self.pt_reserved_cores_perc, device_type)
+
     def num_selected(self, num_columns: int) -> int:
         """``k`` for a matrix of ``num_columns`` columns at this config's ``topk_ratio`` (:func:`num_selected`)."""
         return num_selected(self.topk_ratio, num_columns)
+
+
+def reserved_cores_perc(value: float | str, device_type: str) -> float:
+    """The ``pt_reserved_cores_perc`` a run uses: ``value`` when it is a number; for ``"auto"``,
+    ``RESERVED_CORES_PERC_CPU`` (1.0) when the parameters are on the CPU, where the training thread and the
+    host worker share the cores, else ``RESERVED_CORES_PERC_DEVICE`` (0.5, DeepSpeed's default)."""
+    if isinstance(value, str) and value == "auto":
+        return RESERVED_CORES_PERC_CPU if device_type == "cpu" else RESERVED_CORES_PERC_DEVICE
+    return _check_fraction("pt_reserved_cores_perc", value, "'auto' or ")
 
 
 def num_selected(topk_ratio: float, num_columns: int) -> int:

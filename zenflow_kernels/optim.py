@@ -231,7 +231,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         lazy state)."""
         self.device = self._params[0].device if self._params else torch.device("cpu")
         overlap = self.config.overlap_step
-        train_cores, host_cores = cpu_ops.split_cores(self.config.pt_reserved_cores_perc)
+        train_cores, host_cores = cpu_ops.split_cores(self.config.reserved_cores_perc(self.device.type))
         self._saved_torch_threads = None
         self._shard.start(self._params, self._group_of, self.device, self._chaos)
         # the tensors the algorithm reads and writes: the parameters themselves, or (FSDP2) this rank's rows
