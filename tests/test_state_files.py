@@ -118,14 +118,24 @@ RUN_SETS = {
 }
 
 
+def _direct_supported(path) -> bool:
+    try:
+        StateFiles(path, 1024, block_numel=1024, direct=True).close()
+        return True
+    except (StateFileError, ValueError):
+        return False
+
+
 @pytest.mark.parametrize("depth", [2, 3])
-@pytest.mark.parametrize("block_numel", [1024, 2048])
+@pytest.mark.parametrize("block_numel, direct", [(1024, False), (2048, False), (2048, True)])
 @pytest.mark.parametrize("name", list(RUN_SETS))
-def test_streamed_adam_gives_the_in_memory_bits(tmp_path, name, block_numel, depth):
+def test_streamed_adam_gives_the_in_memory_bits(tmp_path, name, block_numel, direct, depth):
+    if direct and not _direct_supported(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem has no O_DIRECT")
     numel, runs = RUN_SETS[name]
     state = _state(numel, seed=len(name))
     expected, outs = _in_memory(state, runs)
-    files = StateFiles(tmp_path, numel, block_numel=block_numel)
+    files = StateFiles(tmp_path, numel, block_numel=block_numel, direct=direct)
     for f in FIELDS:
         files.write(f, 0, state[f])
     acc = state["acc"].clone()

@@ -63,10 +63,13 @@ class StateFiles:
         numel: elements per field (the shard's flat fp32 size).
         block_numel: elements per block (a multiple of 1024, so that blocks stay 4 KiB-aligned).
         rank: names the file (``rank<r>.state``); ranks on one node share ``nvme_path`` safely anyway.
+        direct: open with ``O_DIRECT`` (the page cache does not hold the file; block buffers are page-aligned
+            and blocks 4 KiB multiples, as it requires); a filesystem without it (tmpfs) raises at creation.
         io: the system calls (tests pass a faulty one).
     """
 
-    def __init__(self, nvme_path, numel: int, *, block_numel: int = 1 << 20, rank: int = 0, io=None):
+    def __init__(self, nvme_path, numel: int, *, block_numel: int = 1 << 20, rank: int = 0, direct: bool = False,
+                 io=None):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"StateFiles: numel={numel!r} is invalid: allowed an int >= 0")
         if isinstance(block_numel, bool) or not isinstance(block_numel, int) or block_numel <= 0 or \
@@ -80,11 +83,19 @@ class StateFiles:
         self.nbytes = self.blocks * block_numel * _ITEM * len(FIELDS)
         self.folder = tempfile.mkdtemp(prefix="zenflow-state-", dir=path)  # 0700, a name nobody else has
         self.path = os.path.join(self.folder, f"rank{rank}.state")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        if direct:
+            if not hasattr(os, "O_DIRECT"):
+                shutil.rmtree(self.folder, ignore_errors=True)
+                raise ValueError("StateFiles: direct=True needs O_DIRECT, which this platform lacks")
+            flags |= os.O_DIRECT
+        self.direct = direct
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-        except OSError:
+            self._fd = os.open(self.path, flags, 0o600)
+        except OSError as exc:
             shutil.rmtree(self.folder, ignore_errors=True)
-            raise
+            raise StateFileError(exc.errno, f"ZenFlowAdamW NVMe state: creating {self.path} "
+                                 f"{'with O_DIRECT ' if direct else ''}failed: {exc.strerror or exc}") from exc
         self._finalizer = weakref.finalize(self, _remove, self._fd, self.folder)
         try:
             self._reserve()
