@@ -553,9 +553,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError("ZenFlowAdamW.step() after close()")
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         if self._flushed_depth:
             raise RuntimeError(
                 "ZenFlowAdamW.step() inside opt.flushed(): the parameters hold the flushed weights, which training "
@@ -565,6 +562,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             "in place when this step's forward ran (no callback restored them); restored now. The run "
                             "differs from one without the save/evaluation from here on")
             self._hold_flushed(False)
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         if not self._built:
             self._build()
         self._link.check()
