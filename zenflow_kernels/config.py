@@ -88,6 +88,11 @@ class ZenFlowConfig:
     update_interval: integer >= 1, or ``"auto"`` (Zen-auto: the host update is triggered by
         gradient magnitudes, bounded by ``max_update_interval`` and the select interval).
     overlap_step: run the host update of interval n in the background during interval n+1.
+    offload_device: where this rank's host Adam state (fp32 master, both moments) lives: ``"cpu"`` (host
+        memory, the default) or ``"nvme"`` (a file under ``nvme_path``, streamed through the host update:
+        docs/design.md section 9; one process only for now). DeepSpeed's
+        ``zero_optimization.offload_optimizer = {"device": "nvme", "nvme_path": ...}`` sets both.
+    nvme_path: the directory for the state files with ``offload_device="nvme"`` (else None).
     offload: keep the fast-path Adam state in host memory, streamed to the device around the step.
     auto_ratio: Zen-auto triggers when at least this fraction of the matrices need an update.
     full_warm_up_rounds: steps of plain synchronous host AdamW before selection starts.
@@ -127,6 +132,8 @@ class ZenFlowConfig:
     max_update_interval: int = DEFAULT_MAX_UPDATE_INTERVAL
     device_accumulation: bool = False
     selection_seed: int = 0
+    offload_device: str = "cpu"
+    nvme_path: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise values once, here
@@ -157,6 +164,16 @@ class ZenFlowConfig:
         set_(self, "max_update_interval", _check_int("max_update_interval", self.max_update_interval, 1))
         set_(self, "device_accumulation", _check_bool("device_accumulation", self.device_accumulation))
         set_(self, "selection_seed", _check_int("selection_seed", self.selection_seed, 0))
+        if self.offload_device not in ("cpu", "nvme"):
+            raise _fail("offload_device", self.offload_device, "'cpu' or 'nvme'")
+        if self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
+            raise _fail("nvme_path", self.nvme_path, "a directory path (str) or None")
+        if self.nvme_path is not None:
+            set_(self, "nvme_path", os.fspath(self.nvme_path))
+        if self.offload_device == "nvme" and self.nvme_path is None:
+            raise _fail("nvme_path", None, "a directory for the state files when offload_device='nvme'")
+        if self.offload_device == "cpu" and self.nvme_path is not None:
+            raise _fail("nvme_path", self.nvme_path, "None when offload_device='cpu' (it would be ignored)")
         if (
             self.select_strategy == "step"
             and _is_int(self.update_interval)
@@ -319,15 +336,20 @@ def _zenflow_block(data: dict, where: str) -> dict:
         zero = data["zero_optimization"]
         if not isinstance(zero, dict) or "zenflow" not in zero:
             raise ZenFlowConfigError(f"{where} is a DeepSpeed config without a zero_optimization.zenflow block")
-        for key in ("offload_optimizer", "offload_param"):
-            device = zero.get(key, {}).get("device") if isinstance(zero.get(key), dict) else None
-            if isinstance(device, str) and device.lower() == "nvme":
-                # read, so it must act or be refused: the host state is kept in memory (no NVMe tier yet)
-                raise ZenFlowConfigError(
-                    f"zero_optimization.{key}.device={device!r} in {where} is not supported: allowed \"cpu\" or "
-                    "\"none\" (ZenFlowAdamW keeps the optimizer's host state in host memory; NVMe offload would "
-                    "otherwise be silently ignored)")
-        block = zero["zenflow"]
+        device = zero.get("offload_param", {}).get("device") if isinstance(zero.get("offload_param"), dict) else None
+        if isinstance(device, str) and device.lower() == "nvme":
+            # read, so it must act or be refused: ZenFlow keeps the parameters on the device
+            raise ZenFlowConfigError(
+                f"zero_optimization.offload_param.device={device!r} in {where} is not supported: allowed \"cpu\" or "
+                "\"none\" (ZenFlowAdamW keeps the parameters on the device; NVMe would otherwise be silently "
+                "ignored). The optimizer's state can go to NVMe: offload_optimizer.device=\"nvme\"")
+        block = dict(zero["zenflow"]) if isinstance(zero["zenflow"], dict) else zero["zenflow"]
+        optimizer = zero.get("offload_optimizer")
+        device = optimizer.get("device") if isinstance(optimizer, dict) else None
+        if isinstance(block, dict) and isinstance(device, str) and device.lower() == "nvme":
+            # DeepSpeed's form of offload_device="nvme" (the zenflow block's own keys win)
+            block.setdefault("offload_device", "nvme")
+            block.setdefault("nvme_path", optimizer.get("nvme_path"))
     elif "zenflow" in data:
         block = data["zenflow"]
     else:

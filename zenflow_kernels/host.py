@@ -30,6 +30,7 @@ import torch
 
 from . import cpu_ops
 from .cpu_ops.accumulate import accumulate_unchecked
+from .streamed_adam import Run, streamed_adam_
 
 __all__ = ["HostShard", "HostWorker", "HostWorkerError", "Slot", "layout"]
 
@@ -115,20 +116,56 @@ class HostShard:
         num_acc: int,
         alloc: Callable[[int, torch.dtype], torch.Tensor] = _zeros,
         indices: Sequence[int] | None = None,
+        disk: Callable[[int], Any] | None = None,
     ):
         order, slots, offset = layout(params, groups, indices)
         self.numel = offset
         self.slots = slots  # by parameter index
         self.order = [slots[i] for i in order]  # by flat offset
-        self.master = alloc(offset, torch.float32)
-        self.exp_avg = alloc(offset, torch.float32)
-        self.exp_avg_sq = alloc(offset, torch.float32)
+        # disk (offload_device="nvme"): the master and moments in a file (state_files.StateFiles), never whole
+        # in memory; every access goes through field() / set_field()
+        self.disk = disk(offset) if disk is not None else None
+        self.master = self.exp_avg = self.exp_avg_sq = None
+        if self.disk is None:
+            self.master = alloc(offset, torch.float32)
+            self.exp_avg = alloc(offset, torch.float32)
+            self.exp_avg_sq = alloc(offset, torch.float32)
         self.acc = [alloc(offset, torch.float32) for _ in range(num_acc)]
         self.out = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()}
         self.host_step = [0] * len(params)  # owned like the master: by the host update in flight
         with torch.no_grad():
             for i in order:
-                self.view(self.master, i).copy_(params[i].detach())
+                self.set_field("master", i, params[i].detach())
+
+    def field(self, name: str, index: int) -> torch.Tensor:
+        """Parameter ``index``'s ``master``/``exp_avg``/``exp_avg_sq`` (its shape, fp32): a view of the buffer in
+        memory, or a copy read from the disk."""
+        if self.disk is None:
+            return self.view(getattr(self, name), index)
+        s = self.slots[index]
+        return self.disk.read(name, s.offset, s.offset + s.numel).view(s.shape)
+
+    def set_field(self, name: str, index: int, value: torch.Tensor) -> None:
+        """Parameter ``index``'s ``master``/``exp_avg``/``exp_avg_sq`` <- ``value`` (its shape, any float dtype)."""
+        if self.disk is None:
+            self.view(getattr(self, name), index).copy_(value)
+            return
+        s = self.slots[index]
+        self.disk.write(name, s.offset, value.detach().to("cpu", torch.float32).reshape(-1).contiguous())
+
+    def set_columns(self, name: str, index: int, cols: torch.Tensor, value: torch.Tensor) -> None:
+        """Columns ``cols`` of matrix ``index``'s field <- ``value`` ([R, len(cols)])."""
+        if self.disk is None:
+            self.view(getattr(self, name), index)[:, cols] = value
+            return
+        t = self.field(name, index)
+        t[:, cols] = value
+        self.set_field(name, index, t)
+
+    def close(self) -> None:
+        """Remove the state file (offload_device="nvme"); in memory, nothing to do."""
+        if self.disk is not None:
+            self.disk.close()
 
     def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s view (its shape) into one of the flat buffers."""
@@ -207,6 +244,9 @@ class HostShard:
             coef = min(1.0, max_grad_norm / (math.sqrt(total) + 1e-6))
         if wait_before_write is not None:
             wait_before_write.wait()
+        if self.disk is not None and last:  # streamed: the last gradient joins the sums first (the same fp32 add)
+            accumulate_unchecked([self.view(acc, i).view(-1) for i in last], [g.reshape(-1) for g in last.values()])
+            last = {}
         for i, grad in last.items():  # fused: acc + last gradient, step, copy-out, acc = 0
             s = self.slots[i]
             self.host_step[i] += 1
@@ -234,11 +274,18 @@ class HostShard:
             else:
                 runs.append([s])
             prev = s
+        streamed = []
         for run in runs:
             lo, hi = run[0].offset, run[-1].offset + run[-1].numel
             out_lo = run[0].out_offset  # flat neighbours of one dtype are neighbours in its copy-out buffer too
             first = run[0].index
             step = self.host_step[first] + 1
+            if self.disk is not None:
+                streamed.append(Run(lo, hi, self.out[run[0].dtype][out_lo : out_lo + hi - lo],
+                                    dict(step=step, grad_scale=counts[first] / coef, **hyper[run[0].group])))
+                for s in run:
+                    self.host_step[s.index] = step
+                continue
             cpu_ops.cpu_adam_(
                 self.master[lo:hi],
                 acc[lo:hi],
@@ -252,6 +299,8 @@ class HostShard:
             )
             for s in run:
                 self.host_step[s.index] = step
+        if streamed:
+            streamed_adam_(self.disk, acc, streamed)
         return {"seconds": time.perf_counter() - t0, "params": len(todo), "runs": len(runs), "fused": len(last)}
 
 

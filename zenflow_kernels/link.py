@@ -429,10 +429,13 @@ class _Link:
         host = self.host
 
         def size(*ts):
-            return sum(t.untyped_storage().nbytes() for t in ts)
+            return sum(t.untyped_storage().nbytes() for t in ts if t is not None)
 
-        return {"master": size(host.master), "exp_avg": size(host.exp_avg), "exp_avg_sq": size(host.exp_avg_sq),
-                "accumulation": size(*host.acc), "copy_out": size(*host.out.values()), "staging": self.staging_bytes}
+        out = {"master": size(host.master), "exp_avg": size(host.exp_avg), "exp_avg_sq": size(host.exp_avg_sq),
+               "accumulation": size(*host.acc), "copy_out": size(*host.out.values()), "staging": self.staging_bytes}
+        if host.disk is not None:  # the master and moments are on disk: their bytes there, not in memory
+            out["disk"] = host.disk.nbytes
+        return out
 
     def pinned_bytes(self) -> dict[str, int]:
         """Page-locked host memory (a CUDA link's), requested and reserved; empty where nothing is pinned."""
@@ -450,6 +453,7 @@ class _Link:
     def close(self) -> None:
         for w in self.workers:
             w.close()
+        self.host.close()  # an NVMe host's state file is removed (after the workers that read it stopped)
 
     @staticmethod
     def _write_back_work(items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> Callable:
@@ -863,23 +867,24 @@ def make_link(
     chaos: Chaos | None,
     indices: Sequence[int] | None = None,
     num_acc: int | None = None,
+    disk=None,
 ):
     """The link for parameters on ``device``: CUDA -> RingLink(CudaEngine); CPU -> CpuLink, or, when
     ``chaos`` is given, RingLink(ThreadEngine) with its delays. ``indices``: the parameters whose host
     state this rank holds (ZeRO; default all). ``num_acc``: accumulation buffers (default 2 with
-    ``overlap``, else 1)."""
+    ``overlap``, else 1). ``disk``: ``disk(numel)`` makes the state file of an NVMe host (HostShard)."""
     common = dict(overlap=overlap, host_threads=host_threads, cores=cores, timeout=timeout)
     if num_acc is None:
         num_acc = 2 if overlap else 1
     if device.type == "cuda":
         engine = CudaEngine(device)
-        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices)
+        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices, disk=disk)
         return RingLink(host, engine, kind="cuda", **common)
     if chaos is not None:
         delays = _Delays(chaos) if chaos.max_delay > 0 else None
         engine = ThreadEngine(timeout=timeout, delays=delays, d2h_bytes_per_s=chaos.d2h_bytes_per_s,
                               h2d_bytes_per_s=chaos.h2d_bytes_per_s, timeline=chaos.timeline)
-        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices)
+        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices, disk=disk)
         return RingLink(host, engine, kind="cpu-async", delays=delays, **common)
-    host = HostShard(params, groups, num_acc=num_acc, indices=indices)
+    host = HostShard(params, groups, num_acc=num_acc, indices=indices, disk=disk)
     return CpuLink(host, **common)

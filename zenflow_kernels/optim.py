@@ -193,6 +193,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _sharding(self, world: int, process_group, timeout: float) -> Sharding:
         """One process, ZeRO-1/2 over ``torch.distributed`` or FSDP2 (DTensor parameters)."""
         mesh = fsdp2_mesh(self._params)
+        if self.config.offload_device == "nvme" and (mesh is not None or world > 1):
+            raise ValueError(
+                "ZenFlowAdamW: zenflow offload_device='nvme' with " + ("FSDP2 (DTensor) parameters" if mesh is not None
+                                                                      else f"{world} ranks")
+                + " is not supported yet: allowed one process (offload_device='cpu' works at any world size)")
         if mesh is not None:
             if self.zero_stage:
                 raise ValueError(
@@ -262,6 +267,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             indices=self._shard.owned,
             # double-buffered accumulation only where the host accumulates while an update reads
             num_acc=2 if overlap and not self.config.device_accumulation else 1,
+            disk=self._state_files(),
         )
         self._host = self._link.host
         # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket
@@ -290,6 +296,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
         self._finalizer = weakref.finalize(self, _shutdown, self._link, self._saved_torch_threads, hooks)
         self._built = True
+
+    def _state_files(self):
+        """offload_device="nvme": how the host shard makes its state file (None: host memory)."""
+        if self.config.offload_device != "nvme":
+            return None
+        from .state_files import StateFiles
+
+        path, rank = self.config.nvme_path, self._shard.rank
+        block, direct = self.NVME_BLOCK_NUMEL, self.NVME_DIRECT
+        return lambda numel: StateFiles(path, numel, block_numel=block, rank=rank, direct=direct)
+
+    NVME_BLOCK_NUMEL = 1 << 20
+    """offload_device="nvme": elements per block of the state file (12 MiB a block; the update streams
+    three blocks at a time)."""
+    NVME_DIRECT = True
+    """offload_device="nvme" opens the state file with O_DIRECT (the page cache does not hold it;
+    bench.nvme). False (on the class or an instance, before the first step) uses the page cache."""
 
     def _grad_ready(self, i: int, p: torch.Tensor) -> None:
         """Backward finished parameter ``i``'s gradient: start its copy to the host if the host path will
@@ -523,13 +546,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         (the ring of an asynchronous link, bounded), their sum ``total`` and ``per_parameter`` (over
         the parameters this rank's host holds: under ZeRO its own run). Beside them, not in ``total``:
         ``fast_state`` (the fast path's Adam state in host memory: on a CPU run, or offloaded) and
-        ``device_sums`` (``device_accumulation``'s buffer when the device is the CPU). On a GPU also
+        ``device_sums`` (``device_accumulation``'s buffer when the device is the CPU), and with
+        ``offload_device="nvme"`` ``disk`` (the state file: master and moments, 12 bytes per parameter; then
+        ``master``, ``exp_avg`` and ``exp_avg_sq`` are 0 and the update's block buffers are not counted). On a GPU also
         ``pinned_requested`` and ``pinned_reserved`` (the page-locked bytes of those buffers, locked at their
         exact size; docs/design.md section 9)."""
         if not self._built:
             return {}
         out = self._link.host_bytes()
-        total = sum(out.values())
+        total = sum(v for k, v in out.items() if k != "disk")  # memory only: the state file's bytes are beside it
         held = sum(self._local[i].numel() for i in self._host.slots)
         storages = {}  # views share their storage (the flat step counts): each counted once
         for st in self.state.values():
@@ -804,7 +829,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         host, p = self._host, self._local[i]
 
         def make():
-            t = host.view(getattr(host, name), i)
+            t = host.field(name, i)
             if cols is None:
                 return t.clone()
             return gather_columns(t, cols.cpu()) if transient else t[:, cols.cpu()]
@@ -860,7 +885,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if owned and gone.any():  # ownership returns to the host, value included
                     src = (gather_columns(old_master, gone.nonzero().view(-1)) if master is not None
                            else gather_columns(p, old[gone]))
-                    host.view(host.master, i)[:, old[gone].cpu()] = src.to("cpu", torch.float32)
+                    host.set_columns("master", i, old[gone].cpu(), src.to("cpu", torch.float32))
                 jaccards.append(float(stay.sum()) / max(1, int(torch.unique(torch.cat([old, new])).numel())))
             if in_place:  # staying columns move to their new positions; entering ones start as below
                 for name in ("exp_avg", "exp_avg_sq"):
@@ -1193,9 +1218,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                                                 tuple(self._local[i].shape)))
                 elif i in host.slots:
                     st.update(
-                        host_master=host.view(host.master, i).clone(),
-                        host_exp_avg=host.view(host.exp_avg, i).clone(),
-                        host_exp_avg_sq=host.view(host.exp_avg_sq, i).clone(),
+                        host_master=host.field("master", i).clone(),
+                        host_exp_avg=host.field("exp_avg", i).clone(),
+                        host_exp_avg_sq=host.field("exp_avg_sq", i).clone(),
                         host_step=host.host_step[i],
                         acc=self._interval_sums_of(i),
                     )
@@ -1243,7 +1268,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._load_adam(state_dict)
             return
         zenflow = state_dict["zenflow"]
-        config = ZenFlowConfig.from_dict(zenflow["config"])
+        # where the host state lives is this optimizer's, not the checkpoint's (memory <-> disk both ways)
+        config = ZenFlowConfig.from_dict({**zenflow["config"], "offload_device": self.config.offload_device,
+                                          "nvme_path": self.config.nvme_path})
         schedule = Schedule.from_dict(zenflow["schedule"])
         saved_state = state_dict["state"]
         for idx, st in saved_state.items():
@@ -1293,9 +1320,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             i = int(idx)
             p = self._params[i]
             if i in host.slots:  # ZeRO: the host state of this rank's parameters only
-                host.view(host.master, i).copy_(st["host_master"])
-                host.view(host.exp_avg, i).copy_(st["host_exp_avg"])
-                host.view(host.exp_avg_sq, i).copy_(st["host_exp_avg_sq"])
+                host.set_field("master", i, st["host_master"])
+                host.set_field("exp_avg", i, st["host_exp_avg"])
+                host.set_field("exp_avg_sq", i, st["host_exp_avg_sq"])
                 host.view(self._interval_sums(), i).copy_(st["acc"])
                 host.host_step[i] = int(st["host_step"])
                 if st["pending"]:
@@ -1382,8 +1409,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for i, (m, v, step) in imported.items():
             if i not in host.slots:  # ZeRO: another rank holds it
                 continue
-            host.view(host.exp_avg, i).copy_(m)
-            host.view(host.exp_avg_sq, i).copy_(v)
+            host.set_field("exp_avg", i, m)
+            host.set_field("exp_avg_sq", i, v)
             host.host_step[i] = step
         self._seed_from_host = True
 
