@@ -139,3 +139,34 @@ def test_the_configuration_in_both_forms_and_what_is_refused(tmp_path):
     with pytest.raises(ValueError, match="missing' is not an existing directory"):
         opt.step()
     assert os.listdir(tmp_path) == []
+
+
+def test_an_io_error_in_an_update_fails_the_optimizer_naming_file_and_offset(tmp_path, monkeypatch):
+    """A write that fails (EIO) during an overlapped host update: the next wait raises in the training thread
+    with the worker's traceback naming the state file and the offset; the optimizer stays failed (step and
+    state_dict refuse: the file may hold half an update), and close() still removes the file."""
+    import errno
+
+    from zenflow_kernels.host import HostWorkerError
+    from zenflow_kernels.state_files import _PosixIO
+
+    data = batches()
+    m, opt = make(tmp_path, dict(overlap_step=True))
+    train(m, opt, data, stop=4)  # built, a few updates done
+    real = os.pwritev
+
+    def failing(fd, bufs, offset):
+        if offset == 2 * 1024 * 12:  # the third block
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(_PosixIO, "pwritev", staticmethod(failing))
+    with pytest.raises(HostWorkerError, match=r"(?s)write of 12288 bytes at offset 24576 of .*rank0\.state failed: "
+                                              r"Input/output error"):
+        train(m, opt, data, start=4, stop=10)
+    with pytest.raises(HostWorkerError):
+        train(m, opt, data, start=10, stop=11)
+    with pytest.raises(HostWorkerError):
+        opt.state_dict()
+    opt.close()
+    assert os.listdir(tmp_path) == []

@@ -1198,6 +1198,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "this step's gradients to the host sums (docs/design.md section 5.1), so a checkpoint now would hold "
                 "half a step. Save after step() (or before backward)")
         if self._built:
+            self._link.check()  # a failed host update may have left half its result: no torn state handed out
             self._drain()
             self._link.synchronize()  # accumulation, write-backs and offloaded state have all landed
             host = self._host
