@@ -223,6 +223,18 @@ def plt():
     return pyplot
 
 
+def meminfo_bytes(key: str) -> int | None:
+    """A ``/proc/meminfo`` entry (``"MemAvailable"``, ``"Cached"``, ...) in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(f"{key}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def machine_info_light() -> dict:
     """:func:`machine_info` without importing the optional ``deepspeed`` (its import takes seconds and
     logs a line): its version is read from the installed package metadata instead."""

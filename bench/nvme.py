@@ -25,25 +25,21 @@ import os
 import tempfile
 import time
 
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, write_json_light
+from bench.harness import (
+    OneLineParser,
+    int_at_least,
+    machine_info_light,
+    meminfo_bytes,
+    output_dir,
+    plt,
+    write_json_light,
+)
 
 SIZES_M = [16, 64, 256]
 QUICK_SIZES_M = [1]
 BLOCK_NUMEL = 1 << 20
 MODES = ("buffered", "direct")
 GOAL = 0.7
-
-
-def cached_bytes() -> int | None:
-    """The page cache's size (``/proc/meminfo`` Cached), or None where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("Cached:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def drop_from_cache(files) -> None:
@@ -82,13 +78,13 @@ def measure(size_m: int, mode: str, where: str, repeats: int) -> dict:
             seconds, grew = [], []
             for _ in range(repeats):
                 drop_from_cache(files)
-                before = cached_bytes()
+                before = meminfo_bytes("Cached")
                 t0 = time.perf_counter()
                 fn()
                 if mode == "buffered":
                     os.fdatasync(files._fd)  # the written bytes reached the disk: part of the pass
                 seconds.append(time.perf_counter() - t0)
-                after = cached_bytes()
+                after = meminfo_bytes("Cached")
                 grew.append(None if before is None else after - before)
             best = min(seconds)
             out[name] = dict(seconds=seconds, best_s=best, gb_per_s=2 * files.nbytes / best / 1e9,

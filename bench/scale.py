@@ -68,7 +68,16 @@ import time
 from pathlib import Path
 
 from bench.cpu_adam import _wait_quiet
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, run_child, write_json_light
+from bench.harness import (
+    OneLineParser,
+    int_at_least,
+    machine_info_light,
+    meminfo_bytes,
+    output_dir,
+    plt,
+    run_child,
+    write_json_light,
+)
 
 # (d, layers): ~12.6M, 42M, 151M, 472M parameters; 6 tensors a layer
 SIZES = [(512, 4), (768, 6), (1024, 12), (1280, 24)]
@@ -425,17 +434,6 @@ def per_tensor_summary(result: dict) -> dict:
 # -- driver ---------------------------------------------------------------------------------------------------
 
 
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def predicted_bytes(d: int, layers: int, config: str) -> int:
     """A generous estimate of one run's peak RSS: bf16 parameters and gradients 4, the host budget,
     the fast path's state (10% of the columns: fp32 master and moments), devacc's sums, 1.5 GiB of
@@ -587,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, skipped = [], []
     for d, layers in sorted(sizes, key=lambda s: s[1] * s[0] ** 2):
         for config in configs:
-            need, free = predicted_bytes(d, layers, config), _mem_available()
+            need, free = predicted_bytes(d, layers, config), meminfo_bytes("MemAvailable")
             if free is not None and need > free - args.headroom_gib * 2**30:
                 skipped.append(dict(size=f"{d}x{layers}", config=config, predicted_bytes=need, available_bytes=free,
                                     reason=f"predicted {need / 2**30:.1f} GiB > available {free / 2**30:.1f} GiB "
