@@ -336,7 +336,11 @@ def _zenflow_block(data: dict, where: str) -> dict:
         zero = data["zero_optimization"]
         if not isinstance(zero, dict) or "zenflow" not in zero:
             raise ZenFlowConfigError(f"{where} is a DeepSpeed config without a zero_optimization.zenflow block")
-        device = zero.get("offload_param", {}).get("device") if isinstance(zero.get("offload_param"), dict) else None
+        def section(key: str) -> dict:  # zero_optimization.offload_param / offload_optimizer, or {}
+            value = zero.get(key)
+            return value if isinstance(value, dict) else {}
+
+        device = section("offload_param").get("device")
         if isinstance(device, str) and device.lower() == "nvme":
             # read, so it must act or be refused: ZenFlow keeps the parameters on the device
             raise ZenFlowConfigError(
@@ -344,8 +348,8 @@ def _zenflow_block(data: dict, where: str) -> dict:
                 "\"none\" (ZenFlowAdamW keeps the parameters on the device; NVMe would otherwise be silently "
                 "ignored). The optimizer's state can go to NVMe: offload_optimizer.device=\"nvme\"")
         block = dict(zero["zenflow"]) if isinstance(zero["zenflow"], dict) else zero["zenflow"]
-        optimizer = zero.get("offload_optimizer")
-        device = optimizer.get("device") if isinstance(optimizer, dict) else None
+        optimizer = section("offload_optimizer")
+        device = optimizer.get("device")
         if isinstance(block, dict) and isinstance(device, str) and device.lower() == "nvme":
             # DeepSpeed's form of offload_device="nvme" (the zenflow block's own keys win)
             block.setdefault("offload_device", "nvme")

@@ -280,23 +280,21 @@ class HostShard:
             out_lo = run[0].out_offset  # flat neighbours of one dtype are neighbours in its copy-out buffer too
             first = run[0].index
             step = self.host_step[first] + 1
-            if self.disk is not None:
+            if self.disk is not None:  # streamed below, every run in one pass over the file
                 streamed.append(Run(lo, hi, self.out[run[0].dtype][out_lo : out_lo + hi - lo],
                                     dict(step=step, grad_scale=counts[first] / coef, **hyper[run[0].group])))
-                for s in run:
-                    self.host_step[s.index] = step
-                continue
-            cpu_ops.cpu_adam_(
-                self.master[lo:hi],
-                acc[lo:hi],
-                self.exp_avg[lo:hi],
-                self.exp_avg_sq[lo:hi],
-                step=step,
-                grad_scale=counts[first] / coef,
-                out=self.out[run[0].dtype][out_lo : out_lo + hi - lo],
-                zero_grad=True,  # never a torch op here: see cpu_adam_'s zero_grad
-                **hyper[run[0].group],
-            )
+            else:
+                cpu_ops.cpu_adam_(
+                    self.master[lo:hi],
+                    acc[lo:hi],
+                    self.exp_avg[lo:hi],
+                    self.exp_avg_sq[lo:hi],
+                    step=step,
+                    grad_scale=counts[first] / coef,
+                    out=self.out[run[0].dtype][out_lo : out_lo + hi - lo],
+                    zero_grad=True,  # never a torch op here: see cpu_adam_'s zero_grad
+                    **hyper[run[0].group],
+                )
             for s in run:
                 self.host_step[s.index] = step
         if streamed:

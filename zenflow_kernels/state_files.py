@@ -131,6 +131,13 @@ class StateFiles:
         lo = j * self.block_numel
         return lo, min(lo + self.block_numel, self.numel)
 
+    def pieces(self, lo: int, hi: int):
+        """The blocks holding elements ``[lo, hi)``: ``(j, a, s, e)`` for each, ``a`` the block's first element and
+        ``[s, e)`` its part of the range."""
+        for j in range(lo // self.block_numel, -(-hi // self.block_numel)):
+            a, b = self.block_range(j)
+            yield j, a, max(a, lo), min(b, hi)
+
     def new_block(self) -> list[torch.Tensor]:
         """Three fp32 buffers of one block (master, exp_avg, exp_avg_sq), page-aligned (an anonymous mapping,
         given back to the system when the tensors go)."""
@@ -169,10 +176,8 @@ class StateFiles:
         k = FIELDS.index(field)
         out = torch.empty(hi - lo, dtype=torch.float32)
         bufs = self.new_block()
-        for j in range(lo // self.block_numel, -(-hi // self.block_numel)):
-            a, b = self.block_range(j)
+        for j, a, s, e in self.pieces(lo, hi):
             self.read_block(j, bufs)
-            s, e = max(a, lo), min(b, hi)
             out[s - lo : e - lo] = bufs[k][s - a : e - a]
         return out
 
@@ -180,10 +185,8 @@ class StateFiles:
         """``data`` (fp32, flat) into elements ``[lo, lo + len)`` of one field (read-modify-write of its blocks)."""
         k, hi = FIELDS.index(field), lo + data.numel()
         bufs = self.new_block()
-        for j in range(lo // self.block_numel, -(-hi // self.block_numel)):
-            a, b = self.block_range(j)
+        for j, a, s, e in self.pieces(lo, hi):
             self.read_block(j, bufs)
-            s, e = max(a, lo), min(b, hi)
             bufs[k][s - a : e - a] = data[s - lo : e - lo]
             self.write_block(j, bufs)
 

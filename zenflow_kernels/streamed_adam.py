@@ -47,9 +47,8 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor, runs: Sequence[Run], *,
         raise ValueError(f"streamed_adam_: depth={depth!r} is invalid: allowed >= 2 (one block read ahead)")
     plan: dict[int, list[tuple[Run, int, int]]] = {}
     for run in runs:
-        for j in range(run.lo // files.block_numel, -(-run.hi // files.block_numel)):
-            a, b = files.block_range(j)
-            plan.setdefault(j, []).append((run, max(a, run.lo), min(b, run.hi)))
+        for j, _, s, e in files.pieces(run.lo, run.hi):
+            plan.setdefault(j, []).append((run, s, e))
     blocks = sorted(plan)
     if not blocks:
         return {"blocks": 0, "bytes": 0}
