@@ -431,3 +431,25 @@ def test_lightning_gradient_accumulation_hands_over_in_the_last_micro_batch(tmp_
     for k, v in weights["sync"].items():
         assert torch.equal(v, weights["chaos"][k]), k
     assert stats["handover"] == "on" and stats["d2h_bytes_in_backward"] > 0
+
+
+def test_random_state_puts_back_every_generator_cuda_included(monkeypatch):
+    """RandomState (the callbacks' isolated_rng) restores torch's, Python's and numpy's generators, and the CUDA
+    generators when CUDA is initialised (entered here with a recording stand-in for torch.cuda's calls)."""
+    import random
+
+    import numpy as np
+
+    from zenflow_kernels.integrations import RandomState
+
+    saved_cuda, restored = [torch.tensor([1, 2, 3], dtype=torch.uint8)], []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: list(saved_cuda))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
+    state = RandomState()
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.rand(5), random.random(), np.random.rand(4)  # an evaluation draws
+    state.restore()
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
+    assert len(restored) == 1 and torch.equal(restored[0][0], saved_cuda[0])
