@@ -24,6 +24,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from zero_worker import zenflow_settings  # noqa: E402
+
 from zenflow_kernels import ZenFlowAdamW  # noqa: E402
 from zenflow_kernels.testing import chaos  # noqa: E402
 
@@ -150,7 +152,7 @@ def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> Non
     data = batches(case["steps"])
     ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else contextlib.nullcontext()
     with ctx:
-        opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=case["zenflow"],
+        opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow_settings(case, out_dir),
                            max_grad_norm=case.get("max_grad_norm"))
     checkpoint = Path(case["checkpoint"])
     result: dict = {"weights": {}}
@@ -183,6 +185,10 @@ def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> Non
                 break
         opt.flush()
         result["flushed"] = [p.full_tensor().detach().clone() for p in params]
+        result["host_bytes"] = opt.host_bytes()
+        folder = opt._host.disk.folder if opt._host.disk is not None else None
+    if folder is not None:  # leaving `with opt` closed it: this rank's private folder is gone
+        result["nvme_folder"] = (str(Path(folder).parent), os.path.exists(folder))
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
 
 

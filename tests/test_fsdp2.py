@@ -28,7 +28,7 @@ from zenflow_kernels.reference import ReferenceZenFlow
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fsdp2_worker as W  # noqa: E402
-from test_zero import free_port, launch  # noqa: E402
+from test_zero import assert_same_state, free_port, launch  # noqa: E402
 from tolerance import assert_within_stated_bound  # noqa: E402
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -251,16 +251,21 @@ def checkpoint_runs(tmp_path_factory, hsdp_runs):
     load_flushed = dict(save_flushed, name="load_flushed", kind="load")
     flush = dict(save, name="flush", kind="flush")
     from_hsdp = dict(CHECKPOINT, name="from_hsdp", kind="load", checkpoint=hsdp_runs["checkpoint"])
+    # the host state on disk: the same save (its own checkpoint), and the in-memory checkpoint loaded into it
+    save_nvme = dict(save, name="save_nvme", nvme=True, checkpoint=str(tmp / "checkpoint_nvme"))
+    load_nvme = dict(load, name="load_nvme", nvme=True)
     out = {}
     for world in (2, 1, 3):
         where = tmp / f"w{world}"
         where.mkdir()
-        cases = {2: [save, save_flushed, flush, load, load_flushed, from_hsdp], 1: [load, load_flushed, from_hsdp],
+        cases = {2: [save, save_flushed, flush, load, load_flushed, from_hsdp, save_nvme, load_nvme],
+                 1: [load, load_flushed, from_hsdp],
                  3: [load, load_flushed]}[world]
         results, done = launch(cases, where, world=world, timeout=300.0, worker=WORKER)
         for rc, _, err in done:
             assert rc == 0, err[-4000:]
         out[world] = results
+    out["tmp"] = str(tmp)
     return out
 
 
@@ -285,6 +290,33 @@ def test_a_dcp_checkpoint_continues_at_any_world_size(checkpoint_runs, world):
             else:
                 assert_within_stated_bound(a, b, lr=W.HYPER["lr"], steps=len(result["weights"]),
                                            what=f"world {world} flushed param {i}")
+
+
+def test_host_state_on_disk_leaves_fsdp2_runs_and_their_checkpoints_bit_identical(checkpoint_runs):
+    """2 ranks, each rank's rows of the host state in its own file (``offload_device="nvme"``), under chaos with
+    clipping and a DCP save mid-interval: every step's weights are the in-memory run's, so is the DCP checkpoint
+    (the disk run's checkpoint holds the same host state), the in-memory checkpoint resumes on disk bit for bit,
+    and each rank's state folder is gone after close()."""
+    runs = checkpoint_runs[2]
+    for name, twin in (("save_nvme", "save"), ("load_nvme", "load")):
+        for rank, (d, m) in enumerate(zip(runs[name], runs[twin], strict=True)):
+            assert sorted(d["weights"]) == sorted(m["weights"])
+            for t in m["weights"]:
+                assert all(torch.equal(a, b) for a, b in zip(d["weights"][t], m["weights"][t], strict=True)), \
+                    f"{name} rank {rank} step {t}"
+            assert all(torch.equal(a, b) for a, b in zip(d["flushed"], m["flushed"], strict=True))
+            hb = d["host_bytes"]
+            assert hb["disk"] > 0 and hb["master"] == hb["exp_avg"] == 0, hb
+            parent, exists = d["nvme_folder"]
+            assert Path(parent).name == f"nvme-{name}" and not exists, d["nvme_folder"]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    saved = {}  # the two DCP checkpoints, as one file each: the same tensors
+    for name in ("checkpoint", "checkpoint_nvme"):
+        out = Path(checkpoint_runs["tmp"]) / f"{name}.pt"
+        dcp_to_torch_save(Path(checkpoint_runs["tmp"]) / name, out)
+        saved[name] = torch.load(out, weights_only=False)
+    assert_same_state(saved["checkpoint_nvme"], saved["checkpoint"], "checkpoint")
 
 
 @pytest.mark.parametrize("world", [2, 1, 3])

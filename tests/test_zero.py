@@ -154,6 +154,9 @@ CASES_NO_RELOAD = [dict({k: v for k, v in CASES[-1].items() if k != "reload_at"}
 CASES_FLUSHED = [dict(next(c for c in CASES if c["name"] == name), name=f"{name}_flushed", flushed_at=[10, 13],
                       resume_at=resume, chaos=chaos) for name, chaos, resume in (("save", None, [10, 13]),
                                                                                  ("s2_save", 1, []))]
+# the host state on disk (offload_device="nvme"): the same runs as their in-memory twins, bit for bit
+NVME_TWINS = ["save", "sync_chaos_clip", "s2_overlap_chaos", "s2_bf16_devacc", "s2_groups_first_missing"]
+CASES_NVME = [dict(next(c for c in CASES if c["name"] == name), name=f"{name}_nvme", nvme=True) for name in NVME_TWINS]
 MODEL_CASES = [
     dict(name="model_s1", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=1),
     dict(name="model_s2", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=2),
@@ -196,8 +199,8 @@ def test_three_ranks_with_param_groups_and_missing_gradients(three_ranks, case):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
-    results, done = launch(CASES + CASES_NO_RELOAD + CASES_FLUSHED + MODEL_CASES + [dict(name="errors", kind="errors")],
-                           tmp)
+    results, done = launch(CASES + CASES_NO_RELOAD + CASES_FLUSHED + CASES_NVME + MODEL_CASES +
+                           [dict(name="errors", kind="errors")], tmp)
     for rc, _out, err in done:
         assert rc == 0, err[-3000:]
     return results
@@ -418,6 +421,44 @@ def test_a_consolidated_checkpoint_continues_on_one_rank(two_ranks, name):
                                              r"consolidated_state_dict"):
             opt.load_state_dict(per_rank)
         assert opt.t == 0 and not opt.state
+
+
+@pytest.mark.parametrize("name", NVME_TWINS)
+def test_host_state_on_disk_leaves_zero_runs_bit_identical(two_ranks, name):
+    """ZeRO-1/2 at 2 ranks with each rank's host shard in its own state file: the weights, the consolidated
+    and per-rank checkpoints (``save``) and the reloads (``s2_groups_first_missing``: each rank loads its own
+    state dict three times) are those of the in-memory run; each rank's file holds 12 bytes per element of its
+    shard (whole blocks) and is gone after close()."""
+    disk, memory = two_ranks[f"{name}_nvme"], two_ranks[name]
+    for rank, (d, m) in enumerate(zip(disk, memory, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(d["params"], m["params"], strict=True)), f"rank {rank}"
+        hb = d["stats"]["host_bytes"]
+        block = ZenFlowAdamW.NVME_BLOCK_NUMEL
+        assert hb["disk"] == -(-d["host_numel"] // block) * block * 12 and hb["master"] == hb["exp_avg_sq"] == 0
+        assert hb["accumulation"] == m["stats"]["host_bytes"]["accumulation"]
+        parent, exists = d["nvme_folder"]  # the rank's private folder under the case's nvme_path, gone
+        assert Path(parent).name == f"nvme-{name}_nvme" and not exists, (rank, d["nvme_folder"])
+        for key in ("consolidated", "per_rank"):
+            if key in m:
+                assert_same_state(d[key], m[key], f"rank {rank} {key}")
+
+
+def assert_same_state(a, b, what: str) -> None:
+    """Two state dicts hold the same tensors bit for bit (and the same everything else), ``offload_device`` and
+    ``nvme_path`` aside."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), what
+        for k in a:
+            if k not in ("offload_device", "nvme_path"):
+                assert_same_state(a[k], b[k], f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for k, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(x, y, f"{what}[{k}]")
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b), what
+    else:
+        assert a == b, what
 
 
 def test_a_rank_that_fails_ends_the_other_with_an_error_naming_the_collective(tmp_path):

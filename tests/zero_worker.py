@@ -164,6 +164,16 @@ def run_error_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     torch.save(errors, out_dir / f"{case['name']}-rank{rank}.pt")
 
 
+def zenflow_settings(case: dict, out_dir: Path) -> dict:
+    """The case's zenflow settings; ``nvme``: the host state in files under ``out_dir/nvme-<case>`` (every rank
+    makes its own private folder there)."""
+    if not case.get("nvme"):
+        return case["zenflow"]
+    where = out_dir / f"nvme-{case['name']}"
+    where.mkdir(exist_ok=True)
+    return dict(case["zenflow"], offload_device="nvme", nvme_path=str(where))
+
+
 def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     if case.get("kind") == "model":
         return run_model_case(case, rank, world, out_dir)
@@ -172,7 +182,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     dtype = getattr(torch, case.get("dtype", "float32"))
     params = make_params(dtype)
     grads = rank_grads(case["steps"], rank, world)
-    kwargs = dict(HYPER, zenflow=case["zenflow"], max_grad_norm=case.get("max_grad_norm"),
+    kwargs = dict(HYPER, zenflow=zenflow_settings(case, out_dir), max_grad_norm=case.get("max_grad_norm"),
                   zero_stage=case.get("zero_stage", 1), collective_timeout=case.get("timeout", 60.0),
                   release_gradients=case.get("release_gradients"))
     ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else contextlib.nullcontext()
@@ -221,10 +231,13 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
             stats=opt.stats(),
             host_numel=host.numel,
             host_bytes=sum(t.numel() * t.element_size()
-                           for t in [host.master, host.exp_avg, host.exp_avg_sq, *host.acc]),
+                           for t in [host.master, host.exp_avg, host.exp_avg_sq, *host.acc] if t is not None),
             owned=sorted(host.slots),
         )
+        folder = host.disk.folder if host.disk is not None else None  # the ranks share nvme_path, not a folder
         opt.close()
+        if folder is not None:
+            result["nvme_folder"] = (str(Path(folder).parent), os.path.exists(folder))  # close() removed it
         count_hooks("closed")
         result["hooks"] = hooks
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")

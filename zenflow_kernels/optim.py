@@ -193,11 +193,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _sharding(self, world: int, process_group, timeout: float) -> Sharding:
         """One process, ZeRO-1/2 over ``torch.distributed`` or FSDP2 (DTensor parameters)."""
         mesh = fsdp2_mesh(self._params)
-        if self.config.offload_device == "nvme" and (mesh is not None or world > 1):
-            raise ValueError(
-                "ZenFlowAdamW: zenflow offload_device='nvme' with " + ("FSDP2 (DTensor) parameters" if mesh is not None
-                                                                      else f"{world} ranks")
-                + " is not supported yet: allowed one process (offload_device='cpu' works at any world size)")
         if mesh is not None:
             if self.zero_stage:
                 raise ValueError(
