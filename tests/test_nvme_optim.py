@@ -1,7 +1,8 @@
-"""ZenFlowAdamW with its host state on disk (``offload_device="nvme"``, issue 25; one process for now): the
-same bits as the in-memory host (synchronous and overlapped updates, clipping, a non-finite skip, warm-up,
-re-selections, the asynchronous link under chaos), checkpoints moving between memory and disk both ways,
-the state file private and removed at close, its bytes reported apart from memory."""
+"""ZenFlowAdamW with its host state on disk (``offload_device="nvme"``, issue 25; ZeRO and FSDP2 in
+test_zero.py and test_fsdp2.py): the same bits as the in-memory host (synchronous and overlapped updates,
+clipping, a non-finite skip, warm-up, re-selections, the asynchronous link under chaos), checkpoints moving
+between memory and disk both ways and handed out backed by a file, building, loading and re-selection one
+pass over the file each, the state file private and removed at close, its bytes reported apart from memory."""
 
 import contextlib
 import copy
@@ -170,3 +171,113 @@ def test_an_io_error_in_an_update_fails_the_optimizer_naming_file_and_offset(tmp
         opt.state_dict()
     opt.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_state_dict_hands_out_file_backed_tensors_valid_after_close(tmp_path):
+    """On disk, state_dict()'s host state is views of one file-backed copy (already unlinked: nothing left
+    under nvme_path once the optimizer closes, nothing in anonymous memory), bit-identical to the in-memory
+    run's, torch.save-able, still valid after close(); state_dict() after close() is a clear error (the state
+    file is gone), and the saved dict resumes a fresh disk optimizer exactly."""
+    data, zen = batches(), dict(overlap_step=True)
+    m, opt = make(None, zen)
+    with opt:
+        memory = train(m, opt, data)
+        expected = opt.state_dict()
+    m, opt = make(tmp_path, zen)
+    with opt:
+        train(m, opt, data, stop=6)
+        saved = opt.state_dict()
+        weights_at_save = [p.detach().clone() for p in m.parameters()]
+        train(m, opt, data, start=6)
+        got = opt.state_dict()
+    for i, st in got["state"].items():
+        for key in ("host_master", "host_exp_avg", "host_exp_avg_sq"):
+            t = st[key]
+            assert torch.equal(t, expected["state"][i][key]), (i, key)  # read after close()
+            name = t.untyped_storage().filename
+            assert name is not None and "snapshot-" in name and not os.path.exists(name), (i, key, name)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError, match=rf"state_dict\(\) after close\(\) with offload_device='nvme'.*"
+                                           rf"nvme_path='{tmp_path}'.*save before close"):
+        opt.state_dict()
+    path = tmp_path.parent / f"{tmp_path.name}-saved.pt"
+    torch.save(saved, path)
+    m, opt = make(tmp_path, zen, seed=3)
+    with torch.no_grad():
+        for p, w in zip(m.parameters(), weights_at_save, strict=True):
+            p.copy_(w)
+    with opt:
+        opt.load_state_dict(torch.load(path, weights_only=False))
+        resumed = train(m, opt, data, start=6)
+    assert_same(resumed, {t: memory[t] for t in resumed}, "resumed from the file-backed dict")
+
+
+def test_building_and_loading_the_state_file_are_one_pass_each(tmp_path, monkeypatch):
+    """60 small tensors (3 blocks of 1024 elements): building the file at the first step writes each block once
+    and reads none; load_state_dict writes the host fields in one more pass (each block read and written
+    once), not one read-modify-write per tensor and field."""
+    from zenflow_kernels.state_files import _PosixIO
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 8) if k % 2 else torch.randn(40)) for k in range(60)]
+    opt = ZenFlowAdamW(params, lr=1e-2, zenflow=dict(ZEN, offload_device="nvme", nvme_path=str(tmp_path)))
+    calls = {"read": [], "write": []}
+    monkeypatch.setattr(_PosixIO, "preadv",
+                        staticmethod(lambda fd, b, o: calls["read"].append(o) or os.preadv(fd, b, o)))
+    monkeypatch.setattr(_PosixIO, "pwritev",
+                        staticmethod(lambda fd, b, o: calls["write"].append(o) or os.pwritev(fd, b, o)))
+    with opt:
+        opt._build()
+        blocks = -(-opt._host.numel // 1024)
+        assert blocks == 3 and calls == {"read": [], "write": [j * 1024 * 12 for j in range(blocks)]}
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        sd = opt.state_dict()
+        calls["read"], calls["write"] = [], []
+        opt.load_state_dict(sd)
+        every = [j * 1024 * 12 for j in range(blocks)]
+        assert calls == {"read": every, "write": every + every}  # the new file built, then the loaded fields
+        for i, st in opt.state_dict()["state"].items():
+            for key in ("host_master", "host_exp_avg", "host_exp_avg_sq"):
+                assert torch.equal(st[key], sd["state"][i][key]), (i, key)
+
+
+@pytest.mark.parametrize("shapes", [[(30, 50), (7, 300), (64, 3)], [(5, 4096)], [(1, 1), (2000, 1)]])
+def test_columns_written_back_at_reselection_are_one_pass_and_the_in_memory_values(tmp_path, shapes):
+    """Re-selection hands the columns leaving the fast path back to the host master: on disk, every matrix's
+    columns in one pass over the blocks (each read and written once), giving what the in-memory host holds
+    (matrices crossing block edges, wider than a block, one column, unsorted columns)."""
+    from zenflow_kernels.host import HostShard
+    from zenflow_kernels.state_files import StateFiles
+
+    g = torch.Generator().manual_seed(len(shapes))
+    params = [torch.randn(s, generator=g) for s in shapes]
+    groups = [0] * len(params)
+    calls = {"read": [], "write": []}
+
+    class Counting(StateFiles):
+        def read_block(self, j, bufs):
+            calls["read"].append(j)
+            super().read_block(j, bufs)
+
+        def write_block(self, j, bufs):
+            calls["write"].append(j)
+            super().write_block(j, bufs)
+
+    memory = HostShard(params, groups, num_acc=1)
+    disk = HostShard(params, groups, num_acc=1, disk=lambda n: Counting(tmp_path, n, block_numel=1024))
+    items = []
+    for i, p in enumerate(params):
+        cols = torch.randperm(p.shape[1], generator=g)[: max(1, p.shape[1] // 3)]
+        items.append(("master", i, cols, torch.randn(p.shape[0], cols.numel(), generator=g)))
+    calls["read"], calls["write"] = [], []
+    memory.set_columns(items)
+    disk.set_columns(items)
+    touched = sorted({j for i in range(len(params)) for j, *_ in disk.disk.pieces(
+        disk.slots[i].offset, disk.slots[i].offset + disk.slots[i].numel)})
+    assert calls == {"read": touched, "write": touched}
+    for i in range(len(params)):
+        assert torch.equal(disk.field("master", i), memory.field("master", i)), i
+        assert not torch.equal(memory.field("master", i), params[i])  # the columns did change
+    disk.close()

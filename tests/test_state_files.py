@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+from io import BytesIO
 
 import pytest
 import torch
@@ -213,3 +214,103 @@ def test_an_io_error_during_the_stream_raises_naming_file_and_offset(tmp_path, o
     folder = files.folder
     files.close()
     assert not os.path.exists(folder)
+
+
+class Counting(_PosixIO):
+    """The system calls, counted (offsets of each read and write)."""
+
+    def __init__(self):
+        self.reads, self.writes, self.reserved = [], [], []
+
+    def preadv(self, fd, bufs, offset):
+        self.reads.append(offset)
+        return os.preadv(fd, bufs, offset)
+
+    def pwritev(self, fd, bufs, offset):
+        self.writes.append(offset)
+        return os.pwritev(fd, bufs, offset)
+
+    def fallocate(self, fd, offset, length):
+        self.reserved.append(length)
+        return os.posix_fallocate(fd, offset, length)
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_many_writes_are_one_pass_over_the_blocks_they_touch(tmp_path, fresh):
+    """Tensors of every size, dtype and layout (bf16, a non-contiguous view, one crossing three blocks, two in
+    one block, several fields): each touched block is read at most once (not at all for a fresh file) and
+    written once, in file order, and the file holds what one write per tensor gives."""
+    numel, g = 6000, torch.Generator().manual_seed(7)
+    big = torch.randn(2500, generator=g)
+    items = [("master", 0, torch.randn(10, generator=g).to(torch.bfloat16)),
+             ("master", 16, torch.randn(20, 30, generator=g).t()),  # not contiguous
+             ("master", 1000, big),  # blocks 0-3
+             ("exp_avg", 1000, big * 2),
+             ("exp_avg_sq", 5990, torch.rand(10, generator=g, dtype=torch.float64))]
+    expected = {f: torch.zeros(numel) for f in FIELDS}
+    if not fresh:  # an existing file: what is not written stays
+        for k, f in enumerate(FIELDS):
+            expected[f] = torch.randn(numel, generator=torch.Generator().manual_seed(k))
+    for f, lo, v in items:
+        expected[f][lo : lo + v.numel()] = v.float().reshape(-1)
+    io = Counting()
+    files = StateFiles(tmp_path, numel, block_numel=1024, io=io)
+    if not fresh:
+        for f in FIELDS:
+            files.write(f, 0, expected[f].clone())
+        for f, lo, v in items:  # put other values where the items go
+            files.write(f, lo, torch.full((v.numel(),), -1.0))
+    io.reads, io.writes = [], []
+    counts = files.write_many(items, fresh=fresh)
+    touched = [0, 1, 2, 3, 5]  # block 4 holds nothing of them
+    assert io.writes == [j * 1024 * 12 for j in touched] and counts["written"] == len(touched)
+    assert io.reads == ([] if fresh else [j * 1024 * 12 for j in touched])
+    for f in FIELDS:
+        assert torch.equal(files.read(f, 0, numel), expected[f]), f
+    files.close()
+
+
+def test_a_snapshot_is_a_file_backed_copy_that_outlives_close(tmp_path):
+    """The three fields as a [3, numel] copy: equal to the file's contents at the time, backed by a file that is
+    already unlinked (nothing left in the folder, no anonymous memory), unaffected by later writes, still
+    readable after close(); its space is reserved (and checked) like the state file's."""
+    numel = 5000
+    io = Counting()
+    files = StateFiles(tmp_path, numel, block_numel=1024, io=io)
+    data = {f: torch.randn(numel, generator=torch.Generator().manual_seed(k)) for k, f in enumerate(FIELDS)}
+    files.write_many([(f, 0, data[f]) for f in FIELDS])
+    snap = files.snapshot()
+    assert snap.shape == (3, numel) and snap.dtype == torch.float32
+    for k, f in enumerate(FIELDS):
+        assert torch.equal(snap[k], data[f])
+    storage = snap.untyped_storage()
+    assert storage.filename is not None and "snapshot-1" in storage.filename and not os.path.exists(storage.filename)
+    assert os.listdir(files.folder) == ["rank0.state"] and io.reserved[-1] == 3 * numel * 4
+    files.write("master", 0, torch.zeros(numel))  # the snapshot is a copy
+    assert torch.equal(snap[0], data["master"])
+    folder = files.folder
+    files.close()
+    assert not os.path.exists(folder) and torch.equal(snap[2], data["exp_avg_sq"])  # valid after close
+    buf = BytesIO()
+    torch.save({"master": snap[0][10:20]}, buf)  # torch.save writes it out like any tensor
+    buf.seek(0)
+    assert torch.equal(torch.load(buf)["master"], data["master"][10:20])
+    with pytest.raises(StateFileError, match="a snapshot after close"):
+        files.snapshot()
+    assert StateFiles(tmp_path, 0, block_numel=1024).snapshot().shape == (3, 0)
+
+    class FullAtSnapshot(_PosixIO):  # the state file fits, its copy finds the disk full
+        calls = 0
+
+        def fallocate(self, fd, offset, length):
+            FullAtSnapshot.calls += 1
+            if FullAtSnapshot.calls > 1:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return os.posix_fallocate(fd, offset, length)
+
+    files = StateFiles(tmp_path, numel, block_numel=1024, io=FullAtSnapshot())
+    with pytest.raises(StateFileError, match=rf"reserving {3 * numel * 4} bytes .* checkpoint's copy .* for "
+                                             r".*snapshot-1 failed: No space left") as info:
+        files.snapshot()
+    assert info.value.errno == errno.ENOSPC and os.listdir(files.folder) == ["rank0.state"]  # nothing left
+    files.close()

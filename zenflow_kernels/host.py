@@ -92,6 +92,20 @@ def out_sizes(slots: dict[int, Slot]) -> dict[torch.dtype, int]:
     return sizes
 
 
+def _column_fill(width: int, cols: torch.Tensor, value: torch.Tensor):
+    """``StateFiles.fill_many``'s fill for columns ``cols`` of a row-major matrix ``width`` wide <- ``value`` ([R,
+    len(cols)]): each block's piece gets the elements of those columns that fall in it."""
+    cols, value = cols.reshape(-1).long(), value.detach().to("cpu", torch.float32)
+
+    def fill(dst: torch.Tensor, s: int, e: int, last: bool) -> None:
+        first, stop = s // width, -(-e // width)  # the rows this piece touches
+        where = (torch.arange(first, stop).unsqueeze(1) * width + cols.unsqueeze(0)).reshape(-1)
+        keep = (where >= s) & (where < e)
+        dst[where[keep] - s] = value[first:stop].reshape(-1)[keep]
+
+    return fill
+
+
 class HostShard:
     """Flat host buffers for the parameters of one shard (world size 1 and shard 0: all of them).
 
@@ -134,8 +148,11 @@ class HostShard:
         self.out = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()}
         self.host_step = [0] * len(params)  # owned like the master: by the host update in flight
         with torch.no_grad():
-            for i in order:
-                self.set_field("master", i, params[i].detach())
+            if self.disk is not None:  # one pass over the new file, whatever the number of tensors
+                self.disk.write_many([("master", slots[i].offset, params[i]) for i in order], fresh=True)
+            else:
+                for i in order:
+                    self.set_field("master", i, params[i].detach())
 
     def field(self, name: str, index: int) -> torch.Tensor:
         """Parameter ``index``'s ``master``/``exp_avg``/``exp_avg_sq`` (its shape, fp32): a view of the buffer in
@@ -153,14 +170,30 @@ class HostShard:
         s = self.slots[index]
         self.disk.write(name, s.offset, value.detach().to("cpu", torch.float32).reshape(-1).contiguous())
 
-    def set_columns(self, name: str, index: int, cols: torch.Tensor, value: torch.Tensor) -> None:
-        """Columns ``cols`` of matrix ``index``'s field <- ``value`` ([R, len(cols)])."""
+    def set_fields(self, items) -> None:
+        """Several ``(name, index, value)`` of :meth:`set_field` at once: on disk, one pass over the blocks they
+        touch (loading a checkpoint)."""
         if self.disk is None:
-            self.view(getattr(self, name), index)[:, cols] = value
+            for name, index, value in items:
+                self.set_field(name, index, value)
             return
-        t = self.field(name, index)
-        t[:, cols] = value
-        self.set_field(name, index, t)
+        self.disk.write_many([(name, self.slots[index].offset, value) for name, index, value in items])
+
+    def snapshot(self) -> torch.Tensor | None:
+        """On disk: every field as it is now, ``[3, numel]`` (master, exp_avg, exp_avg_sq), backed by a file
+        (``StateFiles.snapshot``); in memory: None (the buffers themselves are the state)."""
+        return None if self.disk is None else self.disk.snapshot()
+
+    def set_columns(self, items) -> None:
+        """Several ``(name, index, cols, value)``: columns ``cols`` of matrix ``index``'s field <- ``value`` ([R,
+        len(cols)]). On disk, one pass over the blocks they touch, each read and written once (re-selection)."""
+        if self.disk is None:
+            for name, index, cols, value in items:
+                self.view(getattr(self, name), index)[:, cols] = value
+            return
+        self.disk.fill_many([(name, self.slots[index].offset, self.slots[index].numel,
+                              _column_fill(self.slots[index].shape[1], cols, value))
+                             for name, index, cols, value in items])
 
     def close(self) -> None:
         """Remove the state file (offload_device="nvme"); in memory, nothing to do."""

@@ -858,6 +858,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         chosen = self._choose(indices, importances, scores, ks)
         host = self._host
         jaccards, captured, total = [], 0.0, 0.0
+        returning = []  # columns leaving the fast path for the host master (on disk: after the loop, in one pass)
         for i, new, s in zip(indices, chosen, scores, strict=True):
             p, st = self._local[i], self.state[self._params[i]]
             R, k = p.shape[0], new.numel()
@@ -880,7 +881,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if owned and gone.any():  # ownership returns to the host, value included
                     src = (gather_columns(old_master, gone.nonzero().view(-1)) if master is not None
                            else gather_columns(p, old[gone]))
-                    host.set_columns("master", i, old[gone].cpu(), src.to("cpu", torch.float32))
+                    returning.append(("master", i, old[gone].cpu(), src.to("cpu", torch.float32)))
+                    if host.disk is None:  # in memory: at once (nothing to batch, no copy kept)
+                        host.set_columns(returning)
+                        returning = []
                 jaccards.append(float(stay.sum()) / max(1, int(torch.unique(torch.cat([old, new])).numel())))
             if in_place:  # staying columns move to their new positions; entering ones start as below
                 for name in ("exp_avg", "exp_avg_sq"):
@@ -913,6 +917,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     st["master"] = self._to_state(master)
             captured += float(s[new].sum()) if k else 0.0
             total += float(s.sum())
+        host.set_columns(returning)
         self._stats.record_selection(self.t, jaccards, captured / total if total > 0 else float("nan"))
         self._plan = None
 
@@ -1192,11 +1197,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "ZenFlowAdamW.state_dict() between backward and step(): backward's hooks have already added part of "
                 "this step's gradients to the host sums (docs/design.md section 5.1), so a checkpoint now would hold "
                 "half a step. Save after step() (or before backward)")
+        if self._built and self._closed and self._host.disk is not None:
+            raise RuntimeError(
+                "ZenFlowAdamW.state_dict() after close() with offload_device='nvme': close() removed the state file "
+                f"under nvme_path={self.config.nvme_path!r} (the master and both moments): save before close()")
         if self._built:
             self._link.check()  # a failed host update may have left half its result: no torn state handed out
             self._drain()
             self._link.synchronize()  # accumulation, write-backs and offloaded state have all landed
             host = self._host
+            # on disk: the host state handed out as views of one file-backed copy, never whole in memory
+            snap = None if consolidated else host.snapshot()
             for i, p in enumerate(self._params):
                 st = {
                     k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in self.state[p].items()
@@ -1213,10 +1224,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                               acc=self._shard.checkpoint_tensor(i, lambda i=i: self._interval_sums_of(i),
                                                                 tuple(self._local[i].shape)))
                 elif i in host.slots:
+                    fields = ([host.view(snap[k], i) for k in range(3)] if snap is not None else
+                              [host.field(name, i).clone() for name in ("master", "exp_avg", "exp_avg_sq")])
                     st.update(
-                        host_master=host.field("master", i).clone(),
-                        host_exp_avg=host.field("exp_avg", i).clone(),
-                        host_exp_avg_sq=host.field("exp_avg_sq", i).clone(),
+                        host_master=fields[0],
+                        host_exp_avg=fields[1],
+                        host_exp_avg_sq=fields[2],
                         host_step=host.host_step[i],
                         acc=self._interval_sums_of(i),
                     )
@@ -1312,13 +1325,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return
         self._build()
         host = self._host
+        writes = []  # the host fields, written in one pass (on disk: each block of the file once)
         for idx, st in saved_state.items():
             i = int(idx)
             p = self._params[i]
             if i in host.slots:  # ZeRO: the host state of this rank's parameters only
-                host.set_field("master", i, st["host_master"])
-                host.set_field("exp_avg", i, st["host_exp_avg"])
-                host.set_field("exp_avg_sq", i, st["host_exp_avg_sq"])
+                writes += [(name, i, st[f"host_{name}"]) for name in ("master", "exp_avg", "exp_avg_sq")]
                 host.view(self._interval_sums(), i).copy_(st["acc"])
                 host.host_step[i] = int(st["host_step"])
                 if st["pending"]:
@@ -1335,6 +1347,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if torch.is_tensor(v) else v
                 for k, v in fast.items()
             }
+        host.set_fields(writes)
 
     def _reset(self) -> None:
         """A clean slate before a load: land nothing, keep nothing, stop the workers."""
@@ -1402,12 +1415,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             setattr(self, name, 0)
         self._build()
         host = self._host
+        writes = []
         for i, (m, v, step) in imported.items():
             if i not in host.slots:  # ZeRO: another rank holds it
                 continue
-            host.set_field("exp_avg", i, m)
-            host.set_field("exp_avg_sq", i, v)
+            writes += [("exp_avg", i, m), ("exp_avg_sq", i, v)]
             host.host_step[i] = step
+        host.set_fields(writes)
         self._seed_from_host = True
 
 

@@ -79,6 +79,7 @@ class StateFiles:
         if not os.path.isdir(path):
             raise ValueError(f"StateFiles: nvme_path={path!r} is not an existing directory")
         self.numel, self.block_numel, self._io = numel, block_numel, io or _PosixIO()
+        self._snapshots = 0
         self.blocks = -(-numel // block_numel)
         self.nbytes = self.blocks * block_numel * _ITEM * len(FIELDS)
         self.folder = tempfile.mkdtemp(prefix="zenflow-state-", dir=path)  # 0700, a name nobody else has
@@ -103,19 +104,23 @@ class StateFiles:
             self.close()
             raise
 
-    def _reserve(self) -> None:
-        if not self.nbytes:
+    def _reserve(self, fd: int | None = None, path: str | None = None, nbytes: int | None = None,
+                 what: str = "master and both Adam moments, fp32") -> None:
+        """Space for ``nbytes`` in ``fd`` (default: the state file), refused with the bytes needed and free."""
+        fd, path = (self._fd, self.path) if fd is None else (fd, path)
+        nbytes = self.nbytes if nbytes is None else nbytes
+        if not nbytes:
             return
         stat = os.statvfs(self.folder)
         free = stat.f_bavail * stat.f_frsize
-        need = f"{self.nbytes} bytes ({self.nbytes / 2**30:.2f} GiB: master and both Adam moments, fp32)"
-        if self.nbytes > free:
-            raise StateFileError(errno.ENOSPC, f"ZenFlowAdamW NVMe state: {self.path} needs {need}, the filesystem "
+        need = f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB: {what})"
+        if nbytes > free:
+            raise StateFileError(errno.ENOSPC, f"ZenFlowAdamW NVMe state: {path} needs {need}, the filesystem "
                                  f"has {free} bytes free")
         try:
-            self._io.fallocate(self._fd, 0, self.nbytes)
+            self._io.fallocate(fd, 0, nbytes)
         except OSError as exc:
-            raise StateFileError(exc.errno, f"ZenFlowAdamW NVMe state: reserving {need} for {self.path} failed: "
+            raise StateFileError(exc.errno, f"ZenFlowAdamW NVMe state: reserving {need} for {path} failed: "
                                  f"{exc.strerror or exc} ({free} bytes were free)") from exc
 
     @property
@@ -148,20 +153,23 @@ class StateFiles:
     def _transfer(self, op: str, j: int, bufs: list[torch.Tensor]) -> None:
         if self.closed:
             raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: {op} of block {j} after close ({self.path})")
-        offset = j * self.block_numel * _ITEM * len(FIELDS)
-        want = self.block_numel * _ITEM * len(FIELDS)
+        self._move(op, self._fd, self.path, j * self.block_numel * _ITEM * len(FIELDS), [_bytes(b) for b in bufs])
+
+    def _move(self, op: str, fd: int, path: str, offset: int, views: list[memoryview]) -> None:
+        """One vectored read or write of ``views`` at ``offset`` of ``fd`` (a short transfer continues where it
+        stopped); a failure names ``path``, the operation, the offset reached and the byte count."""
+        want = sum(len(v) for v in views)
         call = self._io.preadv if op == "read" else self._io.pwritev
-        views = [_bytes(b) for b in bufs]
         done = 0
         try:
-            while done < want:  # a short transfer continues where it stopped
-                n = call(self._fd, _tail(views, done), offset + done)
+            while done < want:
+                n = call(fd, _tail(views, done), offset + done)
                 if n <= 0:
                     raise OSError(errno.EIO, "end of file" if op == "read" else "nothing written")
                 done += n
         except OSError as exc:
             raise StateFileError(exc.errno, f"ZenFlowAdamW NVMe state: {op} of {want} bytes at offset {offset + done} "
-                                 f"of {self.path} failed: {exc.strerror or exc}") from exc
+                                 f"of {path} failed: {exc.strerror or exc}") from exc
 
     def read_block(self, j: int, bufs: list[torch.Tensor]) -> None:
         """Block ``j`` into ``bufs`` (from :meth:`new_block`)."""
@@ -183,12 +191,87 @@ class StateFiles:
 
     def write(self, field: str, lo: int, data: torch.Tensor) -> None:
         """``data`` (fp32, flat) into elements ``[lo, lo + len)`` of one field (read-modify-write of its blocks)."""
-        k, hi = FIELDS.index(field), lo + data.numel()
+        self.write_many([(field, lo, data)])
+
+    def write_many(self, items, *, fresh: bool = False) -> dict:
+        """Several writes ``(field, lo, value)`` (``value``: any float tensor, any device, its elements flat) in one
+        pass over the blocks they touch, in file order: each block read once, filled and written once (``fresh``: a
+        file nothing was written to yet, whose blocks are zeros, is not read). A value is converted to fp32 on
+        the host when its first block comes up and dropped after its last, so the pass holds one value's copy and
+        one block at a time (building the file of a model of many tensors, loading a checkpoint). Returns the
+        blocks read and written."""
+        converted: dict[int, torch.Tensor] = {}
+
+        def copier(n: int, value: torch.Tensor):
+            def fill(dst: torch.Tensor, s: int, e: int, last: bool) -> None:
+                if n not in converted:
+                    converted[n] = value.detach().to("cpu", torch.float32).reshape(-1)
+                dst.copy_(converted[n][s:e])
+                if last:
+                    del converted[n]
+            return fill
+
+        return self.fill_many([(field, lo, value.numel(), copier(n, value))
+                               for n, (field, lo, value) in enumerate(items)], fresh=fresh)
+
+    def fill_many(self, items, *, fresh: bool = False) -> dict:
+        """The pass of :meth:`write_many` for items ``(field, lo, numel, fill)``: ``fill(dst, s, e, last)`` writes
+        the item's elements ``[s, e)`` into ``dst`` (the block's part of them, holding what the file has: a
+        partial update such as a matrix's columns reads and writes each block once too); ``last`` says it is the
+        item's last piece."""
+        plan: dict[int, list] = {}
+        for n, (field, lo, numel, _) in enumerate(items):
+            k = FIELDS.index(field)
+            for j, a, s, e in self.pieces(lo, lo + numel):
+                plan.setdefault(j, []).append((n, k, a, s, e, lo))
+        last_block = {n: j for j in sorted(plan) for n, *_ in plan[j]}
         bufs = self.new_block()
-        for j, a, s, e in self.pieces(lo, hi):
-            self.read_block(j, bufs)
-            bufs[k][s - a : e - a] = data[s - lo : e - lo]
+        reads = 0
+        for j in sorted(plan):
+            if fresh:
+                for b in bufs:
+                    b.zero_()
+            else:
+                self.read_block(j, bufs)
+                reads += 1
+            for n, k, a, s, e, lo in plan[j]:
+                items[n][3](bufs[k][s - a : e - a], s - lo, e - lo, last_block[n] == j)
             self.write_block(j, bufs)
+        return {"read": reads, "written": len(plan)}
+
+    def snapshot(self) -> torch.Tensor:
+        """The three fields as they are now, ``[3, numel]`` fp32 (``FIELDS`` order), held by a new file of this
+        folder, mapped shared and unlinked at once: none of it sits in the process's anonymous memory (the
+        kernel pages it in as it is read, e.g. by ``torch.save`` or ``torch.distributed.checkpoint``, and may drop
+        those pages again; what is written into it, e.g. a DCP load into the state dict, goes to the file, which
+        nobody else maps), it stays valid after :meth:`close`, and its disk space is given back when the last
+        tensor viewing it goes. Written through the page cache and dropped from it as it goes
+        (``fdatasync`` + ``POSIX_FADV_DONTNEED`` every few blocks)."""
+        n = self.numel
+        if self.closed:
+            raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: a snapshot after close ({self.path})")
+        if n == 0:
+            return torch.zeros(len(FIELDS), 0)
+        self._snapshots += 1
+        path = os.path.join(self.folder, f"snapshot-{self._snapshots}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            self._reserve(fd, path, len(FIELDS) * n * _ITEM, "a checkpoint's copy of the master and both moments")
+            bufs = self.new_block()
+            for j in range(self.blocks):
+                self.read_block(j, bufs)
+                a, b = self.block_range(j)
+                for k in range(len(FIELDS)):
+                    self._move("write", fd, path, (k * n + a) * _ITEM, [_bytes(bufs[k][: b - a])])
+                if j % 8 == 7 or j == self.blocks - 1:  # keep the page cache from holding the copy
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            flat = torch.from_file(path, shared=True, size=len(FIELDS) * n, dtype=torch.float32)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return flat.view(len(FIELDS), n)
 
 
 def _tail(views: list[memoryview], skip: int) -> list[memoryview]:
