@@ -174,9 +174,9 @@ def test_an_io_error_in_an_update_fails_the_optimizer_naming_file_and_offset(tmp
 
 
 def test_state_dict_hands_out_file_backed_tensors_valid_after_close(tmp_path):
-    """On disk, state_dict()'s host state is views of one file-backed copy (already unlinked: nothing left
-    under nvme_path once the optimizer closes, nothing in anonymous memory), bit-identical to the in-memory
-    run's, torch.save-able, still valid after close(); state_dict() after close() is a clear error (the state
+    """On disk, state_dict()'s host state and gradient sums are views of one file-backed copy (already unlinked:
+    nothing left under nvme_path once the optimizer closes, nothing in anonymous memory), bit-identical to the
+    in-memory run's, torch.save-able, still valid after close(); state_dict() after close() is a clear error (the state
     file is gone), and the saved dict resumes a fresh disk optimizer exactly."""
     data, zen = batches(), dict(overlap_step=True)
     m, opt = make(None, zen)
@@ -191,7 +191,7 @@ def test_state_dict_hands_out_file_backed_tensors_valid_after_close(tmp_path):
         train(m, opt, data, start=6)
         got = opt.state_dict()
     for i, st in got["state"].items():
-        for key in ("host_master", "host_exp_avg", "host_exp_avg_sq"):
+        for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc"):
             t = st[key]
             assert torch.equal(t, expected["state"][i][key]), (i, key)  # read after close()
             name = t.untyped_storage().filename
@@ -281,3 +281,35 @@ def test_columns_written_back_at_reselection_are_one_pass_and_the_in_memory_valu
         assert torch.equal(disk.field("master", i), memory.field("master", i)), i
         assert not torch.equal(memory.field("master", i), params[i])  # the columns did change
     disk.close()
+
+
+def test_a_save_that_finds_the_disk_full_fails_alone_and_training_goes_on(tmp_path, monkeypatch):
+    """state_dict() needs space for its copy: a full disk fails it naming the copy's path, the bytes needed and
+    free, leaves no file behind and does not fail the optimizer (its state is intact): training continues
+    bit-identical to the in-memory run and the next save works."""
+    import errno
+
+    from zenflow_kernels.state_files import StateFileError, _PosixIO
+
+    data, zen = batches(), dict(overlap_step=True)
+    m, opt = make(None, zen)
+    with opt:
+        memory = train(m, opt, data)
+    m, opt = make(tmp_path, zen)
+    with opt:
+        train(m, opt, data, stop=5)
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        with monkeypatch.context() as patch:
+            patch.setattr(_PosixIO, "fallocate", staticmethod(full))
+            with pytest.raises(StateFileError, match=r"reserving \d+ bytes .*checkpoint's copy of the master and both "
+                                                     r"moments and the gradient sums\) for .*snapshot-1 failed: No "
+                                                     r"space left on device \(\d+ bytes were free\)"):
+                opt.state_dict()
+        [folder] = os.listdir(tmp_path)
+        assert os.listdir(tmp_path / folder) == ["rank0.state"]
+        disk = train(m, opt, data, start=5)
+        assert opt.state_dict()["state"][0]["host_master"].untyped_storage().filename.endswith("snapshot-2")
+    assert_same(disk, {t: memory[t] for t in disk}, "after the failed save")

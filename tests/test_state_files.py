@@ -286,6 +286,12 @@ def test_a_snapshot_is_a_file_backed_copy_that_outlives_close(tmp_path):
     storage = snap.untyped_storage()
     assert storage.filename is not None and "snapshot-1" in storage.filename and not os.path.exists(storage.filename)
     assert os.listdir(files.folder) == ["rank0.state"] and io.reserved[-1] == 3 * numel * 4
+    sums = torch.randn(numel, dtype=torch.float64)  # a fourth row from memory (the interval's gradient sums)
+    with_sums = files.snapshot(sums)
+    assert with_sums.shape == (4, numel) and torch.equal(with_sums[3], sums.float())
+    assert torch.equal(with_sums[:3], snap) and io.reserved[-1] == 4 * numel * 4
+    with pytest.raises(ValueError, match=r"extra has shape \(10,\), allowed \(5000,\)"):
+        files.snapshot(torch.zeros(10))
     files.write("master", 0, torch.zeros(numel))  # the snapshot is a copy
     assert torch.equal(snap[0], data["master"])
     folder = files.folder

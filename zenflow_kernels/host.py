@@ -179,10 +179,11 @@ class HostShard:
             return
         self.disk.write_many([(name, self.slots[index].offset, value) for name, index, value in items])
 
-    def snapshot(self) -> torch.Tensor | None:
-        """On disk: every field as it is now, ``[3, numel]`` (master, exp_avg, exp_avg_sq), backed by a file
-        (``StateFiles.snapshot``); in memory: None (the buffers themselves are the state)."""
-        return None if self.disk is None else self.disk.snapshot()
+    def snapshot(self, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+        """On disk: every field as it is now, ``[3, numel]`` (master, exp_avg, exp_avg_sq; ``extra``, a flat buffer
+        of the shard's size such as the gradient sums, as a fourth row), backed by a file (``StateFiles.snapshot``);
+        in memory: None (the buffers themselves are the state)."""
+        return None if self.disk is None else self.disk.snapshot(extra)
 
     def set_columns(self, items) -> None:
         """Several ``(name, index, cols, value)``: columns ``cols`` of matrix ``index``'s field <- ``value`` ([R,

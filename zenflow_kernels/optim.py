@@ -1206,8 +1206,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._drain()
             self._link.synchronize()  # accumulation, write-backs and offloaded state have all landed
             host = self._host
-            # on disk: the host state handed out as views of one file-backed copy, never whole in memory
-            snap = None if consolidated else host.snapshot()
+            # on disk: the host state and the interval's sums handed out as views of one file-backed copy, never
+            # whole in memory
+            snap = None if consolidated else host.snapshot(self._interval_sums())
             for i, p in enumerate(self._params):
                 st = {
                     k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in self.state[p].items()
@@ -1231,7 +1232,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         host_exp_avg=fields[1],
                         host_exp_avg_sq=fields[2],
                         host_step=host.host_step[i],
-                        acc=self._interval_sums_of(i),
+                        acc=host.view(snap[3], i) if snap is not None else self._interval_sums_of(i),
                     )
                 state[i] = st
         zenflow["built"] = self._built

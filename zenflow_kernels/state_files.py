@@ -239,39 +239,46 @@ class StateFiles:
             self.write_block(j, bufs)
         return {"read": reads, "written": len(plan)}
 
-    def snapshot(self) -> torch.Tensor:
-        """The three fields as they are now, ``[3, numel]`` fp32 (``FIELDS`` order), held by a new file of this
-        folder, mapped shared and unlinked at once: none of it sits in the process's anonymous memory (the
+    def snapshot(self, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """The three fields as they are now, ``[3, numel]`` fp32 (``FIELDS`` order; ``[4, numel]`` with ``extra``,
+        a flat tensor of ``numel`` elements anywhere, e.g. the gradient sums, copied as a fourth), held by a new
+        file of this folder, mapped shared and unlinked at once: none of it sits in the process's anonymous memory (the
         kernel pages it in as it is read, e.g. by ``torch.save`` or ``torch.distributed.checkpoint``, and may drop
         those pages again; what is written into it, e.g. a DCP load into the state dict, goes to the file, which
         nobody else maps), it stays valid after :meth:`close`, and its disk space is given back when the last
         tensor viewing it goes. Written through the page cache and dropped from it as it goes
         (``fdatasync`` + ``POSIX_FADV_DONTNEED`` every few blocks)."""
-        n = self.numel
+        n, rows = self.numel, len(FIELDS) + (extra is not None)
         if self.closed:
             raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: a snapshot after close ({self.path})")
+        if extra is not None and tuple(extra.shape) != (n,):
+            raise ValueError(f"StateFiles.snapshot: extra has shape {tuple(extra.shape)}, allowed ({n},)")
         if n == 0:
-            return torch.zeros(len(FIELDS), 0)
+            return torch.zeros(rows, 0)
         self._snapshots += 1
         path = os.path.join(self.folder, f"snapshot-{self._snapshots}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
-            self._reserve(fd, path, len(FIELDS) * n * _ITEM, "a checkpoint's copy of the master and both moments")
+            self._reserve(fd, path, rows * n * _ITEM, "a checkpoint's copy of the master and both moments"
+                          + (" and the gradient sums" if extra is not None else ""))
             bufs = self.new_block()
             for j in range(self.blocks):
                 self.read_block(j, bufs)
                 a, b = self.block_range(j)
                 for k in range(len(FIELDS)):
                     self._move("write", fd, path, (k * n + a) * _ITEM, [_bytes(bufs[k][: b - a])])
+                if extra is not None:
+                    piece = extra[a:b].to("cpu", torch.float32).contiguous()
+                    self._move("write", fd, path, (len(FIELDS) * n + a) * _ITEM, [_bytes(piece)])
                 if j % 8 == 7 or j == self.blocks - 1:  # keep the page cache from holding the copy
                     os.fdatasync(fd)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            flat = torch.from_file(path, shared=True, size=len(FIELDS) * n, dtype=torch.float32)
+            flat = torch.from_file(path, shared=True, size=rows * n, dtype=torch.float32)
         finally:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        return flat.view(len(FIELDS), n)
+        return flat.view(rows, n)
 
 
 def _tail(views: list[memoryview], skip: int) -> list[memoryview]:
