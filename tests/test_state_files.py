@@ -73,8 +73,11 @@ def test_too_little_space_fails_at_creation_naming_path_needed_and_free(tmp_path
     assert os.listdir(tmp_path) == []
 
 
-def test_fields_read_and_write_across_blocks(tmp_path):
-    files = StateFiles(tmp_path, 5000, block_numel=1024)
+@pytest.mark.parametrize("direct", [False, True])
+def test_fields_read_and_write_across_blocks(tmp_path, direct):
+    if direct and not _direct_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    files = StateFiles(tmp_path, 5000, block_numel=1024, direct=direct)
     for field in FIELDS:
         assert torch.equal(files.read(field, 0, 5000), torch.zeros(5000))  # reserved space reads as zeros
     data = {f: torch.randn(5000, generator=torch.Generator().manual_seed(k)) for k, f in enumerate(FIELDS)}
@@ -85,6 +88,11 @@ def test_fields_read_and_write_across_blocks(tmp_path):
     for f in FIELDS:
         assert torch.equal(files.read(f, 0, 5000), data[f])
         assert torch.equal(files.read(f, 1023, 4097), data[f][1023:4097])
+    counting = Counting()
+    files._io = counting
+    assert torch.equal(files.read("exp_avg_sq", 1030, 2050), data["exp_avg_sq"][1030:2050])
+    # only that field's part of blocks 1 and 2, whole 4 KiB pages: a third of what the blocks hold
+    assert counting.reads == [(1 * 3 + 2) * 4096, (2 * 3 + 2) * 4096] and counting.read_bytes == [4096, 4096]
     files.close()
     with pytest.raises(StateFileError, match="after close"):
         files.read("master", 0, 10)
@@ -220,10 +228,11 @@ class Counting(_PosixIO):
     """The system calls, counted (offsets of each read and write)."""
 
     def __init__(self):
-        self.reads, self.writes, self.reserved = [], [], []
+        self.reads, self.read_bytes, self.writes, self.reserved = [], [], [], []
 
     def preadv(self, fd, bufs, offset):
         self.reads.append(offset)
+        self.read_bytes.append(sum(len(b) for b in bufs))
         return os.preadv(fd, bufs, offset)
 
     def pwritev(self, fd, bufs, offset):
