@@ -93,8 +93,12 @@ def test_fields_read_and_write_across_blocks(tmp_path, direct):
     assert torch.equal(files.read("exp_avg_sq", 1030, 2050), data["exp_avg_sq"][1030:2050])
     # only that field's part of blocks 1 and 2, whole 4 KiB pages: a third of what the blocks hold
     assert counting.reads == [(1 * 3 + 2) * 4096, (2 * 3 + 2) * 4096] and counting.read_bytes == [4096, 4096]
-    files.close()
-    with pytest.raises(StateFileError, match="after close"):
+    files.close()  # gone from the folder, still readable (state_dict() after the optimizer's close()) ...
+    assert not os.path.exists(files.folder) and torch.equal(files.read("master", 0, 5000), data["master"])
+    with pytest.raises(StateFileError, match="write of block 0 after close"):  # ... but never written again
+        files.write("master", 0, torch.zeros(10))
+    files.release()  # the descriptor too: the space is given back
+    with pytest.raises(StateFileError, match="read after release"):
         files.read("master", 0, 10)
 
 
@@ -281,8 +285,9 @@ def test_many_writes_are_one_pass_over_the_blocks_they_touch(tmp_path, fresh):
 
 def test_a_snapshot_is_a_file_backed_copy_that_outlives_close(tmp_path):
     """The three fields as a [3, numel] copy: equal to the file's contents at the time, backed by a file that is
-    already unlinked (nothing left in the folder, no anonymous memory), unaffected by later writes, still
-    readable after close(); its space is reserved (and checked) like the state file's."""
+    already unlinked (nothing left under nvme_path, no anonymous memory), unaffected by later writes, still
+    readable after close(), and taken after close() too (until release()); its space is reserved (and checked)
+    like the state file's."""
     numel = 5000
     io = Counting()
     files = StateFiles(tmp_path, numel, block_numel=1024, io=io)
@@ -293,8 +298,9 @@ def test_a_snapshot_is_a_file_backed_copy_that_outlives_close(tmp_path):
     for k, f in enumerate(FIELDS):
         assert torch.equal(snap[k], data[f])
     storage = snap.untyped_storage()
-    assert storage.filename is not None and "snapshot-1" in storage.filename and not os.path.exists(storage.filename)
-    assert os.listdir(files.folder) == ["rank0.state"] and io.reserved[-1] == 3 * numel * 4
+    assert os.path.dirname(storage.filename) == str(tmp_path) and "zenflow-snapshot-" in storage.filename
+    assert not os.path.exists(storage.filename) and io.reserved[-1] == 3 * numel * 4
+    assert os.listdir(tmp_path) == [os.path.basename(files.folder)] and os.listdir(files.folder) == ["rank0.state"]
     sums = torch.randn(numel, dtype=torch.float64)  # a fourth row from memory (the interval's gradient sums)
     with_sums = files.snapshot(sums)
     assert with_sums.shape == (4, numel) and torch.equal(with_sums[3], sums.float())
@@ -310,8 +316,11 @@ def test_a_snapshot_is_a_file_backed_copy_that_outlives_close(tmp_path):
     torch.save({"master": snap[0][10:20]}, buf)  # torch.save writes it out like any tensor
     buf.seek(0)
     assert torch.equal(torch.load(buf)["master"], data["master"][10:20])
-    with pytest.raises(StateFileError, match="a snapshot after close"):
+    assert torch.equal(files.snapshot()[0], torch.zeros(numel))  # after close: what the file held last
+    files.release()
+    with pytest.raises(StateFileError, match="a snapshot after release"):
         files.snapshot()
+    assert os.listdir(tmp_path) == []
     assert StateFiles(tmp_path, 0, block_numel=1024).snapshot().shape == (3, 0)
 
     class FullAtSnapshot(_PosixIO):  # the state file fits, its copy finds the disk full
@@ -325,7 +334,8 @@ def test_a_snapshot_is_a_file_backed_copy_that_outlives_close(tmp_path):
 
     files = StateFiles(tmp_path, numel, block_numel=1024, io=FullAtSnapshot())
     with pytest.raises(StateFileError, match=rf"reserving {3 * numel * 4} bytes .* checkpoint's copy .* for "
-                                             r".*snapshot-1 failed: No space left") as info:
+                                             r".*zenflow-snapshot-\w+ failed: No space left") as info:
         files.snapshot()
     assert info.value.errno == errno.ENOSPC and os.listdir(files.folder) == ["rank0.state"]  # nothing left
+    assert os.listdir(tmp_path) == [os.path.basename(files.folder)]
     files.close()

@@ -197,7 +197,8 @@ class HostShard:
                              for name, index, cols, value in items])
 
     def close(self) -> None:
-        """Remove the state file (offload_device="nvme"); in memory, nothing to do."""
+        """Remove the state file from ``nvme_path`` (offload_device="nvme"; still readable, e.g. by
+        ``state_dict()``, until this shard is collected, which gives its space back); in memory, nothing to do."""
         if self.disk is not None:
             self.disk.close()
 

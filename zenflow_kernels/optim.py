@@ -1197,10 +1197,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "ZenFlowAdamW.state_dict() between backward and step(): backward's hooks have already added part of "
                 "this step's gradients to the host sums (docs/design.md section 5.1), so a checkpoint now would hold "
                 "half a step. Save after step() (or before backward)")
-        if self._built and self._closed and self._host.disk is not None:
-            raise RuntimeError(
-                "ZenFlowAdamW.state_dict() after close() with offload_device='nvme': close() removed the state file "
-                f"under nvme_path={self.config.nvme_path!r} (the master and both moments): save before close()")
         if self._built:
             self._link.check()  # a failed host update may have left half its result: no torn state handed out
             self._drain()

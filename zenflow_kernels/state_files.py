@@ -9,7 +9,10 @@ Files never touch anyone else's: each :class:`StateFiles` creates a private fold
 (``tempfile.mkdtemp``: a fresh name, mode 0700) and its file with ``O_EXCL`` (mode 0600); the space is
 reserved at creation (``posix_fallocate``), so a disk that is too small fails there, with the path, the
 bytes needed and the bytes free, and not in the middle of training. The folder is removed at
-:meth:`StateFiles.close`, when the object is collected, at interpreter exit, and when creation fails.
+:meth:`StateFiles.close`, when the object is collected, at interpreter exit, and when creation fails. A
+closed file is gone from ``nvme_path`` but stays readable through its open descriptor until the object is
+collected (or :meth:`StateFiles.release`): ``state_dict()`` after the optimizer's ``close()`` works, as it does
+with the state in memory, whose buffers also live as long as the optimizer object.
 Every I/O error names the file, the operation, the offset and the byte count (:class:`StateFileError`).
 """
 
@@ -80,7 +83,8 @@ class StateFiles:
         if not os.path.isdir(path):
             raise ValueError(f"StateFiles: nvme_path={path!r} is not an existing directory")
         self.numel, self.block_numel, self._io = numel, block_numel, io or _PosixIO()
-        self._snapshots = 0
+        self.nvme_path = path
+        self._removed = False
         self.blocks = -(-numel // block_numel)
         self.nbytes = self.blocks * block_numel * _ITEM * len(FIELDS)
         self.folder = tempfile.mkdtemp(prefix="zenflow-state-", dir=path)  # 0700, a name nobody else has
@@ -102,7 +106,7 @@ class StateFiles:
         try:
             self._reserve()
         except BaseException:
-            self.close()
+            self.release()
             raise
 
     def _reserve(self, fd: int | None = None, path: str | None = None, nbytes: int | None = None,
@@ -112,7 +116,7 @@ class StateFiles:
         nbytes = self.nbytes if nbytes is None else nbytes
         if not nbytes:
             return
-        stat = os.statvfs(self.folder)
+        stat = os.statvfs(self.nvme_path)
         free = stat.f_bavail * stat.f_frsize
         need = f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB: {what})"
         if nbytes > free:
@@ -126,10 +130,22 @@ class StateFiles:
 
     @property
     def closed(self) -> bool:
+        """The file is gone from ``nvme_path`` (:meth:`close`): no more writes; reads until :meth:`release`."""
+        return self._removed or self.released
+
+    @property
+    def released(self) -> bool:
         return not self._finalizer.alive
 
     def close(self) -> None:
-        """Close and remove the file and its folder (idempotent)."""
+        """Remove the file and its folder from ``nvme_path`` (idempotent). The open descriptor keeps the data
+        readable (:meth:`read`, :meth:`snapshot`) and its disk space held until :meth:`release` or collection."""
+        self._removed = True
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def release(self) -> None:
+        """Close the descriptor too: the disk space is given back (idempotent; also when collected, at exit)."""
+        self._removed = True
         self._finalizer()
 
     def block_range(self, j: int) -> tuple[int, int]:
@@ -152,8 +168,9 @@ class StateFiles:
         return list(flat.view(len(FIELDS), self.block_numel).unbind(0))
 
     def _transfer(self, op: str, j: int, bufs: list[torch.Tensor]) -> None:
-        if self.closed:
-            raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: {op} of block {j} after close ({self.path})")
+        if self.released or (op == "write" and self.closed):
+            raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: {op} of block {j} after "
+                                 f"{'release' if self.released else 'close'} ({self.path})")
         self._move(op, self._fd, self.path, j * self.block_numel * _ITEM * len(FIELDS), [_bytes(b) for b in bufs])
 
     def _move(self, op: str, fd: int, path: str, offset: int, views: list[memoryview]) -> None:
@@ -184,8 +201,8 @@ class StateFiles:
         """Elements ``[lo, hi)`` of one field, as a new fp32 tensor (the fast path's reads of a parameter): only
         that field's part of each block is read (rounded out to 4 KiB, as ``O_DIRECT`` requires), a third of the
         block's bytes."""
-        if self.closed:
-            raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: read after close ({self.path})")
+        if self.released:
+            raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: read after release ({self.path})")
         k = FIELDS.index(field)
         out = torch.empty(hi - lo, dtype=torch.float32)
         buf = self.new_block()[0]
@@ -249,22 +266,21 @@ class StateFiles:
     def snapshot(self, extra: torch.Tensor | None = None) -> torch.Tensor:
         """The three fields as they are now, ``[3, numel]`` fp32 (``FIELDS`` order; ``[4, numel]`` with ``extra``,
         a flat tensor of ``numel`` elements anywhere, e.g. the gradient sums, copied as a fourth), held by a new
-        file of this folder, mapped shared and unlinked at once: none of it sits in the process's anonymous memory (the
+        file, mapped shared and unlinked at once: none of it sits in the process's anonymous memory (the
         kernel pages it in as it is read, e.g. by ``torch.save`` or ``torch.distributed.checkpoint``, and may drop
         those pages again; what is written into it, e.g. a DCP load into the state dict, goes to the file, which
         nobody else maps), it stays valid after :meth:`close`, and its disk space is given back when the last
         tensor viewing it goes. Written through the page cache and dropped from it as it goes
-        (``fdatasync`` + ``POSIX_FADV_DONTNEED`` every few blocks)."""
+        (``fdatasync`` + ``POSIX_FADV_DONTNEED`` every few blocks). Made directly under ``nvme_path`` (a fresh
+        name, mode 0600, visible only while it is written), so that it works after :meth:`close` too."""
         n, rows = self.numel, len(FIELDS) + (extra is not None)
-        if self.closed:
-            raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: a snapshot after close ({self.path})")
+        if self.released:
+            raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: a snapshot after release ({self.path})")
         if extra is not None and tuple(extra.shape) != (n,):
             raise ValueError(f"StateFiles.snapshot: extra has shape {tuple(extra.shape)}, allowed ({n},)")
         if n == 0:
             return torch.zeros(rows, 0)
-        self._snapshots += 1
-        path = os.path.join(self.folder, f"snapshot-{self._snapshots}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd, path = tempfile.mkstemp(prefix="zenflow-snapshot-", dir=self.nvme_path)  # O_EXCL, 0600
         try:
             self._reserve(fd, path, rows * n * _ITEM, "a checkpoint's copy of the master and both moments"
                           + (" and the gradient sums" if extra is not None else ""))
