@@ -155,8 +155,10 @@ CASES_FLUSHED = [dict(next(c for c in CASES if c["name"] == name), name=f"{name}
                       resume_at=resume, chaos=chaos) for name, chaos, resume in (("save", None, [10, 13]),
                                                                                  ("s2_save", 1, []))]
 # the host state on disk (offload_device="nvme"): the same runs as their in-memory twins, bit for bit
-NVME_TWINS = ["save", "sync_chaos_clip", "s2_overlap_chaos", "s2_bf16_devacc", "s2_groups_first_missing"]
-CASES_NVME = [dict(next(c for c in CASES if c["name"] == name), name=f"{name}_nvme", nvme=True) for name in NVME_TWINS]
+NVME_TWINS = ["save", "sync_chaos_clip", "s2_overlap_chaos", "s2_bf16_devacc", "s2_groups_first_missing",
+              "save_flushed"]
+CASES_NVME = [dict(next(c for c in CASES + CASES_FLUSHED if c["name"] == name), name=f"{name}_nvme", nvme=True)
+              for name in NVME_TWINS]
 MODEL_CASES = [
     dict(name="model_s1", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=1),
     dict(name="model_s2", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=2),
@@ -426,8 +428,9 @@ def test_a_consolidated_checkpoint_continues_on_one_rank(two_ranks, name):
 @pytest.mark.parametrize("name", NVME_TWINS)
 def test_host_state_on_disk_leaves_zero_runs_bit_identical(two_ranks, name):
     """ZeRO-1/2 at 2 ranks with each rank's host shard in its own state file: the weights, the consolidated
-    and per-rank checkpoints (``save``) and the reloads (``s2_groups_first_missing``: each rank loads its own
-    state dict three times) are those of the in-memory run; each rank's file holds 12 bytes per element of its
+    and per-rank checkpoints (``save``), the reloads (``s2_groups_first_missing``: each rank loads its own
+    state dict three times) and the saves inside ``flushed()`` resumed from (``save_flushed``) are those of the
+    in-memory run; each rank's file holds 12 bytes per element of its
     shard (whole blocks) and is gone after close()."""
     disk, memory = two_ranks[f"{name}_nvme"], two_ranks[name]
     for rank, (d, m) in enumerate(zip(disk, memory, strict=True)):
@@ -438,7 +441,7 @@ def test_host_state_on_disk_leaves_zero_runs_bit_identical(two_ranks, name):
         assert hb["accumulation"] == m["stats"]["host_bytes"]["accumulation"]
         parent, exists = d["nvme_folder"]  # the rank's private folder under the case's nvme_path, gone
         assert Path(parent).name == f"nvme-{name}_nvme" and not exists, (rank, d["nvme_folder"])
-        for key in ("consolidated", "per_rank"):
+        for key in ("consolidated", "per_rank", "flushed"):
             if key in m:
                 assert_same_state(d[key], m[key], f"rank {rank} {key}")
 
