@@ -4,6 +4,7 @@ exactly, the epoch length arrives, and importing the package imports neither fra
 
 import contextlib
 import math
+import os
 import subprocess
 import sys
 
@@ -453,3 +454,36 @@ def test_random_state_puts_back_every_generator_cuda_included(monkeypatch):
     again = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
     assert len(restored) == 1 and torch.equal(restored[0][0], saved_cuda[0])
+
+
+def test_lightning_with_the_state_on_disk_checkpoints_and_saves_after_fit(tmp_path):
+    """offload_device="nvme" under Lightning (issue 25): the run, its epoch checkpoints (file-backed host state
+    written by Lightning's torch.save) and ``trainer.save_checkpoint()`` after ``fit()`` (the optimizer is closed
+    by then) are bit-identical to the in-memory run's; nothing is left under nvme_path; the disk run's checkpoint
+    resumes an in-memory run exactly."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    runs = {}
+    for name, zen in (("memory", ZEN), ("disk", dict(ZEN, offload_device="nvme", nvme_path=str(nvme)))):
+        module = TinyModule(zen)
+        trainer = lightning_trainer(tmp_path / name)
+        trainer.fit(module, loader(), loader(8, seed=1))
+        assert trainer.optimizers[0]._closed
+        trainer.save_checkpoint(tmp_path / name / "after-fit.ckpt")
+        runs[name] = {f: torch.load(tmp_path / name / f, weights_only=False)
+                      for f in ("step=4.ckpt", "step=8.ckpt", "after-fit.ckpt")}
+    assert os.listdir(nvme) == []
+    for f, ckpt in runs["disk"].items():
+        mem = runs["memory"][f]
+        for k, v in ckpt["state_dict"].items():
+            assert torch.equal(v, mem["state_dict"][k]), (f, k)
+        for i, st in ckpt["optimizer_states"][0]["state"].items():
+            for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc"):
+                assert torch.equal(st[key], mem["optimizer_states"][0]["state"][i][key]), (f, i, key)
+    straight = TinyModule(ZEN)
+    lightning_trainer(tmp_path / "c").fit(straight, loader(), loader(8, seed=1))
+    resumed = TinyModule(ZEN, seed=3)
+    lightning_trainer(tmp_path / "r").fit(resumed, loader(), loader(8, seed=1),
+                                          ckpt_path=str(tmp_path / "disk" / "step=4.ckpt"))
+    for k, v in resumed.state_dict().items():
+        assert torch.equal(v, straight.state_dict()[k]), k
