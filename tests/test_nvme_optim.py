@@ -12,7 +12,7 @@ import stat
 import pytest
 import torch
 import torch.nn.functional as F
-from test_optim import snapshot
+from test_optim import HYPER, SWEEP, _ids, grad_sequence, make_params, quiet, snapshot
 
 from zenflow_kernels import ZenFlowAdamW, ZenFlowConfig, ZenFlowConfigError
 from zenflow_kernels.ops import use_backend
@@ -317,3 +317,43 @@ def test_a_save_that_finds_the_disk_full_fails_alone_and_training_goes_on(tmp_pa
         disk = train(m, opt, data, start=5)
         assert opt.state_dict()["state"][0]["host_master"].untyped_storage().filename is not None
     assert_same(disk, {t: memory[t] for t in disk}, "after the failed save")
+
+
+def _sweep_settings(case):
+    topk, upd, overlap, dtype, warmup, (strategy, interval, epoch), importance = case
+    zenflow = dict(topk_ratio=topk, update_interval=upd, overlap_step=overlap, full_warm_up_rounds=warmup,
+                   select_strategy=strategy, select_interval=interval, importance=importance, max_update_interval=5,
+                   auto_ratio=0.5)
+    if epoch is not None and strategy != "step":
+        zenflow["steps_per_epoch"] = epoch
+    return zenflow, dtype
+
+
+@pytest.mark.parametrize("n", range(len(SWEEP)), ids=[_ids(c) for c in SWEEP])
+def test_the_oracle_sweep_on_disk_gives_the_in_memory_bits(tmp_path, n):
+    """Every case of test_optim's oracle sweep (top-k 0/0.1/1, update interval 1/3/auto, sync and overlap,
+    fp32/bf16, warm-up, the selection strategies, both importances, clipping) on disk and in memory, the
+    synchronous link and chaos alternating: the same weights at every step and the same host state at the end."""
+    zenflow, dtype = _sweep_settings(SWEEP[n])
+    grads = grad_sequence(30)
+    runs = []
+    for where in (None, tmp_path):
+        params = make_params(dtype)
+        zen = zenflow | ({} if where is None else dict(offload_device="nvme", nvme_path=str(where)))
+        ctx = chaos(seed=n % 3, max_delay=0.001) if n % 2 else contextlib.nullcontext()
+        with ctx, quiet(ZenFlowAdamW, params, **HYPER, zenflow=zen, max_grad_norm=8.0) as opt:
+            history = []
+            for step_grads in grads:
+                for p, g in zip(params, step_grads, strict=True):
+                    p.grad = g.to(dtype)
+                opt.step()
+                history.append(snapshot(params))
+            sd = opt.state_dict()
+        runs.append((history, sd))
+    (memory, msd), (disk, dsd) = runs
+    for t, (a, b) in enumerate(zip(disk, memory, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {t}"
+    for i, st in msd["state"].items():
+        for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc"):
+            if key in st:
+                assert torch.equal(dsd["state"][i][key], st[key]), (i, key)
