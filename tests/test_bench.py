@@ -457,17 +457,16 @@ def test_overlap_gpu_runs_its_code_path_on_cpu(tmp_path):
 # -- bench.nvme ---------------------------------------------------------------------------------------------
 
 
-def test_nvme_quick(tmp_path):
-    """1 M parameters, buffered and O_DIRECT: the JSON's structure, the PNG, and what holds whatever the disk:
-    every pass moved twice the file's bytes, the rates are what bytes over seconds give, and the state folder
-    is gone afterwards."""
-    state_dir = tmp_path / "state"
-    state_dir.mkdir()
-    proc = run_module("bench.nvme", "--quick", "--out", str(tmp_path), "--dir", str(state_dir), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / "nvme_cpu.json").read_text())
-    assert (tmp_path / "nvme_cpu.png").read_bytes()[:8] == PNG_MAGIC
-    assert result["machine"]["python"] and result["quick"] is True and result["sizes_m"] == [1]
+def _padded(numel: int) -> int:
+    from zenflow_kernels.host import ALIGN
+
+    return math.ceil(numel / ALIGN) * ALIGN
+
+
+def _check_nvme_storage(result: dict) -> None:
+    """The storage pass at 1 M parameters: every pass moved twice the file's bytes, the rates are what bytes
+    over seconds give."""
+    assert result["sizes_m"] == [1]
     assert [r["mode"] for r in result["results"]] == ["buffered", "direct"]
     for r in result["results"]:
         if "skipped" in r:
@@ -481,4 +480,85 @@ def test_nvme_quick(tmp_path):
         assert math.isclose(r["streamed_over_roofline"], r["roofline"]["best_s"] / r["streamed"]["best_s"])
         # the page cache's growth is the whole machine's (other processes' files too): reported, not asserted
         assert all(g is None or isinstance(g, int) for g in r["streamed"]["cache_growth_bytes"]), r
+
+
+def _check_nvme_run_memory(run: dict) -> None:
+    """host_bytes() of a run against its parameters' shapes: the master and moments on disk (whole blocks of
+    12 bytes an element) or in memory, the accumulation buffers, device_accumulation's sums."""
+    d, layers = run["d"], run["layers"]
+    shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d), (d,), (d,)] * layers
+    padded = sum(_padded(math.prod(s)) for s in shapes)
+    assert run["params"] == sum(math.prod(s) for s in shapes) and run["padded_numel"] == padded
+    hb, block = run["host_bytes"], run["block_numel"]
+    num_acc = 2 if run["config"] == "overlap" else 1
+    assert hb["accumulation"] == 4 * padded * num_acc
+    assert hb["device_sums"] == (4 * padded if run["config"] == "devacc" else 0)
+    assert hb["total"] == sum(hb[k] for k in ("master", "exp_avg", "exp_avg_sq", "accumulation", "copy_out",
+                                              "staging"))
+    if run["offload"] == "nvme":
+        assert hb["master"] == hb["exp_avg"] == hb["exp_avg_sq"] == 0
+        assert block == 1 << 20 and hb["disk"] == 12 * math.ceil(padded / block) * block
+        roof, hu = run["host_update"]["disk_roofline"], run["host_update"]
+        assert roof["file_bytes"] == hb["disk"] and roof["best_s"] == min(roof["seconds"]) > 0
+        assert math.isclose(hu["roofline_over_last"], roof["best_s"] / hu["last_s"])
+    else:
+        assert hb["master"] == hb["exp_avg"] == hb["exp_avg_sq"] == 4 * padded and "disk" not in hb
+    rss = run["rss"]
+    assert rss["device_side"] == hb["fast_state"] + hb["device_sums"]
+    assert rss["host_side_growth"] == rss["growth_over_run"] - rss["device_side"]
+    assert math.isclose(rss["growth_per_param"], rss["growth_over_run"] / run["params"])
+
+
+def _check_nvme_run_steps(run: dict) -> None:
+    """Steps, boundaries and host updates agree with the run's update_interval."""
+    tm, interval = run["times"], run["update_interval"]
+    assert run["steps"] == 2 * interval and len(tm["step_s"]) == len(tm["boundary"]) == run["steps"]
+    assert sum(tm["boundary"]) == run["steps"] // interval == run["stats"]["host_updates"]
+    assert tm["boundary"][interval - 1] and tm["boundary"][-1]  # the last step is a boundary, flush() follows
+    assert run["host_update"]["count"] == len(run["host_update"]["seconds"]) == run["stats"]["host_updates"]
+    assert math.isclose(tm["mean_step_s"], sum(tm["step_s"][1:]) / (run["steps"] - 1))
+    assert finite([tm["cold_first_step_s"], tm["boundary_mean_s"], tm["between_mean_s"], tm["flush_s"]])
+    cache = run["page_cache"]
+    assert all(v is None or isinstance(v, int) for v in cache.values()), cache
+
+
+def _check_nvme_summaries(result: dict) -> None:
+    runs = result["runs"]
+    configs = result["run_config"]["configs"]
+    assert result["skipped_runs"] == [] and result["billion"] == []  # tiny sizes, no 1 B run
+    assert {(r["config"], r["offload"]) for r in runs} == {(c, o) for c in configs for o in ("nvme", "cpu")}
+    # where the state lives changes no bit of the weights
+    assert {(w["config"], w["update_interval"]) for w in result["weights_identical"]} >= {(c, 4) for c in configs}
+    assert all(w["identical"] for w in result["weights_identical"]), result["weights_identical"]
+    for config in configs:
+        disk, memory = result["memory"][f"{config} nvme"], result["memory"][f"{config} cpu"]
+        assert disk["goal"] == result["run_config"]["goal_bytes_per_param"][config] and "goal" not in memory
+        assert [s["size"] for s in disk["sizes"]] == result["run_config"]["run_sizes"]
+        assert disk["sizes"][0]["host_buffers_reported"] < memory["sizes"][0]["host_buffers_reported"]
+    assert [row["update_interval"] for row in result["stall"]] == result["run_config"]["stall_intervals"]
+    for row in result["stall"]:
+        assert math.isclose(row["extra_per_step_s"], row["nvme"]["mean_step_s"] - row["cpu"]["mean_step_s"])
+        assert row["nvme"]["disk_roofline_s"] > 0 and row["cpu"]["disk_roofline_s"] is None
+    assert len(result["page_cache"]) == len(runs)
+
+
+def test_nvme_quick(tmp_path):
+    """The storage pass at 1 M parameters (buffered and O_DIRECT) and whole optimizer runs at a tiny size, each
+    config with the state on disk and in memory: the JSON's structure, the PNG, and what holds whatever the
+    machine (the reported buffers and the state file's size from the shapes, steps and host updates from the
+    update_interval, bit-identical weights on disk and in memory, the state folder gone afterwards). No speed
+    is asserted."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    proc = run_module("bench.nvme", "--quick", "--out", str(tmp_path), "--dir", str(state_dir), "--headroom-gib", "0",
+                      timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "nvme_cpu.json").read_text())
+    assert (tmp_path / "nvme_cpu.png").read_bytes()[:8] == PNG_MAGIC
+    assert result["machine"]["python"] and result["quick"] is True
+    _check_nvme_storage(result)
+    for run in result["runs"]:
+        _check_nvme_run_memory(run)
+        _check_nvme_run_steps(run)
+    _check_nvme_summaries(result)
     assert list(state_dir.iterdir()) == []  # the bench's state files were removed
