@@ -161,9 +161,9 @@ class StateFiles:
             yield j, a, max(a, lo), min(b, hi)
 
     def new_block(self) -> list[torch.Tensor]:
-        """Three fp32 buffers of one block (master, exp_avg, exp_avg_sq), page-aligned (an anonymous mapping,
-        given back to the system when the tensors go)."""
-        mapped = mmap.mmap(-1, self.block_numel * _ITEM * len(FIELDS))
+        """Three fp32 buffers of one block (master, exp_avg, exp_avg_sq), page-aligned (a private anonymous
+        mapping, given back to the system when the tensors go; a shared one would count as page cache)."""
+        mapped = mmap.mmap(-1, self.block_numel * _ITEM * len(FIELDS), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         flat = torch.from_numpy(np.frombuffer(mapped, dtype=np.float32))
         return list(flat.view(len(FIELDS), self.block_numel).unbind(0))
 
