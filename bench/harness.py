@@ -235,6 +235,19 @@ def meminfo_bytes(key: str) -> int | None:
     return None
 
 
+def rss_bytes() -> int:
+    """This process's resident set now (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """This process's largest resident set so far (``getrusage``; KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def machine_info_light() -> dict:
     """:func:`machine_info` without importing the optional ``deepspeed`` (its import takes seconds and
     logs a line): its version is read from the installed package metadata instead."""

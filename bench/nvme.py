@@ -71,7 +71,9 @@ from bench.harness import (
     machine_info_light,
     meminfo_bytes,
     output_dir,
+    peak_rss_bytes,
     plt,
+    rss_bytes,
     run_child,
     write_json_light,
 )
@@ -176,17 +178,6 @@ def disk_roofline(where: str, numel: int, block_numel: int, direct: bool, repeat
 # -- one optimizer run (a fresh process) ----------------------------------------------------------------------
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def _mean(xs):
     return statistics.fmean(xs) if xs else None
 
@@ -267,9 +258,9 @@ def run_one(spec: dict) -> dict:
 
     zen = zenflow_config(spec)
     warm_up(zen)
-    rss_base = _rss()
+    rss_base = rss_bytes()
     params = build_params(spec["d"], spec["layers"], "cpu")
-    rss_params = _rss()
+    rss_params = rss_bytes()
     n = sum(p.numel() for p in params)
     cache_before = meminfo_bytes("Cached")
     opt = ZenFlowAdamW(params, lr=LR, zenflow=zen)
@@ -279,11 +270,11 @@ def run_one(spec: dict) -> dict:
     opt.flush()
     flush_s = time.perf_counter() - t0
     other_load = load.fraction()
-    rss_end, cache_end = _rss(), meminfo_bytes("Cached")
+    rss_end, cache_end = rss_bytes(), meminfo_bytes("Cached")
     stats, hb = opt.stats(), opt.host_bytes()
     block, direct = opt.NVME_BLOCK_NUMEL, opt.NVME_DIRECT
     opt.close()
-    peak = max(_peak_rss(), rss_end)
+    peak = max(peak_rss_bytes(), rss_end)
     sha = weights_sha256(params)
     device_side = hb["fast_state"] + hb["device_sums"]
     growth = rss_end - rss_params

@@ -74,7 +74,9 @@ from bench.harness import (
     machine_info_light,
     meminfo_bytes,
     output_dir,
+    peak_rss_bytes,
     plt,
+    rss_bytes,
     run_child,
     write_json_light,
 )
@@ -232,17 +234,6 @@ def build_params(d: int, layers: int, device, seed: int = 0):
     return params
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def _median(xs):
     return statistics.median(xs) if xs else None
 
@@ -260,7 +251,7 @@ def run_one(spec: dict) -> dict:
     cuda = device.type == "cuda"
     zen = dict(BASE_ZENFLOW, **CONFIGS[spec["config"]], pt_reserved_cores_perc=1.0 if not cuda else 0.5)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    rss_start = _rss()
+    rss_start = rss_bytes()
     # what any first run loads once (numba's kernels, torch's ops, the worker's first call)
     t0 = time.perf_counter()
     with ZenFlowAdamW(build_params(16, 1, device, seed=1), lr=LR, zenflow=zen) as warm:
@@ -270,11 +261,11 @@ def run_one(spec: dict) -> dict:
     gc.collect()
     warmup_s = time.perf_counter() - t0
 
-    rss_base = _rss()
+    rss_base = rss_bytes()
     t0 = time.perf_counter()
     params = build_params(spec["d"], spec["layers"], device)
     build_s = time.perf_counter() - t0
-    rss_params = _rss()
+    rss_params = rss_bytes()
     n = sum(p.numel() for p in params)
     n_matrix = sum(p.numel() for p in params if p.dim() == 2)
     n_tensors = len(params)
@@ -295,7 +286,7 @@ def run_one(spec: dict) -> dict:
     sync()
     flush_s = time.perf_counter() - t0
     other_load = load.fraction()
-    rss_end = _rss()
+    rss_end = rss_bytes()
     stats = opt.stats()
     hb = opt.host_bytes()
     device_memory = None
@@ -306,7 +297,7 @@ def run_one(spec: dict) -> dict:
     opt.close()
     # getrusage's high-water mark, or a sample above it (the kernel's per-thread RSS counters lag by a
     # few dozen pages)
-    peak = max(_peak_rss(), rss_start, rss_base, rss_params, rss_end)
+    peak = max(peak_rss_bytes(), rss_start, rss_base, rss_params, rss_end)
     del opt, params
     gc.collect()
 

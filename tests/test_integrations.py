@@ -349,11 +349,17 @@ def test_lightning_checkpoints_hold_flushed_weights_and_resume_exactly(tmp_path)
         assert torch.equal(v, final[k]), k
 
     # resume (without dropout: a Lightning checkpoint does not hold torch's generator, whatever the optimizer)
+    assert_resumes_like_the_straight_run(tmp_path)
+
+
+def assert_resumes_like_the_straight_run(tmp_path, checkpoint=None) -> None:
+    """A run resumed at step 4 from ``checkpoint`` (default: the straight run's own) ends where the straight
+    8-step run (in memory) ends, bit for bit."""
     straight = TinyModule(ZEN)
     lightning_trainer(tmp_path / "c").fit(straight, loader(), loader(8, seed=1))
     resumed = TinyModule(ZEN, seed=3)
     lightning_trainer(tmp_path / "b").fit(resumed, loader(), loader(8, seed=1),
-                                          ckpt_path=str(tmp_path / "c" / "step=4.ckpt"))
+                                          ckpt_path=str(checkpoint or tmp_path / "c" / "step=4.ckpt"))
     for k, v in resumed.state_dict().items():
         assert torch.equal(v, straight.state_dict()[k]), k
 
@@ -480,10 +486,4 @@ def test_lightning_with_the_state_on_disk_checkpoints_and_saves_after_fit(tmp_pa
         for i, st in ckpt["optimizer_states"][0]["state"].items():
             for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc"):
                 assert torch.equal(st[key], mem["optimizer_states"][0]["state"][i][key]), (f, i, key)
-    straight = TinyModule(ZEN)
-    lightning_trainer(tmp_path / "c").fit(straight, loader(), loader(8, seed=1))
-    resumed = TinyModule(ZEN, seed=3)
-    lightning_trainer(tmp_path / "r").fit(resumed, loader(), loader(8, seed=1),
-                                          ckpt_path=str(tmp_path / "disk" / "step=4.ckpt"))
-    for k, v in resumed.state_dict().items():
-        assert torch.equal(v, straight.state_dict()[k]), k
+    assert_resumes_like_the_straight_run(tmp_path, tmp_path / "disk" / "step=4.ckpt")
