@@ -362,7 +362,10 @@ def hsdp_runs(tmp_path_factory):
     checkpoint = str(tmp / "checkpoint")
     save = dict(CHECKPOINT, name="hsdp_save", checkpoint=checkpoint, mesh=HSDP_MESH)
     cases = [dict(case, name=name, steps=STEPS) for name, case in HSDP_CASES.items()]
-    cases += [save, dict(save, name="hsdp_load", kind="load")]
+    # the last: the checkpoint loaded into HSDP with the host state on disk (two replicas' ranks of one shard rank
+    # make files of the same name, each in a private folder of its own under the shared nvme_path)
+    cases += [save, dict(save, name="hsdp_load", kind="load"),
+              dict(save, name="hsdp_load_nvme", kind="load", nvme=True)]
     results, done = launch(cases, tmp, world=4, timeout=600.0, worker=WORKER)
     for rc, _, err in done:
         assert rc == 0, err[-4000:]
@@ -403,6 +406,19 @@ def test_hsdp_matches_one_process_within_the_stated_bound(hsdp_runs, name):
     stats = base["stats"]
     assert stats["steps"] == STEPS and stats["selections"] >= 3
     assert set(stats["collective_bytes"]) >= {"selection scores", "gradient norm", "clipping norm"}
+
+
+def test_hsdp_with_the_state_on_disk_resumes_bit_identical_to_memory(hsdp_runs):
+    """The HSDP checkpoint (4 ranks, 2x2) loaded by an HSDP run whose host state is on disk: every rank's weights
+    at every step and flushed are the in-memory load's, and each rank's private folder is gone after close()."""
+    for rank, (d, m) in enumerate(zip(hsdp_runs["hsdp_load_nvme"], hsdp_runs["hsdp_load"], strict=True)):
+        assert sorted(d["weights"]) == sorted(m["weights"])
+        for t in m["weights"]:
+            assert all(torch.equal(a, b) for a, b in zip(d["weights"][t], m["weights"][t], strict=True)), (rank, t)
+        assert all(torch.equal(a, b) for a, b in zip(d["flushed"], m["flushed"], strict=True)), rank
+        assert d["host_bytes"]["disk"] > 0 and d["host_bytes"]["master"] == 0
+        parent, exists = d["nvme_folder"]
+        assert Path(parent).name == "nvme-hsdp_load_nvme" and not exists, d["nvme_folder"]
 
 
 def test_hsdp_replicas_hold_the_same_rows_and_collectives_span_the_shard_dimension(hsdp_runs):
