@@ -1,4 +1,4 @@
-"""The NVMe tier's storage layer (issue 25, first step): host Adam state in a private file, streamed through
+"""The NVMe tier's storage layer (issue 25): host Adam state in a private file, streamed through
 the in-memory host's numba Adam block by block with the same bits, and every fault (no space, an I/O error
 at an offset, a short transfer) either handled or raised naming file and offset, with nothing left on disk."""
 

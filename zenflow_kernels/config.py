@@ -90,7 +90,7 @@ class ZenFlowConfig:
     overlap_step: run the host update of interval n in the background during interval n+1.
     offload_device: where this rank's host Adam state (fp32 master, both moments) lives: ``"cpu"`` (host
         memory, the default) or ``"nvme"`` (a file under ``nvme_path``, streamed through the host update:
-        docs/design.md section 9; one process only for now). DeepSpeed's
+        docs/nvme.md; one process, ZeRO-1/2 and FSDP2). DeepSpeed's
         ``zero_optimization.offload_optimizer = {"device": "nvme", "nvme_path": ...}`` sets both.
     nvme_path: the directory for the state files with ``offload_device="nvme"`` (else None).
     offload: keep the fast-path Adam state in host memory, streamed to the device around the step.

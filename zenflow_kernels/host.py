@@ -167,8 +167,7 @@ class HostShard:
         if self.disk is None:
             self.view(getattr(self, name), index).copy_(value)
             return
-        s = self.slots[index]
-        self.disk.write(name, s.offset, value.detach().to("cpu", torch.float32).reshape(-1).contiguous())
+        self.set_fields([(name, index, value)])  # converted a block's piece at a time, no whole fp32 copy
 
     def set_fields(self, items) -> None:
         """Several ``(name, index, value)`` of :meth:`set_field` at once: on disk, one pass over the blocks they

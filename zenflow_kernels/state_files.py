@@ -215,7 +215,8 @@ class StateFiles:
         return out
 
     def write(self, field: str, lo: int, data: torch.Tensor) -> None:
-        """``data`` (fp32, flat) into elements ``[lo, lo + len)`` of one field (read-modify-write of its blocks)."""
+        """``data`` (any float tensor, its elements flat) into elements ``[lo, lo + len)`` of one field
+        (read-modify-write of its blocks: :meth:`write_many` of one item)."""
         self.write_many([(field, lo, data)])
 
     def write_many(self, items, *, fresh: bool = False) -> dict:
