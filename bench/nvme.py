@@ -371,19 +371,9 @@ def _child(spec: dict) -> dict:
 def run_quietest(spec: dict, attempts: int, label: str) -> dict:
     """The run, again (after waiting for quiet) while other processes took more than MAX_OTHER_LOAD of the
     CPUs, up to ``attempts`` runs; the quietest is kept."""
-    from bench.cpu_adam import _wait_quiet
+    from bench.cpu_adam import quietest
 
-    run = _child(spec)
-    loads = [run["other_processes_cpu_fraction"]]
-    while min(loads) > MAX_OTHER_LOAD and len(loads) < attempts:
-        print(f"{label}: other processes used {loads[-1]:.0%} of the CPUs, running it again", flush=True)
-        _wait_quiet(60)
-        again = _child(spec)
-        loads.append(again["other_processes_cpu_fraction"])
-        if loads[-1] == min(loads):
-            run = again
-    run["other_load_of_attempts"] = loads
-    return run
+    return quietest(lambda: _child(spec), lambda r: r["other_processes_cpu_fraction"], attempts, MAX_OTHER_LOAD, label)
 
 
 def describe(run: dict) -> str:

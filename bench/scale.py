@@ -67,7 +67,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.cpu_adam import _wait_quiet
+from bench.cpu_adam import quietest
 from bench.harness import (
     OneLineParser,
     int_at_least,
@@ -558,16 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     roof_numel = QUICK_ROOF_NUMEL if args.quick else ROOF_NUMEL
 
     t0 = time.perf_counter()
-    tensors = _child("tensors", dict(counts=counts, rounds=rounds), timeout=1800)
-    loads = [max(r["other_processes_cpu_fraction"] for r in tensors["rows"])]
-    while min(loads) > MAX_OTHER_LOAD and len(loads) < attempts:
-        print(f"per-tensor: other processes used {loads[-1]:.0%} of the CPUs, measuring again", flush=True)
-        _wait_quiet(60)
-        again = _child("tensors", dict(counts=counts, rounds=rounds), timeout=1800)
-        loads.append(max(r["other_processes_cpu_fraction"] for r in again["rows"]))
-        if loads[-1] == min(loads):
-            tensors = again
-    tensors["other_load_of_attempts"] = loads
+    tensors = quietest(lambda: _child("tensors", dict(counts=counts, rounds=rounds), timeout=1800),
+                       lambda r: max(row["other_processes_cpu_fraction"] for row in r["rows"]), attempts,
+                       MAX_OTHER_LOAD, "per-tensor")
     tensors["summary"] = per_tensor_summary(tensors)
     summary = "; ".join(f"{c}: " + ", ".join(f"{k} {v:.2f}" for k, v in e.items())
                         for c, e in tensors["summary"].items())
@@ -585,17 +578,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.perf_counter()
             spec = dict(d=d, layers=layers, config=config, steps=steps, device=device, roof_numel=roof_numel)
-            run = _child("run", spec, timeout=3600)
-            loads = [run["other_processes_cpu_fraction"]]
-            while min(loads) > MAX_OTHER_LOAD and len(loads) < attempts:
-                print(f"{d}x{layers} {config}: other processes used {loads[-1]:.0%} of the CPUs, running it again",
-                      flush=True)
-                _wait_quiet(60)
-                again = _child("run", spec, timeout=3600)
-                loads.append(again["other_processes_cpu_fraction"])
-                if loads[-1] == min(loads):  # the quietest attempt is kept
-                    run = again
-            run["other_load_of_attempts"] = loads
+            run = quietest(lambda spec=spec: _child("run", spec, timeout=3600),
+                           lambda r: r["other_processes_cpu_fraction"], attempts, MAX_OTHER_LOAD,
+                           f"{d}x{layers} {config}")
             runs.append(run)
             bpp, tm, hu = run["bytes_per_param"], run["times"], run["host_update"]
             own = next(b["gbps"] for b in run["bandwidth"] if b["pattern"] == hu["pattern"]
