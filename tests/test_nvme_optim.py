@@ -357,3 +357,36 @@ def test_the_oracle_sweep_on_disk_gives_the_in_memory_bits(tmp_path, n):
         for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc"):
             if key in st:
                 assert torch.equal(dsd["state"][i][key], st[key]), (i, key)
+
+
+@pytest.mark.parametrize("mode", ["sync", "chaos1", "chaos2"])
+@pytest.mark.parametrize("zen", [dict(overlap_step=True), dict(overlap_step=True, device_accumulation=True),
+                                 dict(device_accumulation=True)], ids=["overlap", "overlap_devacc", "devacc"])
+def test_the_patterns_users_write_give_the_in_memory_bits_on_disk(tmp_path, zen, mode):
+    """Two micro-batches a step (the first declared with ``opt.no_sync()``), in-place
+    ``zero_grad(set_to_none=False)``, an evaluation and a save inside ``flushed()`` at step 7 reloaded into the
+    stepped optimizer, with and without ``device_accumulation`` (whose sums the file-backed checkpoint copies
+    from the device buffer): weights at every step and the final host state and sums as in memory."""
+    def run(where):
+        m, opt = make(where, zen, mode=mode)
+        weights = []
+        with opt:
+            for t, (x, y) in enumerate(batches()):
+                with opt.no_sync():  # declared: the second micro-batch still adds to these gradients
+                    F.mse_loss(m(x[:4]), y[:4]).backward()
+                F.mse_loss(m(x[4:]), y[4:]).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+                if t == 6:
+                    with torch.no_grad(), opt.flushed():
+                        m(x)  # an evaluation
+                        saved = opt.state_dict()
+                    opt.load_state_dict(saved)
+                weights.append(snapshot(m.parameters()))
+            return weights, opt.state_dict()
+
+    (memory, expected), (disk, got) = run(None), run(tmp_path)
+    assert_same(dict(enumerate(disk)), dict(enumerate(memory)), "disk against memory")
+    for i, st in expected["state"].items():
+        for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc"):
+            assert torch.equal(got["state"][i][key], st[key]), (i, key)
