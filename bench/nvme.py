@@ -32,11 +32,12 @@ state file) does not fit what the machine has free are skipped and listed, befor
   size): the process's RSS growth over the run (after the parameters and gradients exist, to after the
   last host update; its peak beside it) per parameter, and its slope across the sizes (least squares:
   what a parameter more costs, without the process's constant part, e.g. the update's three 12 MiB block
-  buffers). On this CPU-only machine the "device" is process memory too: the fast path's state and
-  ``device_accumulation``'s sums (``host_bytes()`` ``fast_state`` and ``device_sums``, as bench.scale and
-  tests/test_host_memory.py count them) are taken off the RSS to give the host side, which is what the
-  issue's goals (10.5, 6.5 and 2.5 bytes per parameter on disk) are compared with, beside the host
-  buffers ``host_bytes()`` reports (``total``; ``disk`` apart);
+  buffers and, for ``devacc`` on disk, the three 4 MiB blocks it fetches the device's sums into). On this
+  CPU-only machine the "device" is process memory too: the fast path's state and ``device_accumulation``'s
+  sums (``host_bytes()`` ``fast_state`` and ``device_sums``, as bench.scale and tests/test_host_memory.py
+  count them) are taken off the RSS to give the host side, which is what the issue's goals (10.5, 6.5 and
+  2.5 bytes per parameter on disk) are compared with, beside the host buffers ``host_bytes()`` reports
+  (``total``; ``disk`` apart);
 * page cache: ``/proc/meminfo`` Cached before the optimizer is built, its largest value after any step,
   and after the last host update (the whole machine's: other processes' files count too);
 * stall (config ``overlap`` at ``--stall-size``, ``update_interval`` in ``--intervals``): ``step()`` wall

@@ -210,7 +210,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else contextlib.nullcontext()
     result: dict = {"weights": [], "selections": []}
     with ctx:
-        opt = ZenFlowAdamW(param_groups(model, case), **HYPER, zenflow=case["zenflow"],
+        opt = ZenFlowAdamW(param_groups(model, case), **HYPER, zenflow=zenflow_settings(case, out_dir),
                            max_grad_norm=case.get("max_grad_norm"), collective_timeout=case.get("timeout", 60.0))
     with opt:
         for t, batch in enumerate(data):
@@ -234,6 +234,9 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
                       local_rows=[p.to_local().shape[0] for p in params],
                       row_offsets=[_row_offset(p) for p in params],
                       collective_world=opt._shard.ctx.world if opt._shard.ctx is not None else None)
+        folder = opt._host.disk.folder if opt._host.disk is not None else None
+    if folder is not None:  # leaving `with opt` closed it: this rank's private folder is gone
+        result["nvme_folder"] = (str(Path(folder).parent), os.path.exists(folder))
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
 
 

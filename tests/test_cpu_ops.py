@@ -426,6 +426,31 @@ def test_multi_sum_squares_matches_float64_sums_and_ignores_the_thread_count(see
     assert multi_sum_squares([]) == 0.0 and multi_sum_squares([torch.zeros(0, dtype=torch.float16)]) == 0.0
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_chunk_sums_of_pieces_rebuild_the_whole_tensors_sum_bit_for_bit(seed):
+    """``sum_squares_chunks_unchecked``: each ``SUM_CHUNK`` chunk's float64 sum of squares (torch's, within 1e-12),
+    the same partials whether the tensor is summed whole or in pieces starting at chunk multiples, at 1 or 2
+    threads, and ``float(partials.sum())`` is ``sum_squares_unchecked([x])`` to the bit (the host update's
+    clipping norm of sums fetched from the device block by block: tests/test_nvme_optim.py)."""
+    from zenflow_kernels.cpu_ops.accumulate import SUM_CHUNK, sum_squares_chunks_unchecked, sum_squares_unchecked
+
+    gen = torch.Generator().manual_seed(seed)
+    for dtype in (torch.float32, *DTYPES_16):
+        x = (torch.randn(11 * SUM_CHUNK + 7 * seed + 1, generator=gen) * 3).to(dtype)
+        chunks = -(-x.numel() // SUM_CHUNK)
+        whole = np.full(chunks, np.nan)
+        sum_squares_chunks_unchecked(x, whole)
+        want = [float((c.double() ** 2).sum()) for c in x.split(SUM_CHUNK)]
+        assert whole.tolist() == pytest.approx(want, rel=1e-12)
+        for threads, step in ((1, 3 * SUM_CHUNK), (2, 5 * SUM_CHUNK), (2, SUM_CHUNK)):
+            pieces = np.full(chunks, np.nan)
+            for lo in range(0, x.numel(), step):
+                hi = min(x.numel(), lo + step)
+                sum_squares_chunks_unchecked(x[lo:hi].clone(), pieces[lo // SUM_CHUNK : -(-hi // SUM_CHUNK)], threads)
+            assert np.array_equal(pieces, whole), (dtype, threads, step)
+        assert float(whole.sum()) == sum_squares_unchecked([x]), dtype
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_multi_sum_squares_is_non_finite_iff_some_tensor_is(bad):
     from zenflow_kernels.cpu_ops.accumulate import SUM_CHUNK

@@ -54,7 +54,7 @@ class _FakeEvent:
         self.recorded_on = stream
 
     def synchronize(self):
-        pass
+        self.synchronized_on = threading.current_thread().name
 
     def query(self):
         return self.complete
@@ -69,6 +69,9 @@ class _FakeStream:
 
     def wait_stream(self, other):
         self.waited_for.append(other)
+
+    def wait_event(self, event):
+        self.waited_for.append(event)
 
     def synchronize(self):
         self.synchronized = True
@@ -176,6 +179,32 @@ def test_cuda_engine_issues_a_jobs_copies_in_one_call_and_holds_sources_until_th
     assert len(calls) == 3
     engine.close()
     assert not engine._reading
+
+
+def test_cuda_engine_fetches_device_sums_behind_the_device_work_and_sleeps_until_copied(monkeypatch):
+    """``device_accumulation`` with the state on disk: a host update's reader thread fetches the device sums on
+    a stream of the engine's that waits for an event recorded when the sums were handed over (not for later
+    device work), under the engine's device guard, and sleeps on a blocking event until its copy is done."""
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    _FakeEvent.made.clear()
+    device = torch.device("cuda", 2)
+    engine = link.CudaEngine(device)
+    fetch = engine.fetcher(torch.arange(10.0))
+    [ready] = _FakeEvent.made
+    assert ready.recorded_on is cuda.current and not ready.blocking
+    dst = torch.zeros(4)
+    reader = threading.Thread(target=fetch, args=(dst, 3, 7), name="zenflow-state-read")
+    reader.start()
+    reader.join()
+    assert dst.tolist() == [3.0, 4.0, 5.0, 6.0]
+    done = _FakeEvent.made[-1]
+    assert engine._fetch.waited_for == [ready] and done.recorded_on is engine._fetch
+    assert done.blocking and done.synchronized_on == "zenflow-state-read" and cuda.guards == [device]
+    stream = engine._fetch
+    engine.fetcher(torch.zeros(3))  # a later update's fetches: the same stream, their own hand-over event
+    assert engine._fetch is stream and _FakeEvent.made[-1].recorded_on is cuda.current
+    engine.close()
 
 
 def test_pinned_sizes_count_whole_pages():

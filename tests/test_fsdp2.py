@@ -53,6 +53,10 @@ CASES = {
     "policy": dict(zenflow=ZEN, policy=True, chaos=1),
 }
 WORLDS = [2, 3]
+# at 2 ranks also: device_accumulation under chaos with clipping, its host state in memory and on disk (where the
+# sums stay on the device and each update fetches them block by block)
+DEVACC_TWINS = {"devacc_clip_chaos": dict(zenflow=dict(ZEN, device_accumulation=True), chaos=1, max_grad_norm=0.5)}
+DEVACC_TWINS["devacc_clip_chaos_nvme"] = dict(DEVACC_TWINS["devacc_clip_chaos"], nvme=True)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,8 @@ def runs(tmp_path_factory):
     for world in WORLDS:
         tmp = tmp_path_factory.mktemp(f"fsdp2_w{world}")
         cases = [dict(CASES[name], name=name, steps=STEPS) for name in CASES]
+        if world == 2:
+            cases += [dict(case, name=name, steps=STEPS) for name, case in DEVACC_TWINS.items()]
         results, done = launch(cases, tmp, world=world, timeout=600.0, worker=WORKER)
         for rc, _, err in done:
             assert rc == 0, err[-4000:]
@@ -140,6 +146,20 @@ def test_fsdp2_matches_one_process_and_the_reference(runs, name, world):
     stats = base["stats"]
     assert stats["steps"] == STEPS and stats["selections"] >= 3
     assert set(stats["collective_bytes"]) >= {"selection scores", "gradient norm"}
+
+
+def test_device_accumulation_with_the_state_on_disk_leaves_fsdp2_runs_bit_identical(runs):
+    """2 ranks, ``device_accumulation`` under chaos with clipping (the norm's partial sums over the ranks): with the
+    state on disk each rank keeps no host accumulation buffer, its two device buffers of sums alternate between
+    intervals, and every step's weights and the flushed ones are the in-memory run's, bit for bit."""
+    for rank, (d, m) in enumerate(zip(runs[2]["devacc_clip_chaos_nvme"], runs[2]["devacc_clip_chaos"], strict=True)):
+        for t, (a, b) in enumerate(zip(d["weights"], m["weights"], strict=True)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"rank {rank} step {t}"
+        assert all(torch.equal(x, y) for x, y in zip(d["flushed"], m["flushed"], strict=True)), rank
+        assert d["stats"]["host_updates"] == m["stats"]["host_updates"] >= 8
+        hb, mb = d["host_bytes"], m["host_bytes"]
+        assert hb["accumulation"] == 0 < mb["accumulation"] and hb["device_sums"] == 2 * mb["device_sums"] > 0
+        assert hb["disk"] > 0 and not d["nvme_folder"][1]
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -68,15 +68,18 @@ def assert_same(a, b, what):
 
 
 @pytest.mark.parametrize("mode", ["sync", "chaos1"])
-@pytest.mark.parametrize("overlap, clip, dtype", [(False, False, torch.float32), (True, True, torch.float32),
-                                                  (True, False, torch.bfloat16)])
-def test_the_disk_host_gives_the_in_memory_bits(tmp_path, mode, overlap, clip, dtype):
-    data = batches()
-    m, opt = make(None, dict(overlap_step=overlap), mode=mode, clip=clip, dtype=dtype)
+@pytest.mark.parametrize("overlap, clip, dtype, devacc", [
+    (False, False, torch.float32, False), (True, True, torch.float32, False), (True, False, torch.bfloat16, False),
+    (False, True, torch.float32, True), (True, True, torch.bfloat16, True)])
+def test_the_disk_host_gives_the_in_memory_bits(tmp_path, mode, overlap, clip, dtype, devacc):
+    """With ``device_accumulation`` the disk host keeps no accumulation buffer: the update fetches each block's
+    piece of the device sums (twice with clipping: the norm, then the step), the in-memory one uploads them."""
+    data, zen = batches(), dict(overlap_step=overlap, device_accumulation=devacc)
+    m, opt = make(None, zen, mode=mode, clip=clip, dtype=dtype)
     with opt:
         memory = train(m, opt, data)
         expected = opt.state_dict()
-    m, opt = make(tmp_path, dict(overlap_step=overlap), mode=mode, clip=clip, dtype=dtype)
+    m, opt = make(tmp_path, zen, mode=mode, clip=clip, dtype=dtype)
     with opt:
         disk = train(m, opt, data)
         [folder] = os.listdir(tmp_path)
@@ -93,7 +96,12 @@ def test_the_disk_host_gives_the_in_memory_bits(tmp_path, mode, overlap, clip, d
     numel = opt._host.numel
     assert hb["disk"] == -(-numel // 1024) * 1024 * 12
     assert hb["master"] == hb["exp_avg"] == hb["exp_avg_sq"] == 0
-    assert hb["total"] == hb["accumulation"] + hb["copy_out"] + hb["staging"]
+    assert hb["total"] == hb["accumulation"] + hb["copy_out"] + hb["staging"] + hb.get("sums_blocks", 0)
+    if devacc:  # the sums' bytes are the device's (two buffers with overlap), three blocks fetch them
+        assert hb["accumulation"] == 0 and hb["sums_blocks"] == 3 * numel * 4  # (a norm's chunk, at most the shard)
+        assert hb["device_sums"] == (2 if overlap else 1) * numel * 4
+    else:
+        assert hb["accumulation"] == (2 if overlap else 1) * numel * 4 and "sums_blocks" not in hb
 
 
 @pytest.mark.parametrize("first, then", [("memory", "disk"), ("disk", "memory")])
@@ -319,11 +327,11 @@ def test_a_save_that_finds_the_disk_full_fails_alone_and_training_goes_on(tmp_pa
     assert_same(disk, {t: memory[t] for t in disk}, "after the failed save")
 
 
-def _sweep_settings(case):
+def _sweep_settings(case, devacc=False):
     topk, upd, overlap, dtype, warmup, (strategy, interval, epoch), importance = case
     zenflow = dict(topk_ratio=topk, update_interval=upd, overlap_step=overlap, full_warm_up_rounds=warmup,
                    select_strategy=strategy, select_interval=interval, importance=importance, max_update_interval=5,
-                   auto_ratio=0.5)
+                   auto_ratio=0.5, device_accumulation=devacc)
     if epoch is not None and strategy != "step":
         zenflow["steps_per_epoch"] = epoch
     return zenflow, dtype
@@ -333,8 +341,9 @@ def _sweep_settings(case):
 def test_the_oracle_sweep_on_disk_gives_the_in_memory_bits(tmp_path, n):
     """Every case of test_optim's oracle sweep (top-k 0/0.1/1, update interval 1/3/auto, sync and overlap,
     fp32/bf16, warm-up, the selection strategies, both importances, clipping) on disk and in memory, the
-    synchronous link and chaos alternating: the same weights at every step and the same host state at the end."""
-    zenflow, dtype = _sweep_settings(SWEEP[n])
+    synchronous link and chaos alternating, half of them with ``device_accumulation`` (every pairing of sync or
+    overlap, fp32 or bf16, and link): the same weights at every step and the same host state at the end."""
+    zenflow, dtype = _sweep_settings(SWEEP[n], devacc=n % 8 in (0, 3, 5, 6))
     grads = grad_sequence(30)
     runs = []
     for where in (None, tmp_path):
@@ -390,3 +399,53 @@ def test_the_patterns_users_write_give_the_in_memory_bits_on_disk(tmp_path, zen,
     for i, st in expected["state"].items():
         for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc"):
             assert torch.equal(got["state"][i][key], st[key]), (i, key)
+
+
+def test_clipping_over_sums_fetched_in_pieces_has_the_bits_of_the_whole_buffer(tmp_path):
+    """A host update on disk whose sums stay on the device (``HostShard(num_acc=0)``, ``update(sums=...)``) against
+    one whose sums are in host memory, with clipping active: parameters longer than the fetch blocks (their norm
+    summed from pieces of ``SUM_CHUNK`` multiples), odd sizes, two dtypes and groups: the same clipped step, bit
+    for bit, every element fetched once for the norm and once for the step, the device's sums left unchanged."""
+    from zenflow_kernels.cpu_ops.accumulate import SUM_CHUNK
+    from zenflow_kernels.host import HostShard
+    from zenflow_kernels.state_files import StateFiles
+    from zenflow_kernels.streamed_adam import DeviceSums
+
+    g = torch.Generator().manual_seed(4)
+    params = [torch.randn(41, 16_001, generator=g), torch.randn(3, SUM_CHUNK, generator=g).bfloat16(),
+              torch.randn(333, generator=g), torch.randn(5, 9, generator=g)]
+    groups, counts = [0, 0, 1, 1], {0: 3, 1: 2, 2: 3, 3: 1}
+    hyper = [dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+             dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0)]
+    shards = []
+    for num_acc in (1, 0):
+        shard = HostShard(params, groups, num_acc=num_acc, disk=lambda n: StateFiles(tmp_path, n, block_numel=4096))
+        shards.append(shard)
+    sums = torch.randn(shards[0].numel, generator=g) * 5
+    shards[0].acc[0].copy_(sums)
+    device, fetched = sums.clone(), []
+
+    def fetch(dst, lo, hi):
+        fetched.append((lo, hi))
+        dst.copy_(device[lo:hi])
+
+    source = DeviceSums(fetch, [torch.empty(SUM_CHUNK) for _ in range(3)])  # a 656 K-element matrix: 41 pieces
+    for shard, kw in zip(shards, (dict(), dict(sums=source)), strict=True):
+        shard.update(0, counts, hyper, max_grad_norm=0.5, **kw)
+    assert shards[1].acc == [] and torch.equal(device, sums)
+    for i in range(len(params)):
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(shards[1].field(name, i), shards[0].field(name, i)), (i, name)
+        assert torch.equal(shards[1].out_view(i), shards[0].out_view(i)), i
+    assert not torch.equal(shards[0].field("master", 0), params[0])  # a step was taken
+    covered = torch.zeros(shards[0].numel, dtype=torch.int32)
+    for lo, hi in fetched:
+        covered[lo:hi] += 1
+    for s in shards[0].slots.values():
+        assert torch.all(covered[s.offset : s.offset + s.numel] == 2), s.index  # the norm, then the step
+    assert int(covered.sum()) == 2 * sum(p.numel() for p in params)
+    shards[0].acc[0].copy_(sums)  # the float64 norms themselves, not only what survives the fp32 step
+    for i in range(len(params)):
+        assert shards[1]._sum_squares(None, source, i) == shards[0]._sum_squares(shards[0].acc[0], None, i), i
+    for shard in shards:
+        shard.close()

@@ -14,7 +14,7 @@ import torch
 
 from zenflow_kernels import cpu_ops
 from zenflow_kernels.state_files import FIELDS, StateFileError, StateFiles, _PosixIO
-from zenflow_kernels.streamed_adam import Run, streamed_adam_
+from zenflow_kernels.streamed_adam import DeviceSums, Run, streamed_adam_
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
 
@@ -139,10 +139,22 @@ def _direct_supported(path) -> bool:
         return False
 
 
+def _device_sums(flat, block_numel, depth, fetched):
+    """``DeviceSums`` over ``flat`` (the stand-in for a device tensor) recording each fetched range."""
+    def fetch(dst, lo, hi):
+        fetched.append((lo, hi))
+        dst.copy_(flat[lo:hi])
+
+    return DeviceSums(fetch, [torch.full((block_numel,), float("nan")) for _ in range(depth)])
+
+
+@pytest.mark.parametrize("sums", ["host", "device"])
 @pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("block_numel, direct", [(1024, False), (2048, False), (2048, True)])
 @pytest.mark.parametrize("name", list(RUN_SETS))
-def test_streamed_adam_gives_the_in_memory_bits(tmp_path, name, block_numel, direct, depth):
+def test_streamed_adam_gives_the_in_memory_bits(tmp_path, name, block_numel, direct, depth, sums):
+    """The sums in host memory (zeroed where stepped), or fetched from the device block by block (``device``:
+    each stepped element fetched once, in order, into blocks that start out NaN; the device's sums untouched)."""
     if direct and not _direct_supported(tmp_path):
         pytest.skip(f"{tmp_path}'s filesystem has no O_DIRECT")
     numel, runs = RUN_SETS[name]
@@ -151,17 +163,55 @@ def test_streamed_adam_gives_the_in_memory_bits(tmp_path, name, block_numel, dir
     files = StateFiles(tmp_path, numel, block_numel=block_numel, direct=direct)
     for f in FIELDS:
         files.write(f, 0, state[f])
-    acc = state["acc"].clone()
+    acc, fetched = state["acc"].clone(), []
     got_outs = [None if dtype is None else torch.empty(hi - lo, dtype=dtype) for lo, hi, dtype, _ in runs]
     work = [Run(lo, hi, o, adam) for (lo, hi, _, adam), o in zip(runs, got_outs, strict=True)]
-    report = streamed_adam_(files, acc, work, depth=depth)
+    if sums == "host":
+        report = streamed_adam_(files, acc, work, depth=depth)
+    else:
+        report = streamed_adam_(files, None, work, depth=depth, sums=_device_sums(acc, block_numel, depth, fetched))
     touched = {j for lo, hi, _, _ in runs for j in range(lo // block_numel, -(-hi // block_numel))}
     assert report["blocks"] == len(touched)
     for f in FIELDS:
         assert torch.equal(files.read(f, 0, numel), expected[f]), f
-    assert torch.equal(acc, expected["acc"])  # zeroed where stepped, kept elsewhere
+    if sums == "host":
+        assert torch.equal(acc, expected["acc"])  # zeroed where stepped, kept elsewhere
+    else:
+        assert torch.equal(acc, state["acc"])  # the owner zeroes the device's sums, not the update
+        pieces = [(max(lo, j * block_numel), min(hi, (j + 1) * block_numel)) for j in sorted(touched)
+                  for lo, hi, _, _ in runs if lo < (j + 1) * block_numel and hi > j * block_numel]
+        assert fetched == pieces
     for a, b in zip(got_outs, outs, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+    files.close()
+
+
+def test_streamed_adam_refuses_ambiguous_sums_and_short_buffers_and_raises_a_failed_fetch(tmp_path):
+    numel = 4096
+    state = _state(numel, seed=9)
+    files = StateFiles(tmp_path, numel, block_numel=1024)
+    for f in FIELDS:
+        files.write(f, 0, state[f])
+    work = [Run(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))]
+    sums = _device_sums(state["acc"], 1024, 3, [])
+    with pytest.raises(ValueError, match="either as acc .* or as sums .* exactly one"):
+        streamed_adam_(files, state["acc"], work, sums=sums)
+    with pytest.raises(ValueError, match="either as acc .* or as sums .* exactly one"):
+        streamed_adam_(files, None, work)
+    with pytest.raises(ValueError, match=r"at least depth=3 fp32 buffers of min\(block_numel, numel\)=1024 elements, "
+                                         r"got \[\(1024, torch.float32\), \(512, torch.float32\)\]"):
+        streamed_adam_(files, None, work, sums=DeviceSums(sums.fetch, [torch.empty(1024), torch.empty(512)]))
+    before = files.read("master", 0, numel)
+
+    def failing(dst, lo, hi):
+        if lo >= 2048:
+            raise RuntimeError(f"CUDA error: an illegal memory access at {lo}")
+        dst.copy_(state["acc"][lo:hi])
+
+    with pytest.raises(RuntimeError, match="illegal memory access at 2048"):
+        streamed_adam_(files, None, work, sums=DeviceSums(failing, sums.buffers))
+    after = files.read("master", 0, numel)  # the blocks before it were stepped, none from it on
+    assert not torch.equal(after[:2048], before[:2048]) and torch.equal(after[2048:], before[2048:])
     files.close()
 
 

@@ -110,7 +110,10 @@ class ZenFlowConfig:
     device_accumulation: accumulate the matrices' gradients of an interval in one fp32 buffer on the
         device and copy the sum to the host once per update, instead of copying every step's gradient
         (``update_interval`` times fewer gradient copies, half that in bytes for bf16 gradients, for one
-        fp32 device buffer the size of the model). Not in DeepSpeed; the results are bit-identical.
+        fp32 device buffer the size of the model). With ``offload_device="nvme"`` the sums never cross
+        whole: the host update fetches each block's piece as it streams the state file (no host
+        accumulation buffer; with ``overlap_step`` a second device buffer takes the next interval's sums:
+        docs/nvme.md). Not in DeepSpeed; the results are bit-identical.
     selection_seed: the seed of ``importance="random"`` (an integer >= 0): the columns of matrix ``i`` at
         step ``t`` are drawn from a generator seeded with ``(selection_seed, t, i)``, so a run, a resumed
         run and every rank draw the same.

@@ -26,11 +26,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import cpu_ops
-from .cpu_ops.accumulate import accumulate_unchecked
-from .streamed_adam import Run, streamed_adam_
+from .cpu_ops.accumulate import SUM_CHUNK, accumulate_unchecked, sum_squares_chunks_unchecked, sum_squares_unchecked
+from .streamed_adam import DeviceSums, Run, streamed_adam_
 
 __all__ = ["HostShard", "HostWorker", "HostWorkerError", "Slot", "layout"]
 
@@ -112,7 +113,8 @@ class HostShard:
     Args:
         params: the parameters, in the optimizer's order.
         groups: ``groups[i]`` is the param-group index of ``params[i]``.
-        num_acc: 1, or 2 for double-buffered accumulation (overlap).
+        num_acc: 1, or 2 for double-buffered accumulation (overlap); 0 where the sums never reach host memory
+            whole (``device_accumulation`` with the state on disk: :meth:`update` fetches them block by block).
         alloc: ``alloc(numel, dtype)`` returns a zeroed flat host tensor (the link's: pinned memory
             when the parameters are on a GPU).
         indices: the parameters this shard holds (ZeRO: this rank's run; default all of them).
@@ -243,6 +245,7 @@ class HostShard:
         wait_before_write: Any = None,
         last: dict[int, torch.Tensor] | None = None,
         sum_over_ranks: Callable[[float], float] | None = None,
+        sums: DeviceSums | None = None,
     ) -> dict:
         """AdamW on the host master of the parameters in ``counts`` with the mean of acc[buf].
 
@@ -260,19 +263,26 @@ class HostShard:
 
         ``sum_over_ranks`` (ZeRO: every rank's shard holds part of the model) turns this shard's sum of
         squares into the model's for the clipping norm; every rank calls ``update`` at each boundary.
+
+        ``sums`` (state on disk with ``device_accumulation``; ``buf`` is then ignored): the interval's sums stay
+        on the device and are fetched block by block (twice with clipping: once for the norm), not zeroed.
+        The clipping norm's float64 partial sums are taken over the same ``SUM_CHUNK`` pieces either way, so
+        it has the bits of the in-memory update's.
         """
         t0 = time.perf_counter()
-        acc = self.acc[buf]
+        acc = self.acc[buf] if sums is None else None
         last = last or {}
         if last and max_grad_norm is not None:
             raise ValueError("HostShard.update: last= cannot be combined with max_grad_norm (accumulate it first)")
+        if sums is not None and (self.disk is None or last):
+            raise ValueError("HostShard.update: sums= (fetched from the device) needs the state on disk and no last=")
         todo = list(counts)
         todo_set = set(todo)
         coef = 1.0
         if max_grad_norm is not None:
             total = 0.0
             for i in todo:
-                total += cpu_ops.sum_squares(self.view(acc, i)) / counts[i] ** 2
+                total += self._sum_squares(acc, sums, i) / counts[i] ** 2
             if sum_over_ranks is not None:
                 total = sum_over_ranks(total)
             coef = min(1.0, max_grad_norm / (math.sqrt(total) + 1e-6))
@@ -332,8 +342,25 @@ class HostShard:
             for s in run:
                 self.host_step[s.index] = step
         if streamed:
-            streamed_adam_(self.disk, acc, streamed)
+            streamed_adam_(self.disk, acc, streamed, sums=sums)
         return {"seconds": time.perf_counter() - t0, "params": len(todo), "runs": len(runs), "fused": len(last)}
+
+
+    def _sum_squares(self, acc: torch.Tensor | None, sums: DeviceSums | None, index: int) -> float:
+        """The float64 sum of squares of parameter ``index``'s gradient sums, in ``SUM_CHUNK`` pieces summed in
+        order (independent of the thread count): from ``acc``, or fetched from ``sums`` a few chunks at a time."""
+        if sums is None:
+            return sum_squares_unchecked([self.view(acc, index).view(-1)])
+        s = self.slots[index]
+        partials = np.empty(-(-s.numel // SUM_CHUNK), dtype=np.float64)
+        piece = sums.buffers[0]
+        # pieces start on chunk boundaries: the same partials (a piece shorter than a chunk holds a whole shard)
+        step = max(piece.numel() // SUM_CHUNK, 1) * SUM_CHUNK
+        for lo in range(0, s.numel, step):
+            hi = min(s.numel, lo + step)
+            sums.fetch(piece[: hi - lo], s.offset + lo, s.offset + hi)
+            sum_squares_chunks_unchecked(piece[: hi - lo], partials[lo // SUM_CHUNK : -(-hi // SUM_CHUNK)])
+        return float(partials.sum())
 
 
 class HostWorkerError(RuntimeError):

@@ -57,10 +57,11 @@ from typing import Any
 import torch
 
 from ._memory import gather_columns
-from .cpu_ops.accumulate import accumulate_unchecked, sum_squares_unchecked
+from .cpu_ops.accumulate import SUM_CHUNK, accumulate_unchecked, sum_squares_unchecked
 from .device_model import Chaos, Timeline, _Delays, modeled_copy, recorded
 from .host import HostShard, HostWorker
 from .staging import ALIGN_BYTES, Staged, StagingRing
+from .streamed_adam import DeviceSums
 
 __all__ = ["Chaos", "CpuLink", "CudaEngine", "RingLink", "ThreadEngine", "make_link"]
 
@@ -112,6 +113,7 @@ class CudaEngine:
         self._h2d = torch.cuda.Stream(device)
         self._pinned: list[torch.Tensor] = []  # page-locked by this engine (kept alive until close)
         self._reading: collections.deque = collections.deque()  # (event, sources) of D2H copies in flight
+        self._fetch = None  # the stream host updates fetch device-side sums on (made at first use)
 
     def thread_setup(self) -> None:
         """Run first on every worker thread that waits on this engine's events."""
@@ -166,6 +168,25 @@ class CudaEngine:
         event = torch.cuda.Event(blocking=True)
         event.record(self._d2h)
         return Event(event)
+
+    def fetcher(self, flat: torch.Tensor) -> Callable[[torch.Tensor, int, int], None]:
+        """``DeviceSums.fetch`` over the device tensor ``flat``, final after the device work issued so far (an
+        event recorded now): each fetch is a copy on a stream of its own that waits for that event, and the
+        calling thread (a host update's reader, any thread) sleeps until the copy is done."""
+        if self._fetch is None:
+            self._fetch = torch.cuda.Stream(self.device)
+        stream, ready = self._fetch, torch.cuda.Event()
+        ready.record(self._current())
+
+        def fetch(dst: torch.Tensor, lo: int, hi: int) -> None:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                dst.copy_(flat[lo:hi], non_blocking=True)
+                done = torch.cuda.Event(blocking=True)
+                done.record(stream)
+            done.synchronize()
+
+        return fetch
 
     def h2d(self, work: Callable[[], None], nbytes: int = 0) -> Event:
         """Run ``work`` (copies into device tensors, ``nbytes`` in all) on the H2D stream after the device work
@@ -264,6 +285,18 @@ class ThreadEngine:
         if self._last_d2h is None:
             self._last_d2h = _submit(self._d2h, _nothing, self._delays)
         return self._last_d2h
+
+    def fetcher(self, flat: torch.Tensor) -> Callable[[torch.Tensor, int, int], None]:
+        """``DeviceSums.fetch`` over ``flat``: the copy on the calling thread (as the CUDA engine's caller waits
+        for its own stream), taking the modeled D2H time, with chaos delays, recorded on the ``fetch`` lane."""
+
+        def fetch(dst: torch.Tensor, lo: int, hi: int) -> None:
+            src = flat[lo:hi]
+            copy = modeled_copy(lambda: dst.copy_(src), src.numel() * src.element_size(), self._d2h_rate,
+                                self.timeline, "fetch")
+            (self._delays.wrap(copy) if self._delays is not None else copy)()
+
+        return fetch
 
     def h2d(self, work: Callable[[], None], nbytes: int = 0) -> Future:
         def run():
@@ -387,6 +420,31 @@ class _Link:
         # step(); the parameters whose interval restarted (their counts start again)
         self.hooks_clean = True
         self.restarted: set[int] = set()
+        self._sums_blocks: list[torch.Tensor] | None = None  # device_sums' host blocks (made at first use)
+
+    SUMS_BLOCKS = 3
+    """Host blocks a streamed update fetches device-side sums into: ``streamed_adam_``'s depth."""
+
+    def device_sums(self, flat: torch.Tensor) -> DeviceSums:
+        """``device_accumulation`` with the state on disk: the interval's sums in the device tensor ``flat``
+        (final once the device work issued so far has run), for a host update to fetch block by block into
+        ``SUMS_BLOCKS`` host blocks of the state file's block size, at least ``SUM_CHUNK`` (the clipping norm's
+        piece) elements, at most the shard's (this link's, reused by every update)."""
+        if self._sums_blocks is None:
+            numel = min(max(self.host.disk.block_numel, SUM_CHUNK), self.host.numel)
+            self._sums_blocks = [self._alloc(numel, torch.float32) for _ in range(self.SUMS_BLOCKS)]
+        return DeviceSums(self._fetcher(flat), self._sums_blocks)
+
+    @staticmethod
+    def _alloc(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    @staticmethod
+    def _fetcher(flat: torch.Tensor) -> Callable[[torch.Tensor, int, int], None]:
+        def fetch(dst: torch.Tensor, lo: int, hi: int) -> None:
+            dst.copy_(flat[lo:hi])
+
+        return fetch
 
     @property
     def handed_this_step(self) -> bool:
@@ -433,6 +491,8 @@ class _Link:
 
         out = {"master": size(host.master), "exp_avg": size(host.exp_avg), "exp_avg_sq": size(host.exp_avg_sq),
                "accumulation": size(*host.acc), "copy_out": size(*host.out.values()), "staging": self.staging_bytes}
+        if self._sums_blocks is not None:  # device_accumulation on disk: the blocks its sums are fetched into
+            out["sums_blocks"] = size(*self._sums_blocks)
         if host.disk is not None:  # the master and moments are on disk: their bytes there, not in memory
             out["disk"] = host.disk.nbytes
         return out
@@ -567,6 +627,7 @@ class RingLink(_Link):
         self.moves_state = engine.moves_state
         self._engine = engine
         self._delays = delays
+        self._alloc, self._fetcher = engine.alloc, engine.fetcher
         self._accumulator = HostWorker(
             num_threads=kwargs["host_threads"], cores=kwargs["cores"], timeout=kwargs["timeout"],
             name="zenflow-accumulate", setup=engine.thread_setup,

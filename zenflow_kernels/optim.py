@@ -39,6 +39,7 @@ from .host import HostWorkerError
 from .link import make_link
 from .schedule import Schedule, resolve_schedule
 from .sharding import FSDP2, Sharding, Zero1, Zero2, fsdp2_mesh, world_of
+from .streamed_adam import DeviceSums
 
 __all__ = ["ZenFlowAdamW", "HostWorkerError"]
 
@@ -260,8 +261,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             timeout=self.host_timeout,
             chaos=self._chaos,
             indices=self._shard.owned,
-            # double-buffered accumulation only where the host accumulates while an update reads
-            num_acc=2 if overlap and not self.config.device_accumulation else 1,
+            # double-buffered accumulation only where the host accumulates while an update reads; none where
+            # the sums stay on the device until a streamed update fetches them block by block
+            num_acc=0 if self._sums_stay else 2 if overlap and not self.config.device_accumulation else 1,
             disk=self._state_files(),
         )
         self._host = self._link.host
@@ -270,13 +272,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._offload = self.config.offload and self._link.moves_state
         self._acc_buf = 0
         # device_accumulation: the interval's matrix gradients are summed here (fp32, laid out like the
-        # host shard) and uploaded once per update; only the training thread's device work touches it
-        self._device_acc = (
+        # host shard) and uploaded once per update; only the training thread's device work touches it. With
+        # the state on disk the update fetches them from here block by block: with overlap a second buffer
+        # takes the next interval's sums meanwhile (docs/nvme.md)
+        self._device_accs = [
             torch.zeros(self._host.numel, dtype=torch.float32, device=self.device)
-            if self.config.device_accumulation else None
-        )
+            for _ in range(2 if self._sums_stay and overlap else 1 if self.config.device_accumulation else 0)
+        ]
+        self._sums_read: list[torch.Tensor] = []  # sums an in-flight update reads: zeroed once it is done
         # the training thread's ledger: gradients counted into each accumulation buffer this interval
-        self._counts = [[0] * len(self._params) for _ in self._host.acc]
+        self._counts = [[0] * len(self._params) for _ in self._host.acc or self._device_accs]
         # an asynchronous link starts each gradient's copy as soon as backward produces it, where that is the
         # step's gradient (ZeRO averages it in step() first); ZeRO-2's reductions start from the hooks
         hooks = []
@@ -291,6 +296,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
         self._finalizer = weakref.finalize(self, _shutdown, self._link, self._saved_torch_threads, hooks)
         self._built = True
+
+    @property
+    def _sums_stay(self) -> bool:
+        """``device_accumulation`` with the state on disk: the interval's sums never cross to host memory whole
+        (no host accumulation buffer); the streamed update fetches each block's piece of them."""
+        return self.config.device_accumulation and self.config.offload_device == "nvme"
+
+    @property
+    def _device_acc(self) -> torch.Tensor | None:
+        """``device_accumulation``: the buffer this interval's sums are added into (None without it)."""
+        return self._device_accs[self._acc_buf] if self._device_accs else None
 
     def _state_files(self):
         """offload_device="nvme": how the host shard makes its state file (None: host memory)."""
@@ -325,8 +341,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if i in self._fired:
             self._repeat = True
         self._fired.add(i)
-        if not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_acc is not None):
-            return
+        if not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_acc is not None) or self._sums_stay:
+            return  # (the sums staying on the device: warm-up's gradients are added there at step() too)
         early = self.EARLY_HANDOVER and self._handover == "on" and not self._repeat
         self._link.stage(i, self._shard.own_grad(i), self._acc_buf if early else None)
 
@@ -543,7 +559,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         ``fast_state`` (the fast path's Adam state in host memory: on a CPU run, or offloaded) and
         ``device_sums`` (``device_accumulation``'s buffer when the device is the CPU), and with
         ``offload_device="nvme"`` ``disk`` (the state file: master and moments, 12 bytes per parameter; then
-        ``master``, ``exp_avg`` and ``exp_avg_sq`` are 0 and the update's block buffers are not counted). On a GPU also
+        ``master``, ``exp_avg`` and ``exp_avg_sq`` are 0 and the update's block buffers are not counted; with
+        ``device_accumulation`` ``accumulation`` is 0 and ``sums_blocks``, in ``total``, the blocks the update
+        fetches the device's sums into). On a GPU also
         ``pinned_requested`` and ``pinned_reserved`` (the page-locked bytes of those buffers, locked at their
         exact size; docs/design.md section 9)."""
         if not self._built:
@@ -557,9 +575,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if torch.is_tensor(v) and v.device.type == "cpu":
                     storages[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
         fast = sum(storages.values())
-        sums = self._device_acc
         out.update(total=total, per_parameter=total / held if held else 0.0, fast_state=fast,
-                   device_sums=sums.untyped_storage().nbytes() if sums is not None and sums.device.type == "cpu" else 0)
+                   device_sums=sum(t.untyped_storage().nbytes() for t in self._device_accs if t.device.type == "cpu"))
         out.update(self._link.pinned_bytes())
         return out
 
@@ -752,10 +769,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         accumulated = self._link.accumulation()
         if accumulated is not None:
             self._link.wait(accumulated)
+        mine = {i: counts[i] for i in self._shard.mine(counts)}
         result = self._host.update(
-            self._acc_buf, {i: counts[i] for i in self._shard.mine(counts)}, self._hyper(), self.max_grad_norm,
-            self._link.copy_out_guard(), last=last, sum_over_ranks=self._sum_over_ranks(),
+            self._acc_buf, mine, self._hyper(), self.max_grad_norm, self._link.copy_out_guard(), last=last,
+            sum_over_ranks=self._sum_over_ranks(), sums=self._fetched_sums(mine),
         )
+        self._zero_sums_read()  # (the sums staying on the device: the update has fetched them)
         self._stats.host_seconds.append(result["seconds"])
         self._stats.sync_host_seconds += result["seconds"]  # synchronous: the training thread waited
 
@@ -763,9 +782,31 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """ZeRO with clipping: how a host update turns its shard's sum of squares into the model's."""
         return self._shard.sum_over_ranks() if self.max_grad_norm is not None else None
 
+    def _fetched_sums(self, mine) -> DeviceSums | None:
+        """The sums staying on the device: this interval's buffer for the update of ``mine`` to fetch from (its
+        parameters' sums zeroed once that update is done: :meth:`_zero_sums_read`); otherwise None."""
+        if not self._sums_stay:
+            return None
+        acc = self._device_acc
+        self._sums_read = [self._host.view(acc, i) for i in mine]
+        fetched = sum(t.numel() for t in self._sums_read) * 4
+        self._link.d2h_bytes += fetched * (2 if self.max_grad_norm is not None else 1)  # (clipping reads twice)
+        return self._link.device_sums(acc)
+
+    def _zero_sums_read(self) -> None:
+        """The sums a finished update fetched from the device start the buffer's next interval from zero (on the
+        device, behind the fetches, which that update waited for)."""
+        if self._sums_read:
+            torch._foreach_zero_(self._sums_read)
+            self._sums_read = []
+
     def _warmup_step(self, active: list[int]) -> None:
         """ZeRO-Offload: every parameter gets a synchronous host AdamW step, then all of it is copied back."""
-        last = self._accumulate(active, fuse=True)
+        if self._sums_stay:  # no host accumulation buffer: the step's gradients are added on the device
+            self._accumulate_on_device(active)
+            last = {}
+        else:
+            last = self._accumulate(active, fuse=True)
         self._sync_host_update(self._take_counts(active), last)
         self._write_back(active)  # nothing is selected during warm-up: whole parameters
         self.host_updates += 1
@@ -1097,8 +1138,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         overlap = self.config.overlap_step
         if overlap:
             self._drain()  # the previous interval's update is done with its accumulation buffer
-        if self._device_acc is not None:  # the interval's sums cross to the host now, once (into the one
-            # accumulation buffer: the update that read it last has just been drained)
+        if self._device_acc is not None and not self._sums_stay:  # the interval's sums cross to the host now,
+            # once (into the one accumulation buffer: the update that read it last has just been drained)
             counted = self._counts[self._acc_buf]
             self._link.upload([(i, self._host.view(self._device_acc, i)) for i in self._shard.mine(matrices)
                                if counted[i]],
@@ -1117,19 +1158,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             hyper, buf, host, max_norm = self._hyper(), self._acc_buf, self._host, self.max_grad_norm
             mine, ranks_sum = {i: counts[i] for i in self._shard.mine(counts)}, self._sum_over_ranks()
             shard, dtypes = self._shard, {i: self._params[i].dtype for i in counts}
+            sums = self._fetched_sums(mine)  # (read in the background: the next interval uses the other buffer)
 
             def job():
                 if accumulated is not None:
                     accumulated.wait()
-                result = host.update(buf, mine, hyper, max_norm, wait_before_write=guard, sum_over_ranks=ranks_sum)
+                result = host.update(buf, mine, hyper, max_norm, wait_before_write=guard, sum_over_ranks=ranks_sum,
+                                     sums=sums)
                 # ZeRO: the owners' results start towards the replicas now, behind training
                 result["exchange"] = shard.start_exchange(host, list(counts), dtypes)
                 return result
 
             self._inflight = self._link.submit_update(job)
             self._pending = list(counts)
-            # the next interval accumulates into the other buffer (device accumulation: there is one)
-            self._acc_buf = (self._acc_buf + 1) % len(self._host.acc)
+            # the next interval accumulates into the other buffer (device accumulation in memory: there is one)
+            self._acc_buf = (self._acc_buf + 1) % len(self._counts)
         self.host_updates += 1
         self.steps_accumulated = 0
 
@@ -1138,6 +1181,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._inflight is not None:
             job, self._inflight = self._inflight, None
             result = self._link.wait(job)
+            self._zero_sums_read()
             self._stats.host_seconds.append(result["seconds"])
             self._exchange = result.get("exchange")
 
@@ -1355,7 +1399,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._stats.retire(self._link)
             self._finalizer()
             # the old buffers go before the new link is built: never two links' host memory at once
-            self._link = self._host = self._device_acc = None
+            self._link = self._host = None
+            self._device_accs, self._sums_read = [], []
             self._built, self._inflight = False, None
         self.state.clear()
         self._pending = []

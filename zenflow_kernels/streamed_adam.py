@@ -4,6 +4,10 @@ numba Adam (``cpu_ops.cpu_adam_``, the in-memory host's kernel) on block ``j`` a
 block ``j - 1`` back. Adam is elementwise, so a block-by-block pass gives the bits of one pass over the whole
 range. Memory: ``depth`` blocks of buffers (12 B per element each), whatever the shard's size.
 
+With ``device_accumulation`` the gradient sums stay on the device (:class:`DeviceSums`): the reader also
+fetches each block's piece of them into a fourth buffer (``DeviceSums.buffers``, reused across updates), so no
+shard-sized host buffer of sums exists.
+
 Every block a run touches is read, updated and written once (runs sharing a block are updated in the same
 visit), so no block is read before an earlier write of it landed. A failed read or write stops the pipeline
 and raises :class:`~zenflow_kernels.state_files.StateFileError` (file, operation, offset) in the caller; the
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +26,7 @@ import torch
 from . import cpu_ops
 from .state_files import StateFiles
 
-__all__ = ["Run", "streamed_adam_"]
+__all__ = ["DeviceSums", "Run", "streamed_adam_"]
 
 
 @dataclass(frozen=True)
@@ -36,15 +40,36 @@ class Run:
     adam: dict
 
 
+@dataclass(frozen=True)
+class DeviceSums:
+    """An interval's gradient sums that stay on the device (``device_accumulation``), flat and laid out like the
+    shard: ``fetch(dst, lo, hi)`` copies elements ``[lo, hi)`` into the host fp32 tensor ``dst`` and returns once
+    they are there (from any thread); ``buffers`` are host blocks to fetch into (fp32, each at least the largest
+    state block, pinned on a GPU), owned by the link and reused by every update."""
+
+    fetch: Callable[[torch.Tensor, int, int], None]
+    buffers: Sequence[torch.Tensor]
+
+
 _STOP = object()
 
 
-def streamed_adam_(files: StateFiles, acc: torch.Tensor, runs: Sequence[Run], *, depth: int = 3) -> dict:
+def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[Run], *, depth: int = 3,
+                   sums: DeviceSums | None = None) -> dict:
     """One AdamW step of ``runs`` (disjoint, ascending) over the state in ``files``, with the gradient sums
-    in ``acc`` (flat fp32, the shard's size; zeroed where used, as the in-memory update does). Returns the
-    blocks and bytes moved."""
+    in ``acc`` (flat fp32, the shard's size; zeroed where used, as the in-memory update does) or, with ``acc``
+    None, fetched block by block from ``sums`` (left as they are: their owner zeroes them). Returns the blocks
+    and bytes moved."""
     if depth < 2:
         raise ValueError(f"streamed_adam_: depth={depth!r} is invalid: allowed >= 2 (one block read ahead)")
+    if (acc is None) == (sums is None):
+        raise ValueError("streamed_adam_: pass the gradient sums either as acc (host memory) or as sums (fetched "
+                         "from the device), exactly one of them")
+    need = min(files.block_numel, files.numel)  # the largest block
+    if sums is not None and (len(sums.buffers) < depth or any(
+            b.numel() < need or b.dtype != torch.float32 for b in sums.buffers)):
+        raise ValueError(f"streamed_adam_: sums.buffers must hold at least depth={depth} fp32 buffers of "
+                         f"min(block_numel, numel)={need} elements, got {[(b.numel(), b.dtype) for b in sums.buffers]}")
     plan: dict[int, list[tuple[Run, int, int]]] = {}
     for run in runs:
         for j, _, s, e in files.pieces(run.lo, run.hi):
@@ -53,8 +78,8 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor, runs: Sequence[Run], *,
     if not blocks:
         return {"blocks": 0, "bytes": 0}
     free: queue.Queue = queue.Queue()
-    for _ in range(min(depth, len(blocks))):
-        free.put(files.new_block())
+    for k in range(min(depth, len(blocks))):
+        free.put((files.new_block(), None if sums is None else sums.buffers[k]))
     ready: queue.Queue = queue.Queue()
     written: queue.Queue = queue.Queue()
     stop = threading.Event()
@@ -63,25 +88,30 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor, runs: Sequence[Run], *,
     def read_ahead():
         try:
             for j in blocks:
-                bufs = free.get()
+                item = free.get()
                 if stop.is_set():  # the writer failed (or the caller stopped): wake the caller up
                     ready.put(_STOP)
                     return
+                bufs, fetched = item
                 files.read_block(j, bufs)
-                ready.put((j, bufs))
+                if fetched is not None:  # this block's piece of the sums crosses from the device now
+                    a, _ = files.block_range(j)
+                    for _, s, e in plan[j]:
+                        sums.fetch(fetched[s - a : e - a], s, e)
+                ready.put((j, item))
         except BaseException as exc:  # re-raised by the caller
             ready.put(exc)
 
     def write_behind():
         while (item := written.get()) is not _STOP:
-            j, bufs = item
+            j, item = item
             try:
                 if not errors:
-                    files.write_block(j, bufs)
+                    files.write_block(j, item[0])
             except BaseException as exc:
                 errors.append(exc)
                 stop.set()
-            free.put(bufs)
+            free.put(item)
 
     reader = threading.Thread(target=read_ahead, name="zenflow-state-read", daemon=True)
     writer = threading.Thread(target=write_behind, name="zenflow-state-write", daemon=True)
@@ -94,13 +124,15 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor, runs: Sequence[Run], *,
                 raise item
             if errors or item is _STOP:
                 raise errors[0]
-            j, (master, exp_avg, exp_avg_sq) = item
+            j, pair = item
+            (master, exp_avg, exp_avg_sq), fetched = pair
             a, _ = files.block_range(j)
             for run, s, e in plan[j]:
-                cpu_ops.cpu_adam_(master[s - a : e - a], acc[s:e], exp_avg[s - a : e - a], exp_avg_sq[s - a : e - a],
-                                  out=None if run.out is None else run.out[s - run.lo : e - run.lo], zero_grad=True,
-                                  **run.adam)
-            written.put((j, (master, exp_avg, exp_avg_sq)))
+                grads = acc[s:e] if fetched is None else fetched[s - a : e - a]
+                cpu_ops.cpu_adam_(master[s - a : e - a], grads, exp_avg[s - a : e - a], exp_avg_sq[s - a : e - a],
+                                  out=None if run.out is None else run.out[s - run.lo : e - run.lo],
+                                  zero_grad=fetched is None, **run.adam)
+            written.put((j, pair))
     finally:
         stop.set()
         written.put(_STOP)

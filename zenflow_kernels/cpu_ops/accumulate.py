@@ -137,6 +137,19 @@ def sum_squares_unchecked(tensors, nthreads: int = 0) -> float:
     return total
 
 
+def sum_squares_chunks_unchecked(x: torch.Tensor, out: np.ndarray, nthreads: int = 0) -> None:
+    """``out[k]`` = the float64 sum of squares of elements ``k * SUM_CHUNK`` to ``(k + 1) * SUM_CHUNK - 1`` of ``x``
+    (contiguous fp32/bf16/fp16 CPU tensor; ``out`` float64, ``ceil(x.numel() / SUM_CHUNK)`` long): the work
+    items of ``sum_squares_unchecked([x])``, which returns ``float(out.sum())``. A tensor fetched and summed in
+    pieces that start at multiples of ``SUM_CHUNK`` fills the same array, so ``float(out.sum())`` has the same
+    bits as the whole tensor's (the host update's clipping norm over sums it reads in blocks)."""
+    n = x.numel()
+    if n:
+        C.launch(multi_sum_squares_kernel, n, nthreads, np.array([x.data_ptr()], dtype=np.int64),
+                 np.array([n], dtype=np.int64), np.array([0, len(out)], dtype=np.int64), SUM_CHUNK, _BITS[x.dtype],
+                 out)
+
+
 def _work_items(tensors):
     """The work items of the multi-tensor kernels here, one launch per dtype present: ``(dtype, positions
     of its tensors, their numels, chunk_starts)`` with tensor t owning items ``chunk_starts[t]`` to
