@@ -4,7 +4,8 @@
 # choose it; default: .venv/bin/python if it sees a GPU, else python3).
 #
 #   1. the optimizer tests with CUDA parameters (the "cuda" case of every test that takes a device, and
-#      tests/test_gpu_link.py: the accumulate worker blocks on events, zeroing gradients in place after step;
+#      tests/test_gpu_link.py: the accumulate worker blocks on events, zeroing gradients in place after step,
+#      device_accumulation with the state on disk fetching its sums exactly;
 #      the oracle sweep, AdamW identities, checkpoints, NaN skip, faults; compiled Triton kernels,
 #      the CUDA link's streams, events and pinned staging)                        -> OUTDIR/optim_tests.txt
 #   2. the GPU end-to-end benchmark (python -m bench.e2e --preset gpu)           -> OUTDIR/e2e_gpu.{json,png},

@@ -69,6 +69,31 @@ def test_zeroing_in_place_after_step_gives_the_bits_of_set_to_none(how):
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
+def test_device_accumulation_with_the_state_on_disk_fetches_the_sums_exactly(tmp_path):
+    """``device_accumulation`` with the host state on disk: each host update fetches the device's sums block by
+    block on the engine's fetch stream into pinned blocks (no host accumulation buffer), with overlap and
+    clipping; the weights are the in-memory run's, bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    batches = [torch.randn(32, 1024, device="cuda", generator=g) for _ in range(10)]
+    runs = []
+    for where in (None, tmp_path):
+        model = _model()
+        zen = dict(ZEN, device_accumulation=True, update_interval=3)
+        if where is not None:
+            zen.update(offload_device="nvme", nvme_path=str(where))
+        with ZenFlowAdamW(model.parameters(), zenflow=zen, max_grad_norm=0.5) as opt:
+            for x in batches:
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            opt.flush()
+            runs.append(([p.detach().cpu() for p in model.parameters()], opt.host_bytes()))
+    (memory, _), (disk, hb) = runs
+    assert all(torch.equal(a, b) for a, b in zip(disk, memory, strict=True))
+    assert hb["accumulation"] == 0 and hb["sums_blocks"] > 0 and hb["disk"] > 0
+    assert hb["pinned_requested"] >= hb["sums_blocks"] + hb["copy_out"]
+
+
 def test_pinned_buffers_are_page_locked_at_their_exact_size():
     """A shard of 2^26 + 16 fp32 elements: torch's caching host allocator would round each buffer up to the
     next power of two (2^29 B for 2^28 + 64 B: about 2x); page-locking in place reserves whole pages only.
