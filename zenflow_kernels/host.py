@@ -1,7 +1,8 @@
 """The host side of ZenFlow: flat, aligned fp32 buffers for one shard, and the background worker.
 
 ``HostShard`` lays the parameters of one shard out in flat fp32 buffers (master weights, both Adam
-moments, one or two gradient-accumulation buffers) plus one flat copy-out buffer per parameter
+moments, one or two gradient-accumulation buffers, none where ``device_accumulation``'s sums stay on the
+device with the state on disk) plus one flat copy-out buffer per parameter
 dtype (the updated weights, rounded, ready for the host-to-device copy). Within each param group the
 matrices come first and the vectors after, every parameter starting on a 64-byte boundary, so a host
 update is one numba call per run of parameters that share hyper-parameters and step count (usually
@@ -344,7 +345,6 @@ class HostShard:
         if streamed:
             streamed_adam_(self.disk, acc, streamed, sums=sums)
         return {"seconds": time.perf_counter() - t0, "params": len(todo), "runs": len(runs), "fused": len(last)}
-
 
     def _sum_squares(self, acc: torch.Tensor | None, sums: DeviceSums | None, index: int) -> float:
         """The float64 sum of squares of parameter ``index``'s gradient sums, in ``SUM_CHUNK`` pieces summed in
