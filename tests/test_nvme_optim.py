@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_optim import HYPER, SWEEP, _ids, grad_sequence, make_params, quiet, snapshot
+from test_state_files import _device_sums
 
 from zenflow_kernels import ZenFlowAdamW, ZenFlowConfig, ZenFlowConfigError
 from zenflow_kernels.ops import use_backend
@@ -409,7 +410,6 @@ def test_clipping_over_sums_fetched_in_pieces_has_the_bits_of_the_whole_buffer(t
     from zenflow_kernels.cpu_ops.accumulate import SUM_CHUNK
     from zenflow_kernels.host import HostShard
     from zenflow_kernels.state_files import StateFiles
-    from zenflow_kernels.streamed_adam import DeviceSums
 
     g = torch.Generator().manual_seed(4)
     params = [torch.randn(41, 16_001, generator=g), torch.randn(3, SUM_CHUNK, generator=g).bfloat16(),
@@ -424,12 +424,7 @@ def test_clipping_over_sums_fetched_in_pieces_has_the_bits_of_the_whole_buffer(t
     sums = torch.randn(shards[0].numel, generator=g) * 5
     shards[0].acc[0].copy_(sums)
     device, fetched = sums.clone(), []
-
-    def fetch(dst, lo, hi):
-        fetched.append((lo, hi))
-        dst.copy_(device[lo:hi])
-
-    source = DeviceSums(fetch, [torch.empty(SUM_CHUNK) for _ in range(3)])  # a 656 K-element matrix: 41 pieces
+    source = _device_sums(device, SUM_CHUNK, 3, fetched)  # a 656 K-element matrix: 41 pieces
     for shard, kw in zip(shards, (dict(), dict(sums=source)), strict=True):
         shard.update(0, counts, hyper, max_grad_norm=0.5, **kw)
     assert shards[1].acc == [] and torch.equal(device, sums)
