@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -241,9 +242,16 @@ def test_every_worker_thread_that_waits_on_the_engine_runs_its_setup_first(monke
     assert {"zenflow-accumulate", "zenflow-host"} <= threads
 
 
-def test_a_failing_thread_setup_fails_the_step_with_its_traceback(monkeypatch):
+@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("thread", ["zenflow-host", "zenflow-accumulate"])
+def test_a_failing_thread_setup_fails_the_step_with_its_traceback(monkeypatch, thread, late):
+    """Either worker's setup failing fails the first step, even when it fails after that step has queued its
+    overlapped update (the race a loaded CI machine once lost: the step returned and nobody waited)."""
     def no_device(self):
-        raise RuntimeError("CUDA error: invalid device ordinal")
+        if late:
+            time.sleep(0.3)
+        if threading.current_thread().name == thread:
+            raise RuntimeError("CUDA error: invalid device ordinal")
 
     monkeypatch.setattr(link.ThreadEngine, "thread_setup", no_device)
     model = torch.nn.Linear(8, 4)

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from zenflow_kernels.host import HostShard, HostWorker, HostWorkerError, layout
+from zenflow_kernels.host import HostShard, HostWorker, HostWorkerError, _Job, layout
 
 
 def test_jobs_run_in_order_and_return_their_results():
@@ -65,6 +65,38 @@ def test_a_stuck_job_times_out():
     assert time.perf_counter() - t0 < 2
     release.set()
     assert w.wait(job) is True  # it did finish later; a timeout is not a failure
+    w.close()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_a_failed_thread_setup_fails_the_first_submit_however_late_it_fails(delay):
+    """The setup failure is recorded before the first submit returns, so a caller that never waits for its job
+    (an overlapped update) still hears of it at once; and no job runs on the failed thread."""
+    def no_device():
+        time.sleep(delay)
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    w = HostWorker(timeout=5, poll=0.01, setup=no_device)
+    ran = []
+    with pytest.raises(HostWorkerError, match=r"(?s)failed earlier.*in no_device.*invalid device ordinal"):
+        w.submit(ran.append, 1)
+    late = _Job(ran.append, (2,))
+    w._jobs.put(late)  # a job queued past submit()'s check (a race no caller can win now) is failed, not run
+    assert late.done.wait(5)
+    assert ran == [] and isinstance(late.error, RuntimeError)
+    w.close()
+
+
+def test_a_hung_thread_setup_times_out_at_submit():
+    release = threading.Event()
+    w = HostWorker(timeout=0.2, poll=0.01, setup=lambda: release.wait(10))
+    t0 = time.perf_counter()
+    with pytest.raises(HostWorkerError, match=r"^zenflow host worker's thread setup did not finish within "
+                                              r"host_timeout=0.2 s$"):
+        w.submit(lambda: None)
+    assert time.perf_counter() - t0 < 2
+    release.set()
+    assert w.wait(w.submit(lambda: 7)) == 7  # it finished later: the worker runs jobs
     w.close()
 
 

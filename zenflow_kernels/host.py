@@ -380,15 +380,17 @@ _STOP = object()
 
 
 def _worker_loop(jobs: queue.Queue, num_threads: int | None, cores: Sequence[int] | None, failures: list,
-                 setup: Callable[[], None] | None) -> None:
+                 setup: Callable[[], None] | None, ready: threading.Event) -> None:
     # Module-level on purpose: the thread must hold no reference to the optimizer.
+    setup_failed = None
     if setup is not None:
         try:
             setup()
-        except Exception as exc:  # every later wait re-raises it: the worker is failed from the start
-            failed = _Job(setup, ())
-            failed.error, failed.tb = exc, traceback.format_exc()
-            failures.append(failed)
+        except Exception as exc:  # every later submit and wait re-raises it: the worker is failed from the start
+            setup_failed = _Job(setup, ())
+            setup_failed.error, setup_failed.tb = exc, traceback.format_exc()
+            failures.append(setup_failed)
+    ready.set()  # after the failure is recorded: submit() waits for this, so it cannot miss it
     if cores and hasattr(os, "sched_setaffinity"):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cores)  # Linux: pid 0 is the calling thread
@@ -400,6 +402,11 @@ def _worker_loop(jobs: queue.Queue, num_threads: int | None, cores: Sequence[int
         job = jobs.get()
         if job is _STOP:
             return
+        if setup_failed is not None:  # never run a job on a thread whose setup failed (e.g. on the wrong GPU)
+            job.error, job.tb = setup_failed.error, setup_failed.tb
+            job.fn = job.args = None
+            job.done.set()
+            continue
         try:
             job.result = job.fn(*job.args)
         except Exception as exc:  # kept and re-raised in the caller
@@ -441,9 +448,10 @@ class HostWorker:
         self._jobs: queue.Queue = queue.Queue()
         self._failures: list[_Job] = []  # appended by the thread: every job that raised
         self._dead: _Job | None = None  # the job a caller saw the thread die under
+        self._ready = threading.Event()  # set once the thread's setup has run (and any failure is recorded)
         self._thread = threading.Thread(
             target=_worker_loop,
-            args=(self._jobs, num_threads, list(cores) if cores else None, self._failures, setup),
+            args=(self._jobs, num_threads, list(cores) if cores else None, self._failures, setup, self._ready),
             name=name, daemon=True,
         )
         self._thread.start()
@@ -458,6 +466,9 @@ class HostWorker:
         return self._thread.is_alive()
 
     def submit(self, fn: Callable, *args) -> _Job:
+        # A setup failure must fail the first job's caller, not a later one: a caller that does not wait for its
+        # job (an overlapped update) would otherwise learn of it one step late, or never if it is the last step.
+        self._wait_ready()
         self.check()
         if not self.alive:
             raise HostWorkerError("zenflow host worker is not running (it was closed or it died)")
@@ -483,6 +494,16 @@ class HostWorker:
             raise HostWorkerError(f"zenflow host update failed in the background worker:\n{job.tb}") from job.error
         self.check()  # an earlier job failed: what followed it cannot be trusted
         return job.result
+
+    def _wait_ready(self) -> None:
+        start = time.perf_counter()
+        while not self._ready.wait(self.poll):
+            if not self.alive:
+                return  # it died in setup: submit() reports that
+            if self.timeout is not None and time.perf_counter() - start > self.timeout:
+                raise HostWorkerError(
+                    f"zenflow host worker's thread setup did not finish within host_timeout={self.timeout} s"
+                )
 
     def check(self) -> None:
         """Re-raise an earlier failure of any job of this worker, waited for or not (a failed worker stays
