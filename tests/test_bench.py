@@ -566,3 +566,37 @@ def test_nvme_quick(tmp_path):
         _check_nvme_run_steps(run)
     _check_nvme_summaries(result)
     assert list(state_dir.iterdir()) == []  # the bench's state files were removed
+
+
+def test_nvme_timeline_quick(tmp_path):
+    """bench.nvme_timeline at a tiny size, one ratio, both bandwidths, every variant: the JSON's structure, the
+    PNG, and what holds whatever the speed: every update crossed all the sums exactly once (one D2H job at each
+    boundary in memory, block pieces fetched inside the update on disk), each crossing took at least its bytes
+    over the modeled bandwidth, only the eager variant waits for the crossing at the boundary, and only the disk
+    touches its file."""
+    proc = run_module("bench.nvme_timeline", "--quick", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "nvme_timeline_cpu.json").read_text())
+    assert (tmp_path / "nvme_timeline_cpu.png").read_bytes()[:8] == PNG_MAGIC
+    assert result["machine"]["python"] and result["config"]["quick"] is True
+    assert set(result["probes"]) == {"cpu", "nvme"} and set(result["timelines"]) == {"memory", "memory eager", "disk"}
+    rows = result["rows"]
+    assert {(r["variant"], r["bandwidth"], r["ratio"]) for r in rows} == {
+        (v, b, 0.5) for v in ("memory", "memory eager", "disk") for b in ("pcie", "slow")}
+    steps = result["intervals"] * result["interval"]
+    for r in rows:
+        assert r["steps"] == steps and r["host_updates"] == result["intervals"] + 1, r
+        assert r["crossing_bytes"] == r["host_updates"] * result["sums_bytes"], r
+        assert r["crossing_s"] >= 0.999 * r["crossing_bytes"] / r["bytes_per_s"], r
+        assert finite([r["compute_s"], r["update_s"], r["per_crossing_s"], r["predicted_drain_s"],
+                       r["predicted_sums_wait_s"], *r["waits_per_interval_s"].values()]), r
+        assert set(r["waits_per_interval_s"]) <= {"drain", "join", "sums"}, r
+        if r["offload"] == "nvme":
+            assert r["crossing_lane"] == "fetch" and r["crossing_inside_update_share"] > 0.999, r
+            assert r["disk_read_s"] > 0 and r["disk_write_s"] > 0 and "sums" not in r["waits_per_interval_s"], r
+        else:
+            assert r["crossing_lane"] == "d2h" and r["disk_read_s"] == r["disk_write_s"] == 0, r
+        if r["eager"]:  # the crossing before the update job exists: none of it inside one
+            assert r["crossing_inside_update_share"] == 0, r
+            if r["bandwidth"] == "slow":  # (at 25 GB/s the quick size's 2 MiB cross in 84 us, at the timeline's floor)
+                assert r["waits_per_interval_s"]["sums"] >= 0.9 * r["per_crossing_model_s"], r

@@ -208,6 +208,40 @@ def test_cuda_engine_fetches_device_sums_behind_the_device_work_and_sleeps_until
     engine.close()
 
 
+def test_cuda_engine_zeroes_the_uploaded_sums_behind_the_copies_without_holding_the_compute_stream(monkeypatch):
+    """``device_accumulation`` in memory: the sums are zeroed on the D2H stream behind their copies, under the
+    engine's device guard, and the compute stream waits for that (an event, no host wait) only when asked, before
+    the next write into the sums; until then the next forward runs beside the crossing."""
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    active: list = []
+
+    class _On(_Nothing):
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            active.append(self.stream)
+            return self
+
+        def __exit__(self, *exc):
+            active.pop()
+            return False
+
+    monkeypatch.setattr(torch.cuda, "stream", _On)
+    _FakeEvent.made.clear()
+    device = torch.device("cuda", 1)
+    engine = link.CudaEngine(device)
+    ran_on = []
+    done = engine.behind_d2h(lambda: ran_on.append(active[-1]))
+    assert ran_on == [engine._d2h] and cuda.guards == [device]
+    assert _FakeEvent.made == [done] and done.recorded_on is engine._d2h and not done.blocking
+    assert cuda.current.waited_for == []  # the compute stream goes on
+    engine.device_waits_for(done)
+    assert cuda.current.waited_for == [done]
+    engine.close()
+
+
 def test_pinned_sizes_count_whole_pages():
     page = link.mmap.PAGESIZE
     sizes = link.pinned_sizes([(0, 1), (page - 1, 2), (3 * page, 2 * page)])  # 1 page, 2 (a boundary), 2

@@ -6,6 +6,7 @@ copies that step() reuses only while the gradient is unchanged, the host shard's
 chaos context's own contract.
 """
 
+import contextvars
 import copy
 import threading
 import time
@@ -195,6 +196,51 @@ def test_backward_hooks_start_copies_that_step_reuses_only_if_unchanged(micro, c
     steps_after_warmup = len(batches) - 1
     expected = 462 + micro * 432 * steps_after_warmup + (432 * steps_after_warmup if clip else 0)
     assert copied == 4 * expected
+
+
+def test_device_accumulation_in_memory_crosses_behind_the_next_steps_compute():
+    """The boundary's crossing of the device sums (``device_accumulation``, state in memory) does not hold the
+    boundary step (the device's next forward and backward overlap it, as bench.nvme_timeline shows on the
+    modeled device); the next write into the sums waits for it. Here the D2H copy thread is held by a gate
+    past the boundary: that step returns, the next step's ``step()`` blocks until the gate opens, and the
+    weights are those of the synchronous link."""
+    zenflow = dict(topk_ratio=0.2, select_strategy="step", select_interval=100, update_interval=2, overlap_step=True,
+                   device_accumulation=True)
+    grads = grad_sequence(6)
+    want = make_params()
+    with ZenFlowAdamW(want, **HYPER, zenflow=zenflow) as opt:
+        drive(opt, want, grads)
+        opt.flush()
+    got = make_params()
+    with chaos(seed=0, max_delay=0.0):
+        opt = ZenFlowAdamW(got, **HYPER, zenflow=zenflow)
+    with opt:
+        drive(opt, got, grads[:1])
+        gate = threading.Event()
+        opt._link._engine._d2h.submit(gate.wait)  # a copy engine busy for as long as the test likes
+
+        def step(t):  # on a thread of its own, with this one's kernel backend (a context variable)
+            return threading.Thread(target=contextvars.copy_context().run, args=(drive, opt, got, grads[t : t + 1]),
+                                    daemon=True)
+
+        try:
+            boundary = step(1)
+            boundary.start()
+            boundary.join(10)
+            assert not boundary.is_alive(), "the boundary step waited for the sums' crossing"
+            assert opt.host_updates == 1 and opt._link._sums_zeroed is not None
+            nxt = step(2)
+            nxt.start()
+            nxt.join(0.5)
+            assert nxt.is_alive(), "the next step added into sums the crossing had not yet read"
+        finally:
+            gate.set()  # (a failure above must not leave the threads waiting for host_timeout)
+        nxt.join(10)
+        assert not nxt.is_alive() and opt._link._sums_zeroed is None
+        drive(opt, got, grads[3:])
+        opt.flush()
+    for i, (x, y) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(x, y), i
 
 
 @pytest.mark.parametrize("overlap", [False, True])

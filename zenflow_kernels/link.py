@@ -207,10 +207,19 @@ class CudaEngine:
         issued so far: a stream wait, no host wait."""
         self.device_waits_for_d2h()
 
-    def after_d2h(self, work: Callable[[], None]) -> None:
-        """Device work (``work`` enqueues it) that must follow every D2H copy issued so far."""
-        self.device_waits_for_d2h()
-        work()
+    def behind_d2h(self, work: Callable[[], None]) -> torch.cuda.Event:
+        """Device work (``work`` enqueues it) on the D2H stream, behind every copy issued so far; returns its
+        completion for :meth:`device_waits_for`. The compute stream does not wait for it now: the next forward
+        runs while the copies do."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self._d2h):
+            work()
+            done = torch.cuda.Event()
+            done.record(self._d2h)
+        return done
+
+    def device_waits_for(self, done: torch.cuda.Event) -> None:
+        """Later device work runs after ``done`` (from :meth:`behind_d2h`): a stream wait, no host wait."""
+        self._current().wait_event(done)
 
     def join(self) -> None:
         """The training thread may touch device tensors (nothing to do: the device waits in order)."""
@@ -317,9 +326,10 @@ class ThreadEngine:
         if self._last_d2h is not None:
             self._device_waits.append(self._last_d2h)
 
-    def after_d2h(self, work: Callable[[], None]) -> None:
-        """Device work that must follow every D2H copy issued so far: queued behind them on the D2H thread
-        (the training thread does not wait, as a GPU's host would not); it waits at :meth:`join`."""
+    def behind_d2h(self, work: Callable[[], None]) -> Future:
+        """Device work queued behind every D2H copy issued so far on the D2H thread; returns its completion,
+        which the training thread waits for only at :meth:`device_waits_for` (not at :meth:`join`), as the
+        CUDA engine's compute stream waits for its event only there."""
 
         def run():
             with torch.no_grad():
@@ -327,7 +337,10 @@ class ThreadEngine:
 
         handle = _submit(self._d2h, run, self._delays)
         self._last_d2h = handle
-        self._device_waits.append(handle)
+        return handle
+
+    def device_waits_for(self, handle: Future) -> None:
+        handle.wait()
 
     def join(self) -> None:
         waits, self._device_waits = self._device_waits, []
@@ -582,6 +595,9 @@ class CpuLink(_Link):
             self.d2h_bytes += total.numel() * total.element_size()
         self.accumulate_s += time.perf_counter() - t0
 
+    def sums_ready(self) -> None:
+        pass  # upload() copied and zeroed them
+
     def discard(self) -> None:
         pass
 
@@ -620,6 +636,9 @@ class RingLink(_Link):
     stage for lack of a free slot is copied at ``step()``, which waits for slots as the worker frees them
     (a class attribute, read when the link is built; the tests and bench.overlap shrink it)."""
     asynchronous = True
+    # device_accumulation in memory: wait for the sums' crossing at the boundary, before the next forward, as the
+    # link did before the wait moved to the next write into the sums (bench.nvme_timeline's "eager" variant)
+    SUMS_WAIT_AT_BOUNDARY = False
 
     def __init__(self, host: HostShard, engine, *, kind: str, delays: _Delays | None = None, **kwargs):
         super().__init__(host, thread_setup=engine.thread_setup, **kwargs)
@@ -646,6 +665,7 @@ class RingLink(_Link):
         self._queued_bytes = 0  # their bytes
         self._last_accumulate = None  # completion of every accumulation issued so far
         self._guard = None  # completion of the last write-back: the copy-out buffers are free after it
+        self._sums_zeroed = None  # device_accumulation in memory: the last upload's zeroing of the device sums
         self.timeline = getattr(engine, "timeline", None)
         # this step's hand-over from backward hooks (stage(..., buf)): what went to the worker before step()
         self._early = _EarlyHandOver()
@@ -826,8 +846,20 @@ class RingLink(_Link):
         self._engine.d2h([(self.host.view(self.host.acc[buf], i), total) for i, total in items])
         self._last_accumulate = self._engine.d2h_marker()
         sums = [total for _, total in items]
-        self._engine.after_d2h(lambda: torch._foreach_zero_(sums))  # the next interval starts from zero
+        # the next interval starts from zero, zeroed behind the copies: the device's next work (the next
+        # forward and backward) overlaps the crossing; only the next write into the sums waits (sums_ready)
+        self._sums_zeroed = self._engine.behind_d2h(lambda: torch._foreach_zero_(sums))
         self.d2h_bytes += sum(total.numel() * total.element_size() for total in sums)
+        if self.SUMS_WAIT_AT_BOUNDARY:
+            self.sums_ready()
+
+    def sums_ready(self) -> None:
+        """The device sums are about to be read or written: the last upload's copies and zeroing come first."""
+        if self._sums_zeroed is not None:
+            done, self._sums_zeroed = self._sums_zeroed, None
+            t0 = time.perf_counter()
+            self._engine.device_waits_for(done)
+            self._waited(t0, "sums")
 
     def _restart_changed(self, wanted: dict[int, torch.Tensor]) -> None:
         """step() of a step whose hooks handed slots over: a gradient that changed after its pieces went to

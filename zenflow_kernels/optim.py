@@ -305,8 +305,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     @property
     def _device_acc(self) -> torch.Tensor | None:
-        """``device_accumulation``: the buffer this interval's sums are added into (None without it)."""
-        return self._device_accs[self._acc_buf] if self._device_accs else None
+        """``device_accumulation``: the buffer this interval's sums are added into (None without it), once the
+        last boundary's crossing has read and zeroed it (the link orders the caller after that)."""
+        if not self._device_accs:
+            return None
+        self._link.sums_ready()
+        return self._device_accs[self._acc_buf]
 
     def _state_files(self):
         """offload_device="nvme": how the host shard makes its state file (None: host memory)."""
@@ -341,7 +345,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if i in self._fired:
             self._repeat = True
         self._fired.add(i)
-        if not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_acc is not None) or self._sums_stay:
+        if not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_accs) or self._sums_stay:
             return  # (the sums staying on the device: warm-up's gradients are added there at step() too)
         early = self.EARLY_HANDOVER and self._handover == "on" and not self._repeat
         self._link.stage(i, self._shard.own_grad(i), self._acc_buf if early else None)
@@ -839,7 +843,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.steps_accumulated += 1
         trigger = self._auto_vote(matrices) if self.schedule.is_auto else False
         boundary = self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger)
-        if self._device_acc is not None:
+        if self._device_accs:
             self._accumulate_on_device(matrices)
         elif boundary and not self.config.overlap_step:
             self._host_update(last=self._accumulate(matrices, fuse=True))
@@ -1138,7 +1142,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         overlap = self.config.overlap_step
         if overlap:
             self._drain()  # the previous interval's update is done with its accumulation buffer
-        if self._device_acc is not None and not self._sums_stay:  # the interval's sums cross to the host now,
+        if self._device_accs and not self._sums_stay:  # the interval's sums cross to the host now,
             # once (into the one accumulation buffer: the update that read it last has just been drained)
             counted = self._counts[self._acc_buf]
             self._link.upload([(i, self._host.view(self._device_acc, i)) for i in self._shard.mine(matrices)

@@ -1,0 +1,273 @@
+"""Where the interval's gradient sums cross with ``device_accumulation``, on the modeled device: fetched block
+by block inside the streamed update (state on disk) against one copy at the boundary (state in memory).
+
+    python -m bench.nvme_timeline [--out DIR] [--quick] [--size DxL] [--interval S] [--intervals N]
+
+The device is modeled (docs/testing.md): ``testing.chaos(max_delay=0)`` runs the CUDA link's protocol on CPU,
+every device-to-host copy taking ``bytes / bandwidth`` on its copy thread (``pcie``: 25 GB/s, PCIe 4 x16;
+``slow``: sized so that the sums' crossing takes ``SLOW_SHARE`` of the host update, where the crossing shows).
+The device's forward and backward are a sleep of ``compute_s`` a step: a GPU computes beside the host without
+taking its cores. Gradients are fixed (bench.scale's transformer-shaped parameters, bf16 matrices, set once),
+so the only host work is the optimizer's. ``compute_s`` is sized from the host update alone (``update_s``, the
+median of a probe run per offload with no compute): ``ratio * update_s / S`` for ``ratio`` in ``RATIOS``. Below
+1 the update outlasts the interval and the boundary that drains it must wait; above 1 the interval hides it.
+
+Recorded per run on a :class:`~zenflow_kernels.testing.Timeline`: ``compute`` and ``step`` (marked here),
+``wait`` (the training thread blocked on the link), ``d2h`` (copies: the sums' boundary crossing in memory),
+``fetch`` (the sums' pieces fetched by the update's reader, on disk), ``update`` (the host update job), and on
+disk ``read``/``write`` (the state file's blocks, wrapped here). Reported: the stall per interval against the
+prediction ``max(0, update_s - S * (compute_s + step_s))`` (``step_s``: the median ``step()`` between
+boundaries), where the training thread waited (at the draining boundary or between), the crossing's seconds
+and the share of them inside the update job, and the update against the probe's. Results: ``nvme_timeline_cpu
+.json`` and ``.png`` (one interval's lanes per offload at the lowest ratio and the slow bandwidth).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, write_json_light
+
+PCIE = 25e9
+SLOW_SHARE = 0.25  # "slow": the sums' crossing takes this share of the host update's probe time
+RATIOS = (0.5, 1.5)  # S * compute_s over the host update on disk
+# name: (offload_device, the sums' crossing waited for at the boundary: RingLink.SUMS_WAIT_AT_BOUNDARY)
+VARIANTS = {"memory": ("cpu", False), "memory eager": ("cpu", True), "disk": ("nvme", False)}
+SIZE = (1024, 4)  # d x layers: 50 M parameters
+QUICK_SIZE = (128, 2)
+ZENFLOW = dict(topk_ratio=0.1, overlap_step=True, device_accumulation=True, full_warm_up_rounds=0,
+               select_strategy="step", select_interval=10**6, pt_reserved_cores_perc=1.0)
+LANES = ("compute", "step", "wait", "d2h", "fetch", "update", "read", "write", "h2d")
+COLORS = dict(compute="#3182bd", step="#6baed6", wait="#e6550d", d2h="#31a354", fetch="#74c476",
+              update="#bcbddc", read="#fdae6b", write="#fd8d3c", h2d="#a1d99b")
+
+
+def _optimizer(params, offload: str, interval: int, folder: str, bandwidth: float | None, timeline):
+    from zenflow_kernels import ZenFlowAdamW
+    from zenflow_kernels.device_model import recorded
+    from zenflow_kernels.testing import chaos
+
+    zen = dict(ZENFLOW, update_interval=interval)
+    if offload == "nvme":
+        zen.update(offload_device="nvme", nvme_path=folder)
+    with chaos(seed=0, max_delay=0, d2h_bytes_per_s=bandwidth, h2d_bytes_per_s=bandwidth, timeline=timeline):
+        opt = ZenFlowAdamW(params, lr=1e-4, zenflow=zen)
+    opt.step()  # builds the link and the host shard (the first step: not measured)
+    files = opt._host.disk
+    if files is not None and timeline is not None:  # the state file's blocks as lanes of their own
+        files.read_block = recorded(files.read_block, timeline, "read")
+        files.write_block = recorded(files.write_block, timeline, "write")
+    return opt
+
+
+def _train(opt, steps: int, compute_s: float, timeline) -> list[dict]:
+    """``steps`` steps of a modeled device computing ``compute_s`` each, then ``step()``."""
+    out = []
+    for _ in range(steps):
+        before, waited = opt.host_updates, opt.stats()["worker_wait_s"]
+        t0 = time.perf_counter()
+        with timeline.span("compute"):
+            time.sleep(compute_s)
+        t1 = time.perf_counter()
+        with timeline.span("step"):
+            opt.step()
+        t2 = time.perf_counter()
+        out.append(dict(start=t0, step_start=t1, end=t2, step_s=t2 - t1, boundary=opt.host_updates > before,
+                        waited_s=opt.stats()["worker_wait_s"] - waited))
+    return out
+
+
+def _spans(timeline, lane: str, nbytes: int | None = None) -> list[tuple[float, float]]:
+    """``lane``'s spans (with ``nbytes``: only the copies of exactly that many bytes)."""
+    return [(s, e) for ln, _, s, e, nb in timeline.spans if ln == lane and (nbytes is None or nb == nbytes)]
+
+
+def _inside(spans: list[tuple[float, float]], timeline, spans_lane: str) -> float:
+    """Seconds of ``spans`` that ran inside a span of ``spans_lane`` (its spans do not overlap one another)."""
+    outer = _spans(timeline, spans_lane)
+    return sum(max(0.0, min(e, b) - max(s, a)) for s, e in spans for a, b in outer)
+
+
+def _lane_s(spans: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in spans)
+
+
+def measure(spec: dict) -> dict:
+    """Every variant, bandwidth and ratio at one size, in this process."""
+    from bench.scale import build_params
+    from zenflow_kernels.link import RingLink
+    from zenflow_kernels.ops import use_backend
+    from zenflow_kernels.testing import Timeline
+
+    d, layers, interval, intervals = spec["d"], spec["layers"], spec["interval"], spec["intervals"]
+    params = build_params(d, layers, "cpu")
+    n = sum(p.numel() for p in params)
+    sums_bytes = 4 * sum(p.numel() for p in params if p.dim() == 2)  # fp32 sums of the matrices
+    out = dict(d=d, layers=layers, params=n, sums_bytes=sums_bytes, interval=interval, intervals=intervals,
+               probes={}, rows=[], timelines={})
+    with use_backend("numba"), tempfile.TemporaryDirectory(prefix="zenflow-nvme-timeline-") as folder:
+        for offload in ("cpu", "nvme"):  # the host update alone: no compute, no modeled copies
+            timeline = Timeline()
+            opt = _optimizer(build_params(d, layers, "cpu"), offload, interval, folder, None, timeline)
+            _train(opt, (intervals + 1) * interval, 0.0, timeline)
+            opt.flush()
+            out["probes"][offload] = dict(update_s=statistics.median(opt.stats()["host_update_s"][1:]),
+                                          updates=len(opt.stats()["host_update_s"]))
+            opt.close()
+        disk_s = out["probes"]["nvme"]["update_s"]  # one model, one device: the compute is sized from the disk's
+        bandwidths = {"pcie": PCIE, "slow": sums_bytes / (SLOW_SHARE * disk_s)}
+        for bw_name, bw in bandwidths.items():
+            for ratio in spec["ratios"]:
+                compute_s = ratio * disk_s / interval
+                for variant, (offload, eager) in VARIANTS.items():
+                    timeline = Timeline()
+                    RingLink.SUMS_WAIT_AT_BOUNDARY = eager
+                    try:
+                        opt = _optimizer(build_params(d, layers, "cpu"), offload, interval, folder, bw, timeline)
+                        _train(opt, interval - 1, compute_s, timeline)  # to the first boundary (not measured)
+                        steps = _train(opt, intervals * interval, compute_s, timeline)
+                        opt.flush()  # every update done: each crossed all the sums
+                        stats = opt.stats()
+                        opt.close()
+                    finally:
+                        RingLink.SUMS_WAIT_AT_BOUNDARY = False
+                    out["rows"].append(_row(spec, variant, offload, bw_name, bw, ratio, compute_s,
+                                            out["probes"][offload]["update_s"], sums_bytes, steps, stats, timeline))
+                    if bw_name == "slow" and ratio == min(spec["ratios"]):
+                        out["timelines"][variant] = _one_interval(steps, timeline, interval)
+    return out
+
+
+def _row(spec, variant, offload, bw_name, bw, ratio, compute_s, update_s, sums_bytes, steps, stats, timeline) -> dict:
+    interval, intervals = spec["interval"], spec["intervals"]
+    t0, t1 = steps[0]["start"], steps[-1]["end"]
+    between = [s for s in steps if not s["boundary"]]
+    step_s = statistics.median(s["step_s"] for s in between) if between else 0.0
+    updates = stats["host_update_s"][1:]  # (the first ran beside the unmeasured steps)
+    # the sums' crossing: on disk every fetch; in memory the boundary's one D2H job of all the sums (the
+    # per-step copies of the vectors' gradients share the lane)
+    lane = "fetch" if offload == "nvme" else "d2h"
+    crossing = [(a, b, nb) for ln, _, a, b, nb in timeline.spans
+                if ln == lane and (offload == "nvme" or nb == sums_bytes)]
+    crossing_s = sum(b - a for a, b, _ in crossing)
+    per_crossing_s = crossing_s / stats["host_updates"]
+    # the training thread's waits in the measured steps, per interval, by cause: "" the drain of the last update,
+    # "join" the write-back of its weights (H2D), "sums" the device sums' crossing (memory)
+    waits: dict[str, float] = {}
+    for ln, label, a, b, _ in timeline.spans:
+        if ln == "wait" and a >= t0 and b <= t1:
+            waits[label or "drain"] = waits.get(label or "drain", 0.0) + (b - a) / intervals
+    spans = [(a, b) for a, b, _ in crossing]
+    return dict(
+        variant=variant, offload=offload, eager=VARIANTS[variant][1], bandwidth=bw_name, bytes_per_s=bw, ratio=ratio,
+        compute_s=compute_s, probe_update_s=update_s, update_s=statistics.median(updates) if updates else None,
+        step_s_between=step_s, waits_per_interval_s=waits,
+        # from this run's own update (the probe's, taken alone, sized the compute; disks drift between runs)
+        predicted_drain_s=max(0.0, statistics.median(updates) - interval * (compute_s + step_s)) if updates else None,
+        # memory: the next write into the sums follows the boundary's write-back wait and the next step's compute
+        # (eager: the crossing whole)
+        predicted_sums_wait_s=0.0 if offload == "nvme" else per_crossing_s if VARIANTS[variant][1] else max(
+            0.0, per_crossing_s - waits.get("join", 0.0) - compute_s),
+        waited_between_boundaries_s=sum(s["waited_s"] for s in between) / intervals,
+        crossing_lane=lane, crossing_s=crossing_s, per_crossing_s=per_crossing_s,
+        per_crossing_model_s=sums_bytes / bw, crossing_bytes=sum(nb for _, _, nb in crossing),
+        host_updates=stats["host_updates"],
+        crossing_inside_update_share=_inside(spans, timeline, "update") / crossing_s if crossing_s else None,
+        crossing_inside_wait_share=_inside(spans, timeline, "wait") / crossing_s if crossing_s else None,
+        disk_read_s=_lane_s(_spans(timeline, "read")), disk_write_s=_lane_s(_spans(timeline, "write")),
+        wall_per_step_s=(t1 - t0) / len(steps), steps=len(steps), d2h_bytes=stats["d2h_bytes"])
+
+
+def _one_interval(steps: list[dict], timeline, interval: int) -> dict:
+    """The lanes from the second measured boundary step to the end of the interval after it, from its start."""
+    boundaries = [k for k, s in enumerate(steps) if s["boundary"]]
+    first = boundaries[1] if len(boundaries) > 1 else boundaries[0]
+    last = min(len(steps) - 1, first + interval)
+    t0, t1 = steps[first]["start"], steps[last]["end"]
+    spans = [(ln, lb, max(a, t0) - t0, min(b, t1) - t0, nb) for ln, lb, a, b, nb in timeline.between(t0, t1)]
+    return dict(spans=spans, boundary_steps=[steps[k]["step_start"] - t0 for k in boundaries if first <= k <= last])
+
+
+def _size(text: str) -> tuple[int, int]:
+    d, _, layers = text.partition("x")
+    if not (d.isdigit() and layers.isdigit() and int(d) >= 1 and int(layers) >= 1):
+        raise ValueError(f"--size: {text!r} is invalid: allowed DxL with integers >= 1 (e.g. 1024x4)")
+    return int(d), int(layers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = OneLineParser(prog="python -m bench.nvme_timeline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="output folder (default bench/results)")
+    ap.add_argument("--quick", action="store_true", help="a small size, one ratio (the test suite's run)")
+    ap.add_argument("--size", type=_size, default=None, metavar="DxL", help="model size (default 1024x4)")
+    ap.add_argument("--interval", type=int_at_least(2), default=None, help="update_interval (default 4)")
+    ap.add_argument("--intervals", type=int_at_least(2), default=None, help="measured intervals per run (default 4)")
+    args = ap.parse_args(argv)
+    out_dir = output_dir(args.out)
+    d, layers = args.size or (QUICK_SIZE if args.quick else SIZE)
+    spec = dict(d=d, layers=layers, interval=args.interval or (2 if args.quick else 4),
+                intervals=args.intervals or (2 if args.quick else 4), ratios=[0.5] if args.quick else list(RATIOS))
+    started = time.perf_counter()
+    result = measure(spec)  # one process: timings only (no memory figures a fresh process would be needed for)
+    from zenflow_kernels import ZenFlowAdamW
+
+    payload = dict(config=dict(spec, quick=args.quick, zenflow=ZENFLOW, pcie_bytes_per_s=PCIE, slow_share=SLOW_SHARE,
+                               block_numel=ZenFlowAdamW.NVME_BLOCK_NUMEL, direct=ZenFlowAdamW.NVME_DIRECT),
+                   **result, total_s=time.perf_counter() - started, machine=machine_info_light())
+    path = write_json_light(out_dir / "nvme_timeline_cpu.json", payload)
+    plot(payload, out_dir / "nvme_timeline_cpu.png")
+    print(f"{result['params'] / 1e6:.1f} M params, sums {result['sums_bytes'] / 2**20:.0f} MiB, "
+          f"update_interval {spec['interval']}; host update alone: "
+          + ", ".join(f"{k} {v['update_s']:.3f} s" for k, v in result["probes"].items()))
+    print("waits per interval (s), measured / predicted; crossing: seconds per update, share inside the update job")
+    print(f"{'variant':>12} {'bw':>4} {'ratio':>5} {'compute':>7} {'update':>6} {'drain':>11} {'sums':>11} "
+          f"{'join':>5} {'between':>7} {'crossing':>8} {'in upd':>6}")
+    for r in result["rows"]:
+        w = r["waits_per_interval_s"]
+        print(f"{r['variant']:>12} {r['bandwidth']:>4} {r['ratio']:>5} {r['compute_s']:>7.3f} {r['update_s']:>6.3f} "
+              f"{w.get('drain', 0):>5.3f}/{r['predicted_drain_s']:<5.3f} {w.get('sums', 0):>5.3f}/"
+              f"{r['predicted_sums_wait_s']:<5.3f} {w.get('join', 0):>5.3f} {r['waited_between_boundaries_s']:>7.3f} "
+              f"{r['per_crossing_s']:>8.3f} {r['crossing_inside_update_share'] or 0:>6.2f}")
+    print(f"wrote {path}")
+    return 0
+
+
+def plot(payload: dict, path) -> None:
+    p = plt()
+    timelines = payload["timelines"]
+    fig, axes = p.subplots(1 + len(timelines), 1, figsize=(13, 3.2 + 2.6 * len(timelines)))
+    ax = axes[0]
+    rows = payload["rows"]
+    labels = [f"{r['variant']}\n{r['bandwidth']}, {r['ratio']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for cause, color in (("drain", "#bcbddc"), ("join", "#a1d99b"), ("sums", "#e6550d")):
+        heights = [r["waits_per_interval_s"].get(cause, 0.0) for r in rows]
+        ax.bar(range(len(rows)), heights, bottom=bottom, color=color, label=f"wait: {cause}")
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.plot(range(len(rows)), [r["predicted_drain_s"] + r["predicted_sums_wait_s"] for r in rows], "kx",
+            label="predicted drain + sums")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("training-thread wait per interval (s)")
+    ax.set_title("waits by cause (variant, bandwidth, S x compute / disk update)", fontsize=10)
+    ax.legend(fontsize=7)
+    for ax, (variant, tl) in zip(axes[1:], timelines.items(), strict=True):
+        for y, lane in enumerate(LANES):
+            bars = [(a, b - a) for ln, _, a, b, _ in tl["spans"] if ln == lane and b > a]
+            ax.broken_barh(bars, (y - 0.4, 0.8), color=COLORS[lane])
+        for t in tl["boundary_steps"]:
+            ax.axvline(t, color="k", lw=0.6, ls="--")
+        ax.set_yticks(range(len(LANES)), LANES)
+        ax.invert_yaxis()
+        ax.set_xlabel("s from the boundary step's compute (dashed: boundary step() calls)")
+        ax.set_title(f"one interval: {variant} (slow bandwidth, lowest ratio)", fontsize=10)
+    fig.suptitle(f"bench.nvme_timeline: device_accumulation's sums crossing on the modeled device "
+                 f"({payload['params'] / 1e6:.1f} M params, S = {payload['interval']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    p.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
