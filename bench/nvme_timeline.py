@@ -1,25 +1,33 @@
-"""Where the interval's gradient sums cross with ``device_accumulation``, on the modeled device: fetched block
-by block inside the streamed update (state on disk) against one copy at the boundary (state in memory).
+"""Where the interval's gradient sums cross with ``device_accumulation``, on the modeled device: one copy at the
+boundary (state in memory) against block pieces fetched inside the streamed update (state on disk), each in
+today's order and the former one, side by side in one run.
 
     python -m bench.nvme_timeline [--out DIR] [--quick] [--size DxL] [--interval S] [--intervals N]
 
 The device is modeled (docs/testing.md): ``testing.chaos(max_delay=0)`` runs the CUDA link's protocol on CPU,
-every device-to-host copy taking ``bytes / bandwidth`` on its copy thread (``pcie``: 25 GB/s, PCIe 4 x16;
-``slow``: sized so that the sums' crossing takes ``SLOW_SHARE`` of the host update, where the crossing shows).
-The device's forward and backward are a sleep of ``compute_s`` a step: a GPU computes beside the host without
-taking its cores. Gradients are fixed (bench.scale's transformer-shaped parameters, bf16 matrices, set once),
-so the only host work is the optimizer's. ``compute_s`` is sized from the host update alone (``update_s``, the
-median of a probe run per offload with no compute): ``ratio * update_s / S`` for ``ratio`` in ``RATIOS``. Below
-1 the update outlasts the interval and the boundary that drains it must wait; above 1 the interval hides it.
+every copy taking at least ``bytes / bandwidth`` on its copy thread (``pcie``: 25 GB/s, PCIe 4 x16; ``slow``:
+the sums' crossing takes ``SLOW_SHARE`` of the host update on disk, where it shows). The device's forward and
+backward are a sleep of ``compute_s`` a step: a GPU computes beside the host without taking its cores.
+Gradients are fixed (bench.scale's transformer-shaped parameters, bf16 matrices, set once), so the host's only
+work is the optimizer's. One model on one device whatever the host: ``compute_s = ratio * U / S`` for every
+variant, ``U`` the host update on disk taken alone first (a probe run per offload, no compute, no modeled
+copies), ``ratio`` in ``RATIOS``: below 1 the disk's update outlasts the interval and the boundary that drains
+it waits; above 1 the interval hides it.
 
-Recorded per run on a :class:`~zenflow_kernels.testing.Timeline`: ``compute`` and ``step`` (marked here),
-``wait`` (the training thread blocked on the link), ``d2h`` (copies: the sums' boundary crossing in memory),
-``fetch`` (the sums' pieces fetched by the update's reader, on disk), ``update`` (the host update job), and on
-disk ``read``/``write`` (the state file's blocks, wrapped here). Reported: the stall per interval against the
-prediction ``max(0, update_s - S * (compute_s + step_s))`` (``step_s``: the median ``step()`` between
-boundaries), where the training thread waited (at the draining boundary or between), the crossing's seconds
-and the share of them inside the update job, and the update against the probe's. Results: ``nvme_timeline_cpu
-.json`` and ``.png`` (one interval's lanes per offload at the lowest ratio and the slow bandwidth).
+Variants (``VARIANTS``): ``memory`` (the sums zeroed behind their copies; only the next write into them waits:
+``RingLink.sums_ready``), ``memory eager`` (``RingLink.SUMS_WAIT_AT_BOUNDARY``: the boundary step waits for the
+crossing, the former order), ``disk`` (the reader starts a block's fetches, reads the block, then waits) and
+``disk serial`` (``streamed_adam.FETCH_BESIDE_READ = False``: read, then fetch, the former order).
+
+Lanes (a :class:`~zenflow_kernels.testing.Timeline`): ``compute`` and ``step`` (marked here), ``wait`` (the
+training thread blocked: ``join`` the write-back of the weights the next forward needs, ``sums`` the crossing
+before the next write into the sums, unlabelled the drain of the last update), ``d2h``/``h2d`` (copies),
+``fetch`` (the sums' pieces the update's reader fetches), ``update`` (the host update job), ``read``/``write``
+(the state file's blocks, wrapped here). Reported per interval: the waits by cause against predictions (drain:
+``max(0, u - S * (compute_s + step_s))`` from the run's own update ``u`` and median ``step()`` between boundaries;
+sums: the whole crossing when eager, else what the boundary's write-back wait and the next step's compute do not
+cover), the crossing per update and its share inside the update job. Results: ``nvme_timeline_cpu.json`` and
+``.png`` (the waits, and one interval's lanes per variant at the lowest ratio and the slow bandwidth).
 """
 
 from __future__ import annotations
@@ -31,11 +39,14 @@ import time
 from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, write_json_light
 
 PCIE = 25e9
-SLOW_SHARE = 0.25  # "slow": the sums' crossing takes this share of the host update's probe time
+SLOW_SHARE = 0.25  # "slow": the sums' crossing takes this share of the host update on disk (its probe)
 RATIOS = (0.5, 1.5)  # S * compute_s over the host update on disk
-# name: (offload_device, the sums' crossing waited for at the boundary: RingLink.SUMS_WAIT_AT_BOUNDARY)
-VARIANTS = {"memory": ("cpu", False), "memory eager": ("cpu", True), "disk": ("nvme", False)}
+# name: (offload_device, the sums' crossing waited for at the boundary: RingLink.SUMS_WAIT_AT_BOUNDARY, a block's
+# fetch started before its read: streamed_adam.FETCH_BESIDE_READ); "eager" and "serial" are the former orders
+VARIANTS = {"memory": ("cpu", False, True), "memory eager": ("cpu", True, True), "disk": ("nvme", False, True),
+            "disk serial": ("nvme", False, False)}
 SIZE = (1024, 4)  # d x layers: 50 M parameters
+PIPELINE_NUMEL = 1 << 24  # the streamed pass alone: 16 M elements, 192 MiB of state read and written a pass
 QUICK_SIZE = (128, 2)
 ZENFLOW = dict(topk_ratio=0.1, overlap_step=True, device_accumulation=True, full_warm_up_rounds=0,
                select_strategy="step", select_interval=10**6, pt_reserved_cores_perc=1.0)
@@ -97,6 +108,7 @@ def _lane_s(spans: list[tuple[float, float]]) -> float:
 def measure(spec: dict) -> dict:
     """Every variant, bandwidth and ratio at one size, in this process."""
     from bench.scale import build_params
+    from zenflow_kernels import streamed_adam
     from zenflow_kernels.link import RingLink
     from zenflow_kernels.ops import use_backend
     from zenflow_kernels.testing import Timeline
@@ -121,9 +133,9 @@ def measure(spec: dict) -> dict:
         for bw_name, bw in bandwidths.items():
             for ratio in spec["ratios"]:
                 compute_s = ratio * disk_s / interval
-                for variant, (offload, eager) in VARIANTS.items():
+                for variant, (offload, eager, beside) in VARIANTS.items():
                     timeline = Timeline()
-                    RingLink.SUMS_WAIT_AT_BOUNDARY = eager
+                    RingLink.SUMS_WAIT_AT_BOUNDARY, streamed_adam.FETCH_BESIDE_READ = eager, beside
                     try:
                         opt = _optimizer(build_params(d, layers, "cpu"), offload, interval, folder, bw, timeline)
                         _train(opt, interval - 1, compute_s, timeline)  # to the first boundary (not measured)
@@ -132,12 +144,65 @@ def measure(spec: dict) -> dict:
                         stats = opt.stats()
                         opt.close()
                     finally:
-                        RingLink.SUMS_WAIT_AT_BOUNDARY = False
+                        RingLink.SUMS_WAIT_AT_BOUNDARY, streamed_adam.FETCH_BESIDE_READ = False, True
                     out["rows"].append(_row(spec, variant, offload, bw_name, bw, ratio, compute_s,
                                             out["probes"][offload]["update_s"], sums_bytes, steps, stats, timeline))
                     if bw_name == "slow" and ratio == min(spec["ratios"]):
                         out["timelines"][variant] = _one_interval(steps, timeline, interval)
+        # the streamed pass alone over at most PIPELINE_NUMEL elements: at the runs' slow bandwidth, and at one where
+        # the fetches take as long as the pass without them (where fetching beside the reads could halve the pass)
+        numel = min(n, PIPELINE_NUMEL)
+        alone = reader_pipeline(numel, "no fetch", None, 3, folder)["median_s"]["no fetch"]
+        out["reader_pipeline"] = [reader_pipeline(numel, name, bw, spec["repeats"], folder) for name, bw in (
+            ("slow", bandwidths["slow"]), ("disk rate", 4 * numel / alone))]
     return out
+
+
+def reader_pipeline(numel: int, bw_name: str, bandwidth: float | None, repeats: int, folder: str) -> dict:
+    """The streamed pass alone, over a state file of ``numel`` elements, interleaved round by round (a disk's
+    speed drifts between whole runs by more than the fetch costs): the sums in host memory (``no fetch``: the
+    disk's own time), fetched beside each block's read, and fetched after it (``serial``), the fetches on the
+    modeled device's copy thread at ``bandwidth`` (None: ``no fetch`` only)."""
+    import torch
+
+    from zenflow_kernels import ZenFlowAdamW, streamed_adam
+    from zenflow_kernels.link import ThreadEngine
+    from zenflow_kernels.state_files import StateFiles
+    from zenflow_kernels.streamed_adam import DeviceSums, Run, streamed_adam_
+
+    block = ZenFlowAdamW.NVME_BLOCK_NUMEL
+    files = StateFiles(folder, numel, block_numel=block, direct=ZenFlowAdamW.NVME_DIRECT)
+    engine = ThreadEngine(timeout=600.0, delays=None, d2h_bytes_per_s=bandwidth)
+    flat = torch.full((numel,), 1e-3)  # the device's sums (left as they are: the update only reads them)
+    acc = torch.empty(numel)
+    sums = DeviceSums(engine.fetcher(flat), [torch.empty(min(block, numel)) for _ in range(3)])
+    runs = [Run(0, numel, None, dict(step=1, grad_scale=1.0, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                                     weight_decay=0.0))]
+    times: dict[str, list[float]] = {"no fetch": []} if bandwidth is None else {"no fetch": [], "beside": [],
+                                                                                  "serial": []}
+    try:
+        for _ in range(repeats):
+            for name in times:
+                acc.fill_(1e-3)  # (zeroed by the in-memory pass)
+                streamed_adam.FETCH_BESIDE_READ = name != "serial"
+                t0 = time.perf_counter()
+                if name == "no fetch":
+                    streamed_adam_(files, acc, runs)
+                else:
+                    streamed_adam_(files, None, runs, sums=sums)
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        streamed_adam.FETCH_BESIDE_READ = True
+        engine.close()
+        files.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    if bandwidth is None:
+        return dict(numel=numel, seconds=times, median_s=med)
+    fetch_s = 4 * numel / bandwidth
+    return dict(bandwidth=bw_name, bytes_per_s=bandwidth, numel=numel, repeats=repeats, seconds=times,
+                median_s=med, fetch_model_s=fetch_s, serial_over_beside=med["serial"] / med["beside"],
+                # the reader's path per block: read + fetch when serial, the longer of the two beside each other
+                predicted_serial_s=med["no fetch"] + fetch_s, predicted_beside_s=max(med["no fetch"], fetch_s))
 
 
 def _row(spec, variant, offload, bw_name, bw, ratio, compute_s, update_s, sums_bytes, steps, stats, timeline) -> dict:
@@ -161,7 +226,8 @@ def _row(spec, variant, offload, bw_name, bw, ratio, compute_s, update_s, sums_b
             waits[label or "drain"] = waits.get(label or "drain", 0.0) + (b - a) / intervals
     spans = [(a, b) for a, b, _ in crossing]
     return dict(
-        variant=variant, offload=offload, eager=VARIANTS[variant][1], bandwidth=bw_name, bytes_per_s=bw, ratio=ratio,
+        variant=variant, offload=offload, eager=VARIANTS[variant][1], fetch_beside_read=VARIANTS[variant][2],
+        bandwidth=bw_name, bytes_per_s=bw, ratio=ratio,
         compute_s=compute_s, probe_update_s=update_s, update_s=statistics.median(updates) if updates else None,
         step_s_between=step_s, waits_per_interval_s=waits,
         # from this run's own update (the probe's, taken alone, sized the compute; disks drift between runs)
@@ -208,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = output_dir(args.out)
     d, layers = args.size or (QUICK_SIZE if args.quick else SIZE)
     spec = dict(d=d, layers=layers, interval=args.interval or (2 if args.quick else 4),
-                intervals=args.intervals or (2 if args.quick else 4), ratios=[0.5] if args.quick else list(RATIOS))
+                intervals=args.intervals or (2 if args.quick else 4), ratios=[0.5] if args.quick else list(RATIOS),
+                repeats=2 if args.quick else 9)
     started = time.perf_counter()
     result = measure(spec)  # one process: timings only (no memory figures a fresh process would be needed for)
     from zenflow_kernels import ZenFlowAdamW
@@ -230,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{w.get('drain', 0):>5.3f}/{r['predicted_drain_s']:<5.3f} {w.get('sums', 0):>5.3f}/"
               f"{r['predicted_sums_wait_s']:<5.3f} {w.get('join', 0):>5.3f} {r['waited_between_boundaries_s']:>7.3f} "
               f"{r['per_crossing_s']:>8.3f} {r['crossing_inside_update_share'] or 0:>6.2f}")
+    print("the streamed pass alone, interleaved: medians (s) and the prediction beside each")
+    for r in result["reader_pipeline"]:
+        m = r["median_s"]
+        print(f"  {r['bandwidth']:>4}: no fetch {m['no fetch']:.3f}, beside {m['beside']:.3f} "
+              f"(predicted {r['predicted_beside_s']:.3f}), serial {m['serial']:.3f} (predicted "
+              f"{r['predicted_serial_s']:.3f}); serial / beside {r['serial_over_beside']:.2f}")
     print(f"wrote {path}")
     return 0
 
@@ -237,8 +310,20 @@ def main(argv: list[str] | None = None) -> int:
 def plot(payload: dict, path) -> None:
     p = plt()
     timelines = payload["timelines"]
-    fig, axes = p.subplots(1 + len(timelines), 1, figsize=(13, 3.2 + 2.6 * len(timelines)))
-    ax = axes[0]
+    fig = p.figure(figsize=(14, 3.4 + 2.6 * len(timelines)))
+    grid = fig.add_gridspec(1 + len(timelines), 4)
+    ax = fig.add_subplot(grid[0, :3])
+    axes = [ax] + [fig.add_subplot(grid[k + 1, :]) for k in range(len(timelines))]
+    pipe = fig.add_subplot(grid[0, 3])
+    names = ("no fetch", "beside", "serial")
+    for k, r in enumerate(payload["reader_pipeline"]):
+        pipe.bar([k * 4 + i for i in range(3)], [r["median_s"][n] for n in names], color=["#bdbdbd", "#74c476",
+                                                                                          "#fd8d3c"])
+        pipe.plot([k * 4 + 1, k * 4 + 2], [r["predicted_beside_s"], r["predicted_serial_s"]], "kx")
+    pipe.set_xticks([k * 4 + i for k in range(len(payload["reader_pipeline"])) for i in range(3)],
+                    [f"{n}\n{r['bandwidth']}" for r in payload["reader_pipeline"] for n in names], fontsize=7)
+    pipe.set_ylabel("s per streamed pass (median)")
+    pipe.set_title("the disk pass alone, interleaved (x: predicted)", fontsize=10)
     rows = payload["rows"]
     labels = [f"{r['variant']}\n{r['bandwidth']}, {r['ratio']}" for r in rows]
     bottom = [0.0] * len(rows)

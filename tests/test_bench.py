@@ -571,18 +571,19 @@ def test_nvme_quick(tmp_path):
 def test_nvme_timeline_quick(tmp_path):
     """bench.nvme_timeline at a tiny size, one ratio, both bandwidths, every variant: the JSON's structure, the
     PNG, and what holds whatever the speed: every update crossed all the sums exactly once (one D2H job at each
-    boundary in memory, block pieces fetched inside the update on disk), each crossing took at least its bytes
-    over the modeled bandwidth, only the eager variant waits for the crossing at the boundary, and only the disk
-    touches its file."""
+    boundary in memory, block pieces fetched inside the update on disk, in either order), each crossing took at
+    least its bytes over the modeled bandwidth, only the eager variant waits for the crossing at the boundary,
+    and only the disk touches its file."""
     proc = run_module("bench.nvme_timeline", "--quick", "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "nvme_timeline_cpu.json").read_text())
     assert (tmp_path / "nvme_timeline_cpu.png").read_bytes()[:8] == PNG_MAGIC
     assert result["machine"]["python"] and result["config"]["quick"] is True
-    assert set(result["probes"]) == {"cpu", "nvme"} and set(result["timelines"]) == {"memory", "memory eager", "disk"}
+    variants = ("memory", "memory eager", "disk", "disk serial")
+    assert set(result["probes"]) == {"cpu", "nvme"} and set(result["timelines"]) == set(variants)
     rows = result["rows"]
     assert {(r["variant"], r["bandwidth"], r["ratio"]) for r in rows} == {
-        (v, b, 0.5) for v in ("memory", "memory eager", "disk") for b in ("pcie", "slow")}
+        (v, b, 0.5) for v in variants for b in ("pcie", "slow")}
     steps = result["intervals"] * result["interval"]
     for r in rows:
         assert r["steps"] == steps and r["host_updates"] == result["intervals"] + 1, r
@@ -600,3 +601,10 @@ def test_nvme_timeline_quick(tmp_path):
             assert r["crossing_inside_update_share"] == 0, r
             if r["bandwidth"] == "slow":  # (at 25 GB/s the quick size's 2 MiB cross in 84 us, at the timeline's floor)
                 assert r["waits_per_interval_s"]["sums"] >= 0.9 * r["per_crossing_model_s"], r
+    pipeline = result["reader_pipeline"]  # the streamed pass alone: every variant timed, round by round
+    assert [r["bandwidth"] for r in pipeline] == ["slow", "disk rate"]
+    for r in pipeline:
+        assert {k: len(v) for k, v in r["seconds"].items()} == {"no fetch": 2, "beside": 2, "serial": 2}, r
+        assert finite([t for v in r["seconds"].values() for t in v]) and min(r["median_s"].values()) > 0, r
+        # a fetched pass cannot beat its modeled copies (each waited for before its block is stepped)
+        assert min(r["seconds"]["beside"] + r["seconds"]["serial"]) >= 0.999 * r["fetch_model_s"], r

@@ -185,7 +185,8 @@ def test_cuda_engine_issues_a_jobs_copies_in_one_call_and_holds_sources_until_th
 def test_cuda_engine_fetches_device_sums_behind_the_device_work_and_sleeps_until_copied(monkeypatch):
     """``device_accumulation`` with the state on disk: a host update's reader thread fetches the device sums on
     a stream of the engine's that waits for an event recorded when the sums were handed over (not for later
-    device work), under the engine's device guard, and sleeps on a blocking event until its copy is done."""
+    device work), under the engine's device guard; the fetch returns without waiting (the reader reads the state
+    file meanwhile) a wait that sleeps on a blocking event until the copy is done."""
     cuda = _FakeCuda()
     cuda.install(monkeypatch)
     _FakeEvent.made.clear()
@@ -194,14 +195,19 @@ def test_cuda_engine_fetches_device_sums_behind_the_device_work_and_sleeps_until
     fetch = engine.fetcher(torch.arange(10.0))
     [ready] = _FakeEvent.made
     assert ready.recorded_on is cuda.current and not ready.blocking
-    dst = torch.zeros(4)
-    reader = threading.Thread(target=fetch, args=(dst, 3, 7), name="zenflow-state-read")
+    dst, waits = torch.zeros(4), []
+    reader = threading.Thread(target=lambda: waits.append(fetch(dst, 3, 7)), name="zenflow-state-read")
     reader.start()
     reader.join()
     assert dst.tolist() == [3.0, 4.0, 5.0, 6.0]
     done = _FakeEvent.made[-1]
     assert engine._fetch.waited_for == [ready] and done.recorded_on is engine._fetch
-    assert done.blocking and done.synchronized_on == "zenflow-state-read" and cuda.guards == [device]
+    assert done.blocking and not hasattr(done, "synchronized_on") and cuda.guards == [device]
+    assert waits == [done.synchronize]
+    reader = threading.Thread(target=waits[0], name="zenflow-state-read")
+    reader.start()
+    reader.join()
+    assert done.synchronized_on == "zenflow-state-read"
     stream = engine._fetch
     engine.fetcher(torch.zeros(3))  # a later update's fetches: the same stream, their own hand-over event
     assert engine._fetch is stream and _FakeEvent.made[-1].recorded_on is cuda.current

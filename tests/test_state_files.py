@@ -186,6 +186,86 @@ def test_streamed_adam_gives_the_in_memory_bits(tmp_path, name, block_numel, dir
     files.close()
 
 
+@pytest.mark.parametrize("beside", [True, False])
+def test_streamed_adam_reads_a_block_while_its_sums_are_fetched(tmp_path, monkeypatch, beside):
+    """A fetch that returns a wait (a copy engine): the reader starts each block's fetches, reads the block, then
+    waits for them, so the link and the disk work side by side (``FETCH_BESIDE_READ=False``: the former order,
+    read, then fetch and wait). Either way the in-memory bits, and every wait called once."""
+    from zenflow_kernels import streamed_adam
+
+    monkeypatch.setattr(streamed_adam, "FETCH_BESIDE_READ", beside)
+    numel, block = 4096 + 300, 1024
+    runs = [(0, 1500, torch.bfloat16, dict(HYPER, step=3, grad_scale=1.0)),
+            (2000, numel, None, dict(HYPER, step=1, grad_scale=0.5))]
+    state = _state(numel, seed=5)
+    expected, outs = _in_memory(state, runs)
+    files = StateFiles(tmp_path, numel, block_numel=block)
+    for f in FIELDS:
+        files.write(f, 0, state[f])
+    events = []
+    read_block = files.read_block
+    monkeypatch.setattr(files, "read_block", lambda j, bufs: events.append(("read", j)) or read_block(j, bufs))
+    flat = state["acc"].clone()
+
+    def fetch(dst, lo, hi):
+        events.append(("fetch", lo // block))
+        dst.copy_(flat[lo:hi])
+        return lambda: events.append(("wait", lo // block))
+
+    got_outs = [None if dtype is None else torch.empty(hi - lo, dtype=dtype) for lo, hi, dtype, _ in runs]
+    work = [Run(lo, hi, o, adam) for (lo, hi, _, adam), o in zip(runs, got_outs, strict=True)]
+    streamed_adam_(files, None, work, sums=DeviceSums(fetch, [torch.full((block,), float("nan")) for _ in range(3)]))
+    for f in FIELDS:
+        assert torch.equal(files.read(f, 0, numel), expected[f]), f
+    assert torch.equal(got_outs[0], outs[0])
+    pieces = {0: 1, 1: 2, 2: 1, 3: 1, 4: 1}  # block 1 holds the end of one run and the start of the next
+    for j, n in pieces.items():
+        mine = [e for e in events if e[1] == j]
+        order = [("fetch", j)] * n + [("read", j)] + [("wait", j)] * n if beside else (
+            [("read", j)] + [("fetch", j)] * n + [("wait", j)] * n)
+        assert mine == order, (j, mine)
+    files.close()
+
+
+def test_streamed_adam_waits_for_started_fetches_before_a_read_error_and_raises_a_failed_wait(tmp_path, monkeypatch):
+    numel, block = 4096, 1024
+    state = _state(numel, seed=11)
+    files = StateFiles(tmp_path, numel, block_numel=block)
+    for f in FIELDS:
+        files.write(f, 0, state[f])
+    before = files.read("master", 0, numel)
+    work = [Run(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))]
+    started, waited = [], []
+
+    def fetch(dst, lo, hi):
+        started.append(lo)
+        dst.copy_(state["acc"][lo:hi])
+
+        def wait():
+            waited.append(lo)
+            if lo == 3072:
+                raise RuntimeError(f"CUDA error: the copy at {lo} failed")
+        return wait
+
+    buffers = [torch.empty(block) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="the copy at 3072 failed"):  # a failed copy raises at its wait
+        streamed_adam_(files, None, work, sums=DeviceSums(fetch, buffers))
+    after = files.read("master", 0, numel)
+    assert not torch.equal(after[:3072], before[:3072]) and torch.equal(after[3072:], before[3072:])
+    read_block, started[:], waited[:] = files.read_block, [], []
+
+    def failing_read(j, bufs):
+        if j == 2:
+            raise StateFileError(errno.EIO, f"injected read error in block {j}")
+        read_block(j, bufs)
+
+    monkeypatch.setattr(files, "read_block", failing_read)
+    with pytest.raises(StateFileError, match="injected read error in block 2"):
+        streamed_adam_(files, None, work, sums=DeviceSums(fetch, buffers))
+    assert started == [0, 1024, 2048] and waited == started  # block 2's copy was settled before the error came out
+    files.close()
+
+
 def test_streamed_adam_refuses_ambiguous_sums_and_short_buffers_and_raises_a_failed_fetch(tmp_path):
     numel = 4096
     state = _state(numel, seed=9)

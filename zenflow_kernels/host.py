@@ -358,7 +358,7 @@ class HostShard:
         step = max(piece.numel() // SUM_CHUNK, 1) * SUM_CHUNK
         for lo in range(0, s.numel, step):
             hi = min(s.numel, lo + step)
-            sums.fetch(piece[: hi - lo], s.offset + lo, s.offset + hi)
+            sums.get(piece[: hi - lo], s.offset + lo, s.offset + hi)
             sum_squares_chunks_unchecked(piece[: hi - lo], partials[lo // SUM_CHUNK : -(-hi // SUM_CHUNK)])
         return float(partials.sum())
 

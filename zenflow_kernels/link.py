@@ -169,22 +169,23 @@ class CudaEngine:
         event.record(self._d2h)
         return Event(event)
 
-    def fetcher(self, flat: torch.Tensor) -> Callable[[torch.Tensor, int, int], None]:
+    def fetcher(self, flat: torch.Tensor) -> Callable[[torch.Tensor, int, int], Callable[[], None]]:
         """``DeviceSums.fetch`` over the device tensor ``flat``, final after the device work issued so far (an
-        event recorded now): each fetch is a copy on a stream of its own that waits for that event, and the
-        calling thread (a host update's reader, any thread) sleeps until the copy is done."""
+        event recorded now): each fetch enqueues a copy on a stream of its own that waits for that event, and
+        returns a wait on which the calling thread (a host update's reader, any thread) sleeps until the copy is
+        done, so the reader can read the state file meanwhile."""
         if self._fetch is None:
             self._fetch = torch.cuda.Stream(self.device)
         stream, ready = self._fetch, torch.cuda.Event()
         ready.record(self._current())
 
-        def fetch(dst: torch.Tensor, lo: int, hi: int) -> None:
+        def fetch(dst: torch.Tensor, lo: int, hi: int) -> Callable[[], None]:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 stream.wait_event(ready)
                 dst.copy_(flat[lo:hi], non_blocking=True)
                 done = torch.cuda.Event(blocking=True)
                 done.record(stream)
-            done.synchronize()
+            return done.synchronize
 
         return fetch
 
@@ -264,7 +265,8 @@ class ThreadEngine:
         self._d2h_rate, self._h2d_rate, self.timeline = d2h_bytes_per_s, h2d_bytes_per_s, timeline
         self._d2h = HostWorker(timeout=timeout, name="zenflow-d2h")
         self._h2d = HostWorker(timeout=timeout, name="zenflow-h2d")
-        self.workers = [self._d2h, self._h2d]
+        self._fetch = HostWorker(timeout=timeout, name="zenflow-fetch")  # the CUDA engine's fetch stream
+        self.workers = [self._d2h, self._h2d, self._fetch]
         self._device_waits: list[Future] = []  # H2D copies the parameters' next reader must wait for
         self._last_d2h: Future | None = None
 
@@ -295,15 +297,15 @@ class ThreadEngine:
             self._last_d2h = _submit(self._d2h, _nothing, self._delays)
         return self._last_d2h
 
-    def fetcher(self, flat: torch.Tensor) -> Callable[[torch.Tensor, int, int], None]:
-        """``DeviceSums.fetch`` over ``flat``: the copy on the calling thread (as the CUDA engine's caller waits
-        for its own stream), taking the modeled D2H time, with chaos delays, recorded on the ``fetch`` lane."""
+    def fetcher(self, flat: torch.Tensor) -> Callable[[torch.Tensor, int, int], Callable[[], None]]:
+        """``DeviceSums.fetch`` over ``flat``: the copy queued on the fetch thread (the CUDA engine's fetch stream),
+        taking the modeled D2H time, with chaos delays, recorded on the ``fetch`` lane; returns its wait."""
 
-        def fetch(dst: torch.Tensor, lo: int, hi: int) -> None:
+        def fetch(dst: torch.Tensor, lo: int, hi: int) -> Callable[[], None]:
             src = flat[lo:hi]
             copy = modeled_copy(lambda: dst.copy_(src), src.numel() * src.element_size(), self._d2h_rate,
                                 self.timeline, "fetch")
-            (self._delays.wrap(copy) if self._delays is not None else copy)()
+            return _submit(self._fetch, copy, self._delays).wait
 
         return fetch
 
@@ -455,7 +457,7 @@ class _Link:
     @staticmethod
     def _fetcher(flat: torch.Tensor) -> Callable[[torch.Tensor, int, int], None]:
         def fetch(dst: torch.Tensor, lo: int, hi: int) -> None:
-            dst.copy_(flat[lo:hi])
+            dst.copy_(flat[lo:hi])  # done when it returns: no wait to hand back
 
         return fetch
 

@@ -6,7 +6,8 @@ range. Memory: ``depth`` blocks of buffers (12 B per element each), whatever the
 
 With ``device_accumulation`` the gradient sums stay on the device (:class:`DeviceSums`): the reader also
 fetches each block's piece of them into a fourth buffer (``DeviceSums.buffers``, reused across updates), so no
-shard-sized host buffer of sums exists.
+shard-sized host buffer of sums exists. It starts the fetch before reading the block and waits for it after,
+so the copy over the link runs beside the disk read (bench.nvme_timeline measures both orders).
 
 Every block a run touches is read, updated and written once (runs sharing a block are updated in the same
 visit), so no block is read before an earlier write of it landed. A failed read or write stops the pipeline
@@ -16,6 +17,7 @@ blocks after the failed one are not written.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -43,15 +45,35 @@ class Run:
 @dataclass(frozen=True)
 class DeviceSums:
     """An interval's gradient sums that stay on the device (``device_accumulation``), flat and laid out like the
-    shard: ``fetch(dst, lo, hi)`` copies elements ``[lo, hi)`` into the host fp32 tensor ``dst`` and returns once
-    they are there (from any thread); ``buffers`` are host blocks to fetch into (fp32, each at least the largest
-    state block, pinned on a GPU), owned by the link and reused by every update."""
+    shard: ``fetch(dst, lo, hi)`` starts copying elements ``[lo, hi)`` into the host fp32 tensor ``dst`` (from any
+    thread) and returns None once they are there, or a wait that blocks until they are (and raises if the copy
+    failed); ``buffers`` are host blocks to fetch into (fp32, each at least the largest state block, pinned on a
+    GPU), owned by the link and reused by every update."""
 
-    fetch: Callable[[torch.Tensor, int, int], None]
+    fetch: Callable[[torch.Tensor, int, int], Callable[[], None] | None]
     buffers: Sequence[torch.Tensor]
+
+    def get(self, dst: torch.Tensor, lo: int, hi: int) -> None:
+        """``fetch`` and wait for it."""
+        wait = self.fetch(dst, lo, hi)
+        if wait is not None:
+            wait()
+
+
+def _settle(waits: list) -> None:
+    """Wait for copies already started, their errors dropped (another error is on its way): nothing may still be
+    writing into a block once the pipeline has stopped."""
+    for wait in waits:
+        if wait is not None:
+            with contextlib.suppress(BaseException):
+                wait()
 
 
 _STOP = object()
+
+# the reader starts a block's fetches before reading it (False: after, the former order, bench.nvme_timeline's
+# "disk serial" variant; read at each block)
+FETCH_BESIDE_READ = True
 
 
 def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[Run], *, depth: int = 3,
@@ -93,11 +115,23 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[R
                     ready.put(_STOP)
                     return
                 bufs, fetched = item
-                files.read_block(j, bufs)
-                if fetched is not None:  # this block's piece of the sums crosses from the device now
-                    a, _ = files.block_range(j)
-                    for _, s, e in plan[j]:
-                        sums.fetch(fetched[s - a : e - a], s, e)
+                waits: list = []
+                beside = FETCH_BESIDE_READ
+                try:
+                    if not beside:
+                        files.read_block(j, bufs)
+                    if fetched is not None:  # this block's piece of the sums starts crossing from the device ...
+                        a, _ = files.block_range(j)
+                        for _, s, e in plan[j]:
+                            waits.append(sums.fetch(fetched[s - a : e - a], s, e))
+                    if beside:
+                        files.read_block(j, bufs)  # ... while its state is read from the file
+                except BaseException:
+                    _settle(waits)
+                    raise
+                for wait in waits:
+                    if wait is not None:
+                        wait()
                 ready.put((j, item))
         except BaseException as exc:  # re-raised by the caller
             ready.put(exc)
