@@ -333,7 +333,7 @@ def plot(payload: dict, path) -> None:
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.plot(range(len(rows)), [r["predicted_drain_s"] + r["predicted_sums_wait_s"] for r in rows], "kx",
             label="predicted drain + sums")
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=30)
     ax.set_ylabel("training-thread wait per interval (s)")
     ax.set_title("waits by cause (variant, bandwidth, S x compute / disk update)", fontsize=10)
     ax.legend(fontsize=7)

@@ -486,15 +486,17 @@ def test_every_thread_of_the_asynchronous_link_gets_its_share(host_workers_made)
     params = make_params()
     link = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=True, host_threads=3,
                                  cores=[0], timeout=7, chaos=link_module.Chaos())
-    by_name = {m.get("name", "zenflow-host"): m for m in made}
-    assert sorted(by_name) == ["zenflow-accumulate", "zenflow-d2h", "zenflow-h2d", "zenflow-host"]
-    for name in ("zenflow-host", "zenflow-accumulate"):
-        assert (by_name[name]["num_threads"], by_name[name]["cores"], by_name[name]["timeout"]) == (3, [0], 7)
-    for name in ("zenflow-d2h", "zenflow-h2d"):
-        assert by_name[name].get("num_threads") is None and by_name[name]["timeout"] == 7
-    assert len(link.workers) == 4
-    assert len(link.host.acc) == 2  # overlap: double-buffered accumulation
-    link.close()
+    try:
+        by_name = {m.get("name", "zenflow-host"): m for m in made}
+        assert sorted(by_name) == ["zenflow-accumulate", "zenflow-d2h", "zenflow-fetch", "zenflow-h2d", "zenflow-host"]
+        for name in ("zenflow-host", "zenflow-accumulate"):
+            assert (by_name[name]["num_threads"], by_name[name]["cores"], by_name[name]["timeout"]) == (3, [0], 7)
+        for name in ("zenflow-d2h", "zenflow-h2d", "zenflow-fetch"):  # the copy engines
+            assert by_name[name].get("num_threads") is None and by_name[name]["timeout"] == 7
+        assert len(link.workers) == 5
+        assert len(link.host.acc) == 2  # overlap: double-buffered accumulation
+    finally:
+        link.close()  # (a failure above must not leave threads behind for later tests)
     sync = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=False, host_threads=1,
                                  cores=None, timeout=7, chaos=None)
     assert len(sync.host.acc) == 1 and sync.workers == []
@@ -507,8 +509,8 @@ def test_asynchronous_link_threads_stop_at_close():
         opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow)
     drive(opt, opt._params, grad_sequence(5))
     names = sorted(t.name for t in zenflow_threads())
-    assert names == ["zenflow-accumulate", "zenflow-d2h", "zenflow-h2d", "zenflow-host"]
     opt.close()
+    assert names == ["zenflow-accumulate", "zenflow-d2h", "zenflow-fetch", "zenflow-h2d", "zenflow-host"]
     assert not zenflow_threads()
 
 

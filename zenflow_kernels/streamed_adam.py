@@ -126,12 +126,12 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[R
                             waits.append(sums.fetch(fetched[s - a : e - a], s, e))
                     if beside:
                         files.read_block(j, bufs)  # ... while its state is read from the file
+                    for wait in waits:
+                        if wait is not None:
+                            wait()
                 except BaseException:
-                    _settle(waits)
+                    _settle(waits)  # (waiting twice for a copy is harmless)
                     raise
-                for wait in waits:
-                    if wait is not None:
-                        wait()
                 ready.put((j, item))
         except BaseException as exc:  # re-raised by the caller
             ready.put(exc)
