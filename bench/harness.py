@@ -223,6 +223,16 @@ def plt():
     return pyplot
 
 
+def draw_lanes(ax, spans, lanes, colors: dict, *, scale: float = 1.0) -> None:
+    """A ``testing.Timeline``'s spans ``(lane, label, start, end, nbytes)`` as a row of bars per lane, ``lanes``
+    from top to bottom, times multiplied by ``scale`` (1e3: milliseconds)."""
+    for y, lane in enumerate(lanes):
+        bars = [(a * scale, (b - a) * scale) for ln, _, a, b, _ in spans if ln == lane]
+        ax.broken_barh(bars, (y - 0.4, 0.8), color=colors[lane])
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+
+
 def meminfo_bytes(key: str) -> int | None:
     """A ``/proc/meminfo`` entry (``"MemAvailable"``, ``"Cached"``, ...) in bytes, or None where there is none."""
     try:

@@ -36,7 +36,7 @@ import statistics
 import tempfile
 import time
 
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, write_json_light
+from bench.harness import OneLineParser, draw_lanes, int_at_least, machine_info_light, output_dir, plt, write_json_light
 
 PCIE = 25e9
 SLOW_SHARE = 0.25  # "slow": the sums' crossing takes this share of the host update on disk (its probe)
@@ -338,13 +338,9 @@ def plot(payload: dict, path) -> None:
     ax.set_title("waits by cause (variant, bandwidth, S x compute / disk update)", fontsize=10)
     ax.legend(fontsize=7)
     for ax, (variant, tl) in zip(axes[1:], timelines.items(), strict=True):
-        for y, lane in enumerate(LANES):
-            bars = [(a, b - a) for ln, _, a, b, _ in tl["spans"] if ln == lane and b > a]
-            ax.broken_barh(bars, (y - 0.4, 0.8), color=COLORS[lane])
+        draw_lanes(ax, tl["spans"], LANES, COLORS)
         for t in tl["boundary_steps"]:
             ax.axvline(t, color="k", lw=0.6, ls="--")
-        ax.set_yticks(range(len(LANES)), LANES)
-        ax.invert_yaxis()
         ax.set_xlabel("s from the boundary step's compute (dashed: boundary step() calls)")
         ax.set_title(f"one interval: {variant} (slow bandwidth, lowest ratio)", fontsize=10)
     fig.suptitle(f"bench.nvme_timeline: device_accumulation's sums crossing on the modeled device "

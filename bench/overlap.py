@@ -37,7 +37,16 @@ import math
 import statistics
 import time
 
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, run_child, write_json_light
+from bench.harness import (
+    OneLineParser,
+    draw_lanes,
+    int_at_least,
+    machine_info_light,
+    output_dir,
+    plt,
+    run_child,
+    write_json_light,
+)
 
 SLOT_BYTES = 1 << 20  # the modeled ring: 4 slots of this, 4 MiB
 RING_SLOTS = 4
@@ -283,13 +292,9 @@ def plot(payload: dict, path) -> None:
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7)
     for ax, variant in zip(bottom, ("handover", "at_step"), strict=True):
-        spans = payload["timelines"].get(variant, [])
-        for y, lane in enumerate(LANES):
-            bars = [(a * 1e3, (b - a) * 1e3) for ln, _, a, b, _ in spans if ln == lane and (
-                ln != "wait" or b - a > 5e-5)]  # (checks of finished jobs recorded before the link filtered them)
-            ax.broken_barh(bars, (y - 0.4, 0.8), color=COLORS[lane])
-        ax.set_yticks(range(len(LANES)), LANES)
-        ax.invert_yaxis()
+        # (waits under 50 us: checks of finished jobs, recorded before the link filtered them)
+        spans = [s for s in payload["timelines"].get(variant, []) if s[0] != "wait" or s[3] - s[2] > 5e-5]
+        draw_lanes(ax, spans, LANES, COLORS, scale=1e3)
         ax.set_xlabel("ms from the step's forward")
         ax.set_title(f"one step, {variant} (largest size, slow bandwidth)", fontsize=10)
     fig.suptitle("bench.overlap: gradient transfer on the modeled device (CPU, " +
