@@ -90,9 +90,9 @@ def _train(opt, steps: int, compute_s: float, timeline) -> list[dict]:
     return out
 
 
-def _spans(timeline, lane: str, nbytes: int | None = None) -> list[tuple[float, float]]:
-    """``lane``'s spans (with ``nbytes``: only the copies of exactly that many bytes)."""
-    return [(s, e) for ln, _, s, e, nb in timeline.spans if ln == lane and (nbytes is None or nb == nbytes)]
+def _spans(timeline, lane: str) -> list[tuple[float, float]]:
+    """``lane``'s spans, ``(start, end)``."""
+    return [(s, e) for ln, _, s, e, _ in timeline.spans if ln == lane]
 
 
 def _inside(spans: list[tuple[float, float]], timeline, spans_lane: str) -> float:
