@@ -478,32 +478,32 @@ class HostWorker:
 
     def wait(self, job: _Job) -> Any:
         """Block until ``job`` is done; return its result or raise :class:`HostWorkerError`."""
-        start = time.perf_counter()
-        while not job.done.wait(self.poll):
-            if not self.alive:
-                self._dead = job
-                raise HostWorkerError(
-                    "zenflow host worker thread died before finishing a host update; the optimizer cannot continue"
-                    + (f":\n{job.tb}" if job.tb else "")
-                )
-            if self.timeout is not None and time.perf_counter() - start > self.timeout:
-                raise HostWorkerError(
-                    f"zenflow host update did not finish within host_timeout={self.timeout} s; the worker is stuck"
-                )
+        stuck = "zenflow host update did not finish within host_timeout={} s; the worker is stuck"
+        if not self._until(job.done, stuck):
+            self._dead = job
+            raise HostWorkerError(
+                "zenflow host worker thread died before finishing a host update; the optimizer cannot continue"
+                + (f":\n{job.tb}" if job.tb else "")
+            )
         if job.error is not None:
             raise HostWorkerError(f"zenflow host update failed in the background worker:\n{job.tb}") from job.error
         self.check()  # an earlier job failed: what followed it cannot be trusted
         return job.result
 
-    def _wait_ready(self) -> None:
+    def _until(self, event: threading.Event, late: str) -> bool:
+        """Wait for ``event``, checking every ``poll`` seconds that the thread is alive: False if it died first;
+        past ``timeout``, :class:`HostWorkerError` with ``late`` (its ``{}`` the timeout)."""
         start = time.perf_counter()
-        while not self._ready.wait(self.poll):
+        while not event.wait(self.poll):
             if not self.alive:
-                return  # it died in setup: submit() reports that
+                return False
             if self.timeout is not None and time.perf_counter() - start > self.timeout:
-                raise HostWorkerError(
-                    f"zenflow host worker's thread setup did not finish within host_timeout={self.timeout} s"
-                )
+                raise HostWorkerError(late.format(self.timeout))
+        return True
+
+    def _wait_ready(self) -> None:
+        # (a thread that died in setup: submit() reports that)
+        self._until(self._ready, "zenflow host worker's thread setup did not finish within host_timeout={} s")
 
     def check(self) -> None:
         """Re-raise an earlier failure of any job of this worker, waited for or not (a failed worker stays

@@ -461,6 +461,10 @@ class _Link:
 
         return fetch
 
+    def sums_ready(self) -> None:
+        """The device sums (``device_accumulation``) are about to be read or written: whatever the link still
+        does with them comes first (here nothing: a synchronous upload copied and zeroed them)."""
+
     @property
     def handed_this_step(self) -> bool:
         """Backward's hooks have added part of the coming step's gradients to the host sums already."""
@@ -596,9 +600,6 @@ class CpuLink(_Link):
             total.zero_()
             self.d2h_bytes += total.numel() * total.element_size()
         self.accumulate_s += time.perf_counter() - t0
-
-    def sums_ready(self) -> None:
-        pass  # upload() copied and zeroed them
 
     def discard(self) -> None:
         pass

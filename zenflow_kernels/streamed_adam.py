@@ -53,20 +53,25 @@ class DeviceSums:
     fetch: Callable[[torch.Tensor, int, int], Callable[[], None] | None]
     buffers: Sequence[torch.Tensor]
 
+    def start(self, dst: torch.Tensor, lo: int, hi: int) -> Callable[[], None]:
+        """``fetch``, returning its wait (one that returns at once where the copy is already done)."""
+        return self.fetch(dst, lo, hi) or _done
+
     def get(self, dst: torch.Tensor, lo: int, hi: int) -> None:
         """``fetch`` and wait for it."""
-        wait = self.fetch(dst, lo, hi)
-        if wait is not None:
-            wait()
+        self.start(dst, lo, hi)()
 
 
-def _settle(waits: list) -> None:
+def _done() -> None:
+    return None
+
+
+def _settle(waits: list[Callable[[], None]]) -> None:
     """Wait for copies already started, their errors dropped (another error is on its way): nothing may still be
     writing into a block once the pipeline has stopped."""
     for wait in waits:
-        if wait is not None:
-            with contextlib.suppress(BaseException):
-                wait()
+        with contextlib.suppress(BaseException):
+            wait()
 
 
 _STOP = object()
@@ -115,7 +120,7 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[R
                     ready.put(_STOP)
                     return
                 bufs, fetched = item
-                waits: list = []
+                waits: list[Callable[[], None]] = []
                 beside = FETCH_BESIDE_READ
                 try:
                     if not beside:
@@ -123,12 +128,11 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[R
                     if fetched is not None:  # this block's piece of the sums starts crossing from the device ...
                         a, _ = files.block_range(j)
                         for _, s, e in plan[j]:
-                            waits.append(sums.fetch(fetched[s - a : e - a], s, e))
+                            waits.append(sums.start(fetched[s - a : e - a], s, e))
                     if beside:
                         files.read_block(j, bufs)  # ... while its state is read from the file
                     for wait in waits:
-                        if wait is not None:
-                            wait()
+                        wait()
                 except BaseException:
                     _settle(waits)  # (waiting twice for a copy is harmless)
                     raise
