@@ -15,7 +15,7 @@ copies), ``ratio`` in ``RATIOS``: below 1 the disk's update outlasts the interva
 it waits; above 1 the interval hides it.
 
 Variants (``VARIANTS``): ``memory`` (the sums zeroed behind their copies; only the next write into them waits:
-``RingLink.sums_ready``), ``memory eager`` (``RingLink.SUMS_WAIT_AT_BOUNDARY``: the boundary step waits for the
+``AsyncLink.sums_ready``), ``memory eager`` (``AsyncLink.SUMS_WAIT_AT_BOUNDARY``: the boundary step waits for the
 crossing, the former order), ``disk`` (the reader starts a block's fetches, reads the block, then waits) and
 ``disk serial`` (``streamed_adam.FETCH_BESIDE_READ = False``: read, then fetch, the former order).
 
@@ -41,7 +41,7 @@ from bench.harness import OneLineParser, draw_lanes, int_at_least, machine_info_
 PCIE = 25e9
 SLOW_SHARE = 0.25  # "slow": the sums' crossing takes this share of the host update on disk (its probe)
 RATIOS = (0.5, 1.5)  # S * compute_s over the host update on disk
-# name: (offload_device, the sums' crossing waited for at the boundary: RingLink.SUMS_WAIT_AT_BOUNDARY, a block's
+# name: (offload_device, the sums' crossing waited for at the boundary: AsyncLink.SUMS_WAIT_AT_BOUNDARY, a block's
 # fetch started before its read: streamed_adam.FETCH_BESIDE_READ); "eager" and "serial" are the former orders
 VARIANTS = {"memory": ("cpu", False, True), "memory eager": ("cpu", True, True), "disk": ("nvme", False, True),
             "disk serial": ("nvme", False, False)}
@@ -109,7 +109,7 @@ def measure(spec: dict) -> dict:
     """Every variant, bandwidth and ratio at one size, in this process."""
     from bench.scale import build_params
     from zenflow_kernels import streamed_adam
-    from zenflow_kernels.link import RingLink
+    from zenflow_kernels.link import AsyncLink
     from zenflow_kernels.ops import use_backend
     from zenflow_kernels.testing import Timeline
 
@@ -135,7 +135,7 @@ def measure(spec: dict) -> dict:
                 compute_s = ratio * disk_s / interval
                 for variant, (offload, eager, beside) in VARIANTS.items():
                     timeline = Timeline()
-                    RingLink.SUMS_WAIT_AT_BOUNDARY, streamed_adam.FETCH_BESIDE_READ = eager, beside
+                    AsyncLink.SUMS_WAIT_AT_BOUNDARY, streamed_adam.FETCH_BESIDE_READ = eager, beside
                     try:
                         opt = _optimizer(build_params(d, layers, "cpu"), offload, interval, folder, bw, timeline)
                         _train(opt, interval - 1, compute_s, timeline)  # to the first boundary (not measured)
@@ -144,7 +144,7 @@ def measure(spec: dict) -> dict:
                         stats = opt.stats()
                         opt.close()
                     finally:
-                        RingLink.SUMS_WAIT_AT_BOUNDARY, streamed_adam.FETCH_BESIDE_READ = False, True
+                        AsyncLink.SUMS_WAIT_AT_BOUNDARY, streamed_adam.FETCH_BESIDE_READ = False, True
                     out["rows"].append(_row(spec, variant, offload, bw_name, bw, ratio, compute_s,
                                             out["probes"][offload]["update_s"], sums_bytes, steps, stats, timeline))
                     if bw_name == "slow" and ratio == min(spec["ratios"]):

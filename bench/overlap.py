@@ -3,18 +3,20 @@
     python -m bench.overlap [--out DIR] [--quick] [--sizes 1 4 16 64] [--steps 8] [--batch 256]
 
 On CPU a device-to-host copy is a memcpy, so the asynchronous test link (``testing.chaos``) models one:
-each copy job takes ``bytes / bandwidth`` on its copy thread. A staging ring of 4 x 1 MiB (shrunk
-through ``RingLink.STAGING_SLOT_BYTES`` so that a CPU-sized model is many times larger than it, as a
-7 B model is many times the default 64 MiB ring) and an fp32 MLP of ``d = 512`` layers (1 MiB of
-gradient each), sized 1x to 64x the ring. Each size runs in a fresh process (``bench.harness.run_child``).
+each copy job takes ``bytes / bandwidth`` on its copy thread. Gradients land in the host's landing area from
+backward's hooks and are folded into the sums after ``step()`` checked them, in fold jobs of 4 MiB (shrunk
+through ``AsyncLink.FOLD_CHUNK_BYTES`` so that a CPU-sized model is many times larger than one, as a 7 B
+model is many times the default 64 MiB): the next backward's hooks wait for the job holding their gradient's
+place. An fp32 MLP of ``d = 512`` layers (1 MiB of gradient each), sized 1x to 64x a fold job. Each size runs
+in a fresh process (``bench.harness.run_child``).
 
 Bandwidths: ``pcie``, 25 GB/s (PCIe 4 x16), and ``slow``, chosen per size so that the transfer takes 40% of
 backward (the median of three training steps without the model, taken first; on this machine's backward 25
 GB/s hides almost anything; ``slow`` is where the design shows). Variants:
 
-* ``handover``: the link as it is: full slots go to the host from backward's hooks;
-* ``at_step``: hand-over from hooks switched off (``ZenFlowAdamW.EARLY_HANDOVER = False``): what the link did
-  before, hooks copy into free slots only and step() moves the rest.
+* ``handover``: the link as it is: gradients cross from backward's hooks;
+* ``at_step``: hand-over from hooks switched off (``ZenFlowAdamW.EARLY_HANDOVER = False``): every gradient
+  crosses at ``step()``, after backward.
 
 Each variant runs twice, with the bandwidth model and without it (copies are memcpys), on copies of one
 model and batch, the four runs interleaved step by step. The "device" here is the CPU that also runs
@@ -22,8 +24,11 @@ the host's accumulation, so each variant is compared with itself: the added stal
 steps of the modeled run's wall time (forward + backward + ``step()``) minus that of the same variant's
 unmodeled step taken just before it. Also reported: backward, ``step()``, the training thread's waits on the
 link (``stats()["worker_wait_s"]``), each over the transfer time (matrix gradient bytes / bandwidth), and the
-share of the transfer that ran while backward did (the timeline's d2h lane inside backward). Goal (issue
-23): with backward longer than the transfer, the added stall <= 10% of the transfer time at every size.
+share of the transfer that ran while backward did (the timeline's d2h lane inside backward), the folds' time
+per step (the accumulate lane: a host pass over the landing area, beside the next forward) and what the
+training thread waited for them (its waits labelled ``fold``: a hook whose gradient's place was still being
+read). Goal (issue 23): with backward longer than the transfer, the added stall <= 10% of the transfer time
+at every size.
 Results: ``overlap_cpu.json`` and ``overlap_cpu.png`` (the two panels against model size and one step's
 timeline per variant at the largest size) in ``bench/results``.
 """
@@ -48,11 +53,10 @@ from bench.harness import (
     write_json_light,
 )
 
-SLOT_BYTES = 1 << 20  # the modeled ring: 4 slots of this, 4 MiB
-RING_SLOTS = 4
+FOLD_BYTES = 4 << 20  # the modeled fold job
 D = 512
 SIZES = [1, 4, 16, 64]
-QUICK_SIZES = [1, 12]  # d = 128, slots of 16 KiB: structure only, per-slot overheads dominate
+QUICK_SIZES = [1, 12]  # d = 128, fold jobs of 64 KiB: structure only, per-job overheads dominate
 PCIE = 25e9
 SLOW_SHARE = 0.4  # "slow": the transfer takes this share of the measured backward
 VARIANTS = ("handover", "at_step")
@@ -75,22 +79,22 @@ def measure_size(spec: dict) -> dict:
     """One model size: every bandwidth, every variant, interleaved; in this process."""
     import torch
 
-    from zenflow_kernels.link import RingLink
+    from zenflow_kernels.link import AsyncLink
 
-    d, ring = spec["d"], spec["slot_bytes"] * RING_SLOTS
-    layers = max(1, math.ceil(spec["size"] * ring / (d * d * 4)))
+    d, fold = spec["d"], spec["fold_bytes"]
+    layers = max(1, math.ceil(spec["size"] * fold / (d * d * 4)))
     base = build_model(layers, d)
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     matrix_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.dim() == 2)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(spec["batch"], d, generator=g), torch.randn(spec["batch"], d, generator=g)
 
-    saved = RingLink.STAGING_SLOTS, RingLink.STAGING_SLOT_BYTES
-    RingLink.STAGING_SLOTS, RingLink.STAGING_SLOT_BYTES = RING_SLOTS, spec["slot_bytes"]
+    saved = AsyncLink.FOLD_CHUNK_BYTES
+    AsyncLink.FOLD_CHUNK_BYTES = fold
     try:
         return _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes)
     finally:
-        RingLink.STAGING_SLOTS, RingLink.STAGING_SLOT_BYTES = saved
+        AsyncLink.FOLD_CHUNK_BYTES = saved
 
 
 def _run(base, bytes_per_s: float | None, early: bool) -> dict:
@@ -115,13 +119,13 @@ def _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes) -> dict:
             _step(probe, x, y, measured=t >= 2)
         probe["opt"].close()
     backward_s = statistics.median(s["backward"] for s in probe["steps"])
-    d, ring = spec["d"], spec["slot_bytes"] * RING_SLOTS
+    d, fold = spec["d"], spec["fold_bytes"]
     share = spec.get("slow_share", SLOW_SHARE)
     bandwidths = {name: rate for name, rate in (("pcie", PCIE), ("slow", matrix_bytes / (share * backward_s)))
                   if name in spec.get("bandwidths", ("pcie", "slow"))}
     out = dict(size=spec["size"], layers=layers, d=d, params=sum(p.numel() for p in base.parameters()),
-               grad_bytes=grad_bytes, matrix_grad_bytes=matrix_bytes, ring_bytes=ring,
-               times_ring=matrix_bytes / ring, backward_s_alone=backward_s, batch=spec["batch"], rows=[], timelines={})
+               grad_bytes=grad_bytes, matrix_grad_bytes=matrix_bytes, fold_bytes=fold,
+               times_fold=matrix_bytes / fold, backward_s_alone=backward_s, batch=spec["batch"], rows=[], timelines={})
     with use_backend("numba"):
         for bw_name, bw in bandwidths.items():
             # each variant with the modeled bandwidth ("bw") and without it ("free", copies are memcpys)
@@ -136,6 +140,11 @@ def _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes) -> dict:
                 steps, timeline = run["steps"], run["timeline"]
                 # the d2h lane inside each step's backward, over the transfer the step needs
                 hidden = [timeline.busy("d2h", s["backward_start"], s["backward_end"]) for s in steps]
+                # the folds of each step's gradients (they run from its step() into the next forward), and the
+                # training thread's waits for a fold (a hook whose gradient's place was still being read)
+                folds = [timeline.busy("accumulate", s["step_start"], s["end"] + s["wall"]) for s in steps]
+                fold_waits = [sum(b - a for lane, label, a, b, _ in timeline.between(s["start"], s["end"])
+                                  if lane == "wait" and label == "fold") for s in steps]
                 stats = run["opt"].stats()
                 row = dict(size=spec["size"], bandwidth=bw_name, bytes_per_s=bw, variant=variant, transfer_s=transfer_s,
                            wall_s=statistics.median(s["wall"] for s in steps),
@@ -152,6 +161,7 @@ def _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes) -> dict:
                            added_waits_s=statistics.median(s["waited"] - f["waited"] for s, f in zip(
                                steps, free["steps"], strict=True)),
                            hidden_share=statistics.median(hidden) / transfer_s,
+                           fold_s=statistics.median(folds), fold_wait_s=statistics.median(fold_waits),
                            handover=stats["handover"], d2h_bytes_in_backward=stats["d2h_bytes_in_backward"],
                            d2h_bytes=stats["d2h_bytes"])
                 # the share of backward the transfer took in this run (the bandwidth was sized from the probe)
@@ -188,7 +198,7 @@ def _step(run: dict, x, y, *, measured: bool) -> None:
         opt.zero_grad()
     t3 = time.perf_counter()
     if measured:
-        run["steps"].append(dict(start=t0, backward_start=t1, backward_end=t2, end=t3, wall=t3 - t0,
+        run["steps"].append(dict(start=t0, backward_start=t1, backward_end=t2, step_start=t2, end=t3, wall=t3 - t0,
                                  backward=t2 - t1, step=t3 - t2, waited=opt.stats()["worker_wait_s"] - waited))
 
 
@@ -204,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     ap.add_argument("--quick", action="store_true", help="two small sizes, a few steps (the test suite's run)")
     ap.add_argument("--sizes", type=int_at_least(1), nargs="+", default=None,
-                    help=f"model sizes in multiples of the ring (default {' '.join(map(str, SIZES))})")
+                    help=f"model sizes in multiples of a fold job (default {' '.join(map(str, SIZES))})")
     ap.add_argument("--steps", type=int_at_least(2), default=None, help="measured steps per variant (default 8)")
     ap.add_argument("--batch", type=int_at_least(1), default=None, help="rows per batch (default 256)")
     ap.add_argument("--worker-spec", dest="spec", default=None, help=argparse.SUPPRESS)
@@ -215,13 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = output_dir(args.out)
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     d = 128 if args.quick else D
-    slot_bytes = (16 << 10) if args.quick else SLOT_BYTES
+    fold_bytes = (64 << 10) if args.quick else FOLD_BYTES
     steps, warmup = args.steps or (2 if args.quick else 8), 1 if args.quick else 2
     batch = args.batch or (64 if args.quick else 256)
     started = time.perf_counter()
     results = []
     for size in sizes:
-        spec = dict(size=size, d=d, slot_bytes=slot_bytes, batch=batch, steps=steps, warmup=warmup)
+        spec = dict(size=size, d=d, fold_bytes=fold_bytes, batch=batch, steps=steps, warmup=warmup)
         results.append(run_child("bench.overlap", ["--worker-spec", json.dumps(spec)], timeout=1800,
                                  what=f"the size {size}x process"))
     rows = [r for res in results for r in res["rows"]]
@@ -236,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 goal_met_wall=all(r["added_stall_share"] <= GOAL_SHARE for r in fits),
                 goal_met_waits=all(r["added_waits_share"] <= GOAL_SHARE for r in fits),
                 sizes_where_backward_is_longer=[r["size"] for r in fits])
-    payload = dict(config=dict(sizes=sizes, d=d, ring_slots=RING_SLOTS, slot_bytes=slot_bytes, batch=batch, steps=steps,
+    payload = dict(config=dict(sizes=sizes, d=d, fold_bytes=fold_bytes, batch=batch, steps=steps,
                                warmup=warmup, quick=args.quick, zenflow=ZENFLOW, pcie_bytes_per_s=PCIE,
                                slow_share_of_backward=SLOW_SHARE, goal_share=GOAL_SHARE, dtype="float32"),
                    sizes=[{k: v for k, v in res.items() if k not in ("rows", "timelines")} for res in results],
@@ -245,13 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     name = "overlap_cpu"
     path = write_json_light(out_dir / f"{name}.json", payload)
     plot(payload, out_dir / f"{name}.png")
-    print(f"{'size':>5} {'x ring':>7} {'bandwidth':>9} {'variant':>9} {'transfer ms':>12} {'backward ms':>12} "
-          f"{'added ms':>9} {'added/xfer':>10} {'+waits/xfer':>11} {'hidden':>7}")
+    print(f"{'size':>5} {'x fold':>7} {'bandwidth':>9} {'variant':>9} {'transfer ms':>12} {'backward ms':>12} "
+          f"{'added ms':>9} {'added/xfer':>10} {'+waits/xfer':>11} {'hidden':>7} {'fold ms':>8} {'fold wait':>9}")
     by_size = {res["size"]: res for res in results}
     for r in rows:
-        print(f"{r['size']:>5} {by_size[r['size']]['times_ring']:>7.1f} {r['bandwidth']:>9} {r['variant']:>9} "
+        print(f"{r['size']:>5} {by_size[r['size']]['times_fold']:>7.1f} {r['bandwidth']:>9} {r['variant']:>9} "
               f"{1e3 * r['transfer_s']:>12.1f} {1e3 * r['backward_s']:>12.1f} {1e3 * r['added_stall_s']:>9.1f} "
-              f"{r['added_stall_share']:>10.2f} {r['added_waits_share']:>11.2f} {r['hidden_share']:>7.2f}")
+              f"{r['added_stall_share']:>10.2f} {r['added_waits_share']:>11.2f} {r['hidden_share']:>7.2f} "
+              f"{1e3 * r['fold_s']:>8.1f} {1e3 * r['fold_wait_s']:>9.2f}")
     for key, s in summary.items():
         print(f"{key}: worst added stall {s['worst_added_stall_share']:.2f} of the transfer (wall), "
               f"{s['worst_added_waits_share']:.2f} (waits); goal (<= {GOAL_SHARE:.2f} where backward is longer, "
@@ -273,7 +284,7 @@ def plot(payload: dict, path) -> None:
     top = [fig.add_subplot(grid[0, 2 * k : 2 * k + 2]) for k in range(3)]
     bottom = [fig.add_subplot(grid[1, 3 * k : 3 * k + 3]) for k in range(2)]
     rows = payload["rows"]
-    times_ring = {s["size"]: s["times_ring"] for s in payload["sizes"]}
+    times_fold = {s["size"]: s["times_fold"] for s in payload["sizes"]}
     for ax, key, title, bandwidths in (
             (top[0], "added_stall_share", "added wall time per step / transfer (slow)", ("slow",)),
             (top[1], "added_waits_share", "added training-thread waits / transfer", ("slow", "pcie")),
@@ -282,13 +293,13 @@ def plot(payload: dict, path) -> None:
             for variant, marker in (("handover", "o"), ("at_step", "s")):
                 sel = sorted((r for r in rows if r["bandwidth"] == bw and r["variant"] == variant),
                              key=lambda r: r["size"])
-                ax.plot([times_ring[r["size"]] for r in sel], [r[key] for r in sel], style, marker=marker,
+                ax.plot([times_fold[r["size"]] for r in sel], [r[key] for r in sel], style, marker=marker,
                         label=f"{variant}, {bw}")
         if key != "hidden_share":
             ax.axhline(payload["config"]["goal_share"], color="grey", lw=0.8, ls="--", label="goal")
             ax.set_ylim(-0.3, 1.3)
         ax.set_xscale("log")
-        ax.set_xlabel("model gradient / staging ring")
+        ax.set_xlabel("model gradient / fold job")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7)
     for ax, variant in zip(bottom, ("handover", "at_step"), strict=True):
@@ -298,7 +309,7 @@ def plot(payload: dict, path) -> None:
         ax.set_xlabel("ms from the step's forward")
         ax.set_title(f"one step, {variant} (largest size, slow bandwidth)", fontsize=10)
     fig.suptitle("bench.overlap: gradient transfer on the modeled device (CPU, " +
-                 f"ring {payload['config']['ring_slots']} x {payload['config']['slot_bytes'] >> 10} KiB)")
+                 f"fold jobs of {payload['config']['fold_bytes'] >> 10} KiB)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     p.close(fig)

@@ -10,9 +10,9 @@ after the other, every step ended by a device sync:
 * ``adamw``: ``torch.optim.AdamW(fused=True)`` on the device (the speed to reach);
 * ``offload``: synchronous offload through ``ZenFlowAdamW`` (every step a host AdamW of the whole model);
 * ``zenflow``: ``ZenFlowAdamW(topk_ratio=0.1, update_interval=4, overlap_step=True)``: gradients cross from
-  backward's hooks, full staging slots handed to the host during backward (docs/design.md section 5.1);
-* ``zenflow_at_step``: the same with ``EARLY_HANDOVER = False``: the hooks fill the ring, ``step()`` moves
-  the rest (the link before issue 23).
+  backward's hooks, copied into the host's landing area during backward (docs/design.md section 5.1);
+* ``zenflow_at_step``: the same with ``EARLY_HANDOVER = False``: every gradient crosses at ``step()``, after
+  backward.
 
 Per run: ms/step (median), backward ms, ``step()`` ms, and for the ZenFlow runs the D2H time left after
 backward: a CUDA event recorded on the compute stream when backward returned and one on the link's D2H

@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
 # -- plot -----------------------------------------------------------------------------------------------------
 
 _COLORS = {"overlap": "C0", "sync": "C1", "devacc": "C2"}
-_BUFFERS = ["master", "exp_avg", "exp_avg_sq", "accumulation", "copy_out", "staging", "fast_state", "device_sums"]
+_BUFFERS = ["master", "exp_avg", "exp_avg_sq", "accumulation", "copy_out", "landing", "fast_state", "device_sums"]
 
 
 def _against_size(ax, ylabel: str, title: str, log_y: bool = False) -> None:

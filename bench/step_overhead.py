@@ -10,7 +10,7 @@ Candidates, each on its own copy of the tensors:
 * ``zenflow_cpu_link``: ``ZenFlowAdamW(topk_ratio=0.1, select_interval=update_interval=1000,
   overlap_step=True)`` on the numba backend, through the synchronous CPU link;
 * ``zenflow_async_link``: the same through the asynchronous link (``testing.chaos(seed=0, max_delay=0)``:
-  the CUDA protocol's staging ring, copy and accumulate threads, no sleeps);
+  the CUDA protocol's landing area, fingerprints, copy and fold threads, no sleeps);
 * ``torch_adamw_foreach``: ``torch.optim.AdamW(foreach=True)``.
 
 Time: ``time.thread_time()`` of the training thread around ``step()`` (CPU time: what a step costs the

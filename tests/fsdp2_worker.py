@@ -152,7 +152,7 @@ def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> Non
     data = batches(case["steps"])
     ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else contextlib.nullcontext()
     with ctx:
-        opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow_settings(case, out_dir),
+        opt = ZenFlowAdamW(param_groups(model, case), **HYPER, zenflow=zenflow_settings(case, out_dir),
                            max_grad_norm=case.get("max_grad_norm"))
     checkpoint = Path(case["checkpoint"])
     result: dict = {"weights": {}}

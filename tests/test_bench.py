@@ -265,13 +265,13 @@ def test_scale_quick(tmp_path):
         assert r["params"] == r["layers"] * (12 * r["d"] ** 2 + 2 * r["d"]) and r["tensors"] == 6 * r["layers"], where
         bpp, hb = r["bytes_per_param"], r["host_bytes"]
         # docs/design.md section 9: master 4, moments 8, accumulation 4 a buffer (two with overlap and host
-        # accumulation), a bf16 copy-out (the fp32 norm vectors add a little), no staging on the CPU link
+        # accumulation), a bf16 copy-out (the fp32 norm vectors add a little), no landing area on the CPU link
         assert bpp["master"] == pytest.approx(4, rel=1e-3), where
         assert bpp["exp_avg"] == bpp["exp_avg_sq"] == bpp["master"], where
         acc = 8 if r["config"] == "overlap" else 4
         assert bpp["accumulation"] == pytest.approx(acc, rel=1e-3), where
         assert 2 <= bpp["copy_out"] <= 2.02, where
-        assert hb["staging"] == 0 and bpp["total"] == pytest.approx(12 + acc + bpp["copy_out"]), where
+        assert hb["landing"] == 0 and bpp["total"] == pytest.approx(12 + acc + bpp["copy_out"]), where
         assert hb["device_sums"] == (hb["master"] if r["config"] == "devacc" else 0), where
         assert 0 < bpp["fast_state"] < 2, where  # 10% of the columns: fp32 master and moments
         rss = r["rss"]
@@ -411,10 +411,10 @@ def test_fsdp2_rejects_bad_options(tmp_path, args, fragment):
 
 
 def test_overlap_quick(tmp_path):
-    """Both quick sizes (1x and 12x the modeled ring), both bandwidths, every variant, in fresh processes: the
+    """Both quick sizes (1x and 12x the modeled fold job), both bandwidths, every variant, in fresh processes: the
     JSON's structure, the PNG, and what holds whatever the speed: every modeled copy took at least its bytes
     over the bandwidth (so the d2h lane inside backward can only be a share of it), hand-over on for the
-    default variant and off for at_step, and the gradient bytes crossing are the same for all three."""
+    default variant and off for at_step, the gradient bytes crossing the same for both, the folds timed."""
     proc = run_module("bench.overlap", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "overlap_cpu.json").read_text())
@@ -423,9 +423,10 @@ def test_overlap_quick(tmp_path):
     rows = result["rows"]
     assert {(r["size"], r["bandwidth"], r["variant"]) for r in rows} == {
         (s, b, v) for s in (1, 12) for b in ("pcie", "slow") for v in ("handover", "at_step")}
-    assert [s["times_ring"] >= s["size"] * 0.9 for s in result["sizes"]] == [True, True]
+    assert [s["times_fold"] >= s["size"] * 0.9 for s in result["sizes"]] == [True, True]
     for r in rows:
         assert r["wall_s"] > 0 and r["free_wall_s"] > 0 and r["backward_s"] > 0, r
+        assert r["fold_s"] > 0 and r["fold_wait_s"] >= 0, r
         assert math.isfinite(r["added_stall_s"]) and r["transfer_s"] > 0 and r["hidden_share"] >= 0, r
         assert r["handover"] == ("off" if r["variant"] == "at_step" else "on"), r
         if r["variant"] == "at_step":
@@ -497,7 +498,7 @@ def _check_nvme_run_memory(run: dict) -> None:
     assert hb["device_sums"] == (4 * padded * (2 if stay else 1) if run["config"] == "devacc" else 0)
     assert hb.get("sums_blocks", 0) == (3 * 4 * min(block, padded) if stay else 0)
     assert hb["total"] == sum(hb.get(k, 0) for k in ("master", "exp_avg", "exp_avg_sq", "accumulation", "copy_out",
-                                                     "staging", "sums_blocks"))
+                                                     "landing", "sums_blocks"))
     if run["offload"] == "nvme":
         assert hb["master"] == hb["exp_avg"] == hb["exp_avg_sq"] == 0
         assert block == 1 << 20 and hb["disk"] == 12 * math.ceil(padded / block) * block

@@ -513,6 +513,24 @@ def test_multi_accumulate_is_fp32_addition_of_every_pair(seed):
     multi_accumulate_([], [])  # nothing to do
 
 
+@pytest.mark.parametrize("scale", [0.5, 2.0**-16, 1 / 3, 3.0])
+def test_multi_accumulate_with_a_scale_rounds_the_product_then_adds(scale):
+    """``scale``: each element is ``fp32(grad) * fp32(scale)`` rounded, then added (no fused multiply-add): the
+    bits of ``acc.add_(grad.float() * scale)``, for every dtype, a loss scaler's power-of-two reciprocal as any
+    number; a bad scale is refused, naming it."""
+    grads = _multi_case(0)
+    gen = torch.Generator().manual_seed(7)
+    accs = [torch.randn(g.numel(), generator=gen) for g in grads]
+    f32 = torch.tensor(scale, dtype=torch.float32)
+    want = [a.clone().add_(g.reshape(-1).float() * f32) for a, g in zip(accs, grads, strict=True)]
+    got = [a.clone() for a in accs]
+    multi_accumulate_(got, grads, scale=scale, num_threads=2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for bad in (float("nan"), float("inf"), "2", True):
+        with pytest.raises((TypeError, ValueError), match="scale"):
+            multi_accumulate_(got, grads, scale=bad)
+
+
 def test_multi_accumulate_errors_name_the_tensor_and_write_nothing():
     accs, grads = [torch.zeros(4), torch.zeros(6)], [torch.ones(4), torch.ones(6, dtype=torch.bfloat16)]
     cases = [

@@ -111,7 +111,8 @@ def test_nan_keeps_its_sign():
 
 
 # ---------------------------------------------------------------------------------------------
-# Vectorisation: the compiled loops use 8-wide AVX2 instructions
+# Vectorisation: the compiled loops use 8-wide AVX2 instructions, or wider (AVX-512's zmm registers, which LLVM
+# picks on machines that have them)
 # ---------------------------------------------------------------------------------------------
 
 _HAS_AVX2 = llvm.get_host_cpu_features().get("avx2", False)
@@ -147,9 +148,26 @@ def test_adam_and_sum_squares_loops_are_vectorised():
         grad_scale=1.0,
     )
     asm = _fresh_asm(K.adam_kernel, f[0], f[1], f[2], f[3], None, out, False, *scalars)
-    assert _count(asm, r"vsqrtps\s+[^\n]*ymm") >= 1, "Adam: no 8-wide sqrt"
-    assert _count(asm, r"vdivps\s+[^\n]*ymm") >= 1, "Adam: no 8-wide division"
-    assert _count(asm, r"vfn?m(add|sub)\w*ps\s+[^\n]*ymm") >= 2, "Adam: no 8-wide fma"
-    assert _count(asm, r"vpsrld\s+[^\n]*ymm") >= 1, "bf16 copy-out: no 8-wide integer shift"
+    assert _count(asm, r"vsqrtps\s+[^\n]*[yz]mm") >= 1, "Adam: no 8-wide sqrt"
+    assert _count(asm, r"vdivps\s+[^\n]*[yz]mm") >= 1, "Adam: no 8-wide division"
+    assert _count(asm, r"vfn?m(add|sub)\w*ps\s+[^\n]*[yz]mm") >= 2, "Adam: no 8-wide fma"
+    assert _count(asm, r"vpsrld\s+[^\n]*[yz]mm") >= 1, "bf16 copy-out: no 8-wide integer shift"
     asm = _fresh_asm(K.sum_squares_kernel, np.zeros(n, np.float32))
-    assert _count(asm, r"v(fmadd\w*|add|mul)pd\s+[^\n]*ymm") >= 1, "sum_squares: no 4-wide float64 sum"
+    assert _count(asm, r"v(fmadd\w*|add|mul)pd\s+[^\n]*[yz]mm") >= 1, "sum_squares: no 4-wide float64 sum"
+    # the fold of the landing area into the sums (acc += grad * scale; the product rounded, then added: no fma)
+    acc, grad = np.zeros(n, np.float32), np.zeros(n, np.int16)  # a bf16 gradient
+    asm = _fresh_asm(K.multi_accumulate_kernel, np.array([acc.ctypes.data], np.int64),
+                     np.array([grad.ctypes.data], np.int64), np.array([n], np.int64), np.array([0, 1], np.int64),
+                     n, np.empty(0, np.int16), np.float32(0.5))
+    assert _count(asm, r"vmulps\s+[^\n]*[yz]mm") >= 1 and _count(asm, r"vaddps\s+[^\n]*[yz]mm") >= 1, \
+        "fold: no 8-wide multiply and add"
+    assert _count(asm, r"vfn?m(add|sub)\w*ps") == 0, "fold: the product must be rounded before the addition"
+
+
+def test_the_vectorisation_check_accepts_avx2_and_avx512_registers():
+    """The patterns above match 8-wide AVX2 (``ymm``) and 16-wide AVX-512 (``zmm``) instructions alike, and
+    neither 4-wide SSE (``xmm``) nor a scalar instruction (a check that would fail on AVX-512 machines, or pass
+    a scalar loop, would be no check)."""
+    pattern = r"vsqrtps\s+[^\n]*[yz]mm"
+    assert _count("vsqrtps %ymm1, %ymm2\n", pattern) == 1 and _count("vsqrtps %zmm1, %zmm2\n", pattern) == 1
+    assert _count("vsqrtps %xmm1, %xmm2\n", pattern) == 0 and _count("vsqrtss %xmm1, %xmm2\n", pattern) == 0

@@ -104,7 +104,7 @@ def test_pinned_buffers_are_page_locked_at_their_exact_size():
     p.grad = torch.ones_like(p)
     opt.step()
     hb = opt.host_bytes()
-    print({k: v for k, v in hb.items() if "pinned" in k or k in ("total", "staging")})
+    print({k: v for k, v in hb.items() if "pinned" in k or k in ("total", "landing")})
     assert hb["pinned_requested"] >= 6 * 4 * (2**26 + 16)  # master, 2 moments, 2 accumulation, copy-out
     assert hb["pinned_reserved"] <= 1.1 * hb["pinned_requested"]
     grown = torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0) - before

@@ -1,17 +1,15 @@
-"""Gradients written in place while the link may still be copying them (docs/design.md section 6).
+"""Gradients written in place while the link may still be copying them (docs/design.md sections 5.1 and 12).
 
-An asynchronous link starts each gradient's copy to the host from backward hooks and reuses that copy
-at ``step()`` when the gradient object and its ``_version`` are unchanged. What users write around the
-step must not change the bits:
+An asynchronous link starts each gradient's copy to the host from backward hooks, with a fingerprint of the
+gradient, and at ``step()`` uses that copy only if the gradient's fingerprint is unchanged; otherwise it copies
+again. Nothing reaches the host sums before that check. What users write around the step must not change the
+bits:
 
 * zeroing in place after ``step()`` (``model.zero_grad(set_to_none=False)``, ``p.grad.zero_()``,
   ``opt.zero_grad(set_to_none=False)``) while that step's copies are still queued;
-* micro-batches accumulating into the same ``.grad`` (in place, after a hook already staged it);
-* writes that bump ``_version`` between backward and ``step()`` (unscaling, clipping in place).
-
-Writes that do not bump ``_version`` (through ``.data``, raw-pointer kernels) cannot be seen: the
-staged copy of the gradient as backward produced it is used, documented in docs/custom-loop.md with
-the remedy (``torch.autograd.graph.increment_version``), both tested below.
+* micro-batches accumulating into the same ``.grad`` (in place, after a hook already copied it), declared or not;
+* writes between backward and ``step()``, whether or not they bump ``_version``: in place (clipping, unscaling),
+  through ``.data``, racing the copies or after them.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import contextlib
 import pytest
 import torch
 
-from zenflow_kernels import ZenFlowAdamW, ZenFlowWarning
+from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import chaos
 
@@ -71,7 +69,8 @@ def _train(link, batches, *, zero, overlap=True, device_accumulation=False, befo
             opt.step()
             zero(model, opt)
         opt.flush()
-    return [p.detach().clone() for p in model.parameters()]
+        stats = opt.stats()
+    return [p.detach().clone() for p in model.parameters()], stats
 
 
 def _model_zero_grad_in_place(model, opt):
@@ -103,8 +102,8 @@ def test_zeroing_in_place_after_step_gives_the_synchronous_bits(link, zero, over
     """The step's copies may still be queued when the user zeroes the gradients in place: the
     asynchronous link must give the synchronous link's bits (set_to_none there: nothing to race)."""
     batches = _batches(14)
-    want = _train("cpu", batches, zero=_set_to_none, overlap=overlap, device_accumulation=device_accumulation)
-    got = _train(link, batches, zero=ZEROS[zero], overlap=overlap, device_accumulation=device_accumulation)
+    want, _ = _train("cpu", batches, zero=_set_to_none, overlap=overlap, device_accumulation=device_accumulation)
+    got, _ = _train(link, batches, zero=ZEROS[zero], overlap=overlap, device_accumulation=device_accumulation)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"parameter {i} differs after zeroing in place with {zero} on {link}"
 
@@ -113,57 +112,60 @@ def test_zeroing_in_place_after_step_gives_the_synchronous_bits(link, zero, over
 @pytest.mark.parametrize("zero", ["model.zero_grad(False)", "grad.zero_()"])
 @pytest.mark.parametrize("declare", [False, True])
 def test_micro_batches_accumulating_into_kept_gradients(link, zero, declare):
-    """Three micro-batches add into the same ``.grad`` (undeclared: after backward hooks staged it, with one
-    warning naming ``opt.no_sync()``; declared: hooks copy only in the last, handing slots over), then it is
-    zeroed in place: the same bits as the synchronous link."""
+    """Three micro-batches add into the same ``.grad``, then it is zeroed in place: the same bits as the
+    synchronous link, no warning. Declared (``no_sync``), hooks copy only in the last backward; undeclared, the
+    first step's hooks copy at every backward (each copy over the last), and from then on the optimizer knows a
+    step has three and copies at the third only: the same bytes cross as when declared, plus two extra copies of
+    the matrices in the first step with hooks (the second: the hooks are registered at the first ``step()``, and
+    after warm-up only the matrices cross), and every used byte but the first step's during backward."""
     batches = _batches(12, micro=3)
-    want = _train("cpu", batches, zero=_set_to_none)
-    with contextlib.nullcontext() if declare else pytest.warns(ZenFlowWarning, match="fired twice"):
-        got = _train(link, batches, zero=ZEROS[zero], declare=declare)
+    want, _ = _train("cpu", batches, zero=_set_to_none)
+    got, stats = _train(link, batches, zero=ZEROS[zero], declare=declare)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"parameter {i} differs with micro-batches on {link}"
+    _, declared = _train(link, batches, zero=ZEROS[zero], declare=True)
+    params = list(_model().parameters())
+    extra = 0 if declare else 2 * sum(p.numel() * 4 for p in params if p.dim() == 2)
+    assert stats["handover"] == "on" and stats["d2h_bytes_unused"] == extra
+    assert stats["d2h_bytes"] == declared["d2h_bytes"] + extra
+    first_step = sum(p.numel() * 4 for p in params)  # warm-up, before the hooks exist: every parameter at step()
+    assert stats["d2h_bytes_in_backward"] == stats["d2h_bytes"] - extra - first_step > 0
 
 
 def _halve_in_place(model, opt):
     for p in model.parameters():
-        p.grad.mul_(0.5)  # bumps _version: step() copies the gradient again
+        p.grad.mul_(0.5)  # bumps _version
 
 
 def _halve_through_data_after_the_copies(model, opt):
-    # whether a hook's copy ran before an unversioned write is a race (on a GPU too: the copy stream runs
-    # when it runs); wait for the copies so that the write comes after them, the case that shows the hazard
+    # wait for the hooks' copies first, so that the write comes after them: the copies then hold the gradient as
+    # backward produced it, which step() must not use
     link = getattr(opt, "_link", None)  # (built at the first step: its hooks start copying after it)
     if link is not None:
-        link._engine.device_waits_for_d2h()
+        link.before_grad_write()  # (the synchronous reference's link has nothing to wait for)
     for p in model.parameters():
-        p.grad.data.mul_(0.5)  # .data shares storage, not the version counter: invisible to the link
+        p.grad.data.mul_(0.5)  # .data shares storage, not the version counter
 
 
-def _halve_through_data_and_say_so(model, opt):
+def _halve_through_data(model, opt):
     for p in model.parameters():
-        p.grad.data.mul_(0.5)
-        torch.autograd.graph.increment_version(p.grad)  # the documented remedy
+        p.grad.data.mul_(0.5)  # racing the hooks' copies (queued on the copy thread, delayed by chaos)
+
+
+WRITES = {"in place": _halve_in_place, ".data after the copies": _halve_through_data_after_the_copies,
+          ".data racing the copies": _halve_through_data}
 
 
 @pytest.mark.parametrize("link", LINKS[1:])
-def test_versioned_write_before_step_is_seen(link):
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_any_write_before_step_is_seen(link, write):
+    """A write between backward and ``step()`` that bumps ``_version``, or does not (through ``.data``, as
+    GradScaler's unscale and raw-pointer kernels do), before or while the hooks' copies run: every step's
+    fingerprint differs from its hook's, so ``step()`` copies the gradients again, and the bits are the
+    synchronous link's. Rewritten at every step, the hand-over turns off after three steps."""
     batches = _batches(10)
-    want = _train("cpu", batches, zero=_set_to_none, before_step=_halve_in_place)
-    got = _train(link, batches, zero=_set_to_none, before_step=_halve_in_place)
+    want, _ = _train("cpu", batches, zero=_set_to_none, before_step=WRITES[write])
+    got, stats = _train(link, batches, zero=_set_to_none, before_step=WRITES[write])
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-
-
-@pytest.mark.parametrize("link", LINKS[1:])
-def test_unversioned_write_before_step_is_not_seen_by_the_host_path_unless_the_version_is_bumped(link):
-    """Documented behaviour: a write through ``.data`` after backward is invisible to an asynchronous
-    link's staged copies once they ran (before, it is a race), so the host path accumulates the gradient
-    as backward produced it while the fast path (which reads ``.grad`` at ``step()``) sees the write.
-    ``increment_version`` makes the link copy again: then the bits are the synchronous link's."""
-    batches = _batches(10)
-    want = _train("cpu", batches, zero=_set_to_none, before_step=_halve_through_data_and_say_so)
-    unseen = _train(link, batches, zero=_set_to_none, before_step=_halve_through_data_after_the_copies)
-    assert any(not torch.equal(a, b) for a, b in zip(unseen, want, strict=True))
-    # what the unseen write gives: the host path took the gradients before halving
-    fixed = _train(link, batches, zero=_set_to_none, before_step=_halve_through_data_and_say_so)
-    assert all(torch.equal(a, b) for a, b in zip(fixed, want, strict=True))
-
+    assert stats["handover"] == "off" and "rewritten between backward and step()" in stats["handover_why"]
+    assert stats["d2h_bytes_unused"] > 0 and stats["d2h_bytes_in_backward"] == 0

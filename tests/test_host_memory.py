@@ -3,8 +3,9 @@ parameter, and that nothing else model-sized is allocated (the process's RSS gro
 
 Budget per parameter (the optimizer's host buffers, not the parameters, their gradients or the fast
 path's state): fp32 master 4, moments 8, accumulation 4 (a second 4 while an overlapped update reads the
-first, with host accumulation), a copy-out in the parameter's own dtype; the staging ring is bounded by a
-constant. bf16 parameters: 22 bytes with overlap and host accumulation, 18 otherwise; fp32: 24 and 20.
+first, with host accumulation), a copy-out in the parameter's own dtype, and on an asynchronous link with host
+accumulation a landing area in the gradient's dtype (docs/design.md section 5.1). bf16 parameters: 22 bytes
+with overlap and host accumulation, 18 otherwise, 2 more for the landing area; fp32: 24 and 20, 4 more.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.host import ALIGN
-from zenflow_kernels.link import RingLink
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import chaos
 
@@ -90,20 +90,20 @@ def test_host_bytes_by_buffer_meet_the_budget(case, link):
     assert hb["accumulation"] == 4 * padded * num_acc
     # one copy-out per dtype, holding only that dtype's parameters
     assert hb["copy_out"] == sum(_padded(p.numel()) * p.element_size() for p in params)
-    ring_bound = RingLink.STAGING_SLOTS * RingLink.STAGING_SLOT_BYTES
-    if link == "cpu" or zenflow.get("device_accumulation"):  # nothing staged: no ring
-        assert hb["staging"] == 0
-    else:
-        assert 0 < hb["staging"] <= ring_bound
-    assert hb["total"] == sum(hb[k] for k in ("master", "exp_avg", "exp_avg_sq", "accumulation", "copy_out", "staging"))
+    # the landing area: an asynchronous link's, where gradients cross every step (not summed on the device), laid
+    # out like the copy-out, in the gradients' dtype
+    landing = link != "cpu" and not zenflow.get("device_accumulation")
+    assert hb["landing"] == (hb["copy_out"] if landing else 0)
+    assert hb["total"] == sum(hb[k] for k in ("master", "exp_avg", "exp_avg_sq", "accumulation", "copy_out", "landing"))
     n = sum(p.numel() for p in params)
     assert hb["per_parameter"] == pytest.approx(hb["total"] / n)
-    # the budget, before the bounded staging ring: 12 + 4 per accumulation buffer + the copy-out's dtype
-    budget = sum(p.numel() * (12 + 4 * num_acc + p.element_size()) for p in params)
-    assert hb["total"] - hb["staging"] <= budget * 1.01  # the alignment padding of 16 elements a parameter
+    # the budget: 12 + 4 per accumulation buffer + the copy-out's dtype (+ the landing area's, the same)
+    budget = sum(p.numel() * (12 + 4 * num_acc + p.element_size() * (1 + landing)) for p in params)
+    assert hb["total"] <= budget * 1.01  # the alignment padding of 16 elements a parameter
     if matrix_dtype == vector_dtype:
-        goal = {torch.bfloat16: 22, torch.float32: 24}[matrix_dtype] - (4 if num_acc == 1 else 0)
-        assert (hb["total"] - hb["staging"]) / n <= goal * 1.01
+        size = {torch.bfloat16: 2, torch.float32: 4}[matrix_dtype]
+        goal = {torch.bfloat16: 22, torch.float32: 24}[matrix_dtype] - (4 if num_acc == 1 else 0) + size * landing
+        assert hb["total"] / n <= goal * 1.01
     # the fast path's state lives in host memory on a CPU run: reported beside the budget
     assert hb["fast_state"] > 0
     assert hb["device_sums"] == (4 * padded if zenflow.get("device_accumulation") else 0)
@@ -124,7 +124,7 @@ def test_a_reload_frees_the_old_buffers_before_building_new_ones(monkeypatch):
     opt = _run(params, "chaos", dict(overlap_step=True))
     saved = opt.state_dict()
     old = [weakref.ref(t) for t in (opt._host.master, opt._host.exp_avg, *opt._host.acc, *opt._host.out.values())]
-    old += [weakref.ref(b) for b in opt._link._ring.buffers if b is not None]
+    old += [weakref.ref(b) for b in opt._host.landing.values()]
     alive_at_build = []
     real_init = host_module.HostShard.__init__
 

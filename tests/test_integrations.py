@@ -218,19 +218,66 @@ def test_hf_hands_over_the_epoch_length_in_optimizer_steps(tmp_path):
 
 
 @pytest.fixture
-def small_ring(monkeypatch):
-    """A staging ring many times smaller than the models here, so that slots cycle during backward."""
-    from zenflow_kernels.link import RingLink
+def small_folds(monkeypatch):
+    """Fold jobs many times smaller than the models here, so that the next backward's hooks wait on each."""
+    from zenflow_kernels.link import AsyncLink
 
-    monkeypatch.setattr(RingLink, "STAGING_SLOTS", 4)
-    monkeypatch.setattr(RingLink, "STAGING_SLOT_BYTES", 1024)
+    monkeypatch.setattr(AsyncLink, "FOLD_CHUNK_BYTES", 1024)
 
 
-def test_hf_gradient_accumulation_is_declared_and_exact(tmp_path, small_ring):
+class LogRecorder(transformers.TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "grad_norm" in logs:
+            self.logs.append(logs["grad_norm"])
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_hf_trainer_defaults_keep_the_hand_over_and_log_the_norm(tmp_path, small_folds, max_grad_norm):
+    """The Trainer clips after every backward (``max_grad_norm=1.0`` by default), or rescales by 1 only to log the
+    norm (0): the callback routes that into the optimizer (``clip_grad_norm_``), so no gradient is rewritten and
+    gradients cross during backward (hand-over on at the end) on the asynchronous link, with the synchronous
+    link's weights and the same logged gradient norms, every step. With 0 the run is also a run without any
+    clipping, and the logged norms are the gradient's (torch's clip_grad_norm_ reports them in fp32: within
+    1e-5 of ours); the Trainer's own clipping is back after train()."""
+    runs = {}
+    for name in ("sync", "chaos", "plain"):
+        model = tiny_gpt2()
+        with chaos(seed=0) if name == "chaos" else contextlib.nullcontext():
+            opt = ZenFlowAdamW(model.parameters(), lr=1e-2, zenflow=ZEN)
+        logs = LogRecorder()
+        trainer = hf_trainer(tmp_path / name, model, optimizers=(opt, None), max_grad_norm=max_grad_norm,
+                             logging_steps=1, save_strategy="no", eval_strategy="no", callbacks=(logs,))
+        if name == "plain":  # the Trainer alone (its own clip_grad_norm_), for the norms it logs
+            trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks
+                                                  if type(c).__name__ != "ZenFlowCallback"]
+        trainer.train()
+        if name != "plain":
+            assert "clip_grad_norm_" not in trainer.accelerator.__dict__  # unrouted at the end
+        else:
+            opt.close()
+        runs[name] = flat_weights(model), opt.stats(), logs.logs
+    for k, v in runs["sync"][0].items():
+        assert torch.equal(v, runs["chaos"][0][k]), k
+    (_, stats, chaos_logs), (_, _, sync_logs), (_, _, plain_logs) = runs["chaos"], runs["sync"], runs["plain"]
+    assert stats["handover"] == "on" and stats["d2h_bytes_in_backward"] > 0
+    assert len(chaos_logs) == 8 and chaos_logs == sync_logs and all(math.isfinite(n) and n > 0 for n in chaos_logs)
+    # the first step's gradient is the same whoever clips (with 1.0, the runs then differ: the host clips the
+    # interval's mean gradient, not each step's; docs/huggingface.md)
+    assert chaos_logs[0] == pytest.approx(plain_logs[0], rel=1e-5)
+    if max_grad_norm == 0.0:
+        assert chaos_logs == pytest.approx(plain_logs, rel=1e-5)
+        for k, v in runs["sync"][0].items():
+            assert torch.equal(v, runs["plain"][0][k]), k
+
+
+def test_hf_gradient_accumulation_is_declared_and_exact(tmp_path, small_folds):
     """gradient_accumulation_steps=3 on the asynchronous link: the callback lets the optimizer read the
-    Trainer's per-micro-batch sync flag, so hooks copy nothing during the first two micro-batches (no
-    "fired twice" warning: warnings are errors here) and the run gives the synchronous link's weights. The
-    Trainer rescales gradients in place after backward (clip_grad_norm_), so they cross at step()."""
+    Trainer's per-micro-batch sync flag, so hooks copy nothing during the first two micro-batches, the Trainer's
+    clipping is the optimizer's, gradients cross during the last backward and the run gives the synchronous
+    link's weights."""
     runs = {}
     for name in ("sync", "chaos"):
         model = tiny_gpt2()
@@ -242,8 +289,8 @@ def test_hf_gradient_accumulation_is_declared_and_exact(tmp_path, small_ring):
     for k, v in runs["sync"][0].items():
         assert torch.equal(v, runs["chaos"][0][k]), k
     stats = runs["chaos"][1]
-    assert stats["handover"] == "off" and "changed between backward and step()" in stats["handover_why"]
-    assert opt._sync_source is None  # let go at the end of training
+    assert stats["handover"] == "on" and stats["d2h_bytes_unused"] == 0 and stats["d2h_bytes_in_backward"] > 0
+    assert opt._handover.sync_source is None  # let go at the end of training
 
 
 # -- Lightning ----------------------------------------------------------------------------------------------
@@ -423,7 +470,7 @@ def test_lightning_hands_over_the_epoch_length(tmp_path):
     assert trainer.optimizers[0].schedule.steps_per_epoch == 4
 
 
-def test_lightning_gradient_accumulation_hands_over_in_the_last_micro_batch(tmp_path, small_ring):
+def test_lightning_gradient_accumulation_hands_over_in_the_last_micro_batch(tmp_path, small_folds):
     """accumulate_grad_batches=3 on the asynchronous link: the callback declares each backward (its last
     micro-batch runs inside optimizer.step's closure), gradients cross during that backward, and the run
     gives the synchronous link's weights."""
@@ -487,3 +534,29 @@ def test_lightning_with_the_state_on_disk_checkpoints_and_saves_after_fit(tmp_pa
             for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc"):
                 assert torch.equal(st[key], mem["optimizer_states"][0]["state"][i][key]), (f, i, key)
     assert_resumes_like_the_straight_run(tmp_path, tmp_path / "disk" / "step=4.ckpt")
+
+
+@pytest.mark.parametrize("precision", ["32", "16-mixed"])
+def test_lightning_clipping_is_routed_and_keeps_the_hand_over(tmp_path, small_folds, precision):
+    """``gradient_clip_val=0.05`` (by norm): the callback routes it into the optimizers (``clip_grad_norm_`` before
+    each optimizer step; ``trainer.gradient_clip_val`` unset during ``fit`` and put back after), so gradients are
+    not rewritten and cross during backward; the synchronous link's weights. With ``precision="16-mixed"`` (its
+    GradScaler on CPU through an explicit plugin: Lightning maps "16-mixed" on CPU to bf16) GradScaler unscales
+    inside the optimizer, which Lightning refuses to combine with its own clipping: routed, it runs."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    weights, stats, clips = {}, None, []
+    for name in ("sync", "chaos"):
+        module = TinyModule(ZEN)
+        kw = dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]) if (
+            precision == "16-mixed") else {}
+        trainer = lightning_trainer(tmp_path / name, max_steps=8, gradient_clip_val=0.05, limit_val_batches=0, **kw)
+        with chaos(seed=1) if name == "chaos" else contextlib.nullcontext():
+            trainer.fit(module, loader(40))
+        weights[name] = flat_weights(module)
+        stats = trainer.optimizers[0].stats()
+        clips.append(trainer.gradient_clip_val)
+    for k, v in weights["sync"].items():
+        assert torch.equal(v, weights["chaos"][k]), k
+    assert stats["handover"] == "on" and stats["d2h_bytes_in_backward"] > 0
+    assert clips == [0.05, 0.05]

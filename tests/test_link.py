@@ -1,9 +1,9 @@
 """The link (device <-> host movement) and its asynchronous CPU test link (``testing.chaos``).
 
 The optimizer tests in test_optim.py run under every link; here: chaos is bit-identical to the
-synchronous link across the config space, staging memory is allocated once, backward hooks start
-copies that step() reuses only while the gradient is unchanged, the host shard's layout, and the
-chaos context's own contract.
+synchronous link across the config space, the landing area is allocated once, backward hooks start
+copies that step() uses only while the gradient's fingerprint is unchanged, folds of any size, the host
+shard's layout, and the chaos context's own contract.
 """
 
 import contextvars
@@ -16,10 +16,10 @@ import pytest
 import torch
 from test_optim import HYPER, SHAPES, drive, grad_sequence, make_params, snapshot
 
-from zenflow_kernels import ZenFlowAdamW, ZenFlowWarning
+from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.device_model import Chaos, _Delays, current_chaos
-from zenflow_kernels.host import ALIGN, HostShard
-from zenflow_kernels.link import CpuLink, RingLink
+from zenflow_kernels.host import ALIGN, HostShard, out_sizes
+from zenflow_kernels.link import AsyncLink, CpuLink
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import chaos
 
@@ -87,11 +87,10 @@ def test_chaos_is_bit_identical_to_the_synchronous_link(name, dtype, clip):
 
 
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16,), (torch.float32, torch.bfloat16)])
-def test_staging_is_allocated_once_per_slot_and_bounded(dtypes, monkeypatch):
-    """A ring of STAGING_SLOTS byte slots, each allocated at first use (at most STAGING_SLOT_BYTES, no more
-    than the shard needs) and reused for the whole run (allocating per step or per parameter would cost a
-    pinned allocation each time on a GPU), whatever the gradients' dtypes."""
-    monkeypatch.setattr(RingLink, "STAGING_SLOT_BYTES", 512)
+def test_the_landing_area_is_allocated_once_in_the_gradients_dtypes(dtypes):
+    """One landing buffer per parameter dtype, laid out like the copy-out buffers (each parameter padded to the
+    alignment), allocated with the shard and reused for the whole run (allocating per step would cost a pinned
+    allocation each time on a GPU); ``host_bytes()["landing"]`` reports it. The synchronous link has none."""
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtypes[n % len(dtypes)]))
               for n, s in enumerate(SHAPES)]
@@ -102,25 +101,27 @@ def test_staging_is_allocated_once_per_slot_and_bounded(dtypes, monkeypatch):
     with opt:
         drive(opt, params, grad_sequence(12))
         link = opt._link
-        assert isinstance(link, RingLink)
-        ring = link._ring
-        buffers = [b for b in ring.buffers if b is not None]
-        assert 0 < len(buffers) <= RingLink.STAGING_SLOTS and all(b.numel() == 512 for b in buffers)
-        assert link.staging_bytes == 512 * len(buffers) <= RingLink.STAGING_SLOTS * 512
-        ids = [id(b) for b in ring.buffers]
+        assert isinstance(link, AsyncLink)
+        sizes = out_sizes(link.host.slots)
+        assert {dt: t.numel() for dt, t in link.host.landing.items()} == sizes
+        want = sum(n * dt.itemsize for dt, n in sizes.items())
+        assert link.landing_bytes == want == opt.host_bytes()["landing"]
+        ids = {dt: t.data_ptr() for dt, t in link.host.landing.items()}
         drive(opt, params, grad_sequence(6))
-        assert [id(b) for b in ring.buffers if b is not None][: len(buffers)] == ids[: len(buffers)]
-        assert link.staging_bytes <= RingLink.STAGING_SLOTS * 512
+        assert {dt: t.data_ptr() for dt, t in link.host.landing.items()} == ids
+    with ZenFlowAdamW([torch.nn.Parameter(p.detach().clone()) for p in params], **HYPER, zenflow=zenflow) as sync:
+        drive(sync, sync._params, grad_sequence(2))
+        assert sync.host_bytes()["landing"] == 0 and sync._host.landing == {}
 
 
-@pytest.mark.parametrize("slots, slot_bytes", [(1, 64), (2, 256), (3, 1000), (4, 1 << 24)])
+@pytest.mark.parametrize("fold_bytes", [64, 1000, 1 << 26])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_small_staging_ring_gives_the_synchronous_bits(monkeypatch, slots, slot_bytes, dtype):
-    """Gradients larger than a slot, a ring that fills during backward (hooks then leave the rest to
-    step(), which waits for slots), micro-batches and in-place clipping after the hooks, under chaos:
-    the synchronous link's bits, and never more staging than the ring's bound."""
-    monkeypatch.setattr(RingLink, "STAGING_SLOTS", slots)
-    monkeypatch.setattr(RingLink, "STAGING_SLOT_BYTES", slot_bytes)
+def test_folds_of_any_size_give_the_synchronous_bits(monkeypatch, fold_bytes, dtype):
+    """Fold jobs of any size (one parameter each up to one for the whole step), a loop whose steps have one
+    backward or two, undeclared and alternating (the short last step of an epoch), and in-place clipping on
+    every third step, under chaos: the synchronous link's bits at every step, no warning, no restart; the
+    hand-over stays on (the rewrites are not steps in a row)."""
+    monkeypatch.setattr(AsyncLink, "FOLD_CHUNK_BYTES", fold_bytes)
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 6)).to(dtype)
     g = torch.Generator().manual_seed(1)
@@ -136,12 +137,11 @@ def test_a_small_staging_ring_gives_the_synchronous_bits(monkeypatch, slots, slo
         else:
             with chaos(seed=seed):
                 opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow)
-        # undeclared micro-batches: exact, and one warning naming the way to declare them (asynchronous link)
-        with opt, pytest.warns(ZenFlowWarning, match="fired twice") if seed is not None else nullcontext():
+        with opt:
             history = [_train(model, opt, batches[t : t + 1], micro=1 + t % 2, clip=t % 3 == 0)[0]
                        for t in range(len(batches))]
-            if seed is not None:
-                assert opt._link.staging_bytes <= slots * slot_bytes
+            stats = opt.stats()
+        assert stats["handover"] == ("on" if seed is not None else "off")
         runs.append(history)
     for run in runs[1:]:
         for t, (a, b) in enumerate(zip(runs[0], run, strict=True)):
@@ -163,10 +163,12 @@ def _train(model, opt, batches, micro, clip):
 
 
 @pytest.mark.parametrize("micro, clip", [(1, False), (2, False), (2, True)])
-def test_backward_hooks_start_copies_that_step_reuses_only_if_unchanged(micro, clip):
-    """On an asynchronous link each gradient's copy starts from its post-accumulate-grad hook. A
-    gradient changed after its hook (another micro-batch accumulated into it, clipping) is copied again
-    by step(): results stay bit-identical to the synchronous link, and the copies are counted."""
+def test_backward_hooks_start_copies_that_step_uses_only_if_unchanged(micro, clip):
+    """On an asynchronous link each gradient's copy starts from its post-accumulate-grad hook. A gradient changed
+    after its hook (another micro-batch accumulated into it, clipping) is copied again by step(): results stay
+    bit-identical to the synchronous link, and the copies are counted. Undeclared micro-batches are learned:
+    after the first step with hooks, only the last backward's hooks copy. Clipped at every step, the hooks'
+    copies are wasted three steps in a row: hand-over turns off and step() copies alone."""
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 6))
     g = torch.Generator().manual_seed(1)
@@ -174,7 +176,7 @@ def test_backward_hooks_start_copies_that_step_reuses_only_if_unchanged(micro, c
                for _ in range(14)]
     zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2, overlap_step=True,
                    full_warm_up_rounds=1)
-    runs, copied = [], None
+    runs, copied, stats = [], None, None
     for seed in (None, 3):
         model = copy.deepcopy(base)
         if seed is None:
@@ -182,20 +184,22 @@ def test_backward_hooks_start_copies_that_step_reuses_only_if_unchanged(micro, c
         else:
             with chaos(seed=seed):
                 opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow)
-        # undeclared micro-batches on the asynchronous link: one warning names the way to declare them
-        warns = pytest.warns(ZenFlowWarning, match="fired twice") if seed is not None and micro > 1 else nullcontext()
-        with opt, warns:
+        with opt:
             runs.append(_train(model, opt, batches, micro, clip))
-            copied = opt._link.d2h_bytes
+            copied, stats = opt._link.d2h_bytes, opt.stats()
     for t, (a, b) in enumerate(zip(*runs, strict=True)):
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert torch.equal(x, y), f"step {t} param {i}"
     # the first step builds the optimizer after its backward: step() copies all 4 tensors (warm-up, 462
-    # elements). Then a hook copy per backward of the 2 matrices (288 + 144 elements); clipping after the
-    # hooks makes step() copy them once more.
-    steps_after_warmup = len(batches) - 1
-    expected = 462 + micro * 432 * steps_after_warmup + (432 * steps_after_warmup if clip else 0)
-    assert copied == 4 * expected
+    # elements). Then the 2 matrices (288 + 144 elements) a step: from the hooks, once a step, but in step 1 once
+    # per backward (the count is learned from it); clipped, step() copies them again, and from step 4 alone
+    steps = len(batches) - 1
+    if not clip:
+        assert copied == 4 * (462 + 432 * (steps + micro - 1))
+        assert stats["handover"] == "on" and stats["d2h_bytes_unused"] == 4 * 432 * (micro - 1)
+    else:
+        assert copied == 4 * (462 + 432 * (micro + 1) + 432 * 2 * 2 + 432 * (steps - 3))
+        assert stats["handover"] == "off" and "step 3: gradients were rewritten" in stats["handover_why"]
 
 
 def test_device_accumulation_in_memory_crosses_behind_the_next_steps_compute():
@@ -282,10 +286,10 @@ def test_device_accumulation_is_bit_identical_and_moves_less(overlap, dtype):
     everything = sum(torch.Size(s).numel() for s in SHAPES) * size
     matrices = [torch.Size(s).numel() for s in SHAPES if len(s) == 2]
     # steps 1..20: every matrix gradient but the 4 missing ones; with device sums one fp32 copy per
-    # update of every matrix that had a gradient (5 updates)
+    # update of every matrix that had a gradient (5 updates), and warm-up's gradients summed there too (fp32)
     per_step = (sum(matrices) * 20 - matrices[1] * 4) * size
     assert moved[0] == everything + per_step
-    assert moved[1:] == [everything + 5 * sum(matrices) * 4] * 3
+    assert moved[1:] == [everything // size * 4 + 5 * sum(matrices) * 4] * 3
 
 
 def test_zeroing_gradients_in_place_waits_for_their_copies(monkeypatch):
@@ -368,41 +372,80 @@ def test_chaos_delays_every_kind_of_asynchronous_job(monkeypatch):
         opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow)
     with opt:
         drive(opt, opt._params, grad_sequence(5))
-    # per step: the copies (their completion is the accumulation's marker), the accumulation; per update:
-    # the host update, the write-back
-    assert {"copy", "add", "job", "run"} <= set(wrapped), sorted(set(wrapped))
-    # one accumulate job per step for the slots it filled (here the ring holds two steps in four slots, so a
-    # step fills two, handed over together)
-    assert wrapped.count("add") == 5 and wrapped.count("job") == 2
+    # per step: the copies (their completion is the fold's marker), the fold; per update: the host update, the
+    # write-back
+    assert {"copy", "fold", "job", "run"} <= set(wrapped), sorted(set(wrapped))
+    # one fold job per step (the whole step fits in one chunk; no hook copied: drive() sets the gradients)
+    assert wrapped.count("fold") == 5 and wrapped.count("job") == 2
 
 
-def test_accumulate_pieces_merges_neighbours_in_slot_and_layout(monkeypatch):
-    """Pieces adjacent both in their slot and in the shard's layout (a parameter whose size is a multiple
-    of the alignment, then the next one) are one run; any other piece its own (the runs then go to one
-    multi-tensor launch). The sums are the pieces' whatever the grouping."""
+def test_skipped_steps_and_batches_while_folds_are_still_queued_keep_the_synchronous_bits(monkeypatch):
+    """Folds slowed to 20 ms each (fold jobs of 512 bytes: several a step), so that the next step's backward
+    runs while they are queued: its hooks wait for the places they write (a fold still reads them), and a step
+    skipped for a NaN, or a batch dropped with ``zero_grad()``, discards its own copies without touching the
+    queued folds of the step before. The synchronous link's bits, the hand-over on."""
+    monkeypatch.setattr(AsyncLink, "FOLD_CHUNK_BYTES", 512)
+    real = HostShard.fold
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.02)
+        real(self, *args, **kwargs)
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 6))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)) for _ in range(10)]
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2, overlap_step=True,
+                   full_warm_up_rounds=1)
+    runs, stats = [], None
+    for seed in (None, 0):
+        if seed is not None:
+            monkeypatch.setattr(HostShard, "fold", slow)
+        model = copy.deepcopy(base)
+        with chaos(seed=seed, max_delay=0) if seed is not None else nullcontext():
+            opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow)
+        history = []
+        with opt:
+            for t, (x, y) in enumerate(data):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                (loss * float("nan") if t in (3, 7) else loss).backward()
+                if t != 5:
+                    opt.step()
+                opt.zero_grad()  # (at t = 5: the batch is dropped)
+                history.append(snapshot(model.parameters()))
+            stats = opt.stats()
+        runs.append(history)
+    for t, (a, b) in enumerate(zip(*runs, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), f"step {t} param {i}"
+    assert stats["handover"] == "on" and stats["skipped_steps"] == 2
+    # the hooks did wait for queued folds (a lower bound: the folds sleep; nothing here times speed)
+    assert stats["worker_wait_s"] >= 0.1, stats["worker_wait_s"]
+
+
+def test_fold_merges_neighbours_in_the_layout(monkeypatch):
+    """A fold adds the landing area into the sums in runs: parameters next to each other in the layout (and so in
+    the landing buffer of their dtype) are one range, added as one tensor; a parameter not folded, or of another
+    dtype, ends a run. The sums are the landed gradients times the scale, whatever the grouping."""
     import zenflow_kernels.host as host_module
-    from zenflow_kernels.staging import Piece
 
-    params = [torch.zeros(s) for s in [(4, 8), (2, 8), (3, 3), (5,)]]  # 32, 16 (aligned), 9, 5 elements
-    host = HostShard(params, [0] * 4, num_acc=1)  # flat order: matrices 0, 1, 2, then vector 3
-    slot = torch.arange(100, dtype=torch.float32)
+    params = [torch.zeros(s) for s in [(4, 8), (2, 8), (3, 3)]] + [torch.zeros(5, dtype=torch.bfloat16),
+                                                                   torch.zeros(6)]
+    host = HostShard(params, [0] * 5, num_acc=1, landing=True)  # flat order: matrices 0, 1, 2, then vectors 3, 4
     calls = []
     real = host_module.accumulate_unchecked
     monkeypatch.setattr(host_module, "accumulate_unchecked",
-                        lambda accs, srcs: calls.extend(a.numel() for a in accs) or real(accs, srcs))
-
-    def piece(i, lo, numel, at):
-        return Piece(i, torch.float32, lo, numel, 0, at * 4), slot[at : at + numel]
-
-    # matrix 0 whole, then matrix 1 whole right after it: one call; matrix 2's last 4 elements elsewhere;
-    # the vector after a gap in the slot: its own call
-    host.accumulate_pieces(0, [piece(0, 0, 32, 0), piece(1, 0, 16, 32), piece(2, 5, 4, 48), piece(3, 0, 5, 60)])
-    assert calls == [48, 4, 5]
-    assert torch.equal(host.view(host.acc[0], 0).reshape(-1), slot[:32])
-    assert torch.equal(host.view(host.acc[0], 1).reshape(-1), slot[32:48])
-    assert torch.equal(host.view(host.acc[0], 2).reshape(-1)[5:], slot[48:52])
-    assert not host.view(host.acc[0], 2).reshape(-1)[:5].any()
-    assert torch.equal(host.view(host.acc[0], 3), slot[60:65])
+                        lambda accs, srcs, scale: calls.append([a.numel() for a in accs]) or real(accs, srcs,
+                                                                                                  scale=scale))
+    for i, p in enumerate(params):
+        host.landing_view(i).copy_(torch.arange(1, p.numel() + 1).reshape(p.shape))
+    host.fold(0, [4, 1, 0, 3], scale=0.5)  # 0 and 1 adjacent (32 + 16, aligned); 2 left out; 3 bf16; 4 after 3
+    assert calls == [[48, 5, 6]]
+    for i, p in enumerate(params):
+        want = torch.arange(1, p.numel() + 1, dtype=torch.float32).reshape(p.shape) * 0.5 if i != 2 else 0 * p
+        assert torch.equal(host.view(host.acc[0], i), want), i
+    host.fold(0, [2], scale=1.0)
+    assert torch.equal(host.view(host.acc[0], 2), torch.arange(1, 10, dtype=torch.float32).reshape(3, 3))
 
 
 @pytest.mark.parametrize("stuck", ["d2h", "h2d", "accumulate"])
@@ -424,7 +467,7 @@ def test_a_stuck_copy_times_out_with_host_timeout(monkeypatch, stuck):
             return handle
 
     if stuck == "accumulate":
-        monkeypatch.setattr(HostShard, "accumulate_pieces", lambda *args: release.wait(20))
+        monkeypatch.setattr(HostShard, "fold", lambda *args: release.wait(20))
     else:
         monkeypatch.setattr(ThreadEngine, stuck, stuck_copy)
     zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=1)
@@ -525,7 +568,7 @@ def test_links_are_chosen_by_device_and_chaos():
     assert current_chaos() is None
     with opt:  # created inside the block: keeps the asynchronous link after it
         drive(opt, opt._params, grad_sequence(1))
-        assert isinstance(opt._link, RingLink) and opt.stats()["link"] == "cpu-async"
+        assert isinstance(opt._link, AsyncLink) and opt.stats()["link"] == "cpu-async"
 
 
 def test_bytes_moved_are_counted():
@@ -595,62 +638,3 @@ def test_chaos_rejects_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match), chaos(**kwargs):
         pass
     assert current_chaos() is None
-
-
-def test_place_whole_puts_a_gradient_where_place_would():
-    """The ring's fast path for a gradient that fits whole in the slot being filled (what step() uses for
-    gradients no hook staged) gives the piece place() gives, and declines whatever place() would split or
-    start a new slot for."""
-    from zenflow_kernels.staging import StagingRing
-
-    sizes = [(0, torch.float32, 16), (1, torch.bfloat16, 7), (2, torch.float32, 33), (3, torch.float16, 1),
-             (4, torch.float32, 0), (5, torch.float32, 40), (6, torch.bfloat16, 90), (7, torch.float32, 5)]
-    rings = [StagingRing(3, 256, lambda n, dt: torch.zeros(n, dtype=dt)) for _ in range(2)]
-    declined = 0
-    for index, dtype, numel in sizes:
-        whole = rings[1].place_whole(index, dtype, numel)
-        if whole is None:
-            declined += 1
-            got = rings[1].place(index, dtype, 0, numel, lambda slot: True)
-        else:
-            got = [whole]
-        want = rings[0].place(index, dtype, 0, numel, lambda slot: True)
-        assert [(p.slot, p.byte, p.lo, p.numel, p.dtype) for p in got] == [
-            (p.slot, p.byte, p.lo, p.numel, p.dtype) for p in want], index
-        for p in got:
-            assert p.data.dtype == dtype and p.data.numel() == p.numel
-            assert p.data.data_ptr() == rings[1].buffers[p.slot].data_ptr() + p.byte
-    assert rings[0].used == rings[1].used and rings[0].open == rings[1].open
-    assert 3 <= declined < len(sizes)  # the first (no slot yet), the empty one, one that needs the next slot
-
-
-def test_place_run_places_the_prefix_that_fits_whole_as_place_would():
-    """step()'s batch placement: for runs of gradients (dtypes changing inside a run, alignment gaps between
-    them) the pieces are those place() gives one by one, up to the first that does not fit whole in the slot
-    being filled (or is empty); the views are where the pieces say, of their dtype and size."""
-    from zenflow_kernels.staging import StagingRing
-
-    entries = [(0, torch.float32, 16), (1, torch.bfloat16, 7), (2, torch.bfloat16, 9), (3, torch.float32, 5),
-               (4, torch.float16, 1), (5, torch.float32, 3), (6, torch.float32, 40), (7, torch.float32, 0),
-               (8, torch.float32, 2)]
-    rows = []
-    for start in range(len(entries)):
-        rings = [StagingRing(2, 320, lambda n, dt: torch.zeros(n, dtype=dt)) for _ in range(2)]
-        for ring in rings:  # a slot being filled, partly used
-            ring.place(99, torch.float32, 0, 3, lambda slot: True)
-        got = rings[1].place_run(entries[start:])
-        want = []
-        for index, dtype, numel in entries[start:]:
-            if rings[0].place_whole(index, dtype, numel) is None:
-                break
-            want.append(rings[0].pieces[rings[0].current][-1])
-        assert [(p.index, p.slot, p.byte, p.lo, p.numel, p.dtype) for p in got] == [
-            (p.index, p.slot, p.byte, p.lo, p.numel, p.dtype) for p in want], start
-        fields = [[(p.index, p.byte, p.numel, p.dtype) for p in slot] for ring in rings for slot in ring.pieces]
-        assert rings[0].used == rings[1].used and fields[:2] == fields[2:]
-        for p in got:
-            assert p.data.dtype == p.dtype and p.data.numel() == p.numel
-            assert p.data.data_ptr() == rings[1].buffers[p.slot].data_ptr() + p.byte
-        rows.append(len(got))
-    assert rows[0] == 4 and rows[7] == 0  # stops at the one that does not fit (fp16 at byte 320), the empty one
-    assert StagingRing(2, 320, lambda n, dt: torch.zeros(n, dtype=dt)).place_run(entries) == []  # no slot yet

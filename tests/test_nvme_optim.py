@@ -97,12 +97,47 @@ def test_the_disk_host_gives_the_in_memory_bits(tmp_path, mode, overlap, clip, d
     numel = opt._host.numel
     assert hb["disk"] == -(-numel // 1024) * 1024 * 12
     assert hb["master"] == hb["exp_avg"] == hb["exp_avg_sq"] == 0
-    assert hb["total"] == hb["accumulation"] + hb["copy_out"] + hb["staging"] + hb.get("sums_blocks", 0)
+    assert hb["total"] == hb["accumulation"] + hb["copy_out"] + hb["landing"] + hb.get("sums_blocks", 0)
     if devacc:  # the sums' bytes are the device's (two buffers with overlap), three blocks fetch them
         assert hb["accumulation"] == 0 and hb["sums_blocks"] == 3 * numel * 4  # (a norm's chunk, at most the shard)
         assert hb["device_sums"] == (2 if overlap else 1) * numel * 4
     else:
         assert hb["accumulation"] == (2 if overlap else 1) * numel * 4 and "sums_blocks" not in hb
+
+
+def test_the_fused_last_gradient_path_on_disk_gives_the_in_memory_bits(tmp_path, monkeypatch):
+    """The synchronous CPU link folds the interval's last gradient of a parameter of at least
+    ``FUSE_MIN_NUMEL`` (65536) elements into a synchronous host update (``HostShard.update(last=...)``): every
+    warm-up step and every synchronous boundary takes it. On disk the last gradient joins the sums first (the
+    same fp32 addition) and the update streams: the in-memory bits, with the path taken (counted) on both."""
+    from zenflow_kernels.host import HostShard
+
+    fused = []
+    real = HostShard.update
+    monkeypatch.setattr(HostShard, "update", lambda self, *a, **kw: fused.append(len(kw.get("last") or {})) or
+                        real(self, *a, **kw))
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 256, generator=g), torch.randn(4, 256, generator=g)) for _ in range(8)]
+    zen = dict(overlap_step=False, full_warm_up_rounds=3, update_interval=2, select_interval=4)
+    runs, counts = [], []
+    for where in (None, tmp_path):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+        assert m[0].weight.numel() == ZenFlowAdamW.FUSE_MIN_NUMEL
+        z = dict(ZEN, **zen) | (dict(offload_device="nvme", nvme_path=str(where)) if where is not None else {})
+        fused.clear()
+        with ZenFlowAdamW(m.parameters(), lr=1e-2, zenflow=z) as opt:
+            history = []
+            for x, y in data:
+                F.mse_loss(m(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                history.append(snapshot(m.parameters()))
+        runs.append(dict(enumerate(history)))
+        counts.append(list(fused))
+    assert_same(runs[1], runs[0], "disk against memory")
+    # 3 warm-up updates and 2 synchronous boundaries, each with both matrices' last gradients fused
+    assert counts[0] == counts[1] == [2] * 5, counts
 
 
 @pytest.mark.parametrize("first, then", [("memory", "disk"), ("disk", "memory")])

@@ -761,7 +761,7 @@ def test_stuck_worker_times_out(device):
 
 def test_accumulation_failure_surfaces_within_seconds(device, monkeypatch):
     """On an asynchronous link the accumulation runs in a worker: its failure reaches the training
-    thread at the next wait on it (the staging slot, the host update), with its traceback."""
+    thread at the next wait on it (a fold, the host update), with its traceback."""
     zp = make_params(device=device)
     zenflow = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, update_interval=2, overlap_step=True)
     opt = ZenFlowAdamW(zp, **HYPER, zenflow=zenflow)

@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent(
     import triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from zenflow_kernels.triton import column_scores as cs, selective_adamw as sa, topk_columns as tk
+    from zenflow_kernels.triton import column_scores as cs, fingerprint as fp, selective_adamw as sa, topk_columns as tk
 
     target = GPUTarget("cuda", 90, 32)
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -101,6 +101,10 @@ SCRIPT = textwrap.dedent(
              one_minus_beta1=f32, beta2=f32, one_minus_beta2=f32, log_beta1=f32, log_beta2=f32, eps=f32,
              grad_scale=f32), dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, HAS_IDX=True, HAS_MASTER=True,
              PER_COL_STEP=True, BLOCK_R=8, BLOCK_K=128), sa._WARPS, "bf16 + master + per-column steps")
+    for bits, half in ((tl.uint32, False), (tl.uint16, True)):
+        compile_(fp._multi_fingerprint_kernel, dict(table_ptr="*i64", consts_ptr="*i64", out_ptr="*i64",
+                 n_tensors="i32", n_steps="i32"), dict(BITS=bits, HALF=half, BLOCK=fp.BLOCK_WORDS), 4,
+                 "2-byte words" if half else "4-byte words")
     print("RESULTS " + json.dumps(results))
     """
 )
@@ -128,7 +132,7 @@ def test_kernels_compile_for_sm90_without_spills():
             warnings.warn(f"register spills with the floor triton: {spills}", stacklevel=1)
     else:
         assert not spills, spills
-    assert len(results) == 20  # 10 scores configs + 3 other scores kernels + 3 top-k + 4 AdamW
+    assert len(results) == 22  # 10 scores configs + 3 other scores kernels + 3 top-k + 4 AdamW + 2 fingerprints
 
 
 def _jit_function(obj):

@@ -154,6 +154,10 @@ CASES_NO_RELOAD = [dict({k: v for k, v in CASES[-1].items() if k != "reload_at"}
 CASES_FLUSHED = [dict(next(c for c in CASES if c["name"] == name), name=f"{name}_flushed", flushed_at=[10, 13],
                       resume_at=resume, chaos=chaos) for name, chaos, resume in (("save", None, [10, 13]),
                                                                                  ("s2_save", 1, []))]
+# per-group topk_ratio (0.5 and 0, a callable scorer): each rank's own checkpoint loaded back at steps 10 and 13,
+# and a consolidated one saved at 10, against the same run without them ("s2_policy_chaos")
+CASES_GROUPS_SAVED = [dict(next(c for c in CASES if c["name"] == "s2_policy_chaos"), name="s2_policy_saved",
+                           save_at=10, reload_at=[10, 13])]
 # the host state on disk (offload_device="nvme"): the same runs as their in-memory twins, bit for bit
 NVME_TWINS = ["save", "sync_chaos_clip", "s2_overlap_chaos", "s2_bf16_devacc", "s2_groups_first_missing",
               "save_flushed"]
@@ -201,7 +205,7 @@ def test_three_ranks_with_param_groups_and_missing_gradients(three_ranks, case):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
-    results, done = launch(CASES + CASES_NO_RELOAD + CASES_FLUSHED + CASES_NVME + MODEL_CASES +
+    results, done = launch(CASES + CASES_NO_RELOAD + CASES_FLUSHED + CASES_GROUPS_SAVED + CASES_NVME + MODEL_CASES +
                            [dict(name="errors", kind="errors")], tmp)
     for rc, _out, err in done:
         assert rc == 0, err[-3000:]
@@ -353,7 +357,7 @@ def test_each_rank_holds_its_share_of_the_host_state(two_ranks):
         reported = r["stats"]["host_bytes"]
         assert reported["master"] + reported["exp_avg"] + reported["exp_avg_sq"] + reported["accumulation"] == \
             r["host_bytes"]
-        assert reported["copy_out"] == 4 * r["host_numel"] and reported["staging"] == 0
+        assert reported["copy_out"] == 4 * r["host_numel"] and reported["landing"] == 0
     # both ranks' reported buffers add up to one rank's: 1/world each, give or take a parameter
     assert sum(r["stats"]["host_bytes"]["total"] for r in ranks) == 6 * 4 * total
 
@@ -423,6 +427,20 @@ def test_a_consolidated_checkpoint_continues_on_one_rank(two_ranks, name):
                                              r"consolidated_state_dict"):
             opt.load_state_dict(per_rank)
         assert opt.t == 0 and not opt.state
+
+
+def test_per_group_topk_ratios_survive_per_rank_and_consolidated_checkpoints(two_ranks):
+    """Param groups with their own ``topk_ratio`` (and a callable scorer) under ZeRO-2 and chaos: each rank loading
+    its own ``state_dict()`` back (twice) continues bit for bit like the run that never did, and the consolidated
+    dict saved at step 10 continues on one rank fed the ranks' average bit for bit too."""
+    case = CASES_GROUPS_SAVED[0]
+    ranks, straight = two_ranks[case["name"]], two_ranks["s2_policy_chaos"]
+    for r, s in zip(ranks, straight, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], s["params"], strict=True))
+    sd = ranks[0]["consolidated"]
+    assert [g.get("topk_ratio") for g in sd["param_groups"]] == [0.5, 0.0]
+    resumed = single_rank(case, world=2, state=(ranks[0]["params_at_save"], sd, case["save_at"]))
+    assert all(torch.equal(a, b) for a, b in zip(resumed, ranks[0]["params"], strict=True))
 
 
 @pytest.mark.parametrize("name", NVME_TWINS)

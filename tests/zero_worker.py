@@ -70,7 +70,10 @@ def param_groups(params, case: dict):
     """Two param groups with their own lr and weight decay when the case asks for them; with ``policy``, their
     own ZenFlow settings: a callable scorer at topk_ratio 0.5, and topk_ratio 0 (host only)."""
     if case.get("policy"):
-        return [{"params": params[:3], "importance": scorer_saliency, "topk_ratio": 0.5},
+        import zero_worker  # this module by its name even when it runs as __main__: a checkpoint pickles the
+        # scorer by reference, and the test process can resolve zero_worker.scorer_saliency, not __main__'s
+
+        return [{"params": params[:3], "importance": zero_worker.scorer_saliency, "topk_ratio": 0.5},
                 {"params": params[3:], "topk_ratio": 0.0}]
     if not case.get("groups"):
         return params

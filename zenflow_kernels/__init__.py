@@ -16,6 +16,7 @@ The algorithm
 Device kernels (CUDA -> Triton; CPU -> torch; TRITON_INTERPRET=1 -> Triton on CPU), see ``ops``
     column_scores, topk_columns, selective_adamw_
     multi_column_scores, multi_topk_columns, multi_selective_adamw_
+    multi_fingerprint  -- a 64-bit fingerprint of each tensor's bits (whether a gradient changed)
     use_backend        -- force "torch" or "triton" for a block of code
 
 Host kernels (numba, multithreaded, release the GIL), see ``cpu_ops``
@@ -50,6 +51,7 @@ _EXPORTS = {
     "multi_column_scores": "zenflow_kernels.ops",
     "multi_topk_columns": "zenflow_kernels.ops",
     "multi_selective_adamw_": "zenflow_kernels.ops",
+    "multi_fingerprint": "zenflow_kernels.ops",
     "use_backend": "zenflow_kernels.ops",
     "cpu_adam_": "zenflow_kernels.cpu_ops",
     "accumulate_": "zenflow_kernels.cpu_ops",

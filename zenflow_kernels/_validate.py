@@ -132,6 +132,23 @@ def common_device(op: str, name: str, tensors: Sequence[torch.Tensor]) -> torch.
 # Per-op metadata checks. Each returns what the launchers need, already normalised.
 
 
+def fingerprint_args(op: str, tensors, key, out) -> tuple[list, int, torch.Tensor]:
+    """``(tensors, key, out)`` of a fingerprint call: fp32/bf16/fp16 tensors on one device (any strides), ``key``
+    an integer in ``[0, 2**64)``, ``out`` None (a new int64 ``[n]`` on their device, CPU for an empty list) or an
+    int64 contiguous ``[n]`` tensor there."""
+    n = same_length(op, tensors=tensors)
+    dev = common_device(op, "tensors", tensors)
+    for i, t in enumerate(tensors):
+        tensor(op, f"tensors[{i}]", t, dtypes=FLOAT_DTYPES)
+    if isinstance(key, bool) or not isinstance(key, numbers.Integral) or not 0 <= int(key) < 1 << 64:
+        raise ValueError(f"{op}: key={key!r} is invalid: allowed an integer in [0, 2**64)")
+    if out is None:
+        out = torch.zeros(n, dtype=torch.int64, device=dev if dev is not None else "cpu")
+    else:
+        tensor(op, "out", out, dtypes=(torch.int64,), shape=(n,), device=dev, contiguous=True, what="[len(tensors)]")
+    return list(tensors), int(key), out
+
+
 def scores_input(op: str, name: str, grad, imp) -> bool:
     tensor(op, name, grad, ndim=2, dtypes=FLOAT_DTYPES)
     return importance(op, imp)

@@ -3,7 +3,9 @@
 ``HostShard`` lays the parameters of one shard out in flat fp32 buffers (master weights, both Adam
 moments, one or two gradient-accumulation buffers, none where ``device_accumulation``'s sums stay on the
 device with the state on disk) plus one flat copy-out buffer per parameter
-dtype (the updated weights, rounded, ready for the host-to-device copy). Within each param group the
+dtype (the updated weights, rounded, ready for the host-to-device copy) and, for an asynchronous link, one
+landing buffer per parameter dtype laid out like it (a step's gradients, copied in their own dtype, until
+``step()`` has checked them and folds them into the sums: docs/design.md section 5.1). Within each param group the
 matrices come first and the vectors after, every parameter starting on a 64-byte boundary, so a host
 update is one numba call per run of parameters that share hyper-parameters and step count (usually
 one call per param group). A single-process run is world size 1, shard 0; ZeRO-1/2 partitioning
@@ -118,6 +120,7 @@ class HostShard:
             whole (``device_accumulation`` with the state on disk: :meth:`update` fetches them block by block).
         alloc: ``alloc(numel, dtype)`` returns a zeroed flat host tensor (the link's: pinned memory
             when the parameters are on a GPU).
+        landing: allocate the landing buffers (an asynchronous link's), one per parameter dtype.
         indices: the parameters this shard holds (ZeRO: this rank's run; default all of them).
             ``slots``, the views and every buffer cover these only; indices stay the optimizer's.
 
@@ -134,6 +137,7 @@ class HostShard:
         alloc: Callable[[int, torch.dtype], torch.Tensor] = _zeros,
         indices: Sequence[int] | None = None,
         disk: Callable[[int], Any] | None = None,
+        landing: bool = False,
     ):
         order, slots, offset = layout(params, groups, indices)
         self.numel = offset
@@ -149,6 +153,7 @@ class HostShard:
             self.exp_avg_sq = alloc(offset, torch.float32)
         self.acc = [alloc(offset, torch.float32) for _ in range(num_acc)]
         self.out = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()}
+        self.landing = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()} if landing else {}
         self.host_step = [0] * len(params)  # owned like the master: by the host update in flight
         with torch.no_grad():
             if self.disk is not None:  # one pass over the new file, whatever the number of tensors
@@ -214,28 +219,31 @@ class HostShard:
         s = self.slots[index]
         return self.out[s.dtype][s.out_offset : s.out_offset + s.numel].view(s.shape)
 
-    def accumulate_pieces(self, buf: int, pieces) -> None:
-        """acc[buf] += staged pieces of gradients: ``(piece, data)`` with ``piece.index`` the parameter,
-        ``piece.lo``/``piece.numel`` the range of its flat elements and ``data`` those elements (any float
-        dtype). Pieces adjacent both in the staging slot and in this shard's layout (parameters whose size
-        is a multiple of the alignment, staged one after the other) are added in one call."""
-        run_acc = run_src = None
-        accs, srcs = [], []  # the runs, added in one multi-tensor launch per dtype
-        for piece, data in pieces:
-            lo = self.slots[piece.index].offset + piece.lo
-            if run_acc is not None and run_src.dtype == data.dtype and run_acc[1] == lo and (
-                    run_src.data_ptr() + run_src.numel() * run_src.element_size() == data.data_ptr()):
-                run_acc = (run_acc[0], lo + piece.numel)
-                run_src = run_src.as_strided((run_src.numel() + data.numel(),), (1,))
-                continue
-            if run_acc is not None:
-                accs.append(self.acc[buf][run_acc[0] : run_acc[1]])
-                srcs.append(run_src)
-            run_acc, run_src = (lo, lo + piece.numel), data
-        if run_acc is not None:
-            accs.append(self.acc[buf][run_acc[0] : run_acc[1]])
-            srcs.append(run_src)
-        accumulate_unchecked(accs, srcs)  # the calling worker thread's numba threads
+    def landing_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s view (its shape) into the landing buffer of its dtype."""
+        s = self.slots[index]
+        return self.landing[s.dtype][s.out_offset : s.out_offset + s.numel].view(s.shape)
+
+    def fold(self, buf: int, indices: Sequence[int], scale: float = 1.0) -> None:
+        """acc[buf] += landing * ``scale`` for these parameters (one multi-tensor launch per dtype, the calling
+        worker thread's numba threads). Parameters next to each other in the layout are one range in both
+        buffers (the copy-out layout follows the fp32 one, dtype by dtype), added as one tensor (their padding
+        holds zeros in both)."""
+        runs: list[list[Slot]] = []
+        for s in sorted((self.slots[i] for i in indices), key=lambda s: s.offset):
+            last = runs[-1][-1] if runs else None
+            padded = 0 if last is None else math.ceil(last.numel / ALIGN) * ALIGN
+            if last is not None and last.dtype == s.dtype and s.offset == last.offset + padded and (
+                    s.out_offset == last.out_offset + padded):
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        accs, srcs = [], []
+        for run in runs:
+            lo, hi, out_lo = run[0].offset, run[-1].offset + run[-1].numel, run[0].out_offset
+            accs.append(self.acc[buf][lo:hi])
+            srcs.append(self.landing[run[0].dtype][out_lo : out_lo + hi - lo])
+        accumulate_unchecked(accs, srcs, scale=scale)
 
     def update(
         self,

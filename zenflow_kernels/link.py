@@ -7,26 +7,28 @@ interval, counts, what is pending); a link never changes anything the optimizer 
 
 One interval on a GPU (``overlap_step=True``), time running right::
 
-    training thread   backward -(hooks)-> stage(g_i) ... step: fast step | accumulate() | boundary: wait U(n-1),
-                                                                             write_back(), update U(n)
-    D2H stream          g_i -> ring slot s (own dtype) ... marker(s) --+
-    accumulate worker   wait marker(s); acc[b] += pieces of s  (then s is free): from the hook once s is full
-                        when the step's gradients are final at their hooks, else from step()
-    update worker                                        wait last accumulate of b; AdamW(acc[b]); wait guard;
+    training thread   backward -(hooks)-> stage(g_i) ... end of backward ... step: check | fast step | accumulate() |
+                                                                                boundary: wait U(n-1), write_back(),
+                                                                                update U(n)
+    compute stream      fp_i = fingerprint(g_i) ...  waits for D2H  ...  fingerprints again; compare (one sync)
+    D2H stream          g_i -> landing[i] (own dtype) ...                 changed or unstaged g_j -> landing[j]
+    accumulate worker                                                     wait copies; acc[b] += landing * scale
+                                                                          (fold jobs, in the hooks' order)
+    update worker                                        wait last fold of b; AdamW(acc[b]); wait guard;
                                                          write out; acc[b] = 0
     H2D stream                                       out -> non-selected columns -> event (= the guard);
                                                      the device's later work waits for it
 
 Buffers and their owners (who writes, who reads, which wait hands them over):
 
-* staging slot ``s`` (a ring of ``STAGING_SLOTS`` bounded byte buffers, each allocated once; staging.py):
-  written by the D2H copies of one step, read by the accumulate job it is handed to once its gradients
-  are final: from a backward hook when the step's gradients are known final there (docs/design.md
-  section 5.1), else at ``step()``; filled again only after that job completed (a hook that hands over
-  waits for it, one that does not only checks; ``step()`` waits).
-* ``acc[b]``: written by the accumulate jobs of the intervals that use ``b`` (in order, one worker),
-  read and zeroed by that interval's host update, which first waits for the last of those jobs; the
-  training thread reads it only after draining (checkpoints).
+* ``landing[i]`` (one buffer per parameter dtype, laid out like the copy-out buffers; HostShard): written by the
+  D2H copies of one step (from parameter i's backward hook, or at ``step()``), read by the fold job ``step()``
+  submits once it checked the gradient; written again (the next step's hook or ``step()``) only after that job
+  completed. Nothing of a step reaches ``acc[b]`` before ``step()`` confirmed it, so a step can always be taken
+  back: a skipped step, a gradient changed after its hook, a second backward (docs/design.md section 5.1).
+* ``acc[b]``: written by the fold jobs of the intervals that use ``b`` (in order, one worker), read and zeroed
+  by that interval's host update, which first waits for the last of those jobs; the training thread reads it
+  only after draining (checkpoints).
 * copy-out buffers ``out``: written by a host update only after the previous write-back's handle
   (the copy-out guard) completed, read by the write-back copies.
 * master and moments: owned by the host update in flight; the training thread touches them only
@@ -36,34 +38,34 @@ Links:
 
 * :class:`CpuLink` (CPU parameters): plain synchronous copies; the training thread accumulates
   itself (and may fold the interval's last gradient into a synchronous update).
-* :class:`RingLink` over a :class:`CudaEngine`: pinned staging (page-locked at its exact size), D2H/H2D
+* :class:`AsyncLink` over a :class:`CudaEngine`: pinned host buffers (page-locked at their exact size), D2H/H2D
   streams, events.
-* :class:`RingLink` over a :class:`ThreadEngine`: the same protocol on CPU, each stream a thread
+* :class:`AsyncLink` over a :class:`ThreadEngine`: the same protocol on CPU, each stream a thread
   running its copies in order, each event a future, with optional seeded random delays before and
   after every asynchronous piece of work (:func:`zenflow_kernels.testing.chaos`). An ordering bug
-  that a GPU would expose (a read before a copy finished, a count read before a worker ran, a slot
+  that a GPU would expose (a read before a copy finished, a count read before a worker ran, a buffer
   reused while a copy still reads it) then gives a wrong number on CPU, where the oracle sees it.
 """
 
 from __future__ import annotations
 
 import collections
-import math
 import mmap
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from . import ops
 from ._memory import gather_columns
-from .cpu_ops.accumulate import SUM_CHUNK, accumulate_unchecked, sum_squares_unchecked
+from .cpu_ops.accumulate import SUM_CHUNK, accumulate_unchecked
 from .device_model import Chaos, Timeline, _Delays, modeled_copy, recorded
 from .host import HostShard, HostWorker
-from .staging import ALIGN_BYTES, Staged, StagingRing
 from .streamed_adam import DeviceSums
 
-__all__ = ["Chaos", "CpuLink", "CudaEngine", "RingLink", "ThreadEngine", "make_link"]
+__all__ = ["AsyncLink", "Chaos", "CpuLink", "CudaEngine", "ThreadEngine", "make_link"]
 
 
 # -- completions -------------------------------------------------------------------------------------
@@ -371,31 +373,6 @@ def _nothing() -> None:
     return None
 
 
-class _EarlyHandOver:
-    """One step's hand-over from backward hooks: the accumulation buffer, the parameters with pieces handed
-    over (training thread), and, from the accumulate worker, those it added and whether it met an inf/NaN
-    (read by the training thread only after waiting for the jobs)."""
-
-    __slots__ = ("buf", "handed", "added", "poisoned")
-
-    def __init__(self):
-        self.buf = 0
-        self.handed: set[int] = set()
-        self.added: set[int] = set()
-        self.poisoned = False
-
-
-def _unchanged(rec: Staged, grad: torch.Tensor) -> bool:
-    """``grad`` is the tensor a staged record copied, not written since: the same object, or (FSDP2's
-    ``to_local()`` makes a new view each call) a view of the same memory, and the same version. Holding
-    ``rec.grad`` keeps that memory alive, so no other tensor can have been allocated there."""
-    if rec.version != grad._version:
-        return False
-    old = rec.grad
-    return old is grad or (old.data_ptr() == grad.data_ptr() and old.dtype == grad.dtype
-                           and old.shape == grad.shape and old.stride() == grad.stride())
-
-
 def pinned_sizes(spans: Sequence[tuple[int, int]]) -> dict[str, int]:
     """``(address, bytes)`` of page-locked buffers -> bytes requested and reserved (whole pages)."""
     page = mmap.PAGESIZE
@@ -416,7 +393,7 @@ class _Link:
 
     kind = ""
     moves_state = False  # the fast-path state has a home apart from the device (offload can move it)
-    asynchronous = False  # copies complete later: gradients are worth staging from backward hooks
+    asynchronous = False  # copies complete later: gradients are worth copying from backward hooks
 
     def __init__(self, host: HostShard, *, overlap: bool, host_threads: int, cores, timeout: float | None,
                  thread_setup: Callable[[], None] | None = None):
@@ -430,11 +407,12 @@ class _Link:
         self.accumulate_s = 0.0  # the training thread accumulated gradients itself
         self.d2h_bytes = 0  # bytes moved device -> host (gradients) and host -> device (weights)
         self.h2d_bytes = 0
-        self.early_bytes = 0  # gradient bytes handed to the accumulate worker from backward hooks
-        # this step, for the optimizer (take_step_report): every gradient a hook copied was unchanged at
-        # step(); the parameters whose interval restarted (their counts start again)
-        self.hooks_clean = True
-        self.restarted: set[int] = set()
+        self.early_bytes = 0  # gradient bytes backward's hooks copied that step() found unchanged and used
+        # gradient bytes backward's hooks copied that were not used: copied again (the gradient changed after its
+        # hook, or a later backward's hook copied it again), or dropped (a skipped step or batch)
+        self.unused_bytes = 0
+        # the step just accumulated (step_bytes): bytes its hooks copied, of them not used
+        self._step_bytes = (0, 0)
         self._sums_blocks: list[torch.Tensor] | None = None  # device_sums' host blocks (made at first use)
 
     SUMS_BLOCKS = 3
@@ -465,17 +443,12 @@ class _Link:
         """The device sums (``device_accumulation``) are about to be read or written: whatever the link still
         does with them comes first (here nothing: a synchronous upload copied and zeroed them)."""
 
-    @property
-    def handed_this_step(self) -> bool:
-        """Backward's hooks have added part of the coming step's gradients to the host sums already."""
-        early = getattr(self, "_early", None)
-        return early is not None and bool(early.handed)
-
-    def take_step_report(self) -> tuple[bool, set[int]]:
-        """``(hooks_clean, restarted)`` for the step just accumulated or discarded, reset for the next."""
-        report = self.hooks_clean, self.restarted
-        self.hooks_clean, self.restarted = True, set()
-        return report
+    def step_bytes(self) -> tuple[int, int]:
+        """``(copied, unused)`` of the step just accumulated: gradient bytes backward's hooks copied to the host,
+        and of them those not used (copied again by a later hook or by ``step()``, or not part of the step);
+        ``(0, 0)`` after a skipped one. Reset when taken."""
+        taken, self._step_bytes = self._step_bytes, (0, 0)
+        return taken
 
     timeline: Timeline | None = None  # the modeled device's (testing.chaos), where one is recorded
 
@@ -499,7 +472,7 @@ class _Link:
         """Run a host update in the background (``overlap_step``); returns its completion."""
         return Future(self._updater, self._updater.submit(fn))
 
-    staging_bytes = 0  # host staging allocated (the ring link's)
+    landing_bytes = 0  # the landing area (an asynchronous link's)
 
     def host_bytes(self) -> dict[str, int]:
         """The host buffers of this link, by kind: the bytes of each buffer's storage as allocated."""
@@ -509,7 +482,7 @@ class _Link:
             return sum(t.untyped_storage().nbytes() for t in ts if t is not None)
 
         out = {"master": size(host.master), "exp_avg": size(host.exp_avg), "exp_avg_sq": size(host.exp_avg_sq),
-               "accumulation": size(*host.acc), "copy_out": size(*host.out.values()), "staging": self.staging_bytes}
+               "accumulation": size(*host.acc), "copy_out": size(*host.out.values()), "landing": self.landing_bytes}
         if self._sums_blocks is not None:  # device_accumulation on disk: the blocks its sums are fetched into
             out["sums_blocks"] = size(*self._sums_blocks)
         if host.disk is not None:  # the master and moments are on disk: their bytes there, not in memory
@@ -559,15 +532,16 @@ class CpuLink(_Link):
 
     kind = "cpu"
 
-    def stage(self, i: int, grad: torch.Tensor, buf: int | None = None) -> None:
+    def stage(self, i: int, grad: torch.Tensor) -> None:
         """Nothing to start early: accumulation reads the gradient where it is."""
 
     def accumulate(
-        self, items: Sequence[tuple[int, torch.Tensor]], buf: int, *, fuse_min_numel: int | None = None
+        self, items: Sequence[tuple[int, torch.Tensor]], buf: int, *, scale: float = 1.0,
+        fuse_min_numel: int | None = None
     ) -> dict[int, torch.Tensor]:
-        """acc[buf] += grad for each ``(index, grad)``, now. With ``fuse_min_numel`` the gradients of
-        at least that many elements are returned instead, for a synchronous update to fold into its
-        AdamW pass (``HostShard.update(last=...)``)."""
+        """acc[buf] += grad * ``scale`` for each ``(index, grad)``, now. With ``fuse_min_numel`` (and ``scale``
+        1) the gradients of at least that many elements are returned instead, for a synchronous update to fold
+        into its AdamW pass (``HostShard.update(last=...)``)."""
         t0 = time.perf_counter()
         last, sums, grads = {}, [], []
         for i, grad in items:
@@ -583,11 +557,11 @@ class CpuLink(_Link):
             # kernel reads flat memory) through torch
             flat = [g.is_contiguous() for g in grads]
             if not all(flat):
-                torch._foreach_add_([t for t, f in zip(sums, flat, strict=True) if not f],
-                                    [g for g, f in zip(grads, flat, strict=True) if not f])
+                add_scaled([t for t, f in zip(sums, flat, strict=True) if not f],
+                           [g for g, f in zip(grads, flat, strict=True) if not f], scale)
                 sums = [t for t, f in zip(sums, flat, strict=True) if f]
                 grads = [g for g, f in zip(grads, flat, strict=True) if f]
-            accumulate_unchecked(sums, grads)
+            accumulate_unchecked(sums, grads, scale=scale)
         self.accumulate_s += time.perf_counter() - t0
         return last
 
@@ -627,18 +601,14 @@ class CpuLink(_Link):
     # no to_device / to_host_ / new_host_state: offload moves state only on a link that moves_state
 
 
-class RingLink(_Link):
-    """Asynchronous movement through a staging ring, an accumulate worker and an engine's streams."""
+class AsyncLink(_Link):
+    """Asynchronous movement: gradients land in a host landing area, fold into the sums once ``step()`` checked
+    them; write-backs and fetches on an engine's streams (docs/design.md section 5.1)."""
 
-    STAGING_SLOTS = 4
-    """Slots of the staging ring (docs/design.md section 9)."""
-    STAGING_SLOT_BYTES = 1 << 24
-    """The most bytes one staging slot holds: the ring's host memory is at most ``STAGING_SLOTS`` times
-    this (64 MiB pinned), whatever the model. Where a step's gradients are final at their hooks, full slots
-    go to the accumulate worker during backward and the ring cycles; elsewhere what the hooks could not
-    stage for lack of a free slot is copied at ``step()``, which waits for slots as the worker frees them
-    (a class attribute, read when the link is built; the tests and bench.overlap shrink it)."""
     asynchronous = True
+    FOLD_CHUNK_BYTES = 1 << 26
+    """Landing bytes one fold job adds into the sums: the next backward's hooks each wait only for the job that
+    reads their gradient's place, in the order they fired (a class attribute; tests shrink it)."""
     # device_accumulation in memory: wait for the sums' crossing at the boundary, before the next forward, as the
     # link did before the wait moved to the next write into the sums (bench.nvme_timeline's "eager" variant)
     SUMS_WAIT_AT_BOUNDARY = False
@@ -655,192 +625,140 @@ class RingLink(_Link):
             name="zenflow-accumulate", setup=engine.thread_setup,
         )
         self.workers += [self._accumulator, *engine.workers]
-        # written by the D2H copies of one step, read by that step's accumulate jobs; a slot is filled again
-        # only after its reader completed (staging.py)
-        # a small shard's ring holds two steps of its gradients (in the parameters' dtypes, each aligned),
-        # as a whole-shard ring of two did; a large one STAGING_SLOTS * STAGING_SLOT_BYTES
-        step_bytes = sum(s.numel * s.dtype.itemsize + ALIGN_BYTES for s in host.slots.values())
-        per_slot = -(-2 * step_bytes // self.STAGING_SLOTS)
-        self._ring = StagingRing(self.STAGING_SLOTS, max(ALIGN_BYTES, min(self.STAGING_SLOT_BYTES, per_slot)),
-                                 engine.alloc)
-        self._staged: dict[int, Staged] = {}  # index -> the gradient copied this step, its version and pieces
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # queued (slot view, source) copies
-        self._queued_bytes = 0  # their bytes
-        self._last_accumulate = None  # completion of every accumulation issued so far
+        self.key = int.from_bytes(os.urandom(8), "little")  # the fingerprints' weights (ops.multi_fingerprint)
+        self._fingerprints: torch.Tensor | None = None  # int64 [params] on the device: each taken at its hook
+        # this step's gradients that backward's hooks copied into the landing area (index -> bytes), in the order
+        # the hooks fired; step() checks each against its fingerprint before folding it into the sums
+        self._staged: dict[int, int] = {}
+        self._overwritten = 0  # bytes of this step's hook copies a later hook copied over (a second backward)
+        self._readers: dict[int, Future] = {}  # index -> the fold job that last read its place in the landing area
+        self._ordered = False  # this backward's end orders the device's later work after its copies (queued)
+        self._last_accumulate = None  # completion of every fold (and upload) issued so far (jobs run in order)
         self._guard = None  # completion of the last write-back: the copy-out buffers are free after it
         self._sums_zeroed = None  # device_accumulation in memory: the last upload's zeroing of the device sums
         self.timeline = getattr(engine, "timeline", None)
-        # this step's hand-over from backward hooks (stage(..., buf)): what went to the worker before step()
-        self._early = _EarlyHandOver()
 
     def submit_update(self, fn: Callable) -> Future:
         return _submit(self._updater, recorded(fn, self.timeline, "update"), self._delays)
 
     @property
-    def staging_bytes(self) -> int:
-        """Host staging allocated (each slot once, on first use)."""
-        return self._ring.allocated_bytes
+    def landing_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.host.landing.values())
 
-    def _free_now(self, slot: int) -> bool:
-        """A hook's claim: the slot's reader is already done (a hook never waits)."""
-        reader = self._ring.readers[slot]
-        return reader is None or reader.done()
-
-    def _free_after_wait(self, slot: int) -> bool:
-        """step()'s claim, and a hook's that hands over: wait for the slot's reader (the wait counts as
-        stall)."""
-        reader = self._ring.readers[slot]
+    def _free(self, i: int) -> None:
+        """Parameter ``i``'s place in the landing area may be written: the fold that read it is done (the wait,
+        from a hook or step(), counts as stall)."""
+        reader = self._readers.get(i)
         if reader is not None:
-            self.wait(reader)
-        return True
+            if not reader.done():
+                t0 = time.perf_counter()
+                try:
+                    reader.wait()
+                finally:
+                    self._waited(t0, "fold")
+            del self._readers[i]
 
-    def stage(self, i: int, grad: torch.Tensor, buf: int | None = None) -> None:
-        """Start copying parameter ``i``'s gradient into the staging ring, from a backward hook, as soon as
-        backward produced it.
+    def stage(self, i: int, grad: torch.Tensor) -> None:
+        """From parameter ``i``'s backward hook, as backward produced its gradient: take its fingerprint (on the
+        device, in stream order) and start its copy into the landing area. Nothing reaches the sums before
+        ``step()`` checked the gradient is still what was copied (:meth:`accumulate`); a second backward copies
+        over the first (the copy stream runs in order)."""
+        dst = self.host.landing_view(i)
+        if grad.shape != dst.shape or grad.dtype != dst.dtype:
+            return  # not this parameter's gradient as the host lays it out: step() copies (or refuses) it
+        self._free(i)
+        if self._fingerprints is None:
+            self._fingerprints = torch.zeros(len(self.host.host_step), dtype=torch.int64, device=grad.device)
+        src = grad.detach()
+        ops.multi_fingerprint([src], self.key, out=self._fingerprints[i : i + 1])
+        self._engine.d2h([(dst, src)])
+        nbytes = src.numel() * src.element_size()
+        self.d2h_bytes += nbytes
+        self._overwritten += self._staged.pop(i, 0)  # (re-inserted: the order is the last firing's)
+        self._staged[i] = nbytes
+        if not self._ordered:
+            self._ordered = _at_backward_end(self._after_backward)
 
-        ``buf`` None: the gradient may still change before ``step()`` (the optimizer has not seen that it is
-        final): it is copied as far as free slots allow, and step() hands the slots over (re-copying what
-        changed). ``buf`` given: the gradient is this step's, final (docs/design.md section 5.1): a slot that
-        is full goes to the accumulate worker at once, into acc[buf], and a hook that finds no free slot
-        waits for one, so the ring keeps cycling during backward whatever the model's size. What such a
-        hand-over commits is checked at ``step()`` (:meth:`accumulate`, :meth:`discard`)."""
-        if i in self._early.handed:  # a second backward: step() restarts it (it cannot be copied over)
-            return
-        if buf is None:
-            self._copy(i, grad, self._free_now)
-        else:
-            self._early.buf = buf
-            self._copy(i, grad, self._free_after_wait, lambda slot: self._hand_over([slot], buf, early=True))
-        self._issue()
+    def _after_backward(self) -> None:
+        """End of a backward whose hooks copied gradients: the device's later work (a user's in-place write to a
+        gradient, GradScaler's unscale, the optimizer step) comes after those copies, so a copy reads the
+        gradient its fingerprint was taken of. A stream wait on a GPU; the stand-in's training thread waits."""
+        self._ordered = False
+        t0 = time.perf_counter()
+        self._engine.device_waits_for_d2h()
+        self._waited(t0, "backward")
 
-    def _copy(self, i: int, grad: torch.Tensor, claim, seal=None) -> bool:
-        """Queue the copies of gradient ``i`` (again, over the pieces it has, if it changed) and place what is
-        not placed yet; True once all of it is placed. The copies are issued together (:meth:`_issue`),
-        always before the slot they fill is handed over."""
-        rec = self._staged.get(i)
-        if rec is not None:
-            if rec.grad.dtype != grad.dtype:  # another dtype: its pieces no longer fit
-                for piece in rec.pieces:
-                    piece.live = False
-                rec = None
-                self.hooks_clean = False
-            elif _unchanged(rec, grad) and rec.placed == grad.numel():
-                return True  # copied whole (by its hook) and unchanged since
-        src = grad.detach() if grad.requires_grad else grad
-        flat = src.view(-1) if grad.is_contiguous() else src.reshape(-1)
-        numel, itemsize = flat.numel(), grad.dtype.itemsize
-        if rec is None:
-            rec = self._staged[i] = Staged(grad, grad._version)
-        elif not _unchanged(rec, grad):
-            rec.grad, rec.version = grad, grad._version  # changed since: copy it again over the same pieces
-            self.hooks_clean = False
-            self._copies += [(p.data, flat if p.numel == numel else flat[p.lo : p.lo + p.numel]) for p in rec.pieces]
-            self._queued_bytes += rec.placed * itemsize
-        if rec.placed < numel:
-            def queue(p):  # (a seal issues the queued copies: self._copies is a new list after it)
-                self._copies.append((p.data, flat if p.numel == numel else flat[p.lo : p.lo + p.numel]))
-                self._queued_bytes += p.numel * itemsize
-
-            pieces = self._ring.place(i, grad.dtype, rec.placed, numel - rec.placed, claim, seal=seal, on_piece=queue)
-            rec.pieces += pieces
-            rec.placed += sum(p.numel for p in pieces)
-        return rec.placed == numel
-
-    def _issue(self) -> None:
-        """Start the queued copies, one job for all of them."""
-        if self._copies:
-            self._engine.d2h(self._copies)
-            self.d2h_bytes += self._queued_bytes
-            self._copies, self._queued_bytes = [], 0
-
-    def _hand_over(self, slots: list[int], buf: int, early: bool = False) -> None:
-        """These slots' pieces are final: one accumulate job adds them into acc[buf] (slot by slot) once the
-        copies issued so far (the queued ones are issued first) have completed; the slots are the job's
-        until it is done. ``early``: handed over from a backward hook, before step() knew the step's
-        gradient is finite: the job adds nothing once a piece of this step holds an inf or NaN, and says
-        which parameters it added (:class:`_EarlyHandOver`)."""
-        self._issue()
-        copied = self._engine.d2h_marker()
-        ring, host, timeline = self._ring, self.host, self.timeline
-        pieces = [(p, p.data) for slot in slots for p in ring.hand_over(slot)]
-        record = self._early if early else None
-        if early:
-            record.handed.update(p.index for p, _ in pieces)
-            self.early_bytes += sum(data.numel() * data.element_size() for _, data in pieces)
-
-        def add():
-            copied.wait()
-            t0 = time.perf_counter()
-            if record is None:
-                host.accumulate_pieces(buf, pieces)
-            elif not record.poisoned:
-                if math.isfinite(sum_squares_unchecked([data for _, data in pieces])):
-                    host.accumulate_pieces(buf, pieces)
-                    record.added.update(p.index for p, _ in pieces)
-                else:  # the step will be skipped: nothing of it may reach acc[buf] from now on
-                    record.poisoned = True
-            if timeline is not None:
-                timeline.add("accumulate", "early" if early else "step", t0, time.perf_counter(),
-                             sum(data.numel() * data.element_size() for _, data in pieces))
-
-        self._last_accumulate = job = _submit(self._accumulator, add, self._delays)
-        for slot in slots:
-            ring.readers[slot] = job
-
-    def accumulate(self, items, buf: int, *, fuse_min_numel: int | None = None) -> dict:
-        """acc[buf] += grad for each ``(index, grad)``, in the background: gradients that changed since their
-        hook copied them are copied again, the slots the hooks filled go to the accumulate worker, and what
-        is not staged yet goes through the ring slot by slot (a full slot goes to the worker at once; a
-        slot is filled again once the worker is done with it). Returns ``{}`` (nothing is left to fuse)."""
-        ring = self._ring
-        wanted = {i: grad for i, grad in items}
-        self._restart_changed(wanted)
-        for i, rec in list(self._staged.items()):
-            if i not in wanted:  # staged by a hook, not accumulated at this step
-                self.hooks_clean = False
-                for piece in rec.pieces:
-                    piece.live = False
-                del self._staged[i]
-        # first every copy into the slots the hooks filled (a gradient that changed since its hook is copied
-        # again over its pieces), placing what fits in free slots without waiting; then those slots are final
-        rest, staged, k, n = [], self._staged, 0, len(items)
-        while k < n:
-            # a run of gradients no hook staged that fit whole in the slot being filled: one piece each, no
-            # record (the slot is handed over below, at this step)
-            end = k
-            while end < n and items[end][0] not in staged and not items[end][1].requires_grad and (
-                    items[end][1].is_contiguous()):
-                end += 1
-            if end > k:
-                run = items[k:end]
-                pieces = ring.place_run([(i, grad.dtype, grad.numel()) for i, grad in run])
-                placed = zip(pieces, run, strict=False)  # the pieces are for a prefix of the run
-                self._copies += [(piece.data, grad.view(-1)) for piece, (_, grad) in placed]
-                self._queued_bytes += sum(piece.numel * piece.dtype.itemsize for piece in pieces)
-                k += len(pieces)
-            if k < n:  # staged by a hook, or it does not fit whole: placed piece by piece
-                i, grad = items[k]
-                if not self._copy(i, grad, self._free_now):
-                    rest.append((i, grad))
-                k += 1
-        final = [s for s in ring.open if s != ring.current]
-        if rest:
-            if final:  # the worker starts on them while the rest waits for slots
-                self._hand_over(final, buf)
-                final = []
-            seal = lambda slot: self._hand_over([slot], buf)  # noqa: E731
-            for i, grad in rest:  # through the ring: a full slot goes to the worker, the next is waited for
-                self._copy(i, grad, self._free_after_wait, seal)
-        if ring.current is not None:
-            final.append(ring.current)
-        if final:  # one job for the slots filled last (usually all of this step's)
-            self._hand_over(final, buf)
+    def accumulate(self, items, buf: int, *, scale: float = 1.0, fuse_min_numel: int | None = None) -> dict:
+        """acc[buf] += grad * ``scale`` for each ``(index, grad)``, in the background: a gradient a hook copied
+        whose fingerprint is unchanged is not copied again; every other one (changed since its hook, or never
+        staged) is copied now, into its place in the landing area; then fold jobs add the landing area into
+        acc[buf] (on the accumulate worker, behind the copies). Hooks' copies of gradients not in ``items``
+        are dropped. Returns ``{}`` (nothing is left to fuse)."""
+        staged, wanted = self._staged, dict(items)
+        checked = [(i, wanted[i]) for i in staged if i in wanted]
+        changed: set[int] = set()
+        if checked:
+            now = ops.multi_fingerprint([g.detach() for _, g in checked], self.key)
+            where = torch.tensor([i for i, _ in checked], device=now.device)
+            differ = (now != self._fingerprints.index_select(0, where)).tolist()  # (one device sync)
+            changed = {i for (i, _), d in zip(checked, differ, strict=True) if d}
+        kept = [i for i, _ in checked if i not in changed]
+        hooks_copied = self._engine.d2h_marker() if kept else None
+        copies = []
+        for i, grad in items:
+            if i in staged and i not in changed:
+                continue
+            self._free(i)
+            copies.append((self.host.landing_view(i), grad.detach()))
+        if copies:
+            self._engine.d2h(copies)
+            self.d2h_bytes += sum(src.numel() * src.element_size() for _, src in copies)
+        copied = sum(staged.values()) + self._overwritten
+        used = sum(staged[i] for i in kept)
+        self.early_bytes += used
+        self.unused_bytes += copied - used
+        self._step_bytes = (copied, copied - used)
+        self._overwritten = 0
+        # fold in the order the next backward's hooks will want their places back (this one's), then the rest
+        later = [i for i, _ in items if i not in kept]
+        all_copied = self._engine.d2h_marker() if later else hooks_copied
+        for order, copied in ((kept, hooks_copied), (later, all_copied)):
+            for chunk in self._chunks(order):
+                self._fold(chunk, buf, scale, copied)
         self._staged = {}
-        self._early = _EarlyHandOver()
         # the copies read the gradients as they are now; whatever the user does to them after step()
         # (zero_grad(set_to_none=False), p.grad.zero_(), the next backward adding in place) comes after
         self._engine.device_orders_after_d2h()
         return {}
+
+    def _chunks(self, order: list[int]) -> list[list[int]]:
+        chunks, size = [], self.FOLD_CHUNK_BYTES
+        for i in order:
+            s = self.host.slots[i]
+            nbytes = s.numel * s.dtype.itemsize
+            if size + nbytes > self.FOLD_CHUNK_BYTES and (not chunks or chunks[-1]):
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += nbytes
+        return chunks
+
+    def _fold(self, indices: list[int], buf: int, scale: float, copied) -> None:
+        """One job on the accumulate worker: wait for the copies, then acc[buf] += landing * scale for these
+        parameters; their places in the landing area are the job's until it is done."""
+        host, timeline = self.host, self.timeline
+
+        def fold():
+            copied.wait()
+            t0 = time.perf_counter()
+            host.fold(buf, indices, scale)
+            if timeline is not None:
+                timeline.add("accumulate", "fold", t0, time.perf_counter(),
+                             sum(host.slots[i].numel * host.slots[i].dtype.itemsize for i in indices))
+
+        self._last_accumulate = job = _submit(self._accumulator, fold, self._delays)
+        for i in indices:
+            self._readers[i] = job
 
     def upload(self, items: Sequence[tuple[int, torch.Tensor]], buf: int) -> None:
         """acc[buf] <- a device-side sum for each ``(index, sum)``, copied straight into the (pinned)
@@ -864,49 +782,11 @@ class RingLink(_Link):
             self._engine.device_waits_for(done)
             self._waited(t0, "sums")
 
-    def _restart_changed(self, wanted: dict[int, torch.Tensor]) -> None:
-        """step() of a step whose hooks handed slots over: a gradient that changed after its pieces went to
-        the worker (a second backward, an in-place change), or that this step does not accumulate, cannot
-        be taken back out of acc[buf] (a sum in fp32; the ring keeps no copy). Its interval restarts: its
-        sum is zeroed behind the jobs that added into it and it is staged again whole; the optimizer
-        resets its count (:attr:`restarted`)."""
-        early, restart = self._early, set()
-        for i in early.handed:
-            rec, grad = self._staged.get(i), wanted.get(i)
-            if grad is None or rec is None or not _unchanged(rec, grad):
-                restart.add(i)
-        if restart:
-            self._restart(restart, early.buf)
-            for i in restart:
-                rec = self._staged.pop(i, None)
-                for piece in rec.pieces if rec is not None else ():
-                    piece.live = False  # pieces still in open slots: not added
-            self.hooks_clean = False
-
-    def _restart(self, indices: set[int], buf: int) -> None:
-        """acc[buf] of these parameters <- 0, after every accumulate job issued so far (jobs run in order)."""
-        views = [self.host.view(self.host.acc[buf], i) for i in sorted(indices)]
-
-        def zero():
-            for v in views:
-                v.zero_()
-
-        self._last_accumulate = _submit(self._accumulator, zero, self._delays)
-        self.restarted |= indices
-
     def discard(self) -> None:
-        """Forget what was staged this step (a skipped step): its slots are filled again next step. What
-        hooks handed over early: a job that met the inf/NaN first added nothing after it; the parameters
-        added before it restart their interval (waiting for those jobs: a skipped step is rare)."""
-        early = self._early
-        if early.handed:
-            if self._last_accumulate is not None:
-                self.wait(self._last_accumulate)
-            if early.added:
-                self._restart(set(early.added), early.buf)
-        self._staged = {}
-        self._early = _EarlyHandOver()
-        self._ring.drop_open()
+        """Forget what backward's hooks copied this step (a skipped step or batch): none of it reached the sums;
+        the next copies into the same places land after these (the copy stream runs in order)."""
+        self.unused_bytes += sum(self._staged.values()) + self._overwritten
+        self._staged, self._overwritten = {}, 0
 
     def accumulation(self) -> Future | None:
         """The completion of every accumulation issued so far (jobs run in order)."""
@@ -951,6 +831,27 @@ class RingLink(_Link):
         self._engine.close()
 
 
+def _at_backward_end(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the backward pass running now ends (autograd's final callbacks, as FSDP2 uses);
+    False outside a backward pass (nothing queued)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        return False
+    return True
+
+
+def add_scaled(sums: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float) -> None:
+    """``sum += float32(grad) * scale`` with the product rounded first (``accumulate_unchecked``'s bits), for
+    tensors the numba kernel does not take (strided gradients, or a device's)."""
+    if not sums:
+        return
+    if scale == 1.0:
+        torch._foreach_add_(list(sums), list(grads))
+    else:
+        torch._foreach_add_(list(sums), torch._foreach_mul([g.float() for g in grads], scale))
+
+
 def make_link(
     params: Sequence[torch.Tensor],
     groups: Sequence[int],
@@ -964,23 +865,28 @@ def make_link(
     indices: Sequence[int] | None = None,
     num_acc: int | None = None,
     disk=None,
+    landing: bool = True,
 ):
-    """The link for parameters on ``device``: CUDA -> RingLink(CudaEngine); CPU -> CpuLink, or, when
-    ``chaos`` is given, RingLink(ThreadEngine) with its delays. ``indices``: the parameters whose host
+    """The link for parameters on ``device``: CUDA -> AsyncLink(CudaEngine); CPU -> CpuLink, or, when
+    ``chaos`` is given, AsyncLink(ThreadEngine) with its delays. ``indices``: the parameters whose host
     state this rank holds (ZeRO; default all). ``num_acc``: accumulation buffers (default 2 with
-    ``overlap``, else 1). ``disk``: ``disk(numel)`` makes the state file of an NVMe host (HostShard)."""
+    ``overlap``, else 1). ``disk``: ``disk(numel)`` makes the state file of an NVMe host (HostShard). ``landing``:
+    an asynchronous link's gradients cross through a landing area (False: they never cross per step, the sums
+    being on the device)."""
     common = dict(overlap=overlap, host_threads=host_threads, cores=cores, timeout=timeout)
     if num_acc is None:
         num_acc = 2 if overlap else 1
     if device.type == "cuda":
         engine = CudaEngine(device)
-        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices, disk=disk)
-        return RingLink(host, engine, kind="cuda", **common)
+        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices, disk=disk,
+                         landing=landing)
+        return AsyncLink(host, engine, kind="cuda", **common)
     if chaos is not None:
         delays = _Delays(chaos) if chaos.max_delay > 0 else None
         engine = ThreadEngine(timeout=timeout, delays=delays, d2h_bytes_per_s=chaos.d2h_bytes_per_s,
                               h2d_bytes_per_s=chaos.h2d_bytes_per_s, timeline=chaos.timeline)
-        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices, disk=disk)
-        return RingLink(host, engine, kind="cpu-async", delays=delays, **common)
+        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices, disk=disk,
+                         landing=landing)
+        return AsyncLink(host, engine, kind="cpu-async", delays=delays, **common)
     host = HostShard(params, groups, num_acc=num_acc, indices=indices, disk=disk)
     return CpuLink(host, **common)

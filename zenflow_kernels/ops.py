@@ -39,6 +39,7 @@ __all__ = [
     "multi_column_scores",
     "multi_topk_columns",
     "multi_selective_adamw_",
+    "multi_fingerprint",
     "use_backend",
 ]
 
@@ -98,12 +99,13 @@ def _load_triton() -> SimpleNamespace | None:
     if _triton_impl is None and _triton_error is None:
         try:
             from .triton import column_scores as cs
+            from .triton import fingerprint as fp
             from .triton import selective_adamw as sa
             from .triton import topk_columns as tk
         except ImportError as exc:  # triton missing or broken on this machine
             _triton_error = exc
         else:
-            _triton_impl = _implementation(cs, tk, sa)
+            _triton_impl = _implementation(cs, tk, sa, fp)
     return _triton_impl
 
 
@@ -111,15 +113,17 @@ def _load_numba() -> SimpleNamespace:
     """The CPU fast path: numba AdamW, torch scores and top-k (numba is a dependency, imported late)."""
     global _numba_impl
     if _numba_impl is None:
+        from .cpu_ops import fingerprint as fp
         from .cpu_ops import selective_adamw as sa
 
-        _numba_impl = _implementation(torch_ops, torch_ops, sa)
+        _numba_impl = _implementation(torch_ops, torch_ops, sa, fp)
     return _numba_impl
 
 
-def _implementation(scores, topk, adamw) -> SimpleNamespace:
-    """The six ops of one backend, taken from the modules that implement its scores, top-k and AdamW."""
+def _implementation(scores, topk, adamw, fingerprint) -> SimpleNamespace:
+    """The ops of one backend, taken from the modules that implement its scores, top-k, AdamW and fingerprints."""
     return SimpleNamespace(
+        multi_fingerprint=fingerprint.multi_fingerprint,
         column_scores=scores.column_scores,
         multi_column_scores=scores.multi_column_scores,
         topk_columns=topk.topk_columns,
@@ -305,6 +309,27 @@ def multi_selective_adamw_(
     _impl(params).multi_selective_adamw_(
         params, grads, indices_list, exp_avgs, exp_avg_sqs, steps=steps, lrs=lrs, beta1=beta1, beta2=beta2,
         eps=eps, weight_decays=weight_decays, masters=masters, grad_scale=grad_scale, check_data=check_data)
+
+
+def multi_fingerprint(tensors, key: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A fingerprint of each tensor's bits, to tell cheaply whether a tensor changed (docs/design.md section 5.1).
+
+    ``fp(x) = sum_k word_k * (fmix64(k + key) | 1) mod 2**64``: ``word_k`` is the tensor's k-th 32-bit word in
+    row-major order (a 4-byte element; or 2-byte elements 2k and 2k + 1 as low and high half, a missing last one
+    0), ``fmix64`` murmur3's 64-bit finalizer. A change of one word always changes it; were the weights random,
+    any change would keep it with probability at most 2**-32.
+
+    Args:
+        tensors: fp32, bf16 or fp16 tensors on one device, any shapes and strides (a strided one is read through
+            a contiguous copy); read only.
+        key: the weights' key, an integer in ``[0, 2**64)``.
+        out: optional int64 ``[len(tensors)]`` contiguous tensor on their device, overwritten.
+
+    Returns:
+        int64 ``[len(tensors)]`` on their device (``out`` when given): each fingerprint's 64 bits. One launch per
+        element width on a GPU (Triton), one numba pass on CPU; every backend gives the same values.
+    """
+    return _impl(tensors).multi_fingerprint(tensors, key, out=out)
 
 
 def multi_selective_adamw_items_(items, *, beta1: float, beta2: float, eps: float, grad_scale: float) -> None:

@@ -11,7 +11,7 @@ re-selection (the in-flight update is drained before columns change hands) and w
 wait is timed (``stats()["stall_s"]``).
 
 This module is the algorithm. Moving gradients to the host, weights back, and the fast-path state
-with ``offload`` is the link's (``link.py``: CUDA streams and pinned staging, plain CPU copies, or the
+with ``offload`` is the link's (``link.py``: CUDA streams and pinned buffers, plain CPU copies, or the
 asynchronous CPU test link); this module holds no stream, event or pinned buffer. The bookkeeping the
 algorithm decides with (what was accumulated in this interval, how often, what is pending) lives
 here, on the training thread.
@@ -20,11 +20,12 @@ here, on the training thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from ._memory import gather_columns, host_copy
 from .config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings, num_selected
 from .cpu_ops.accumulate import accumulate_unchecked
 from .device_model import current_chaos
+from .handover import HandOver
 from .host import HostWorkerError
 from .link import make_link
 from .schedule import Schedule, resolve_schedule
@@ -154,18 +156,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._seed_from_host = False
         self._pending: list[int] = []  # parameters whose host result awaits its write-back
         self._stats = _Telemetry()
-        # when gradients cross during backward (docs/design.md section 5.1): a hook hands a full staging slot to
-        # the host only once the step's gradients are known final at their hooks: declared
-        # (set_requires_gradient_sync / no_sync; the integrations), and seen so in a whole step first
-        # ("learning" -> "on"); a step that shows otherwise (a hook firing twice, a gradient changed after
-        # its hook) turns it "off" for the run: gradients then cross at step(), exact
-        self._requires_sync = True
-        self._sync_source = None  # an integration's "is this backward the last before step()?" (callable)
-        self._handover = "learning"
-        self._handover_why = "no step yet"
-        self._fired: set[int] = set()  # parameters whose hook fired since the last step()
-        self._repeat = False  # a hook fired twice since the last step(): an undeclared second backward
-        self._hook_report: tuple[bool, set[int]] = (True, set())  # the link's, for this step
+        # whether gradients cross to the host from backward's hooks (docs/design.md section 5.1; handover.py): the
+        # mode is set at the first step, when the link is known
+        self._handover = HandOver("on", "no step yet")
+        # this step's numbers: GradScaler's scale and its float32 reciprocal (the fused-optimizer protocol), and
+        # the clipping norm in force (max_grad_norm, or a clip_grad_norm_() request for this step, the smaller)
+        self._amp, self._inv_amp, self._max_norm = 1.0, 1.0, max_grad_norm
+        self._clip_request: float | None = None  # clip_grad_norm_() since the last step (the smallest asked)
+        self._clip_norms: list[torch.Tensor] = []  # the tensors it returned: step() writes the norm into them
         self._warned: set[str] = set()
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -265,6 +263,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # the sums stay on the device until a streamed update fetches them block by block
             num_acc=0 if self._sums_stay else 2 if overlap and not self.config.device_accumulation else 1,
             disk=self._state_files(),
+            # where the sums are on the device, no gradient crosses per step: no landing area
+            landing=not self.config.device_accumulation,
         )
         self._host = self._link.host
         # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket
@@ -283,14 +283,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # the training thread's ledger: gradients counted into each accumulation buffer this interval
         self._counts = [[0] * len(self._params) for _ in self._host.acc or self._device_accs]
         # an asynchronous link starts each gradient's copy as soon as backward produces it, where that is the
-        # step's gradient (ZeRO averages it in step() first); ZeRO-2's reductions start from the hooks
+        # step's gradient (ZeRO averages it in step() first) and it crosses at every step (not summed on the
+        # device); ZeRO-2's reductions start from the hooks
+        copies = self._link.asynchronous and self._shard.final_at_backward and not self.config.device_accumulation
+        why = ("ZeRO-2 reduces gradients to their owners first" if self._shard.consumes_hooks else
+               "a synchronous link (nothing to overlap)" if not self._link.asynchronous else
+               "ZeRO-1 averages gradients in step()" if not self._shard.final_at_backward else
+               "device_accumulation: gradients are summed on the device and cross once per update"
+               if self.config.device_accumulation else
+               "EARLY_HANDOVER is False" if not self.EARLY_HANDOVER else
+               "gradients cross from backward's hooks (each checked at step() against its fingerprint)")
+        self._handover.mode = "on" if copies and self.EARLY_HANDOVER else "off"
+        self._handover.why = why
         hooks = []
-        if not (self._link.asynchronous and self._shard.final_at_backward):
-            self._handover, self._handover_why = "off", (
-                "ZeRO-2 reduces gradients to their owners first" if self._shard.consumes_hooks else
-                "ZeRO-1 averages gradients in step()" if self._link.asynchronous else
-                "a synchronous link (nothing to overlap)")
-        if self._link.asynchronous and self._shard.final_at_backward or self._shard.consumes_hooks:
+        if self._handover.mode == "on" or self._shard.consumes_hooks:
             ref = weakref.ref(self)
             hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
         # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
@@ -330,30 +336,24 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     bench.nvme). False (on the class or an instance, before the first step) uses the page cache."""
 
     def _grad_ready(self, i: int, p: torch.Tensor) -> None:
-        """Backward finished parameter ``i``'s gradient: start its copy to the host if the host path will
-        need it at the coming step (every parameter in warm-up, matrices after). Where the step's gradients
-        are final at their hooks (``_handover == "on"``) full staging slots go to the host now; otherwise
-        step() re-copies what changed before then (another micro-batch, clipping, unscaling)."""
+        """Backward finished parameter ``i``'s gradient: start its copy to the host if the host path will need
+        it at the coming step (every parameter in warm-up, matrices after) and the hand-over policy says so
+        (the last backward of a step, declared or learned: handover.py). ``step()`` checks it is still what
+        was copied, and copies again what is not (docs/design.md section 5.1)."""
         if self._closed:
             return
-        final = self._requires_sync and (self._sync_source is None or self._sync_source())
+        final = self._handover.final()
         if self._shard.consumes_hooks:  # ZeRO-2: the gradient goes to its owner first, averaged
             self._shard.grad_ready(i, self._check_grad, final)
             return
-        if not final:  # declared: a later backward still adds to it; the last one's hook copies it
-            return
-        if i in self._fired:
-            self._repeat = True
-        self._fired.add(i)
-        if not self.schedule.is_warmup(self.t) and (p.dim() != 2 or self._device_accs) or self._sums_stay:
-            return  # (the sums staying on the device: warm-up's gradients are added there at step() too)
-        early = self.EARLY_HANDOVER and self._handover == "on" and not self._repeat
-        self._link.stage(i, self._shard.own_grad(i), self._acc_buf if early else None)
+        if not final or not (self._params[i].dim() == 2 or self.schedule.is_warmup(self.t)):
+            return  # declared: a later backward still adds to it; or a vector after warm-up (device only)
+        if self._handover.copy_now(i):
+            self._link.stage(i, self._shard.own_grad(i))
 
     EARLY_HANDOVER = True
-    """Full staging slots go to the host from backward's hooks once the step's gradients are known final there
-    (docs/design.md section 5.1). False (on the class or an instance) leaves them to step(), as before: for
-    comparison (bench.overlap)."""
+    """Gradients cross to the host from backward's hooks (docs/design.md section 5.1). False (on the class or an
+    instance, before the first step) copies them at step(), after backward: for comparison (bench.overlap)."""
 
     ZERO_BUCKET_NUMEL = 1 << 23
     """ZeRO-2 reduces matrices' gradients in buckets of at most this many elements (one owner, one dtype)."""
@@ -378,18 +378,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         zen = "".join(f"    {k}: {v!r}\n" for k, v in self.config.to_dict().items())
         return f"{base[:-1]}ZenFlow\n{zen}    max_grad_norm: {self.max_grad_norm!r}\n)"
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool | Callable[[], bool]) -> None:
         """Declare whether the coming backward passes are the last before ``step()`` (True, the default) or
         micro-batches whose gradients a later backward still adds to (False), as FSDP2's
-        ``set_requires_gradient_sync`` does for its reduce-scatter. Backward hooks copy nothing to the host
-        while it is False (the gradients would change), and where every step's gradients are final at
-        their hooks, full staging slots go to the host during the last backward instead of after it
-        (docs/design.md section 5.1). Undeclared accumulation stays exact; it only crosses after backward
-        (one warning says so). The Hugging Face and Lightning callbacks declare it from the trainer."""
-        if not isinstance(requires_gradient_sync, bool):
+        ``set_requires_gradient_sync`` does for its reduce-scatter; or give a callable that answers it at each
+        backward (the Hugging Face callback passes accelerate's ``sync_gradients``). Backward hooks copy nothing
+        to the host while it is False, so only the last micro-batch's gradients cross, during its backward
+        (docs/design.md section 5.1). Results never depend on it: undeclared micro-batches are exact too (the
+        optimizer learns how many backward passes a step has), declaring only saves copies."""
+        if isinstance(requires_gradient_sync, bool):
+            self._handover.requires_sync, self._handover.sync_source = requires_gradient_sync, None
+        elif callable(requires_gradient_sync):
+            self._handover.requires_sync, self._handover.sync_source = True, requires_gradient_sync
+        else:
             raise TypeError(f"ZenFlowAdamW.set_requires_gradient_sync: requires_gradient_sync="
-                            f"{requires_gradient_sync!r} is invalid: allowed True or False")
-        self._requires_sync = requires_gradient_sync
+                            f"{requires_gradient_sync!r} is invalid: allowed True, False or a callable returning one")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -401,12 +404,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     loss_fn(model(batch)).backward()
             opt.step()
         """
-        before = self._requires_sync
-        self._requires_sync = False
+        before = self._handover.requires_sync
+        self._handover.requires_sync = False
         try:
             yield
         finally:
-            self._requires_sync = before
+            self._handover.requires_sync = before
 
     def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
         """Give the epoch length, in optimizer steps (batches divided by gradient-accumulation steps,
@@ -474,11 +477,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Parameters <- the flushed weights, keeping the live ones to restore (no-op when already inside)."""
         if self._unflushed is not None or not self._built or self._closed:
             return
-        if self._link.handed_this_step:
-            raise RuntimeError(
-                "ZenFlowAdamW.flushed() between backward and step(): backward's hooks have already added part of "
-                "this step's gradients to the host sums (docs/design.md section 5.1). Save or evaluate after "
-                "step() (or before backward)")
         self._drain()
         self._link.synchronize()  # the last write-back and fast step have landed in the live weights
         self._unflushed = {i: host_copy(self._local[i]) for i in self._pending}
@@ -557,8 +555,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def host_bytes(self) -> dict:
         """The optimizer's host memory, by buffer, in bytes as allocated (each buffer's storage; ``{}``
         before the first step): ``master``, ``exp_avg``, ``exp_avg_sq``, ``accumulation`` (one or two
-        buffers), ``copy_out`` (one per parameter dtype, sized by that dtype's parameters), ``staging``
-        (the ring of an asynchronous link, bounded), their sum ``total`` and ``per_parameter`` (over
+        buffers), ``copy_out`` (one per parameter dtype, sized by that dtype's parameters), ``landing`` (an
+        asynchronous link's landing area, laid out like the copy-out: a step's gradients in their dtype until
+        ``step()`` folds them into the sums; 0 on the synchronous link and with ``device_accumulation``), their
+        sum ``total`` and ``per_parameter`` (over
         the parameters this rank's host holds: under ZeRO its own run). Beside them, not in ``total``:
         ``fast_state`` (the fast path's Adam state in host memory: on a CPU run, or offloaded) and
         ``device_sums`` (``device_accumulation``'s buffer when the device is the CPU), and with
@@ -609,6 +609,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not self._built:
             self._build()
         self._link.check()
+        amp, inv_amp, overflow = self._grad_scaler()
+        max_norm, norms_out = self._take_clip_request()
         active = self._shard.active()
         own_grad, local = self._shard.own_grad, self._local
         grads = [(i, g) for i in active if (g := own_grad(i)) is not None]
@@ -624,15 +626,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._check_grad(i, g)
         self._compact = None
         self._shard.gather(active)
-        norm = self._shard.grad_norm(active)
-        if not math.isfinite(norm):
+        norm = self._shard.grad_norm(active) / amp  # (a power-of-two scale divides exactly)
+        for out in norms_out:
+            out.fill_(norm)
+        if overflow or not math.isfinite(norm):
             self.skipped_steps += 1
-            self._link.discard()
-            self._hook_report = self._link.take_step_report()
-            self._restart_counts(self._hook_report[1])
-            self._after_hooks(skipped=True)
+            self._link.discard()  # nothing of this step reached the host sums: nothing to take back
+            self._handover.stepped(self.t, *self._link.step_bytes())
             return loss
-        coef = None if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
+        self._amp, self._inv_amp, self._max_norm = amp, inv_amp, max_norm
+        coef = None if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
         t0 = time.perf_counter()
         if self._stats.first_step_start is None:
             self._stats.first_step_start = t0
@@ -641,11 +644,60 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         else:
             self._zenflow_step(self.t, active, coef)
         self._link.join()  # the write-backs of this step are visible to whatever runs next
-        self._after_hooks(skipped=False)
+        self._handover.stepped(self.t, *self._link.step_bytes())
         self._stats.last_step_end = time.perf_counter()
         self._stats.step_seconds.append(self._stats.last_step_end - t0)
         self.t += 1
         return loss
+
+    # GradScaler's protocol for optimizers that unscale inside their step (torch.amp.GradScaler.step): the scaler
+    # does not rewrite the gradients; it sets ``grad_scale`` and ``found_inf`` on the optimizer for the length of
+    # step() (``grad_scale`` None after the user's own ``scaler.unscale_(opt)``), and never skips step() itself
+    _step_supports_amp_scaling = True
+
+    def _grad_scaler(self) -> tuple[float, float, bool]:
+        """``(scale, its float32 reciprocal, overflow)`` of this step: what a GradScaler set (``1.0, 1.0, False``
+        without one). The reciprocal is GradScaler's own (float64, then float32), which multiplies each gradient
+        as the scaler's in-place unscale would: for a power-of-two scale (its growth and backoff by 2) exactly."""
+        scale, found = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        amp = 1.0 if scale is None else float(scale)
+        if not (math.isfinite(amp) and amp > 0):
+            raise ValueError(f"ZenFlowAdamW.step(): grad_scale={amp!r} (set by a GradScaler) is invalid: allowed a "
+                             "finite number > 0")
+        return amp, float(np.float32(1.0 / amp)), found is not None and float(found) != 0.0
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the coming ``step()``'s gradients by their global norm inside the optimizer, as ``max_grad_norm``
+        does (the fast path by this step's gradient norm; a host update at this step by the interval's mean
+        gradient norm), instead of rewriting ``.grad`` as ``torch.nn.utils.clip_grad_norm_`` does: the
+        gradients stay what backward produced, so they keep crossing to the host during backward. The smaller of
+        this and ``max_grad_norm`` applies; ``max_norm=inf`` clips nothing (the norm only). The trainer
+        integrations route the Hugging Face ``max_grad_norm`` and Lightning's ``gradient_clip_val`` here.
+
+        Returns a 0-dim float32 tensor on the parameters' device that ``step()`` fills with the global L2 norm of
+        the step's gradients (unscaled under a GradScaler, averaged under ZeRO): read it after ``step()`` (the
+        Hugging Face Trainer logs it then); NaN until then, or if no ``step()`` follows. Only ``norm_type=2``."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ValueError(f"ZenFlowAdamW.clip_grad_norm_: max_norm={max_norm!r} is invalid: allowed a number > 0 "
+                             "(inf: no clipping)")
+        if norm_type != 2:
+            raise ValueError(f"ZenFlowAdamW.clip_grad_norm_: norm_type={norm_type!r} is invalid: allowed 2 (the "
+                             "optimizer clips by the global L2 norm)")
+        if math.isfinite(max_norm):
+            self._clip_request = min(float(max_norm), self._clip_request or math.inf)
+        device = self._local[0].device if self._built else self._params[0].device if self._params else "cpu"
+        norm = torch.full((), math.nan, dtype=torch.float32, device=device)
+        self._clip_norms.append(norm)
+        return norm
+
+    def _take_clip_request(self) -> tuple[float | None, list[torch.Tensor]]:
+        """This step's clipping norm (``max_grad_norm`` and a ``clip_grad_norm_`` request, the smaller; None: no
+        clipping) and the tensors to write its gradient norm into; the request is used up."""
+        request, norms = self._clip_request, self._clip_norms
+        self._clip_request, self._clip_norms = None, []
+        limits = [x for x in (self.max_grad_norm, request) if x is not None]
+        return (min(limits) if limits else None), norms
 
     def _check_grad(self, i: int, g: torch.Tensor) -> None:
         p = self._local[i]
@@ -678,63 +730,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         count them. With ``fuse`` (a synchronous update follows at once) a CPU link may hand large
         gradients back un-accumulated, ``{index: grad}``, for ``HostShard.update(last=...)``."""
         buf = self._acc_buf
-        fuse_min = self.FUSE_MIN_NUMEL if fuse and self.max_grad_norm is None else None
+        fuse_min = self.FUSE_MIN_NUMEL if fuse and self._max_norm is None and self._inv_amp == 1.0 else None
         mine = self._shard.mine(indices)
-        last = self._link.accumulate([(i, self._shard.grad(i)) for i in mine], buf, fuse_min_numel=fuse_min)
-        self._hook_report = self._link.take_step_report()
-        self._restart_counts(self._hook_report[1])
+        last = self._link.accumulate([(i, self._shard.grad(i)) for i in mine], buf, scale=self._inv_amp,
+                                     fuse_min_numel=fuse_min)
         self._count(indices)
         return last
-
-    def _restart_counts(self, indices) -> None:
-        """These parameters' intervals restarted (the link zeroed their sums): their counts start again."""
-        counts = self._counts[self._acc_buf]
-        for i in indices:
-            counts[i] = 0
-        self._stats.interval_restarts += len(indices)
-
-    def _after_hooks(self, *, skipped: bool) -> None:
-        """What this step showed about its gradients at their hooks, for the next steps' hand-over, and the
-        warnings about it (each once)."""
-        clean, restarted = self._hook_report
-        fired, repeat = bool(self._fired), self._repeat
-        self._hook_report, self._fired, self._repeat = (True, set()), set(), False
-        if repeat and not restarted:
-            self._warn_once(
-                "accumulation",
-                "ZenFlowAdamW: a gradient's hook fired twice before step() (undeclared gradient accumulation over "
-                "micro-batches, or a second backward): gradients are then final only at step(), so they cross to the "
-                "host after backward instead of during it (results stay exact). Declare the micro-batches that a "
-                "later one still adds to: `with opt.no_sync(): loss.backward()` for all but the last (or "
-                "opt.set_requires_gradient_sync(False/True); FSDP2: model.set_requires_gradient_sync); the Hugging "
-                "Face and Lightning ZenFlowCallback do it for you")
-        if restarted and skipped:
-            self._warn_once(
-                "skip-restart",
-                f"ZenFlowAdamW: step {self.t} held inf/NaN gradients after {len(restarted)} parameters' finite "
-                "gradients had reached the host accumulation during backward; the step is skipped, and those "
-                "parameters' host interval restarts at the next step (a sum cannot be taken back; docs/design.md "
-                "section 5.1)")
-        elif restarted:
-            self._warn_once(
-                "handover-restart",
-                f"ZenFlowAdamW: step {self.t}: {len(restarted)} gradients changed after backward's hooks had handed "
-                "them to the host (a second backward or an in-place change, where the earlier steps had none): their "
-                "host interval restarts at this step. Gradients now cross at step() for the rest of the run; declare "
-                "micro-batches with opt.no_sync()")
-        if not fired or skipped and not repeat:  # a skipped step's gradients were not compared at step()
-            return
-        ok = clean and not repeat
-        if self._handover == "learning":
-            self._handover = "on" if ok else "off"
-            self._handover_why = ("every gradient final at its hook" if ok else
-                                  "a second backward before step()" if repeat else
-                                  "gradients changed between backward and step() (clipping, unscaling, an in-place "
-                                  "write) or were not stepped")
-        elif self._handover == "on" and (repeat or not ok and not skipped):
-            self._handover = "off"
-            self._handover_why = f"step {self.t}: " + ("a second backward" if repeat else "a gradient changed after "
-                                                                                          "its hook")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -749,9 +750,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if acc.device.type == "cpu" and all(g.is_contiguous() for g in grads):
             # the numba pass widens each gradient as it reads it (the bits of torch's add); torch's mixed-dtype
             # add makes an fp32 copy of every bf16/fp16 gradient first: per-step temporaries (see _memory)
-            accumulate_unchecked(sums, grads)
-        else:
+            accumulate_unchecked(sums, grads, scale=self._inv_amp)
+        elif self._inv_amp == 1.0:
             torch._foreach_add_(sums, grads)
+        else:  # (a power-of-two scale: exact whether or not the device fuses the multiply into the add)
+            torch._foreach_add_(sums, grads, alpha=self._inv_amp)
         self._count(indices)
 
     def _count(self, indices: list[int]) -> None:
@@ -775,7 +778,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._link.wait(accumulated)
         mine = {i: counts[i] for i in self._shard.mine(counts)}
         result = self._host.update(
-            self._acc_buf, mine, self._hyper(), self.max_grad_norm, self._link.copy_out_guard(), last=last,
+            self._acc_buf, mine, self._hyper(), self._max_norm, self._link.copy_out_guard(), last=last,
             sum_over_ranks=self._sum_over_ranks(), sums=self._fetched_sums(mine),
         )
         self._zero_sums_read()  # (the sums staying on the device: the update has fetched them)
@@ -784,7 +787,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _sum_over_ranks(self):
         """ZeRO with clipping: how a host update turns its shard's sum of squares into the model's."""
-        return self._shard.sum_over_ranks() if self.max_grad_norm is not None else None
+        return self._shard.sum_over_ranks() if self._max_norm is not None else None
 
     def _fetched_sums(self, mine) -> DeviceSums | None:
         """The sums staying on the device: this interval's buffer for the update of ``mine`` to fetch from (its
@@ -794,7 +797,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         acc = self._device_acc
         self._sums_read = [self._host.view(acc, i) for i in mine]
         fetched = sum(t.numel() for t in self._sums_read) * 4
-        self._link.d2h_bytes += fetched * (2 if self.max_grad_norm is not None else 1)  # (clipping reads twice)
+        self._link.d2h_bytes += fetched * (2 if self._max_norm is not None else 1)  # (clipping reads twice)
         return self._link.device_sums(acc)
 
     def _zero_sums_read(self) -> None:
@@ -806,9 +809,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _warmup_step(self, active: list[int]) -> None:
         """ZeRO-Offload: every parameter gets a synchronous host AdamW step, then all of it is copied back."""
-        if self._sums_stay:  # no host accumulation buffer: the step's gradients are added on the device
+        last = {}
+        if self._device_accs:  # the step's gradients are added on the device, as after warm-up
             self._accumulate_on_device(active)
-            last = {}
+            if not self._sums_stay:  # ... and cross at once (the update on disk fetches them itself)
+                acc = self._device_acc
+                self._link.upload([(i, self._host.view(acc, i)) for i in self._shard.mine(active)], self._acc_buf)
         else:
             last = self._accumulate(active, fuse=True)
         self._sync_host_update(self._take_counts(active), last)
@@ -898,6 +904,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _reselect(self, indices: list[int]) -> None:
         """New top-k columns for these matrices; state moves with the columns that stay."""
         importances = [self._setting(i, "importance") for i in indices]
+        if self._amp != 1.0:  # a scorer of one's own sees the gradient unscaled, as it would without GradScaler
+            importances = [_unscaled(f, self._inv_amp) if callable(f) else f for f in importances]
         scores = self._shard.scores(indices, importances)
         ks = [num_selected(self._setting(i, "topk_ratio"), self._params[i].shape[1]) for i in indices]
         chosen = self._choose(indices, importances, scores, ks)
@@ -1052,7 +1060,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 grad, idx = own_grad(i)[None], None  # [1, n], as the parameter's view
             items.append((pv, grad, idx, st["exp_avg"], st["exp_avg_sq"], st.get("master"), st["step"], *numbers[gi]))
             keys.append(group_keys[gi])
-        grad_scale = 1.0 if coef is None else 1.0 / coef
+        grad_scale = self._amp if coef is None else self._amp / coef  # GradScaler's scale, clipping
         distinct = dict.fromkeys(keys)
         for key in distinct:
             chosen = items if len(distinct) == 1 else [item for item, kk in zip(items, keys, strict=True) if kk == key]
@@ -1117,7 +1125,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 sel = self.state[p]["selected"]
                 sel_sum = mags[sel].sum()
                 pairs.append(torch.stack([sel_sum / sel.numel(), (mags.sum() - sel_sum) / (p.shape[1] - sel.numel())]))
-            means = torch.stack(pairs).double().tolist()  # one device sync for all matrices
+            # (under a GradScaler the gradients are scaled: its power-of-two scale divides the magnitudes exactly)
+            means = (torch.stack(pairs).double() / self._amp).tolist()  # one device sync for all matrices
             for p, (sel_mean, unsel_mean) in zip(params, means, strict=True):
                 st = self.state[p]
                 st["auto_selected"] = st.get("auto_selected", 0.0) + sel_mean
@@ -1131,8 +1140,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if not set_to_none and self._built:
-            self._link.before_grad_write()  # copies still reading the gradients finish first
+        """As ``torch.optim.Optimizer.zero_grad``. Between a backward and its ``step()`` it skips that batch: what
+        backward's hooks copied to the host is dropped (none of it reached the sums), the hand-over stays as it
+        was, and no clipping requested for the step applies."""
+        if self._built:
+            if self._handover.fired:  # a batch dropped before step() (a gradient-norm guard, say): a skip
+                self._link.discard()
+                self._link.step_bytes()  # (not a step: nothing to learn from its copies)
+                self._handover.skipped()
+            if not set_to_none:
+                self._link.before_grad_write()  # copies still reading the gradients finish first
+        self._clip_request, self._clip_norms = None, []
         super().zero_grad(set_to_none=set_to_none)
 
     def _host_update(self, last: dict[int, torch.Tensor] | None = None) -> None:
@@ -1159,7 +1177,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         else:
             self._write_back(self._pending)  # the previous interval's result lands now
             accumulated, guard = self._link.accumulation(), self._link.copy_out_guard()
-            hyper, buf, host, max_norm = self._hyper(), self._acc_buf, self._host, self.max_grad_norm
+            hyper, buf, host, max_norm = self._hyper(), self._acc_buf, self._host, self._max_norm
             mine, ranks_sum = {i: counts[i] for i in self._shard.mine(counts)}, self._sum_over_ranks()
             shard, dtypes = self._shard, {i: self._params[i].dtype for i in counts}
             sums = self._fetched_sums(mine)  # (read in the background: the next interval uses the other buffer)
@@ -1240,11 +1258,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                        seed_from_host=self._seed_from_host)
         zenflow["zero"] = dict(stage=self.zero_stage, world=self._shard.world, rank=self._shard.rank,
                                consolidated=consolidated)
-        if self._built and self._link.handed_this_step:
-            raise RuntimeError(
-                "ZenFlowAdamW.state_dict() between backward and step(): backward's hooks have already added part of "
-                "this step's gradients to the host sums (docs/design.md section 5.1), so a checkpoint now would hold "
-                "half a step. Save after step() (or before backward)")
         if self._built:
             self._link.check()  # a failed host update may have left half its result: no torn state handed out
             self._drain()
@@ -1476,6 +1489,16 @@ _HOST_KEYS = frozenset({"host_master", "host_exp_avg", "host_exp_avg_sq", "host_
                         "unflushed"})
 
 
+def _unscaled(scorer, inv_scale: float):
+    """A selection scorer called with the gradient times ``inv_scale`` (GradScaler's reciprocal)."""
+
+    @functools.wraps(scorer)
+    def scores(grad, param):
+        return scorer(grad * inv_scale, param)
+
+    return scores
+
+
 def _grad_ready_hook(ref: weakref.ref, i: int):
     def hook(p: torch.Tensor) -> None:
         opt = ref()  # a weak reference: the hook must not keep the optimizer alive
@@ -1493,7 +1516,7 @@ def _shutdown(link, torch_threads: int | None, hooks) -> None:
         torch.set_num_threads(torch_threads)
 
 
-_LINK_COUNTERS = ("waited_s", "accumulate_s", "d2h_bytes", "h2d_bytes", "early_bytes")
+_LINK_COUNTERS = ("waited_s", "accumulate_s", "d2h_bytes", "h2d_bytes", "early_bytes", "unused_bytes")
 
 
 class _Telemetry:
@@ -1508,7 +1531,6 @@ class _Telemetry:
         self.selection_steps: list[int] = []
         self.jaccard: list[float] = []
         self.captured: list[float] = []
-        self.interval_restarts = 0  # parameters whose host interval restarted (docs/design.md section 5.1)
 
     def retire(self, link) -> None:
         """Keep a link's counters before it is replaced."""
@@ -1559,17 +1581,18 @@ class _Telemetry:
             "d2h_bytes": int(moved["d2h_bytes"]),
             "h2d_bytes": int(moved["h2d_bytes"]),
             "d2h_bytes_per_step": moved["d2h_bytes"] / opt.t if opt.t else 0.0,
-            # of them, gradient bytes backward's hooks handed to the host accumulation during backward
+            # of them, gradient bytes that crossed during backward (copied by backward's hooks, used by step()),
+            # and bytes hooks copied that were not used (copied again after a change or by a later backward's
+            # hook, or dropped with a skipped step or batch): docs/design.md section 5.1
             "d2h_bytes_in_backward": int(moved["early_bytes"]),
+            "d2h_bytes_unused": int(moved["unused_bytes"]),
             "h2d_bytes_per_step": moved["h2d_bytes"] / opt.t if opt.t else 0.0,
             # ZeRO: payload bytes each kind of collective carried (gradients, gradient presence, write-back,
             # host state, clipping norm, checkpoint); empty on one rank
             "host_bytes": opt.host_bytes(),
-            # gradients crossing during backward (docs/design.md section 5.1): "learning" (first step), "on" or
-            # "off", why, and parameters whose host interval restarted because a hand-over could not stand
-            "handover": opt._handover if opt.EARLY_HANDOVER else "off",
-            "handover_why": opt._handover_why if opt.EARLY_HANDOVER else "EARLY_HANDOVER is False",
-            "interval_restarts": self.interval_restarts,
+            # gradients crossing during backward (docs/design.md section 5.1): "on" or "off", and why
+            "handover": opt._handover.mode,
+            "handover_why": opt._handover.why,
             "collective_bytes": dict(opt._shard.bytes),
             "collective_bytes_per_step": {k: v / opt.t for k, v in opt._shard.bytes.items()} if opt.t else {},
         }

@@ -21,10 +21,10 @@ __all__ = ["Timeline", "chaos"]
 def chaos(seed: int = 0, max_delay: float = 0.005, *, d2h_bytes_per_s: float | None = None,
           h2d_bytes_per_s: float | None = None, timeline: Timeline | None = None) -> Iterator[Chaos]:
     """Every ``ZenFlowAdamW`` created inside this block whose parameters are on CPU uses the asynchronous
-    CPU link instead of the synchronous one: the protocol of the CUDA link (a staging ring, a D2H and an
+    CPU link instead of the synchronous one: the protocol of the CUDA link (a landing area, a D2H and an
     H2D copy thread standing in for the streams, an accumulation worker, completions as futures, and
     the same waits), with a random delay of up to ``max_delay`` seconds, drawn from ``seed``, split
-    before and after every asynchronous job: gradient staging, accumulation, host update, write-back.
+    before and after every asynchronous job: gradient copies, folds, host update, write-back.
     Under ZeRO (several ranks) each rank also sleeps before every collective, with a sequence of its
     own, so the ranks arrive out of step and asynchronous reductions complete late.
 

@@ -20,6 +20,7 @@ __all__ = [
     "multi_column_scores",
     "multi_topk_columns",
     "multi_selective_adamw_",
+    "multi_fingerprint",
 ]
 
 
@@ -224,3 +225,41 @@ def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale) -> None:
     """The work of ``multi_selective_adamw_`` on items as :func:`multi_adamw_args` returns them."""
     for p, g, idx, m, v, w, step, lr, wd in items:
         _adamw(p, g, idx, m, v, w, step, lr, beta1, beta2, eps, wd, grad_scale)
+
+
+# -- fingerprints (docs/design.md section 5.1) ----------------------------------------------------------------
+# int64 arithmetic wraps modulo 2**64 like uint64; only the right shifts differ (arithmetic on int64), so each is
+# masked to the bits a logical shift keeps.
+
+FMIX_1 = 0xFF51AFD7ED558CCD - (1 << 64)  # murmur3's fmix64 multipliers, as the int64 with their bits
+FMIX_2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
+_LOW31 = (1 << 31) - 1  # what survives a logical right shift by 33
+
+
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """The tensor's 32-bit words (row-major; 2-byte elements in pairs, low half first), as int64 in [0, 2**32)."""
+    flat = x.reshape(-1)
+    if x.element_size() == 4:
+        return flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = flat.view(torch.int16).to(torch.int64) & 0xFFFF
+    if bits.numel() % 2:
+        bits = torch.cat([bits, bits.new_zeros(1)])
+    return bits[0::2] | (bits[1::2] << 16)
+
+
+def _fingerprint(x: torch.Tensor, key: int) -> torch.Tensor:
+    words = _words(x)
+    z = torch.arange(words.numel(), dtype=torch.int64, device=x.device) + (key - (1 << 64) if key >> 63 else key)
+    z = z ^ ((z >> 33) & _LOW31)
+    z = z * FMIX_1
+    z = z ^ ((z >> 33) & _LOW31)
+    z = z * FMIX_2
+    z = z ^ ((z >> 33) & _LOW31)
+    return (words * (z | 1)).sum()
+
+
+def multi_fingerprint(tensors, key: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    tensors, key, out = V.fingerprint_args("multi_fingerprint", tensors, key, out)
+    for n, x in enumerate(tensors):
+        out[n] = _fingerprint(x, key)
+    return out

@@ -332,10 +332,11 @@ def accumulate_kernel(acc, grad):
 
 
 @njit(**_JIT)
-def multi_accumulate_kernel(acc_addrs, grad_addrs, numels, chunk_starts, chunk, grad_proto):
-    """``acc_t[i] += float32(grad_t[i])`` for every tensor pair t (``numels[t]`` elements at ``acc_addrs[t]``,
-    float32, and at ``grad_addrs[t]``, of ``grad_proto``'s type); work item ``c`` is chunk ``j`` of tensor t
-    (items ``chunk_starts[t]`` to ``chunk_starts[t + 1] - 1``), indexed from 0 in slices (see
+def multi_accumulate_kernel(acc_addrs, grad_addrs, numels, chunk_starts, chunk, grad_proto, scale):
+    """``acc_t[i] += float32(grad_t[i]) * scale`` for every tensor pair t (``numels[t]`` elements at
+    ``acc_addrs[t]``, float32, and at ``grad_addrs[t]``, of ``grad_proto``'s type; ``scale`` float32, the product
+    rounded before the addition, so ``scale == 1`` gives the bits of ``acc + grad``); work item ``c`` is chunk
+    ``j`` of tensor t (items ``chunk_starts[t]`` to ``chunk_starts[t + 1] - 1``), indexed from 0 in slices (see
     ``multi_sum_squares_kernel``)."""
     state_proto = np.empty(0, dtype=np.float32)
     for c in prange(chunk_starts[chunk_starts.size - 1]):
@@ -345,7 +346,7 @@ def multi_accumulate_kernel(acc_addrs, grad_addrs, numels, chunk_starts, chunk, 
         acc = carray(pointer_at(acc_addrs[t], state_proto), numels[t])[lo:hi]
         grad = carray(pointer_at(grad_addrs[t], grad_proto), numels[t])[lo:hi]
         for i in range(acc.size):
-            acc[i] = acc[i] + load_f32(grad, i)
+            acc[i] = acc[i] + load_f32(grad, i) * scale
 
 
 @njit(fastmath=REDUCE_FASTMATH, **_JIT)
@@ -375,6 +376,57 @@ def multi_sum_squares_kernel(addrs, numels, chunk_starts, chunk, proto, out):
         for i in range(x.size):
             v = np.float64(load_f32(x, i))
             s += v * v
+        out[c] = s
+
+
+# Gradient fingerprints (docs/design.md section 5.1): a linear hash of a tensor's bits over the integers modulo
+# 2**64. Word k of a tensor is its element k's bits (4-byte dtypes), or elements 2k and 2k + 1 in the low and high
+# half (2-byte dtypes; a missing last element is 0); its weight is murmur3's 64-bit finalizer of (k + key), made
+# odd. Every backend (this one, Triton, torch) computes the same value: wrapping sums are order-free.
+_FMIX_1 = np.uint64(0xFF51AFD7ED558CCD)
+_FMIX_2 = np.uint64(0xC4CEB9FE1A85EC53)
+_SHIFT = np.uint64(33)
+_HALF = np.uint64(16)
+_ONE = np.uint64(1)
+
+
+@njit(inline="always")
+def fingerprint_weight(k, key):
+    """The odd weight of word ``k`` (uint64 arithmetic throughout: an int64 operand would make numba compute
+    in float64)."""
+    z = np.uint64(k) + key
+    z ^= z >> _SHIFT
+    z *= _FMIX_1
+    z ^= z >> _SHIFT
+    z *= _FMIX_2
+    z ^= z >> _SHIFT
+    return z | _ONE
+
+
+@njit(**_JIT)
+def multi_fingerprint_kernel(addrs, numels, chunk_starts, chunk, proto, key, out):
+    """``out[c]`` = the wrapping uint64 sum of ``word_k * weight(k)`` over work item ``c``: words ``chunk * j`` to
+    ``chunk * (j + 1) - 1`` of tensor t (its ``j``-th chunk; tensor t owns items ``chunk_starts[t]`` to
+    ``chunk_starts[t + 1] - 1``), each tensor ``numels[t]`` elements of ``proto``'s type (uint32, or uint16: two
+    elements a word) at ``addrs[t]``."""
+    wide = proto.itemsize == 4
+    for c in prange(chunk_starts[chunk_starts.size - 1]):
+        t = np.searchsorted(chunk_starts, c, side="right") - 1
+        lo = (c - chunk_starts[t]) * chunk
+        n = numels[t]
+        s = np.uint64(0)
+        if wide:
+            x = carray(pointer_at(addrs[t], proto), n)[lo : min(n, lo + chunk)]
+            for k in range(x.size):
+                s += np.uint64(x[k]) * fingerprint_weight(lo + k, key)
+        else:
+            x = carray(pointer_at(addrs[t], proto), n)[2 * lo : min(n, 2 * (lo + chunk))]
+            full = x.size // 2
+            for k in range(full):
+                word = np.uint64(x[2 * k]) | (np.uint64(x[2 * k + 1]) << _HALF)
+                s += word * fingerprint_weight(lo + k, key)
+            if x.size % 2:
+                s += np.uint64(x[x.size - 1]) * fingerprint_weight(lo + full, key)
         out[c] = s
 
 

@@ -36,15 +36,17 @@ def accumulate_(acc: torch.Tensor, grad: torch.Tensor, *, num_threads: int | Non
     C.bump_versions(acc)
 
 
-def multi_accumulate_(accs, grads, *, num_threads: int | None = None) -> None:
-    """``acc += grad`` for every pair, in place: one launch per gradient dtype present (usually one) instead
-    of a call per tensor, each element one fp32 addition (the bits of ``accumulate_`` and of
-    ``acc.add_(grad.float())``).
+def multi_accumulate_(accs, grads, *, scale: float = 1.0, num_threads: int | None = None) -> None:
+    """``acc += grad * scale`` for every pair, in place: one launch per gradient dtype present (usually one)
+    instead of a call per tensor. Each element is ``float32(grad) * float32(scale)`` rounded, then one fp32
+    addition: with ``scale=1`` the bits of ``accumulate_`` and of ``acc.add_(grad.float())``; with a power of two
+    (a loss scaler's ``1 / scale``) the bits of adding the gradient unscaled in place.
 
     Args:
         accs: a list of fp32 contiguous CPU tensors; updated in place.
         grads: a list as long, of fp32, bf16 or fp16 contiguous CPU tensors, each with its acc's number of
             elements (any shapes); read only. No two tensors of either list may share memory.
+        scale: a finite float, rounded to float32 (default 1).
         num_threads: as ``cpu_adam_``.
 
     Everything is checked before anything is written.
@@ -58,11 +60,12 @@ def multi_accumulate_(accs, grads, *, num_threads: int | None = None) -> None:
         C.check_tensor(f"accs[{i}]", acc, C.STATE_DTYPES)
         C.check_tensor(f"grads[{i}]", grad, C.GRAD_DTYPES, acc.numel())
     C.check_disjoint({f"{name}[{i}]": t for name, ts in (("accs", accs), ("grads", grads)) for i, t in enumerate(ts)})
-    accumulate_unchecked(accs, grads, C.check_num_threads(num_threads))
+    scale = C.check_real("scale", scale)
+    accumulate_unchecked(accs, grads, C.check_num_threads(num_threads), scale)
     C.bump_versions(*accs)
 
 
-def accumulate_unchecked(accs, grads, nthreads: int = 0) -> None:
+def accumulate_unchecked(accs, grads, nthreads: int = 0, scale: float = 1.0) -> None:
     """``multi_accumulate_`` for a caller that made the tensors itself (the host shard's accumulation
     buffers and staged or checked gradients): contiguous, disjoint, fp32 accs and fp32/bf16/fp16 grads of
     the same sizes; anything else is undefined behaviour. Versions are not bumped (the buffers are the
@@ -72,7 +75,7 @@ def accumulate_unchecked(accs, grads, nthreads: int = 0) -> None:
             C.launch(multi_accumulate_kernel, int(numels.sum()), nthreads,
                      np.array([accs[t].data_ptr() for t in chosen], dtype=np.int64),
                      np.array([grads[t].data_ptr() for t in chosen], dtype=np.int64), numels, chunk_starts,
-                     SUM_CHUNK, _BITS[dtype])
+                     SUM_CHUNK, _BITS[dtype], np.float32(scale))
 
 
 def sum_squares(x: torch.Tensor, *, num_threads: int | None = None) -> float:

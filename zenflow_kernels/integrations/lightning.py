@@ -8,7 +8,11 @@ Usage::
 
     trainer = L.Trainer(..., callbacks=[ZenFlowCallback(), ModelCheckpoint(...)])
 
-What it does: before every backward, declares to every ZenFlowAdamW of the trainer whether it is a micro-batch
+What it does: routes the trainer's clipping by norm (``gradient_clip_val``) into the optimizers' own
+(``ZenFlowAdamW.clip_grad_norm_`` before every optimizer step, ``trainer.gradient_clip_val`` unset for the length
+of ``fit``), so gradients are not rewritten after backward and keep crossing to the host during it (and, under
+``precision="16-mixed"``, GradScaler unscales inside the optimizer, which Lightning otherwise refuses to combine
+with clipping); before every backward, declares to every ZenFlowAdamW of the trainer whether it is a micro-batch
 that a later one still adds to (``accumulate_grad_batches``; ``set_requires_gradient_sync``), so that
 gradients cross to the host during the last micro-batch's backward and are not copied during the others;
 gives the parameters the flushed weights (``ZenFlowAdamW.flushed()``: every host update computed so far
@@ -42,6 +46,10 @@ class ZenFlowCallback(Callback):
     """Flushed weights where Lightning reads them (the run unchanged), close at the end, the epoch length."""
 
     def on_train_start(self, trainer, pl_module) -> None:
+        algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
+        if trainer.gradient_clip_val and algorithm in (None, "norm") and _zenflow_optimizers(trainer):
+            self._clip, trainer.gradient_clip_val = float(trainer.gradient_clip_val), None
+            self._trainer = trainer
         batches = trainer.num_training_batches
         batches = int(batches) if isinstance(batches, (int, float)) and batches != float("inf") else None
         give_epoch_length(_zenflow_optimizers(trainer), batches, trainer.accumulate_grad_batches, "ZenFlowCallback")
@@ -58,6 +66,21 @@ class ZenFlowCallback(Callback):
     def __init__(self, isolated_rng: bool = True):
         self.isolated_rng = isolated_rng
         self._rng: RandomState | None = None
+        self._clip: float | None = None  # the trainer's gradient_clip_val, routed into the optimizers
+        self._trainer = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._clip is not None:
+            for opt in _zenflow_optimizers(trainer):
+                opt.clip_grad_norm_(self._clip)
+
+    def _unroute_clipping(self) -> None:
+        if self._trainer is not None:
+            self._trainer.gradient_clip_val, self._trainer = self._clip, None
+            self._clip = None
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._unroute_clipping()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.isolated_rng:  # (validation's data loader draws before on_validation_start: taken here)
@@ -91,6 +114,7 @@ class ZenFlowCallback(Callback):
         self._hold(trainer, False)  # the weights training continues from, before this batch's forward
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._unroute_clipping()
         for opt in _zenflow_optimizers(trainer):
             opt.set_requires_gradient_sync(True)
             opt._hold_flushed(False)

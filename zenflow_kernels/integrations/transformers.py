@@ -6,8 +6,17 @@ Usage::
                       callbacks=[ZenFlowCallback()])
     # or optimizer_cls_and_kwargs=(ZenFlowAdamW, dict(lr=..., zenflow=...))
 
-What it does, and why: with ``gradient_accumulation_steps > 1`` it lets the optimizer read, at every backward,
-whether that micro-batch is the last before the optimizer step (the Trainer sets accelerate's
+What it does, and why: the Trainer clips gradients in place after every backward (``max_grad_norm``, 1.0 by
+default), or rescales them by 1 only to log their norm (``max_grad_norm=0``), and with ``fp16=True`` unscales
+them in place first. Each rewrites every gradient after backward's hooks copied it to the host, so they would
+cross again at ``step()``, after backward (exact, but the stall ZenFlow removes). The callback routes the
+Trainer's clipping into the optimizer's own (``ZenFlowAdamW.clip_grad_norm_``: the global norm, applied in the
+fast path's kernel and the host update, as ``max_grad_norm`` does; docs/huggingface.md says how that differs from
+clipping ``.grad``), which returns the gradient norm the Trainer logs, and GradScaler then unscales inside the
+optimizer: gradients cross during backward. (It finds the Trainer from the call of ``on_train_begin``, and
+replaces ``trainer.accelerator.clip_grad_norm_`` for the length of ``train()``; where it cannot, it says so and
+the Trainer clips as before.) With ``gradient_accumulation_steps > 1`` it lets the optimizer read, at every
+backward, whether that micro-batch is the last before the optimizer step (the Trainer sets accelerate's
 ``GradientState.sync_gradients`` before each one), so gradients are not copied to the host during the others
 (``ZenFlowAdamW.set_requires_gradient_sync``). The Trainer saves checkpoints
 (``checkpoint-N/model.safetensors``)
@@ -31,9 +40,10 @@ without one. A closed optimizer cannot step again: a second
 
 from __future__ import annotations
 
+import sys
 import warnings
 
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from . import RandomState, find_zenflow, give_epoch_length
 
@@ -54,11 +64,13 @@ class ZenFlowCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         opt = self._optimizer(kwargs)
+        if opt is not None:
+            self._route_clipping(opt, kwargs.get("optimizer"))
         if opt is not None and args.gradient_accumulation_steps > 1:
             from accelerate.state import GradientState
 
             gradients = GradientState()  # shared state: reads what the Trainer set for this micro-batch
-            opt._sync_source = lambda: gradients.sync_gradients
+            opt.set_requires_gradient_sync(lambda: gradients.sync_gradients)
         loader = kwargs.get("train_dataloader")
         if opt is not None and loader is not None:
             try:
@@ -70,6 +82,32 @@ class ZenFlowCallback(TrainerCallback):
     def __init__(self, isolated_rng: bool = True):
         self.isolated_rng = isolated_rng
         self._rng: RandomState | None = None
+        self._routed = None  # the accelerator whose clip_grad_norm_ is routed into the optimizer
+
+    def _route_clipping(self, opt, wrapped) -> None:
+        """``trainer.accelerator.clip_grad_norm_`` (the Trainer's clipping, and its logged norm) becomes the
+        optimizer's own for the length of ``train()``: the gradients are not rewritten, nor unscaled in place."""
+        trainer = _calling_trainer(self)
+        if trainer is None:
+            warnings.warn("ZenFlowCallback: could not find the Trainer calling on_train_begin, so its gradient "
+                          "clipping (max_grad_norm) is not routed into the optimizer: gradients are rewritten after "
+                          "backward and cross to the host at step() (exact, slower)", stacklevel=3)
+            return
+        accelerator = trainer.accelerator
+        native = accelerator.clip_grad_norm_
+
+        def clip_grad_norm_(parameters, max_norm, norm_type=2):
+            if norm_type != 2:  # only the global L2 norm is the optimizer's
+                return native(parameters, max_norm, norm_type=norm_type)
+            return opt.clip_grad_norm_(max_norm)  # filled by step(); the Trainer logs it after
+
+        accelerator.clip_grad_norm_ = clip_grad_norm_
+        self._routed = accelerator
+
+    def _unroute_clipping(self) -> None:
+        if self._routed is not None:
+            self._routed.__dict__.pop("clip_grad_norm_", None)
+            self._routed = None
 
     def _before_save_or_evaluate(self, args, control, kwargs):
         if control.should_evaluate and self.isolated_rng:
@@ -115,9 +153,24 @@ class ZenFlowCallback(TrainerCallback):
         self._restore(kwargs)
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._unroute_clipping()
         opt = self._optimizer(kwargs)
         if opt is not None:
-            opt._sync_source = None
+            opt.set_requires_gradient_sync(True)
             opt._hold_flushed(False)
             opt.flush()
             opt.close()
+
+
+def _calling_trainer(callback) -> Trainer | None:
+    """The ``Trainer`` whose ``callback_handler`` is calling ``callback`` now (found on the call stack: a callback
+    is not given its Trainer), or None."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer) and callback in owner.callback_handler.callbacks:
+            return owner
+        frame = frame.f_back
+    return None

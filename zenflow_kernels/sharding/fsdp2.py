@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .._memory import host_copy
+from ..config import num_selected
 from .base import Sharding, column_scores, is_dtensor, sum_of_squares
 from .collectives import Collectives
 
@@ -173,8 +174,8 @@ class FSDP2(Sharding):
             out["has_unflushed"] = int(unflushed is not None)
             out["unflushed"] = self._sharded(host_copy(opt._local[i]) if unflushed is None else unflushed, p)
             low = p.dtype != torch.float32
-            if p.dim() == 2:
-                k = opt.config.num_selected(p.shape[1])
+            if p.dim() == 2:  # a placeholder of the k of this matrix's param group (its own topk_ratio, if set)
+                k = num_selected(opt._setting(i, "topk_ratio"), p.shape[1])
                 rows = opt._local[i].shape[0]
                 out["has_fast"] = int("selected" in st)
                 out["selected"] = st.pop("selected", torch.full((k,), -1, dtype=torch.int64))
