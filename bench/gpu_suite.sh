@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/gpu_suite.sh OUTDIR -- every check that needs a GPU, in one run (budgeted to 9 minutes on an H200).
+# bench/gpu_suite.sh OUTDIR -- every check that needs a GPU, in one run (stage budgets: 550 s in all).
 # Installs nothing; needs a Python with a CUDA build of torch, triton, numba and pytest (set PYTHON=... to
 # choose it; default: .venv/bin/python if it sees a GPU, else python3).
 #
@@ -15,7 +15,10 @@
 #   4. the kernel benchmark with autotuning on                                    -> OUTDIR/kernels_gpu.{json,csv,png},
 #                                                                                    OUTDIR/bench.txt
 #   5. gradients crossing during backward on real PCIe (python -m bench.overlap_gpu: a 1.07 B-parameter
-#      bf16 model, AdamW / sync offload / ZenFlow with and without hand-over from hooks) -> OUTDIR/overlap_gpu.{json,txt}
+#      bf16 model, AdamW / sync offload / ZenFlow with and without hand-over from hooks, the host's fold time)
+#                                                                                 -> OUTDIR/overlap_gpu.{json,txt}
+#   6. the check of a handed-over gradient (python -m bench.fingerprint --device cuda: the Triton fingerprint
+#      against a plain read and the D2H copy it protects)                         -> OUTDIR/fingerprint_cuda.{json,png,txt}
 # OUTDIR/summary.txt gets one line per stage with its exit status and seconds; OUTDIR/env.txt the
 # GPU, driver and versions. A stage that fails or runs out of its time budget does not stop the next;
 # the benchmarks write their JSON as they go, so a cut-short run still leaves data.
@@ -107,6 +110,10 @@ tail -n 40 "$OUT/bench.txt"
 # 5. the transfer hidden behind backward, on real PCIe
 stage overlap_gpu 150 "$PY" -m bench.overlap_gpu --out "$OUT" > "$OUT/overlap_gpu.txt" 2>&1
 cat "$OUT/overlap_gpu.txt"
+
+# 6. the fingerprint's cost beside the copy it protects
+stage fingerprint 40 "$PY" -m bench.fingerprint --device cuda --out "$OUT" > "$OUT/fingerprint.txt" 2>&1
+cat "$OUT/fingerprint.txt"
 
 rm -rf "$TRITON_CACHE_DIR"
 echo "results in $OUT:"

@@ -14,9 +14,10 @@ after the other, every step ended by a device sync:
 * ``zenflow_at_step``: the same with ``EARLY_HANDOVER = False``: every gradient crosses at ``step()``, after
   backward.
 
-Per run: ms/step (median), backward ms, ``step()`` ms, and for the ZenFlow runs the D2H time left after
-backward: a CUDA event recorded on the compute stream when backward returned and one on the link's D2H
-stream after the step's copies, the time between them (0 when the copies were done first), over the
+Per run: ms/step (median), backward ms, ``step()`` ms, the host's time folding each step's landed gradients
+into the sums (``fold_ms_per_step``: a worker's, beside the next forward), and for the ZenFlow runs the D2H time
+left after backward: a CUDA event recorded on the compute stream when backward returned and one on the link's
+D2H stream after the step's copies, the time between them (0 when the copies were done first), over the
 transfer time of the step's gradient bytes at the pinned bandwidth measured in the same run (a plain
 ``copy_(non_blocking=True)`` of that many bytes into pinned memory). Hidden = 1 - left / transfer. On CPU
 (``--device cpu``) the same code runs with wall clocks in place of events (nothing is hidden or not
@@ -128,7 +129,9 @@ def run(name: str, base, x, y, steps: int, warmup: int, device) -> dict:
         stats = opt.stats()
         out.update(stall_fraction=stats["stall_fraction"], handover=stats["handover"],
                    d2h_bytes_per_step=stats["d2h_bytes_per_step"],
-                   share_handed_in_backward=stats["d2h_bytes_in_backward"] / max(1, stats["d2h_bytes"]))
+                   share_handed_in_backward=stats["d2h_bytes_in_backward"] / max(1, stats["d2h_bytes"]),
+                   # the host's fold of each step's landed gradients into the sums (beside the next forward)
+                   fold_ms_per_step=1e3 * stats["fold_s"] / max(1, stats["steps"]))
         if name.startswith("zenflow"):
             out["d2h_left_ms"] = 1e3 * statistics.median(r["d2h_left"] for r in rows)
         opt.close()

@@ -450,9 +450,35 @@ def test_overlap_gpu_runs_its_code_path_on_cpu(tmp_path):
     for r in result["runs"]:
         assert r["ms_per_step"] > 0 and math.isfinite(r["loss"]), r
     assert result["config"]["device"] == "cpu" and result["config"]["params"] > 0
+    for r in result["runs"][1:]:  # (the synchronous CPU link adds on the training thread: no fold job)
+        assert r["fold_ms_per_step"] == 0, r
     proc = run_module("bench.overlap_gpu", "--out", str(tmp_path / "gpu"), timeout=120)
     if not __import__("torch").cuda.is_available():
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout
+
+
+# -- bench.fingerprint --------------------------------------------------------------------------------------
+
+
+def test_fingerprint_quick(tmp_path):
+    """The quick run: every size and dtype, the four candidates timed on one tensor, the JSON's structure and
+    what holds at any speed (positive times; the ratios are their quotients); the PNG; --device cuda without a
+    GPU is a one-line error."""
+    proc = run_module("bench.fingerprint", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "fingerprint_cpu.json").read_text())
+    assert (tmp_path / "fingerprint_cpu.png").read_bytes()[:8] == PNG_MAGIC
+    assert result["machine"]["python"] and result["config"]["device"] == "cpu"
+    rows = result["rows"]
+    assert {(r["n"], r["dtype"]) for r in rows} == {(n, d) for n in (1 << 16, 1 << 18) for d in ("float32", "bfloat16")}
+    for r in rows:
+        for name in ("fingerprint", "read", "copy", "fold"):
+            assert r[f"{name}_s"] > 0 and r[f"{name}_gbps"] == pytest.approx(r["bytes"] / r[f"{name}_s"] / 1e9), r
+        assert r["fingerprint_over_read"] == pytest.approx(r["fingerprint_s"] / r["read_s"])
+        assert r["check_over_crossing"] == pytest.approx(2 * r["fingerprint_s"] / r["copy_s"])
+    if not __import__("torch").cuda.is_available():
+        proc = run_module("bench.fingerprint", "--device", "cuda", "--out", str(tmp_path / "gpu"))
+        assert_one_line_error(proc, "error:", "no CUDA device")
 
 
 # -- bench.nvme ---------------------------------------------------------------------------------------------

@@ -405,6 +405,7 @@ class _Link:
             self.workers.append(self._updater)
         self.waited_s = 0.0  # the training thread blocked on asynchronous work
         self.accumulate_s = 0.0  # the training thread accumulated gradients itself
+        self.fold_s = 0.0  # the accumulate worker folded the landing area into the sums (an asynchronous link)
         self.d2h_bytes = 0  # bytes moved device -> host (gradients) and host -> device (weights)
         self.h2d_bytes = 0
         self.early_bytes = 0  # gradient bytes backward's hooks copied that step() found unchanged and used
@@ -713,12 +714,12 @@ class AsyncLink(_Link):
         if copies:
             self._engine.d2h(copies)
             self.d2h_bytes += sum(src.numel() * src.element_size() for _, src in copies)
-        copied = sum(staged.values()) + self._overwritten
+        hook_bytes = sum(staged.values()) + self._overwritten
         used = sum(staged[i] for i in kept)
         self.early_bytes += used
-        self.unused_bytes += copied - used
-        self._step_bytes = (copied, copied - used)
-        self._overwritten = 0
+        self.unused_bytes += hook_bytes - used
+        self._step_bytes = (hook_bytes, hook_bytes - used)
+        self._overwritten, self._ordered = 0, False  # (a backward that failed never ran its end: start again)
         # fold in the order the next backward's hooks will want their places back (this one's), then the rest
         later = [i for i, _ in items if i not in kept]
         all_copied = self._engine.d2h_marker() if later else hooks_copied
@@ -732,11 +733,12 @@ class AsyncLink(_Link):
         return {}
 
     def _chunks(self, order: list[int]) -> list[list[int]]:
-        chunks, size = [], self.FOLD_CHUNK_BYTES
+        """``order`` cut into runs of at most ``FOLD_CHUNK_BYTES`` of landing area (a larger gradient alone)."""
+        chunks, size = [], 0
         for i in order:
             s = self.host.slots[i]
             nbytes = s.numel * s.dtype.itemsize
-            if size + nbytes > self.FOLD_CHUNK_BYTES and (not chunks or chunks[-1]):
+            if not chunks or size + nbytes > self.FOLD_CHUNK_BYTES:
                 chunks.append([])
                 size = 0
             chunks[-1].append(i)
@@ -752,8 +754,10 @@ class AsyncLink(_Link):
             copied.wait()
             t0 = time.perf_counter()
             host.fold(buf, indices, scale)
+            t1 = time.perf_counter()
+            self.fold_s += t1 - t0  # (one worker thread adds; the training thread reads it for telemetry)
             if timeline is not None:
-                timeline.add("accumulate", "fold", t0, time.perf_counter(),
+                timeline.add("accumulate", "fold", t0, t1,
                              sum(host.slots[i].numel * host.slots[i].dtype.itemsize for i in indices))
 
         self._last_accumulate = job = _submit(self._accumulator, fold, self._delays)
@@ -786,7 +790,7 @@ class AsyncLink(_Link):
         """Forget what backward's hooks copied this step (a skipped step or batch): none of it reached the sums;
         the next copies into the same places land after these (the copy stream runs in order)."""
         self.unused_bytes += sum(self._staged.values()) + self._overwritten
-        self._staged, self._overwritten = {}, 0
+        self._staged, self._overwritten, self._ordered = {}, 0, False
 
     def accumulation(self) -> Future | None:
         """The completion of every accumulation issued so far (jobs run in order)."""

@@ -1516,7 +1516,7 @@ def _shutdown(link, torch_threads: int | None, hooks) -> None:
         torch.set_num_threads(torch_threads)
 
 
-_LINK_COUNTERS = ("waited_s", "accumulate_s", "d2h_bytes", "h2d_bytes", "early_bytes", "unused_bytes")
+_LINK_COUNTERS = ("waited_s", "accumulate_s", "fold_s", "d2h_bytes", "h2d_bytes", "early_bytes", "unused_bytes")
 
 
 class _Telemetry:
@@ -1568,6 +1568,9 @@ class _Telemetry:
             "host_update_s": list(self.host_seconds),
             "stall_s": stall,
             "accumulate_s": accumulated,
+            # the accumulate worker's time folding the landing area into the sums (asynchronous link; beside
+            # training, not stall: waits for it are in worker_wait_s)
+            "fold_s": moved["fold_s"],
             "worker_wait_s": waited,
             # of the wall time from the first step() to the end of the last: forward and backward included
             "stall_fraction": stall / wall if wall > 0 else 0.0,
