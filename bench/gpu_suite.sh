@@ -7,7 +7,7 @@
 #      tests/test_gpu_link.py: the accumulate worker blocks on events, zeroing gradients in place after step,
 #      device_accumulation with the state on disk fetching its sums exactly;
 #      the oracle sweep, AdamW identities, checkpoints, NaN skip, faults; compiled Triton kernels,
-#      the CUDA link's streams, events and pinned staging)                        -> OUTDIR/optim_tests.txt
+#      the CUDA link's streams, events and pinned landing area)                 -> OUTDIR/optim_tests.txt
 #   2. the GPU end-to-end benchmark (python -m bench.e2e --preset gpu)           -> OUTDIR/e2e_gpu.{json,png},
 #                                                                                    OUTDIR/e2e_gpu.txt
 #   3. the kernel tests compiled on the GPU (TRITON_INTERPRET=0: the "cuda" device of every test;
