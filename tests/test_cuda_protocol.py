@@ -137,15 +137,16 @@ def test_cuda_engine_events_block_and_pinning_runs_on_the_engines_device(monkeyp
     engine = link.CudaEngine(device)
     buf = engine.alloc(10, torch.float32)
     assert buf.shape == (10,) and cuda.guards == [device]
-    # page-locked where it is, at its exact size (torch's caching host allocator would round 40 B up)
-    assert cuda.cudart.calls == [("register", buf.data_ptr(), 40, 1)]
-    assert engine.pinned_bytes()["pinned_requested"] == 40
+    # page-locked where it is: the whole pages of a mapping of its own (torch's caching host allocator would
+    # round 40 B up to a power of two and keep the block after it is freed)
+    page = link.mmap.PAGESIZE
+    assert buf.data_ptr() % page == 0 and cuda.cudart.calls == [("register", buf.data_ptr(), page, 1)]
+    assert engine.pinned_bytes() == {"pinned_requested": page, "pinned_reserved": page}
     engine.d2h([(torch.zeros(2), torch.ones(2))])
     marker = engine.d2h_marker()
     guard = engine.h2d(lambda: None)
-    # the events a thread waits on block; the one recorded after each D2H job is only queried
-    assert len(_FakeEvent.made) == 3 and marker.event.blocking and guard.event.blocking
-    assert not engine._reading[0][0].blocking
+    # the events a thread waits on block; a D2H job records none (its sources are record_stream'ed)
+    assert len(_FakeEvent.made) == 2 and marker.event.blocking and guard.event.blocking
     assert marker.event.recorded_on is engine._d2h and guard.event.recorded_on is engine._h2d
     engine.thread_setup()
     assert cuda.set_devices == [(threading.current_thread().name, device)]
@@ -155,31 +156,33 @@ def test_cuda_engine_events_block_and_pinning_runs_on_the_engines_device(monkeyp
     buf.add_(1)
 
 
-def test_cuda_engine_issues_a_jobs_copies_in_one_call_and_holds_sources_until_they_ran(monkeypatch):
-    """One ``torch._foreach_copy_(..., non_blocking=True)`` per D2H job on the D2H stream (not a Python copy_ and
-    record_stream per piece); each job's sources stay referenced until its event reports the copies done."""
+def test_cuda_engine_issues_a_jobs_copies_in_one_call_and_marks_each_source_allocation_once(monkeypatch):
+    """One ``torch._foreach_copy_(..., non_blocking=True)`` per D2H job on the D2H stream (not a Python copy_ per
+    piece); the engine keeps no source: each source's allocation is marked used by the D2H stream
+    (``record_stream``) once, however many of the job's sources view it (a ZeRO bucket, a reduce-scatter's
+    output), so the caching allocator keeps it from new work until the copies ran."""
     cuda = _FakeCuda()
     cuda.install(monkeypatch)
-    calls = []
+    calls, marked = [], []
     real = torch._foreach_copy_
     monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s, non_blocking=False: calls.append(
         (len(d), non_blocking)) or real(d, s))
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: pytest.fail("record_stream per source"))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: marked.append((t.untyped_storage().data_ptr(), s)))
     engine = link.CudaEngine(torch.device("cuda", 0))
-    dsts, srcs = [torch.zeros(3) for _ in range(5)], [torch.full((3,), float(k)) for k in range(5)]
+    bucket = torch.arange(12.0)
+    own = [torch.full((3,), float(k)) for k in range(2)]
+    srcs = [bucket[0:3], bucket[3:6], bucket[6:12], *own]
+    dsts = [torch.zeros(s.numel()) for s in srcs]
     engine.d2h(list(zip(dsts, srcs, strict=True)))
-    assert calls == [(5, True)] and [float(d[0]) for d in dsts] == [0, 1, 2, 3, 4]
-    first = engine._reading[0]
-    assert first[1] == srcs and first[0].recorded_on is engine._d2h and not first[0].blocking
-    engine.d2h([(torch.zeros(1), torch.ones(1))])  # the first job's event is not complete: both held
-    assert len(engine._reading) == 2
-    first[0].complete = True
-    engine.d2h([(torch.zeros(1), torch.ones(1))])  # now it is: its sources are let go
-    assert len(engine._reading) == 2 and engine._reading[0] is not first
-    engine.d2h([])  # nothing to copy: no call, no event
-    assert len(calls) == 3
+    assert calls == [(5, True)] and [d.tolist() for d in dsts] == [s.tolist() for s in srcs]
+    assert cuda.current in engine._d2h.waited_for  # behind the device work that made the sources
+    expected = [(bucket.untyped_storage().data_ptr(), engine._d2h)]
+    expected += [(t.untyped_storage().data_ptr(), engine._d2h) for t in own]
+    assert marked == expected
+    assert not hasattr(engine, "_reading")  # nothing holds a source: zero_grad(set_to_none=True) frees it
+    engine.d2h([])  # nothing to copy: no call, no mark
+    assert len(calls) == 1 and len(marked) == 3
     engine.close()
-    assert not engine._reading
 
 
 def test_cuda_engine_fetches_device_sums_behind_the_device_work_and_sleeps_until_copied(monkeypatch):

@@ -1,13 +1,14 @@
 """The CUDA link on a real GPU (bench/gpu_suite.sh runs this file; skipped without CUDA).
 
-tests/test_cuda_protocol.py checks the same choices on CPU against a recording stand-in for
+tests/test_cuda_protocol.py and tests/test_cuda_stand_in.py check the same choices on CPU against stand-ins for
 ``torch.cuda``; here they meet the driver: the accumulate worker blocks on its events instead of
 spinning, zeroing gradients in place right after ``step()`` gives the bits of ``set_to_none``, and the
-pinned buffers are locked at their exact size.
+pinned buffers are locked in place, in whole pages of their own.
 """
 
 from __future__ import annotations
 
+import mmap
 import sys
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def test_device_accumulation_with_the_state_on_disk_fetches_the_sums_exactly(tmp
     assert hb["pinned_requested"] >= hb["sums_blocks"] + hb["copy_out"]
 
 
-def test_pinned_buffers_are_page_locked_at_their_exact_size():
+def test_pinned_buffers_are_page_locked_in_whole_pages_of_their_own():
     """A shard of 2^26 + 16 fp32 elements: torch's caching host allocator would round each buffer up to the
     next power of two (2^29 B for 2^28 + 64 B: about 2x); page-locking in place reserves whole pages only.
     Unpinned at close; torch's own pinned pool does not grow for the optimizer's buffers."""
@@ -107,6 +108,7 @@ def test_pinned_buffers_are_page_locked_at_their_exact_size():
     print({k: v for k, v in hb.items() if "pinned" in k or k in ("total", "landing")})
     assert hb["pinned_requested"] >= 6 * 4 * (2**26 + 16)  # master, 2 moments, 2 accumulation, copy-out
     assert hb["pinned_reserved"] <= 1.1 * hb["pinned_requested"]
+    assert all(t.data_ptr() % mmap.PAGESIZE == 0 for t, _ in opt._link._engine._pinned)
     grown = torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0) - before
     assert grown < 0.01 * hb["pinned_requested"], grown
     opt.close()

@@ -358,8 +358,11 @@ def test_each_rank_holds_its_share_of_the_host_state(two_ranks):
         assert reported["master"] + reported["exp_avg"] + reported["exp_avg_sq"] + reported["accumulation"] == \
             r["host_bytes"]
         assert reported["copy_out"] == 4 * r["host_numel"] and reported["landing"] == 0
-    # both ranks' reported buffers add up to one rank's: 1/world each, give or take a parameter
-    assert sum(r["stats"]["host_bytes"]["total"] for r in ranks) == 6 * 4 * total
+    # the write-back's receive buffers: each rank holds the other's copy-out as it receives it (fp32 here)
+    for r, other in ((ranks[0], ranks[1]), (ranks[1], ranks[0])):
+        assert r["stats"]["host_bytes"]["receive"] == other["stats"]["host_bytes"]["copy_out"]
+    # both ranks' sharded buffers add up to one rank's: 1/world each, give or take a parameter
+    assert sum(r["stats"]["host_bytes"]["total"] - r["stats"]["host_bytes"]["receive"] for r in ranks) == 6 * 4 * total
 
 
 def test_stage2_moves_each_matrix_gradient_once_and_selection_scores_not_gradients(two_ranks):

@@ -38,8 +38,8 @@ Links:
 
 * :class:`CpuLink` (CPU parameters): plain synchronous copies; the training thread accumulates
   itself (and may fold the interval's last gradient into a synchronous update).
-* :class:`AsyncLink` over a :class:`CudaEngine`: pinned host buffers (page-locked at their exact size), D2H/H2D
-  streams, events.
+* :class:`AsyncLink` over a :class:`CudaEngine`: pinned host buffers (whole pages of their own, page-locked in
+  place), D2H/H2D streams, events.
 * :class:`AsyncLink` over a :class:`ThreadEngine`: the same protocol on CPU, each stream a thread
   running its copies in order, each event a future, with optional seeded random delays before and
   after every asynchronous piece of work (:func:`zenflow_kernels.testing.chaos`). An ordering bug
@@ -49,7 +49,6 @@ Links:
 
 from __future__ import annotations
 
-import collections
 import mmap
 import os
 import time
@@ -113,57 +112,75 @@ class CudaEngine:
         self.device = device
         self._d2h = torch.cuda.Stream(device)
         self._h2d = torch.cuda.Stream(device)
-        self._pinned: list[torch.Tensor] = []  # page-locked by this engine (kept alive until close)
-        self._reading: collections.deque = collections.deque()  # (event, sources) of D2H copies in flight
+        self._pinned: list[tuple[torch.Tensor, int]] = []  # (buffer, bytes) page-locked by this engine, until close
         self._fetch = None  # the stream host updates fetch device-side sums on (made at first use)
 
     def thread_setup(self) -> None:
         """Run first on every worker thread that waits on this engine's events."""
         torch.cuda.set_device(self.device)
 
+    @staticmethod
+    def refuse_capture() -> None:
+        """A backward hook is about to copy: not inside a CUDA graph capture (its copies to page-locked memory, event
+        records and host waits would invalidate it)."""
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "ZenFlowAdamW: a backward captured in a CUDA graph is not supported: the optimizer's gradient hooks "
+                "copy to the host and wait on host work (page-locked memory, events), which invalidates the capture. "
+                "Do not capture backward, or capture it with another optimizer")
+
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed host tensor, page-locked at its exact size."""
-        return self._pin(torch.zeros(numel, dtype=dtype))
+        """A zeroed host tensor of pages of its own, page-locked (:meth:`_pin`)."""
+        t = page_aligned_zeros(numel, dtype)
+        return self._pin(t) if numel else t
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
-        """Page-lock ``t``'s memory where it is (``cudaHostRegister``), at its exact size: torch's caching
-        host allocator (``pin_memory()``) rounds every block up to a power of two and keeps freed blocks,
-        up to 2x a buffer's size again, and its ``pinned_use_cuda_host_register`` option is process-wide.
-        The engine keeps it alive and unregisters it at :meth:`close` (the link's buffers live as long as
-        the link)."""
+        """Page-lock ``t``'s memory where it is (``cudaHostRegister``): whole pages that nothing else uses (an
+        anonymous mapping of its own: :func:`page_aligned_zeros`; a heap tensor may share its first and last page
+        with other allocations, which a later registration of theirs would then find locked). torch's caching
+        host allocator (``pin_memory()``) rounds every block up to a power of two and keeps freed blocks, up to
+        2x a buffer's size again, and its ``pinned_use_cuda_host_register`` option is process-wide. A failed
+        registration leaves the CUDA runtime's last error set, which torch's next kernel launch check would
+        report as its own: it is cleared here before the error is raised. The engine keeps the buffer alive
+        and unregisters it at :meth:`close` (the link's buffers live as long as the link)."""
         nbytes = t.untyped_storage().nbytes()
-        if nbytes == 0:
-            return t
+        cudart = torch.cuda.cudart()
         with torch.cuda.device(self.device):  # registering initialises CUDA on the current device otherwise
-            err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1: portable
+            err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1: portable
         if err != 0:
-            raise RuntimeError(f"zenflow: page-locking {nbytes} bytes of host memory failed (cudaError {err})")
-        self._pinned.append(t)
+            cleared = clear_cuda_error()
+            raise RuntimeError(f"zenflow: page-locking {nbytes} bytes of host memory failed: "
+                               f"{cuda_error_text(cudart, err)}" + ("" if cleared else
+                               " (the CUDA runtime's last-error state could not be cleared)"))
+        self._pinned.append((t, nbytes))
         return t
 
     def pinned_bytes(self) -> dict[str, int]:
         """Page-locked bytes this engine holds: requested, and reserved (the whole pages they lock)."""
-        return pinned_sizes([(t.data_ptr(), t.untyped_storage().nbytes()) for t in self._pinned])
+        return pinned_sizes([(t.data_ptr(), nbytes) for t, nbytes in self._pinned])
 
     def _current(self):
         return torch.cuda.current_stream(self.device)
 
     def d2h(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Enqueue ``dst.copy_(src)`` for each pair after the device work issued so far, in one call. The
-        sources stay referenced here until their copies' event has completed (a later call or close()
-        finds it so): the caching allocator cannot hand their memory to new work while a copy reads it,
-        without a ``record_stream`` per source."""
+        """Enqueue ``dst.copy_(src)`` for each pair after the device work issued so far, in one call. Nothing
+        keeps the sources: their owner may drop them at once (``zero_grad(set_to_none=True)`` frees a step's
+        gradients, as on the synchronous link), and the caching allocator keeps their memory from new work until
+        the D2H stream has passed these copies (``record_stream``, once per allocation: a reduce-scatter's
+        output or a ZeRO bucket holds many gradients; a gradient made on another stream, FSDP2's post-reduce
+        stream, is covered the same way)."""
         if not copies:
             return
         dsts, srcs = [dst for dst, _ in copies], [src for _, src in copies]
         self._d2h.wait_stream(self._current())
         with torch.cuda.stream(self._d2h):
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            done = torch.cuda.Event()  # only queried, never waited on
-            done.record(self._d2h)
-        while self._reading and self._reading[0][0].query():
-            self._reading.popleft()
-        self._reading.append((done, srcs))
+        recorded = set()
+        for src in srcs:
+            allocation = src.untyped_storage().data_ptr()
+            if allocation not in recorded:
+                recorded.add(allocation)
+                src.record_stream(self._d2h)
 
     def d2h_marker(self) -> Event:
         """A completion for every D2H copy enqueued so far."""
@@ -221,8 +238,14 @@ class CudaEngine:
         return done
 
     def device_waits_for(self, done: torch.cuda.Event) -> None:
-        """Later device work runs after ``done`` (from :meth:`behind_d2h`): a stream wait, no host wait."""
+        """Later device work on the current stream runs after ``done`` (from :meth:`behind_d2h`): a stream wait,
+        no host wait."""
         self._current().wait_event(done)
+
+    @staticmethod
+    def completed(done: torch.cuda.Event) -> bool:
+        """``done`` (from :meth:`behind_d2h`) has run: no later stream need wait for it."""
+        return done.query()
 
     def join(self) -> None:
         """The training thread may touch device tensors (nothing to do: the device waits in order)."""
@@ -242,15 +265,22 @@ class CudaEngine:
         return t.to("cpu").pin_memory()
 
     def close(self) -> None:
-        """Unregister the engine's buffers once no copy reads them (they stay valid, pageable memory:
-        ``state_dict()`` after ``close()`` works)."""
-        self._d2h.synchronize()
-        self._h2d.synchronize()
-        self._reading.clear()
-        cudart = torch.cuda.cudart()
-        for t in self._pinned:
-            cudart.cudaHostUnregister(t.data_ptr())
+        """Unregister the engine's buffers once no copy reads or writes them: every stream of the engine done
+        (the fetch stream too: a host update that failed or timed out may have left fetches queued into the sums
+        blocks). They stay valid, pageable memory: ``state_dict()`` after ``close()`` works. An unregistration
+        that fails is reported after the others were tried (and the CUDA runtime's last error cleared)."""
+        for stream in (self._d2h, self._h2d, self._fetch):
+            if stream is not None:
+                stream.synchronize()
+        cudart, failed = torch.cuda.cudart(), []
+        for t, nbytes in self._pinned:
+            err = int(cudart.cudaHostUnregister(t.data_ptr()))
+            if err != 0:
+                clear_cuda_error()
+                failed.append(f"{nbytes} bytes at {t.data_ptr():#x}: {cuda_error_text(cudart, err)}")
         self._pinned = []
+        if failed:
+            raise RuntimeError("zenflow: unlocking page-locked host memory failed for " + "; ".join(failed))
 
 
 class ThreadEngine:
@@ -275,6 +305,10 @@ class ThreadEngine:
     def thread_setup(self) -> None:
         """What the CUDA engine's ``set_device`` stands for: every worker thread runs it first (tests
         record it)."""
+
+    @staticmethod
+    def refuse_capture() -> None:
+        """(No CUDA graphs on CPU.)"""
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype)
@@ -346,6 +380,10 @@ class ThreadEngine:
     def device_waits_for(self, handle: Future) -> None:
         handle.wait()
 
+    @staticmethod
+    def completed(handle: Future) -> bool:
+        return handle.done()
+
     def join(self) -> None:
         waits, self._device_waits = self._device_waits, []
         for handle in waits:
@@ -371,6 +409,44 @@ class ThreadEngine:
 
 def _nothing() -> None:
     return None
+
+
+def page_aligned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed flat host tensor in an anonymous mapping of its own: page-aligned, whole pages (the mapping is
+    freed with the tensor's storage)."""
+    nbytes = numel * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(0, dtype=dtype)
+    region = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)  # zero-filled; the tensor keeps it
+    return torch.frombuffer(region, dtype=torch.uint8)[:nbytes].view(dtype)
+
+
+def cuda_error_text(cudart, err: int) -> str:
+    """``cudaGetErrorString`` of ``err`` where torch's binding takes it, else its number."""
+    try:
+        return f"{cudart.cudaGetErrorString(cudart.cudaError(err))} (cudaError {err})"
+    except Exception:  # noqa: BLE001 - the binding's enum declares few values
+        return f"cudaError {err}"
+
+
+def clear_cuda_error() -> bool:
+    """Reset the CUDA runtime's last error (``cudaGetLastError``: torch's bindings do not expose it, so through the
+    libcudart this process loaded). True when done."""
+    import ctypes
+
+    get_last_error = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if get_last_error is not None:
+        get_last_error()
+        return True
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+        for path in sorted(paths):
+            ctypes.CDLL(path).cudaGetLastError()
+            return True
+    except OSError:
+        pass
+    return False
 
 
 def pinned_sizes(spans: Sequence[tuple[int, int]]) -> dict[str, int]:
@@ -426,12 +502,13 @@ class _Link:
         piece) elements, at most the shard's (this link's, reused by every update)."""
         if self._sums_blocks is None:
             numel = min(max(self.host.disk.block_numel, SUM_CHUNK), self.host.numel)
-            self._sums_blocks = [self._alloc(numel, torch.float32) for _ in range(self.SUMS_BLOCKS)]
+            self._sums_blocks = [self.alloc(numel, torch.float32) for _ in range(self.SUMS_BLOCKS)]
         return DeviceSums(self._fetcher(flat), self._sums_blocks)
 
     @staticmethod
-    def _alloc(numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype)
+    def alloc(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat host buffer that device copies read or write (the engine's: page-locked on a GPU)."""
+        return torch.zeros(numel, dtype=dtype)
 
     @staticmethod
     def _fetcher(flat: torch.Tensor) -> Callable[[torch.Tensor, int, int], None]:
@@ -620,7 +697,7 @@ class AsyncLink(_Link):
         self.moves_state = engine.moves_state
         self._engine = engine
         self._delays = delays
-        self._alloc, self._fetcher = engine.alloc, engine.fetcher
+        self.alloc, self._fetcher = engine.alloc, engine.fetcher
         self._accumulator = HostWorker(
             num_threads=kwargs["host_threads"], cores=kwargs["cores"], timeout=kwargs["timeout"],
             name="zenflow-accumulate", setup=engine.thread_setup,
@@ -667,6 +744,7 @@ class AsyncLink(_Link):
         dst = self.host.landing_view(i)
         if grad.shape != dst.shape or grad.dtype != dst.dtype:
             return  # not this parameter's gradient as the host lays it out: step() copies (or refuses) it
+        self._engine.refuse_capture()
         self._free(i)
         if self._fingerprints is None:
             self._fingerprints = torch.zeros(len(self.host.host_step), dtype=torch.int64, device=grad.device)
@@ -779,12 +857,17 @@ class AsyncLink(_Link):
             self.sums_ready()
 
     def sums_ready(self) -> None:
-        """The device sums are about to be read or written: the last upload's copies and zeroing come first."""
+        """The device sums are about to be read or written: the last upload's copies and zeroing come first, for
+        the stream current now; every access waits until the zeroing is known to have run (a first access under a
+        side stream, ``state_dict()`` inside ``torch.cuda.stream(s)``, must not leave the default stream's next
+        add racing it)."""
         if self._sums_zeroed is not None:
-            done, self._sums_zeroed = self._sums_zeroed, None
+            done = self._sums_zeroed
             t0 = time.perf_counter()
             self._engine.device_waits_for(done)
             self._waited(t0, "sums")
+            if self._engine.completed(done):
+                self._sums_zeroed = None
 
     def discard(self) -> None:
         """Forget what backward's hooks copied this step (a skipped step or batch): none of it reached the sums;

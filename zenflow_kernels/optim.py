@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import time
 import warnings
 import weakref
@@ -267,6 +268,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             landing=not self.config.device_accumulation,
         )
         self._host = self._link.host
+        self._shard.use_host_memory(self._link.alloc)  # ZeRO: the write-back's receive buffers (pinned on a GPU)
         # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket
         # around the fast step (on a CPU link host memory is the device: nothing moves)
         self._offload = self.config.offload and self._link.moves_state
@@ -557,20 +559,22 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         before the first step): ``master``, ``exp_avg``, ``exp_avg_sq``, ``accumulation`` (one or two
         buffers), ``copy_out`` (one per parameter dtype, sized by that dtype's parameters), ``landing`` (an
         asynchronous link's landing area, laid out like the copy-out: a step's gradients in their dtype until
-        ``step()`` folds them into the sums; 0 on the synchronous link and with ``device_accumulation``), their
-        sum ``total`` and ``per_parameter`` (over
-        the parameters this rank's host holds: under ZeRO its own run). Beside them, not in ``total``:
+        ``step()`` folds them into the sums; 0 on the synchronous link and with ``device_accumulation``),
+        ``receive`` (ZeRO: the other ranks' copy-out buffers as this rank receives them for the write-back, reused;
+        0 on one rank), their sum ``total`` and ``per_parameter`` (over the parameters this rank's host holds:
+        under ZeRO its own run). Beside them, not in ``total``:
         ``fast_state`` (the fast path's Adam state in host memory: on a CPU run, or offloaded) and
         ``device_sums`` (``device_accumulation``'s buffer when the device is the CPU), and with
         ``offload_device="nvme"`` ``disk`` (the state file: master and moments, 12 bytes per parameter; then
         ``master``, ``exp_avg`` and ``exp_avg_sq`` are 0 and the update's block buffers are not counted; with
         ``device_accumulation`` ``accumulation`` is 0 and ``sums_blocks``, in ``total``, the blocks the update
         fetches the device's sums into). On a GPU also
-        ``pinned_requested`` and ``pinned_reserved`` (the page-locked bytes of those buffers, locked at their
-        exact size; docs/design.md section 9)."""
+        ``pinned_requested`` and ``pinned_reserved`` (the page-locked bytes of those buffers: whole pages of
+        their own; docs/design.md section 9)."""
         if not self._built:
             return {}
         out = self._link.host_bytes()
+        out["receive"] = self._shard.host_bytes()  # ZeRO: the other ranks' copy-out as this rank receives it
         total = sum(v for k, v in out.items() if k != "disk")  # memory only: the state file's bytes are beside it
         held = sum(self._local[i].numel() for i in self._host.slots)
         storages = {}  # views share their storage (the flat step counts): each counted once
@@ -1175,12 +1179,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._sync_host_update(counts, last or {})
             self._write_back(list(counts))
         else:
+            mine = {i: counts[i] for i in self._shard.mine(counts)}
+            # the sums staying on the device are final now: their fetches (read in the background; the next
+            # interval uses the other buffer) wait for this point, not behind the write-back's copies, which go
+            # the other way over PCIe
+            sums = self._fetched_sums(mine)
             self._write_back(self._pending)  # the previous interval's result lands now
             accumulated, guard = self._link.accumulation(), self._link.copy_out_guard()
             hyper, buf, host, max_norm = self._hyper(), self._acc_buf, self._host, self._max_norm
-            mine, ranks_sum = {i: counts[i] for i in self._shard.mine(counts)}, self._sum_over_ranks()
-            shard, dtypes = self._shard, {i: self._params[i].dtype for i in counts}
-            sums = self._fetched_sums(mine)  # (read in the background: the next interval uses the other buffer)
+            ranks_sum, shard, dtypes = self._sum_over_ranks(), self._shard, {i: self._params[i].dtype for i in counts}
 
             def job():
                 if accumulated is not None:
@@ -1501,6 +1508,12 @@ def _unscaled(scorer, inv_scale: float):
 
 def _grad_ready_hook(ref: weakref.ref, i: int):
     def hook(p: torch.Tensor) -> None:
+        autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # (imported by whoever enables it)
+        if autograd is not None and autograd.in_compiled_autograd_region:
+            raise RuntimeError(
+                "ZenFlowAdamW: a backward traced by compiled autograd (torch._dynamo.config.compiled_autograd) is "
+                "not supported: the optimizer's gradient hooks copy to the host and keep books in Python, which a "
+                "graph cannot hold. Run backward eagerly; torch.compile(model) still compiles forward and backward")
         opt = ref()  # a weak reference: the hook must not keep the optimizer alive
         if opt is not None:
             opt._grad_ready(i, p)

@@ -106,6 +106,14 @@ class Sharding:
     def close(self) -> None:
         """Let collectives already started complete (a reload or close while an exchange is in flight)."""
 
+    def use_host_memory(self, alloc: Callable[[int, torch.dtype], torch.Tensor]) -> None:
+        """Host buffers this way of holding gradients keeps for device copies come from ``alloc`` (the link's:
+        page-locked on a GPU); called with each new link (one process: none)."""
+
+    def host_bytes(self) -> int:
+        """Bytes of the host buffers it keeps (:meth:`use_host_memory`)."""
+        return 0
+
     # -- a step's gradients -----------------------------------------------------------------------
 
     def local(self, p: torch.Tensor) -> torch.Tensor:

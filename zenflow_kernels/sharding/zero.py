@@ -37,6 +37,12 @@ class Zero1(Sharding):
             self.bytes = self.ctx.bytes
         self.owned = self.ctx.owned
 
+    def use_host_memory(self, alloc) -> None:
+        self.ctx.use_host_memory(alloc)
+
+    def host_bytes(self) -> int:
+        return self.ctx.receive_bytes if self.ctx is not None else 0
+
     @property
     def failed(self) -> bool:
         return self.ctx is not None and self.ctx.failed

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..device_model import Chaos
-from ..host import ALIGN, layout
+from ..host import ALIGN, layout, out_sizes
 from .collectives import Collectives
 
 __all__ = ["BucketReducer", "Exchange", "ZeroContext", "check_not_ddp", "owner_runs", "owners"]
@@ -104,6 +104,26 @@ class ZeroContext(Collectives):
         self.owned = [i for i in order if self.owner[i] == self.rank]  # this rank's shard, layout order
         # each rank's shard layout (offsets within its flat buffers), for the write-back broadcasts
         self.layouts = [layout(params, groups, [i for i in order if self.owner[i] == r])[1] for r in range(self.world)]
+        # the other ranks' copy-out buffers as this rank receives them, one per rank and dtype (made at first use)
+        self._receive: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._alloc: Callable[[int, torch.dtype], torch.Tensor] = lambda n, dtype: torch.zeros(n, dtype=dtype)
+
+    def use_host_memory(self, alloc: Callable[[int, torch.dtype], torch.Tensor]) -> None:
+        """The write-back's receive buffers come from ``alloc`` (the link's: page-locked on a GPU, so the
+        host-to-device copy from them is asynchronous; a copy from pageable memory blocks the training thread until
+        the GPU's queue drains), one per other rank and dtype, reused by every exchange: an exchange writes them
+        only after its host update waited for the last write-back (the copy-out guard), which read them last."""
+        self._alloc, self._receive = alloc, {}
+
+    @property
+    def receive_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._receive.values())
+
+    def _receive_span(self, r: int, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
+        buf = self._receive.get((r, dtype))
+        if buf is None:
+            buf = self._receive[(r, dtype)] = self._alloc(out_sizes(self.layouts[r])[dtype], dtype)
+        return buf[lo:hi]
 
     def from_owner(self, i: int, make, shape: tuple[int, ...], dtype: torch.dtype, device, kind: str) -> torch.Tensor:
         """Parameter ``i``'s owner computes ``make()``; every rank returns it (a tensor on ``device``)."""
@@ -131,7 +151,7 @@ class ZeroContext(Collectives):
                 hi = max(s.out_offset + s.numel for s in chosen)
                 # the owner sends from its copy-out buffer, which the next host update writes only after
                 # this write-back completed (its copy-out guard)
-                span = host.out[dtype][lo:hi] if r == self.rank else torch.empty(hi - lo, dtype=dtype)
+                span = host.out[dtype][lo:hi] if r == self.rank else self._receive_span(r, dtype, lo, hi)
                 src = dist.get_global_rank(self._host, r)
                 exchange.handles.append(self.start(
                     "write-back", "broadcast", span,
