@@ -333,13 +333,13 @@ def _child_env(extra: dict | None) -> dict:
 def run_ranks(module: str, world: int, args: list[str], *, timeout: float, what: str = "a rank",
               env_extra: dict | None = None) -> list[dict]:
     """Start ``world`` processes ``python -m <module> --worker-out DIR <args>`` from the repository root,
-    as torchrun would (MASTER_ADDR/MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK, plus ``env_extra``; without
-    ``TRITON_INTERPRET``), and return their results: rank r writes its JSON to ``DIR/rank{r}.json``, DIR
-    being a temporary folder removed once they are read. Each rank is waited on for up to ``timeout``
-    seconds; its stdout is discarded. A failing rank ends the caller with ``SystemExit("<module>: <what>
-    failed:")`` and the last 3000 characters of the first failing rank's stderr."""
+    as torchrun would (MASTER_ADDR/MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, plus
+    ``env_extra``; without ``TRITON_INTERPRET``), and return their results: rank r writes its JSON to
+    ``DIR/rank{r}.json``, DIR being a temporary folder removed once they are read. Each rank is waited on for
+    up to ``timeout`` seconds; its stdout is discarded. A failing rank ends the caller with
+    ``SystemExit("<module>: <what> failed:")`` and the last 3000 characters of the first failing rank's stderr."""
     env = _child_env({**(env_extra or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                      "WORLD_SIZE": str(world)})
+                      "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
     with tempfile.TemporaryDirectory(prefix=f"{module.rsplit('.', 1)[-1]}-ranks-") as tmp:
         cmd = [sys.executable, "-m", module, "--worker-out", tmp, *args]
         procs = [subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},

@@ -1,4 +1,5 @@
-"""split_cores: the training / host-worker core split (DeepSpeed ZenFlow's pt_reserved_cores_perc)."""
+"""split_cores: the training / host-worker core split (DeepSpeed ZenFlow's pt_reserved_cores_perc); rank_cores: a
+node's cores shared out between its local ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zenflow_kernels.cpu_ops import split_cores
-from zenflow_kernels.cpu_ops.cores import physical_cores
+from zenflow_kernels.cpu_ops.cores import node_cpus, physical_cores, rank_cores, rank_share
 
 PERCS = ["0", "0.1", "0.2", "0.25", "0.3", "1/3", "0.5", "0.6", "2/3", "0.7", "0.75", "0.9", "0.99", "1"]
 COUNTS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 64, 96, 128]
@@ -128,3 +129,61 @@ def _fake_sysfs(root, siblings: dict[int, str]):
 )
 def test_physical_cores_drop_smt_siblings(tmp_path, siblings, cpus, want):
     assert physical_cores(cpus, _fake_sysfs(tmp_path, siblings)) == want
+
+
+# -- several ranks on one node (cpu_ops.rank_cores) ---------------------------------------------------------------
+
+SMT16 = {c: f"{c % 8},{c % 8 + 8}" for c in range(16)}  # 8 cores, 2 threads each: siblings c and c + 8
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8])
+def test_rank_shares_are_whole_cores_disjoint_contiguous_and_even(tmp_path, size):
+    """8 physical cores with SMT siblings (c, c + 8) among ``size`` local ranks: each rank gets whole cores (both
+    threads), no core is in two shares, the shares cover the node, their sizes differ by at most one core, and a
+    rank's cores are contiguous."""
+    sysfs = _fake_sysfs(tmp_path, SMT16)
+    shares = [rank_share(range(16), r, size, sysfs) for r in range(size)]
+    cores = [sorted({c % 8 for c in share}) for share in shares]
+    for share, own in zip(shares, cores, strict=True):
+        assert share == sorted(own + [c + 8 for c in own])  # siblings together
+        assert own == list(range(own[0], own[-1] + 1))  # contiguous
+    assert sorted(c for own in cores for c in own) == list(range(8))  # a partition of the cores
+    assert max(map(len, cores)) - min(map(len, cores)) <= 1
+    assert [len(own) for own in cores] == sorted((len(own) for own in cores), reverse=True)  # the first get more
+
+
+def test_fewer_cores_than_ranks_share_them_round_robin(tmp_path):
+    sysfs = _fake_sysfs(tmp_path, {0: "0", 1: "1"})
+    assert [rank_share([0, 1], r, 4, sysfs) for r in range(4)] == [[0], [1], [0], [1]]
+
+
+@pytest.mark.parametrize(
+    ("env", "affinity", "node", "want", "why"),
+    [
+        ({}, range(16), range(16), list(range(16)), "one rank on this node"),
+        ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, range(16), range(16), [4, 5, 6, 7, 12, 13, 14, 15],
+         "local rank 1's share of 2"),
+        # the launcher bound this rank already (DeepSpeed --bind_cores_to_rank, taskset, numactl): kept, not split
+        ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, [4, 5, 12, 13], range(16), [4, 5, 12, 13],
+         "as the launcher bound them"),
+        # a container's cpuset is the node: split within it
+        ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, [2, 3, 10, 11], [2, 3, 10, 11], [2, 10],
+         "local rank 0's share of 2"),
+        ({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"}, range(16), range(16), list(range(16)), "one rank"),  # bad env
+        ({"LOCAL_RANK": "x", "LOCAL_WORLD_SIZE": "2"}, range(16), range(16), list(range(16)), "one rank"),
+    ],
+)
+def test_rank_cores_shares_the_node_unless_bound_or_alone(tmp_path, env, affinity, node, want, why):
+    sysfs = _fake_sysfs(tmp_path / "sys", SMT16)
+    cpuset = tmp_path / "cpuset"
+    cpuset.write_text(",".join(map(str, node)) + "\n")
+    cores, reason = rank_cores(affinity, environ=env, sysfs=sysfs, cpusets=[cpuset])
+    assert cores == want and why in reason, (cores, reason)
+
+
+def test_node_cpus_reads_the_cpuset_then_the_online_list(tmp_path):
+    (tmp_path / "online").write_text("0-3,8\n")
+    assert node_cpus(tmp_path, [tmp_path / "missing"]) == {0, 1, 2, 3, 8}
+    (tmp_path / "cpuset").write_text("2-3\n")
+    assert node_cpus(tmp_path, [tmp_path / "cpuset"]) == {2, 3}
+    assert node_cpus(tmp_path / "nowhere", []) is None

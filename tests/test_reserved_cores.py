@@ -4,6 +4,7 @@ tests/test_config.py checks the resolution itself, "cuda" included; tests/test_g
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -87,3 +88,31 @@ def test_a_resumed_run_keeps_its_setting(splits, saved):
             assert splits[-1] == (1.0 if saved == "auto" else saved)  # the load rebuilt with the saved setting
             _steps(resumed, resumed_params, 1)
             assert resumed.state_dict()["zenflow"]["config"]["pt_reserved_cores_perc"] == saved
+
+
+def test_cores_are_the_resuming_optimizers_and_a_list_is_used_as_given(host_workers_made):
+    """``zenflow.cores``: a list is this rank's CPUs in the order given (split by ``pt_reserved_cores_perc``); it
+    belongs to the machine, not the run: a checkpoint saved with one resumes with the loading optimizer's (no
+    warning); CPUs outside the process's affinity are refused when the optimizer is made."""
+    cpus = sorted(os.sched_getaffinity(0))
+    given = cpus[::-1]
+    params = _params()
+    with ZenFlowAdamW(params, **HYPER, zenflow=dict(ZEN, cores=given, pt_reserved_cores_perc=0.5)) as opt:
+        _steps(opt, params, 2)
+        train, host = cpu_ops.split_cores(0.5, given)
+        assert opt.stats()["cores"] == dict(train=train, host=host, why="zenflow.cores as given")
+        assert host_workers_made[-1]["cores"] == host
+        sd = opt.state_dict()
+    assert sd["zenflow"]["config"]["cores"] == tuple(given)
+    resumed_params = _params()
+    with ZenFlowAdamW(resumed_params, **HYPER, zenflow=dict(ZEN, pt_reserved_cores_perc=0.5)) as resumed:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed.load_state_dict(sd)
+        assert not [w for w in caught if "cores=" in str(w.message)]
+        assert resumed.config.cores == "auto"
+        _steps(resumed, resumed_params, 1)
+        assert resumed.stats()["cores"]["why"].startswith("this process's CPUs")
+    outside = max(cpus) + 1
+    with pytest.raises(ValueError, match=rf"zenflow.cores=\[{outside}\] is invalid: CPUs \[{outside}\] are outside"):
+        ZenFlowAdamW(_params(), **HYPER, zenflow=dict(ZEN, cores=[outside]))

@@ -56,6 +56,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _check_cpu_ids(field: str, value: Any) -> tuple[int, ...]:
+    allowed = "'auto' or a non-empty list of distinct CPU ids (integers >= 0)"
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple, range)):
+        raise _fail(field, value, allowed)
+    ids = tuple(value)
+    if not ids or len(set(ids)) != len(ids) or not all(_is_int(c) and c >= 0 for c in ids):
+        raise _fail(field, value, allowed)
+    return tuple(int(c) for c in ids)
+
+
 def _check_fraction(field: str, value: Any, or_: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise _fail(field, value, f"{or_}a number in [0, 1]")
@@ -101,6 +111,12 @@ class ZenFlowConfig:
         gets the rest. ``"auto"`` (the default): 1.0 when the parameters are on the CPU (a CPU-only run:
         training and the host worker share the cores), 0.5 (DeepSpeed's default) on a GPU; resolved when the
         optimizer is built (:meth:`reserved_cores_perc`). A number given is used as given, on any device.
+    cores: the CPUs this rank's training threads and host worker use, split by ``pt_reserved_cores_perc``.
+        ``"auto"`` (the default): this process's CPUs, one per physical core; with several ranks on the node
+        (``LOCAL_WORLD_SIZE`` > 1, as torchrun sets it) and an affinity the launcher left whole, this local
+        rank's share of them (whole cores, contiguous; ``cpu_ops.rank_cores``). A list of CPU ids (distinct
+        integers >= 0, within this process's affinity: never widened) is used as given, in its order, for users
+        who bind ranks themselves.
     importance: how columns are chosen: ``"l2"`` (top-k by sum of squares of the gradient's column),
         ``"l1"`` (sum of absolute values), ``"random"`` (a seeded uniform choice of k columns at every
         selection: the control experiment), or a callable ``scores(grad, param) -> [C] tensor`` (a
@@ -131,6 +147,7 @@ class ZenFlowConfig:
     full_warm_up_rounds: int = 0
     steps_per_epoch: int | None = None
     pt_reserved_cores_perc: float | str = "auto"
+    cores: str | tuple[int, ...] = "auto"
     importance: str | Callable = "l2"
     max_update_interval: int = DEFAULT_MAX_UPDATE_INTERVAL
     device_accumulation: bool = False
@@ -163,6 +180,8 @@ class ZenFlowConfig:
         if not (isinstance(self.pt_reserved_cores_perc, str) and self.pt_reserved_cores_perc == "auto"):
             set_(self, "pt_reserved_cores_perc",
                  _check_fraction("pt_reserved_cores_perc", self.pt_reserved_cores_perc, "'auto' or "))
+        if not (isinstance(self.cores, str) and self.cores == "auto"):
+            set_(self, "cores", _check_cpu_ids("cores", self.cores))
         set_(self, "importance", check_importance("importance", self.importance))
         set_(self, "max_update_interval", _check_int("max_update_interval", self.max_update_interval, 1))
         set_(self, "device_accumulation", _check_bool("device_accumulation", self.device_accumulation))

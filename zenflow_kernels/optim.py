@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import sys
 import time
 import warnings
@@ -122,6 +123,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._built = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.config = ZenFlowConfig.coerce(zenflow)
+        self._rank_cores()  # a cores list outside this process's CPUs is an error now, not at the first step
         self.schedule: Schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch, dataloader=dataloader)
         self.max_grad_norm = max_grad_norm
         self.host_timeout = host_timeout
@@ -213,6 +215,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return Zero1(process_group, timeout)
         return Zero2(process_group, timeout, release=self.release_gradients, bucket_numel=self.ZERO_BUCKET_NUMEL)
 
+    def _rank_cores(self) -> tuple[list[int], str]:
+        """The CPUs this rank's training and host worker share out (``zenflow.cores``), and why."""
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        if self.config.cores != "auto":
+            outside = sorted(set(self.config.cores) - affinity)
+            if outside:
+                raise ValueError(f"ZenFlowAdamW: zenflow.cores={list(self.config.cores)!r} is invalid: CPUs {outside} "
+                                 f"are outside this process's affinity {sorted(affinity)} (allowed: a subset of it; "
+                                 "never widened)")
+            return list(self.config.cores), "zenflow.cores as given"
+        cores, why = cpu_ops.rank_cores(affinity)
+        return cpu_ops.physical_cores(cores), why
+
     def _check_params(self, params=None) -> None:
         params = self._params if params is None else params
         devices = {p.device for p in params}
@@ -231,7 +246,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         lazy state)."""
         self.device = self._params[0].device if self._params else torch.device("cpu")
         overlap = self.config.overlap_step
-        train_cores, host_cores = cpu_ops.split_cores(self.config.reserved_cores_perc(self.device.type))
+        rank_cores, why = self._rank_cores()
+        train_cores, host_cores = cpu_ops.split_cores(self.config.reserved_cores_perc(self.device.type), rank_cores)
+        self._cores = dict(train=train_cores, host=host_cores, why=why)
         self._saved_torch_threads = None
         self._shard.start(self._params, self._group_of, self.device, self._chaos)
         # the tensors the algorithm reads and writes: the parameters themselves, or (FSDP2) this rank's rows
@@ -531,11 +548,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def explain(self, steps: int = 20) -> str:
         """What this optimizer will do, as ``python -m zenflow_kernels explain`` prints it for a config (the
-        resolved schedule over the first ``steps`` steps), and, per param group, its own ``topk_ratio`` and
-        ``importance`` and each matrix's ``k`` of ``C`` columns on the fast path."""
+        resolved schedule over the first ``steps`` steps), the CPUs of training and of the host worker (and why:
+        ``zenflow.cores``), and, per param group, its own ``topk_ratio`` and ``importance`` and each matrix's ``k``
+        of ``C`` columns on the fast path."""
         from .__main__ import explain
 
-        lines = [explain(self.config, self.schedule, steps), "param groups:"]
+        lines = [explain(self.config, self.schedule, steps)]
+        if self._built:
+            train, host, why = self._cores["train"], self._cores["host"], self._cores["why"]
+        else:  # what the first step will pick
+            cores, why = self._rank_cores()
+            device = self._params[0].device.type if self._params else "cpu"
+            train, host = cpu_ops.split_cores(self.config.reserved_cores_perc(device), cores)
+        lines += [f"cores: training {train}, host worker {host} ({why})", "param groups:"]
         for gi, g in enumerate(self.param_groups):
             ratio, importance = g.get("topk_ratio", self.config.topk_ratio), g.get("importance", self.config.importance)
             own = [k for k in ("topk_ratio", "importance") if k in g]
@@ -1342,9 +1367,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._load_adam(state_dict)
             return
         zenflow = state_dict["zenflow"]
-        # where the host state lives is this optimizer's, not the checkpoint's (memory <-> disk both ways)
+        # where the host state lives and which CPUs run it are this optimizer's, not the checkpoint's (memory <->
+        # disk both ways; another machine)
         config = ZenFlowConfig.from_dict({**zenflow["config"], "offload_device": self.config.offload_device,
-                                          "nvme_path": self.config.nvme_path})
+                                          "nvme_path": self.config.nvme_path, "cores": self.config.cores})
         schedule = Schedule.from_dict(zenflow["schedule"])
         saved_state = state_dict["state"]
         for idx, st in saved_state.items():
@@ -1609,6 +1635,8 @@ class _Telemetry:
             # gradients crossing during backward (docs/design.md section 5.1): "on" or "off", and why
             "handover": opt._handover.mode,
             "handover_why": opt._handover.why,
+            # the CPUs of training's threads and of the host worker, and why (zenflow.cores); {} before the first step
+            "cores": dict(opt._cores) if opt._built else {},
             "collective_bytes": dict(opt._shard.bytes),
             "collective_bytes_per_step": {k: v / opt.t for k, v in opt._shard.bytes.items()} if opt.t else {},
         }

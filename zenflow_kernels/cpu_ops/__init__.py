@@ -11,6 +11,8 @@ Public API
     sum_squares(x, *, num_threads=None) -> float
     multi_sum_squares(tensors, *, num_threads=None) -> float
     split_cores(pt_reserved_cores_perc, cores=None) -> (train_cores, host_cores)
+    rank_cores(affinity=None) -> (cores, why)       this local rank's CPUs on a node shared by several ranks
+    physical_cores(cpus) -> cpus                      one logical CPU per physical core
 
 All tensors are contiguous CPU tensors; state (param, moments, accumulation buffer) is fp32;
 gradients may be fp32, bf16 or fp16; ``out`` may be fp32, bf16 or fp16. Each op is one pass over
@@ -45,7 +47,7 @@ First call of each dtype combination compiles (about 1-2 s); compiled code is ca
 
 from .accumulate import accumulate_, multi_accumulate_, multi_sum_squares, sum_squares
 from .adam import accumulate_adam_, cpu_adam_
-from .cores import split_cores
+from .cores import physical_cores, rank_cores, split_cores
 
-__all__ = ["accumulate_", "accumulate_adam_", "cpu_adam_", "multi_accumulate_", "multi_sum_squares", "split_cores",
-           "sum_squares"]
+__all__ = ["accumulate_", "accumulate_adam_", "cpu_adam_", "multi_accumulate_", "multi_sum_squares", "physical_cores",
+           "rank_cores", "split_cores", "sum_squares"]

@@ -99,3 +99,77 @@ def split_cores(pt_reserved_cores_perc: float, cores: Iterable[int] | None = Non
     if 0 < k < n:
         return core_list[:k], core_list[k:]
     return list(core_list), list(core_list)
+
+
+# -- several ranks on one node --------------------------------------------------------------------------------
+
+CGROUP_CPUSETS = (Path("/sys/fs/cgroup/cpuset.cpus.effective"),  # cgroup v2
+                  Path("/sys/fs/cgroup/cpuset/cpuset.effective_cpus"), Path("/sys/fs/cgroup/cpuset/cpuset.cpus"))
+
+
+def node_cpus(sysfs: str | os.PathLike = SYSFS_CPU, cpusets: Iterable[os.PathLike] = CGROUP_CPUSETS) -> set[int] | None:
+    """The CPUs any process of this node's job may run on: the cgroup's cpuset when readable (a container's),
+    else the online CPUs; None when neither can be read."""
+    for path in (*cpusets, Path(sysfs) / "online"):
+        try:
+            cpus = _parse_cpu_list(Path(path).read_text())
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            return cpus
+    return None
+
+
+def local_rank_and_size(environ=None) -> tuple[int, int]:
+    """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` as torchrun (and DeepSpeed's, accelerate's launchers) set them; ``(0, 1)``
+    when unset or unreadable (one process on this node, as far as anyone said)."""
+    environ = os.environ if environ is None else environ
+    try:
+        rank, size = int(environ.get("LOCAL_RANK", 0)), int(environ.get("LOCAL_WORLD_SIZE", 1))
+    except ValueError:
+        return 0, 1
+    return (rank, size) if 0 <= rank < size else (0, 1)
+
+
+def rank_share(cpus: Iterable[int], local_rank: int, local_size: int,
+               sysfs: str | os.PathLike = SYSFS_CPU) -> list[int]:
+    """Local rank ``local_rank`` of ``local_size``'s share of ``cpus``: whole physical cores (a core's SMT siblings
+    go together), contiguous in CPU order, the counts as even as possible (the first ``n % local_size`` ranks one
+    more). With fewer cores than ranks the ranks share them: rank ``r`` gets core ``r % n``. Sorted logical ids."""
+    cpus = sorted(set(cpus))
+    allowed = set(cpus)
+    groups: dict[int, list[int]] = {}  # a physical core's lowest allowed sibling -> its allowed siblings
+    for c in cpus:
+        try:
+            siblings = _parse_cpu_list((Path(sysfs) / f"cpu{c}" / "topology" / "thread_siblings_list").read_text())
+        except (OSError, ValueError):
+            siblings = {c}
+        groups.setdefault(min((siblings & allowed) | {c}), []).append(c)
+    cores = [groups[k] for k in sorted(groups)]
+    n = len(cores)
+    if n < local_size:
+        return sorted(cores[local_rank % n])
+    base, extra = divmod(n, local_size)
+    start = local_rank * base + min(local_rank, extra)
+    stop = start + base + (1 if local_rank < extra else 0)
+    return sorted(c for core in cores[start:stop] for c in core)
+
+
+def rank_cores(affinity: Iterable[int] | None = None, *, environ=None, sysfs: str | os.PathLike = SYSFS_CPU,
+               cpusets: Iterable[os.PathLike] = CGROUP_CPUSETS) -> tuple[list[int], str]:
+    """The CPUs this rank's training and host worker use, and why: its share of the node when several ranks run
+    on it (``LOCAL_WORLD_SIZE`` > 1) and the process may run on every CPU of the node (torchrun binds nothing: each
+    rank starts with the whole node, and their host workers would all pin the same cores); the process's affinity
+    as it is when the launcher already narrowed it (DeepSpeed's ``--bind_cores_to_rank``, ``taskset``,
+    ``numactl``: never widened, never split again) or when one rank runs here. Sorted logical CPU ids."""
+    affinity = sorted(set(os.sched_getaffinity(0) if affinity is None else affinity))
+    local_rank, local_size = local_rank_and_size(environ)
+    if local_size == 1:
+        return affinity, "this process's CPUs (one rank on this node)"
+    node = node_cpus(sysfs, cpusets)
+    if node is not None and set(affinity) != node:
+        return affinity, (f"this process's CPUs as the launcher bound them (local rank {local_rank} of {local_size}; "
+                          f"{len(affinity)} of the node's {len(node)})")
+    share = rank_share(affinity, local_rank, local_size, sysfs)
+    shared = " (fewer cores than local ranks: shared)" if len(physical_cores(affinity, sysfs)) < local_size else ""
+    return share, f"local rank {local_rank}'s share of {local_size} on this node's {len(affinity)} CPUs{shared}"
