@@ -1,6 +1,8 @@
 # Two entry points a newcomer types: `make demo` and `make test`. Both build .venv themselves.
-# torch: the CPU build pinned below is installed only when no torch is importable, so a machine
-# that already has one (a CUDA build, say) keeps it and nothing multi-GB is ever downloaded.
+# torch: TORCH_PIN below is installed only when no torch is importable, so a machine that already has one
+# (a CUDA build, say) keeps it. Where pip has a local CPU wheel (this project's machines) that is the CPU
+# build; from PyPI on Linux x86 it is the multi-GB CUDA build: install the CPU one first where you want it
+# (pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu).
 # `make test-min` (not part of `make test` or CI) checks the dependency floors in its own .venv-min.
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +23,7 @@ TORCH_MIN ?= $(TORCH_PIN)
 MIN_TESTS ?= tests/test_versions.py tests/test_triton_compile.py tests/test_cpu_ops.py \
 	tests/test_cpu_ops_convert.py tests/test_cpu_ops_cores.py tests/test_cpu_selective_adamw.py
 
-.PHONY: install install-dev demo test test-min lint bench mutation mutation-sample clean
+.PHONY: install install-dev demo bench-results test test-min lint bench mutation mutation-sample clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +35,12 @@ $(VENV)/.installed: $(PY) pyproject.toml
 
 install: $(VENV)/.installed
 
+# the demo writes to the untracked out/demo/; bench-results refreshes the committed bench/results/e2e.{json,png}
 demo: install
-	$(PY) -m bench.e2e --demo $(ARGS)
+	$(PY) -m bench.e2e --demo --out out/demo $(ARGS)
+
+bench-results: install
+	$(PY) -m bench.e2e --demo --out bench/results $(ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -16,6 +16,29 @@ def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+def run_torchrun(name: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """``examples/<name>`` under ``python -m torch.distributed.run`` on ``nproc`` CPU ranks (gloo)."""
+    import socket
+
+    with socket.socket() as sock:  # torchrun's --master_port=0 does not pick a free port for the workers
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
+         str(REPO / "examples" / name), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def assert_ran(proc: subprocess.CompletedProcess) -> None:
+    """gloo's threads sometimes abort a rank at interpreter exit, after its work is done ("terminate called without
+    an active exception"): that alone is not the example failing; what the caller asserts next still must hold."""
+    teardown = "terminate called without an active exception" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 0 or teardown, proc.stderr[-3000:]
+
+
 def test_custom_loop_example_trains_checkpoints_and_resumes_identically():
     proc = run_example("custom_loop.py", "--steps", "24")
     assert proc.returncode == 0, proc.stderr
@@ -44,23 +67,12 @@ def test_lightning_example():
 
 
 def test_distributed_example_under_torchrun_and_its_checkpoint_on_one_rank(tmp_path):
-    import socket
-
     import torch
 
     from zenflow_kernels import ZenFlowAdamW
 
-    with socket.socket() as sock:  # torchrun's --master_port=0 does not pick a free port for the workers
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = tmp_path / "ckpt.pt"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-         str(REPO / "examples" / "train_distributed.py"), "--steps", "12", "--out", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = run_torchrun("train_distributed.py", 2, "--steps", "12", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trained 12 steps on 2 ranks (ZeRO-2)" in proc.stdout and "replicas identical: True" in proc.stdout
     assert "selection scores" in proc.stdout and "gradients" in proc.stdout
@@ -80,23 +92,22 @@ def test_distributed_example_under_torchrun_and_its_checkpoint_on_one_rank(tmp_p
 def test_fsdp2_example_under_torchrun(tmp_path):
     """examples/train_fsdp2.py: a byte GPT wrapped per block with fully_shard, 2 ranks on gloo, saved with
     torch.distributed.checkpoint."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-         str(REPO / "examples" / "train_fsdp2.py"), "--steps", "8", "--out", str(tmp_path / "ckpt")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
-    # gloo's threads sometimes abort a rank at interpreter exit, after its work is done ("terminate called
-    # without an active exception"): that alone is not the example failing, everything below still must hold
-    teardown = "terminate called without an active exception" in proc.stderr and "Traceback" not in proc.stderr
-    assert proc.returncode == 0 or teardown, proc.stderr[-3000:]
+    proc = run_torchrun("train_fsdp2.py", 2, "--steps", "8", "--out", str(tmp_path / "ckpt"))
+    assert_ran(proc)
     assert "trained 8 steps on 2 ranks with FSDP2" in proc.stdout
     assert "rank 0: holds 67456 of 134912 parameters" in proc.stdout
     assert "rank 1: holds 67456 of 134912 parameters" in proc.stdout
+    assert "selection scores" in proc.stdout and (tmp_path / "ckpt" / ".metadata").exists()
+
+
+def test_hsdp_example_under_torchrun(tmp_path):
+    """examples/train_hsdp.py: the byte GPT on a 2-D mesh, 4 ranks on gloo as 2 replicas x 2 shards: every rank
+    holds half the rows, the replicas end bit-identical, saved with torch.distributed.checkpoint."""
+    proc = run_torchrun("train_hsdp.py", 4, "--replicas", "2", "--steps", "6", "--out", str(tmp_path / "ckpt"))
+    assert_ran(proc)
+    assert "trained 6 steps on 4 ranks with HSDP (2 replicas x 2 shards)" in proc.stdout
+    assert "replicas identical: True" in proc.stdout
+    # init_device_mesh's row-major order: ranks 0, 1 are replica 0's shards, 2, 3 replica 1's
+    for rank, (replica, shard) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        assert f"rank {rank} (replica {replica}, shard {shard}): holds 67456 of 134912 parameters" in proc.stdout
     assert "selection scores" in proc.stdout and (tmp_path / "ckpt" / ".metadata").exists()

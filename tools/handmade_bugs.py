@@ -60,8 +60,8 @@ BUGS = [
     Bug(
         "plan-stale-after-load",
         "zenflow_kernels/optim.py",
-        "        self.state.clear()\n        self._pending = []\n        self._plan = None\n",
-        "        self.state.clear()\n        self._pending = []\n",
+        "        self._received = None\n        self._plan = None\n",
+        "        self._received = None\n",
         "(a) load_state_dict into a stepped optimizer keeps the fast step's per-selection plan: the fast step "
         "goes on updating the old state's tensors while the loaded ones (checkpointed, and read at the next "
         "re-selection) stay frozen",
@@ -103,8 +103,8 @@ BUGS = [
     Bug(
         "stage2-hooks-not-registered",
         "zenflow_kernels/optim.py",
-        "if self._link.asynchronous and self._shard.final_at_backward or self._shard.consumes_hooks:",
-        "if self._link.asynchronous and self._shard.final_at_backward:",
+        'if self._handover.mode == "on" or self._shard.consumes_hooks:',
+        'if self._handover.mode == "on":',
         "(b) ZeRO-2 registers no backward hooks: every reduction starts in step(), none overlaps backward",
         tests=ZERO, k=ZERO_K,
     ),
@@ -120,7 +120,8 @@ BUGS = [
     Bug(
         "hf-no-flush-at-epoch-end",
         "zenflow_kernels/integrations/transformers.py",
-        "    def on_epoch_end(self, args, state, control, **kwargs):\n        self._flush_if_needed(control, kwargs)\n",
+        "    def on_epoch_end(self, args, state, control, **kwargs):\n"
+        "        self._before_save_or_evaluate(args, control, kwargs)\n",
         "    def on_epoch_end(self, args, state, control, **kwargs):\n        pass\n",
         "(d) with eval_strategy=\"epoch\" (the Trainer decides to evaluate at the epoch's end, after the last "
         "step's on_step_end) the evaluation sees stale weights",
@@ -129,7 +130,7 @@ BUGS = [
     Bug(
         "lightning-no-flush-before-validation",
         "zenflow_kernels/integrations/lightning.py",
-        "    def on_validation_start(self, trainer, pl_module) -> None:\n        self._flush(trainer)\n",
+        "    def on_validation_start(self, trainer, pl_module) -> None:\n        self._hold(trainer, True)\n",
         "    def on_validation_start(self, trainer, pl_module) -> None:\n        pass\n",
         "(d) Lightning's validation runs on stale weights when no checkpoint comes with it",
         tests=INTEGRATIONS, k=None,
@@ -138,8 +139,8 @@ BUGS = [
     Bug(
         "entering-columns-keep-old-moments",
         "zenflow_kernels/optim.py",
-        "                m[:, stay] = old_m[:, pos[stay]]\n                v[:, stay] = old_v[:, pos[stay]]\n",
-        "                m.copy_(old_m[:, pos])\n                v.copy_(old_v[:, pos])\n",
+        "                    m[:, stay] = old_m[:, pos[stay]]\n                    v[:, stay] = old_v[:, pos[stay]]\n",
+        "                    m.copy_(old_m[:, pos])\n                    v.copy_(old_v[:, pos])\n",
         "a re-selection's entering columns take the moments of the old column at their sorted position "
         "instead of starting from zero (spec 2.3)",
     ),
@@ -162,8 +163,8 @@ BUGS = [
     Bug(
         "clip-coefficient-twice",
         "zenflow_kernels/optim.py",
-        "grad_scale = 1.0 if coef is None else 1.0 / coef\n",
-        "grad_scale = 1.0 if coef is None else 1.0 / (coef * coef)\n",
+        "grad_scale = self._amp if coef is None else self._amp / coef",
+        "grad_scale = self._amp if coef is None else self._amp / (coef * coef)",
         "the fast path divides the gradient by the clipping coefficient twice (spec 2.6)",
     ),
     Bug(
@@ -193,7 +194,7 @@ BUGS = [
     Bug(
         "overlap-reuses-the-busy-buffer",
         "zenflow_kernels/optim.py",
-        "            self._acc_buf = (self._acc_buf + 1) % len(self._host.acc)\n",
+        "            self._acc_buf = (self._acc_buf + 1) % len(self._counts)\n",
         "",
         "with overlap the next interval accumulates into the buffer the background host update is reading",
     ),

@@ -28,7 +28,7 @@ DEFAULT_MAX_UPDATE_INTERVAL = 32
 
 RESERVED_CORES_PERC_CPU = 1.0
 """``pt_reserved_cores_perc="auto"`` for CPU parameters: training and the host worker share every core (the
-worker takes the threads torch leaves free; README, *Running without a GPU*)."""
+worker takes the threads torch leaves free; docs/benchmarks.md, *Running without a GPU*)."""
 RESERVED_CORES_PERC_DEVICE = 0.5
 """``pt_reserved_cores_perc="auto"`` for parameters on an accelerator: DeepSpeed's default."""
 
