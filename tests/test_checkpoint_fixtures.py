@@ -1,0 +1,56 @@
+"""Checkpoints written by an earlier version load and continue bit-identically (issue 33 item 5).
+
+tests/fixtures/checkpoints/*.pt were written by tools/make_checkpoint_fixtures.py with the optimizer as it was
+before the optimizer layer was restructured: each holds the initial weights, every step's gradients, the model and
+optimizer dicts saved mid-run (a host update in flight, or inside ``flushed()``) and the weights every later step
+reached in the run that never stopped. Loading them into today's ``ZenFlowAdamW`` and continuing on the stored
+gradients must reach those weights bit for bit. The gradients are stored, not computed, so nothing but the
+optimizer decides the numbers (its kernels are elementwise: the same bits on AVX2 and AVX-512).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.ops import use_backend
+
+FIXTURES = sorted((Path(__file__).resolve().parent / "fixtures" / "checkpoints").glob("*.pt"))
+
+
+@pytest.fixture(autouse=True)
+def numba_backend():
+    with use_backend("numba"):
+        yield
+
+
+def test_the_fixtures_are_there():
+    names = {p.stem for p in FIXTURES}
+    assert {"memory_overlap_inflight", "memory_overlap_flushed", "memory_sync", "memory_device_accumulation",
+            "nvme_overlap_inflight", "nvme_overlap_flushed"} <= names, names
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_an_old_checkpoint_loads_and_continues_bit_identically(path, tmp_path):
+    case = torch.load(path, weights_only=False)
+    assert case["version"] == 1
+    zenflow = dict(case["zenflow"])
+    if zenflow.get("offload_device") == "nvme":
+        zenflow["nvme_path"] = str(tmp_path)
+    params = [torch.nn.Parameter(t.clone()) for t in case["model"]]
+    with ZenFlowAdamW(params, **case["hyper"], zenflow=zenflow) as opt:
+        opt.load_state_dict(case["optimizer"])  # the model first, then the optimizer (flushed(): it restores)
+        for t in range(case["save_at"] + 1, len(case["grads"])):
+            for p, grad in zip(params, case["grads"][t], strict=True):
+                p.grad = grad.clone()
+            opt.step()
+            opt.zero_grad()
+            want = case["expected"][t - case["save_at"] - 1]
+            for n, (p, w) in enumerate(zip(params, want, strict=True)):
+                assert torch.equal(p.detach(), w), f"step {t}, parameter {n}: {(p.float() - w.float()).abs().max()}"
+        opt.flush()
+        for n, (p, w) in enumerate(zip(params, case["expected"][-1], strict=True)):
+            assert torch.equal(p.detach(), w), f"after flush(), parameter {n}"
