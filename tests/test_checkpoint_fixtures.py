@@ -4,8 +4,9 @@ tests/fixtures/checkpoints/*.pt were written by tools/make_checkpoint_fixtures.p
 before the optimizer layer was restructured: each holds the initial weights, every step's gradients, the model and
 optimizer dicts saved mid-run (a host update in flight, or inside ``flushed()``) and the weights every later step
 reached in the run that never stopped. Loading them into today's ``ZenFlowAdamW`` and continuing on the stored
-gradients must reach those weights bit for bit. The gradients are stored, not computed, so nothing but the
-optimizer decides the numbers (its kernels are elementwise: the same bits on AVX2 and AVX-512).
+gradients must reach those weights bit for bit; ZeRO-1/2's per-rank and consolidated dicts the same at 2 ranks.
+The gradients are stored, not computed, so nothing but the optimizer decides the numbers (its kernels are
+elementwise: the same bits on AVX2 and AVX-512).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_fixture_ranks import CASES as ZERO_CASES
+from checkpoint_fixture_ranks import launch
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.ops import use_backend
 
-FIXTURES = sorted((Path(__file__).resolve().parent / "fixtures" / "checkpoints").glob("*.pt"))
+HERE = Path(__file__).resolve().parent / "fixtures" / "checkpoints"
+FIXTURES = sorted(p for p in HERE.glob("*.pt") if not p.name.startswith("zero"))  # one process
 
 
 @pytest.fixture(autouse=True)
@@ -54,3 +58,13 @@ def test_an_old_checkpoint_loads_and_continues_bit_identically(path, tmp_path):
         opt.flush()
         for n, (p, w) in enumerate(zip(params, case["expected"][-1], strict=True)):
             assert torch.equal(p.detach(), w), f"after flush(), parameter {n}"
+
+
+def test_old_zero_checkpoints_load_and_continue_bit_identically_at_the_same_world_size(tmp_path):
+    """ZeRO-1 and ZeRO-2 at 2 ranks: each rank's own dict (ZeRO-2's saved inside ``flushed()``) and the consolidated
+    one, loaded by each rank of a fresh 2-rank run (tests/checkpoint_fixture_ranks.py)."""
+    assert all((HERE / f"{name}_rank{r}.pt").exists() for name in ZERO_CASES for r in (0, 1))
+    launch("check", str(HERE), str(tmp_path))
+    for r in (0, 1):
+        lines = (tmp_path / f"rank{r}.txt").read_text().splitlines()
+        assert lines == [f"{name}: ok" for name in ZERO_CASES], (r, lines)
