@@ -106,6 +106,110 @@ def make(rank: int, where: Path) -> None:
         torch.save(case, where / f"{name}_rank{rank}.pt")
 
 
+# -- FSDP2 with torch.distributed.checkpoint ---------------------------------------------------------------------
+
+FSDP2_SHAPES = ((16, 12), (16,), (8, 16))  # fp32: one FSDP2 unit needs one dtype
+FSDP2_CASES = {"fsdp2_dcp_inflight": False, "fsdp2_dcp_flushed": True}  # name: saved inside flushed()
+
+
+class Flat(torch.nn.Module):
+    """The parameters only: the steps set their gradients (no forward)."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(t.clone()) for t in tensors)
+
+
+def fsdp2_inputs():
+    g = torch.Generator().manual_seed(1)
+    init = [torch.randn(shape, generator=g) for shape in FSDP2_SHAPES]
+    grads = [[torch.randn(shape, generator=g) for shape in FSDP2_SHAPES] for _ in range(STEPS)]
+    return init, grads
+
+
+def fsdp2_model(tensors):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = Flat(tensors)
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    return model
+
+
+def fsdp2_steps(model, opt, grads, start, stop, after=None):
+    """Steps on stored whole gradients: each rank sets its rows of each (FSDP2's Shard(0) placement)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    history = []
+    for t in range(start, stop):
+        for p, grad in zip(model.parameters(), grads[t], strict=True):
+            p.grad = distribute_tensor(grad.clone(), p.device_mesh, p.placements)
+        opt.step()
+        opt.zero_grad()
+        history.append([p.full_tensor().detach().clone() for p in model.parameters()])
+        if after is not None:
+            after(t)
+    return history
+
+
+def fsdp2_state(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def fsdp2_continued(name: str, where: Path, grads) -> list:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    model = fsdp2_model([torch.zeros(shape) for shape in FSDP2_SHAPES])  # other weights: the load overwrites them
+    with ZenFlowAdamW(model.parameters(), **HYPER, zenflow=ZEN) as opt:
+        state = fsdp2_state(model, opt)
+        dcp.load(state, checkpoint_id=where / name)
+        set_model_state_dict(model, state["model"])  # the model first, then the optimizer
+        set_optimizer_state_dict(model, opt, optim_state_dict=state["optim"])
+        out = fsdp2_steps(model, opt, grads, SAVE_AT + 1, STEPS)
+        opt.flush()
+        out.append([p.full_tensor().detach().clone() for p in model.parameters()])
+    return out
+
+
+def fsdp2_train_and_save(name: str, flushed: bool, where: Path, init, grads) -> list:
+    """The run that saves at ``SAVE_AT`` (with torch.distributed.checkpoint) and never stops: its weights."""
+    import torch.distributed.checkpoint as dcp
+
+    model = fsdp2_model(init)
+    with ZenFlowAdamW(model.parameters(), **HYPER, zenflow=ZEN) as opt:
+        def save(t):
+            if t == SAVE_AT:
+                with opt.flushed() if flushed else contextlib.nullcontext():
+                    dcp.save(fsdp2_state(model, opt), checkpoint_id=where / name)
+
+        history = fsdp2_steps(model, opt, grads, 0, STEPS, after=save)
+        opt.flush()
+        history.append([p.full_tensor().detach().clone() for p in model.parameters()])
+    return history
+
+
+def fsdp2_make(rank: int, where: Path) -> None:
+    for name, flushed in FSDP2_CASES.items():
+        init, grads = fsdp2_inputs()
+        expected = fsdp2_train_and_save(name, flushed, where, init, grads)[SAVE_AT + 1:]
+        if describe(fsdp2_continued(name, where, grads), expected, SAVE_AT) != "ok":
+            raise SystemExit(f"{name}: the resumed run differs here and now: no fixture written")
+        if rank == 0:  # the inputs and expectations are every rank's: one file beside the checkpoint's
+            torch.save(dict(version=1, hyper=HYPER, zenflow=ZEN, flushed=flushed, save_at=SAVE_AT, grads=grads,
+                            expected=expected), where / name / "case.pt")
+
+
+def fsdp2_check(where: Path) -> list[str]:
+    lines = []
+    for name in FSDP2_CASES:
+        case = torch.load(where / name / "case.pt", weights_only=False)
+        lines.append(f"{name}: {describe(fsdp2_continued(name, where, case['grads']), case['expected'], SAVE_AT)}")
+    return lines
+
+
 def describe(got: list, want: list, save_at: int) -> str:
     for k, (a, b) in enumerate(zip(got, want, strict=True)):
         for n, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -119,6 +223,7 @@ def check(rank: int, where: Path, out: Path) -> None:
     for name in CASES:
         case = torch.load(where / f"{name}_rank{rank}.pt", weights_only=False)
         lines.append(f"{name}: {describe(continued(case), case['expected'], case['save_at'])}")
+    lines += fsdp2_check(where)
     (out / f"rank{rank}.txt").write_text("\n".join(lines) + "\n")
 
 
@@ -150,6 +255,7 @@ def main() -> int:
     with use_backend("numba"):
         if mode == "make":
             make(rank, where)
+            fsdp2_make(rank, where)
         else:
             check(rank, where, Path(sys.argv[3]))
     dist.destroy_process_group()

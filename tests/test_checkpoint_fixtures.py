@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_fixture_ranks import CASES as ZERO_CASES
-from checkpoint_fixture_ranks import launch
+from checkpoint_fixture_ranks import FSDP2_CASES, launch
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.ops import use_backend
@@ -60,11 +60,13 @@ def test_an_old_checkpoint_loads_and_continues_bit_identically(path, tmp_path):
             assert torch.equal(p.detach(), w), f"after flush(), parameter {n}"
 
 
-def test_old_zero_checkpoints_load_and_continue_bit_identically_at_the_same_world_size(tmp_path):
-    """ZeRO-1 and ZeRO-2 at 2 ranks: each rank's own dict (ZeRO-2's saved inside ``flushed()``) and the consolidated
-    one, loaded by each rank of a fresh 2-rank run (tests/checkpoint_fixture_ranks.py)."""
+def test_old_zero_and_fsdp2_checkpoints_load_and_continue_bit_identically_at_the_same_world_size(tmp_path):
+    """At 2 ranks (tests/checkpoint_fixture_ranks.py): ZeRO-1 and ZeRO-2, each rank's own dict (ZeRO-2's saved
+    inside ``flushed()``) and the consolidated one; FSDP2 through torch.distributed.checkpoint, saved with a host
+    update in flight and inside ``flushed()``. Each rank of a fresh run loads and continues."""
     assert all((HERE / f"{name}_rank{r}.pt").exists() for name in ZERO_CASES for r in (0, 1))
+    assert all((HERE / name / ".metadata").exists() for name in FSDP2_CASES)
     launch("check", str(HERE), str(tmp_path))
     for r in (0, 1):
         lines = (tmp_path / f"rank{r}.txt").read_text().splitlines()
-        assert lines == [f"{name}: ok" for name in ZERO_CASES], (r, lines)
+        assert lines == [f"{name}: ok" for name in [*ZERO_CASES, *FSDP2_CASES]], (r, lines)

@@ -12,7 +12,8 @@ optimizer at ``SAVE_AT`` as a user would (a host update in flight, or inside ``f
 weights after every later step of the run that never stopped. Cases: one process in memory (overlap, the save
 with an update in flight and inside ``flushed()``; without overlap; ``device_accumulation``) and with the state
 on disk (``offload_device="nvme"``), and ZeRO-1/2 at 2 ranks, per-rank and consolidated
-(tests/checkpoint_fixture_ranks.py, one file per rank). The file holds the inputs (initial weights, every step's
+(one file per rank), and FSDP2 through torch.distributed.checkpoint at 2 ranks (a folder per case:
+tests/checkpoint_fixture_ranks.py). The file holds the inputs (initial weights, every step's
 gradients), the saved dicts and the expected weights, so a later version needs nothing of this one to check
 itself.
 """
@@ -125,13 +126,14 @@ def main() -> int:
             path = OUT / f"{name}.pt"
             torch.save(make_case(case), path)
             print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size / 1024:.0f} KiB)")
-    # ZeRO-1/2 at 2 ranks: per-rank dicts and the consolidated one (tests/checkpoint_fixture_ranks.py)
+    # ZeRO-1/2 at 2 ranks (per-rank dicts and the consolidated one) and FSDP2 with torch.distributed.checkpoint
+    # (tests/checkpoint_fixture_ranks.py)
     sys.path.insert(0, str(ROOT / "tests"))
     from checkpoint_fixture_ranks import launch
 
     launch("make", str(OUT))
-    for path in sorted(OUT.glob("zero*_rank*.pt")):
-        print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size / 1024:.0f} KiB)")
+    for path in sorted([*OUT.glob("zero*_rank*.pt"), *OUT.glob("fsdp2_*")]):
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 
