@@ -66,7 +66,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
-from bench.harness import OneLineParser, Timing, machine_info, output_dir, plt, write_json  # noqa: E402
+from bench.harness import (  # noqa: E402
+    OneLineParser,
+    OtherLoad,
+    Timing,
+    machine_info,
+    output_dir,
+    plt,
+    wait_quiet,
+    write_json,
+)
 from zenflow_kernels.cpu_ops import accumulate_, accumulate_adam_, cpu_adam_  # noqa: E402
 from zenflow_kernels.cpu_ops._common import as_numpy  # noqa: E402
 
@@ -268,28 +277,6 @@ class State:
             self.acc.zero_()
 
 
-class OtherLoad:
-    """CPU time used by *other* processes while a block ran, as a fraction of all cores (this machine
-    is shared; a number well above 0 means that block's timings are suspect)."""
-
-    def __init__(self):
-        self._t0, self._busy0, self._own0 = self._sample()
-
-    @staticmethod
-    def _sample():
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        tick = os.sysconf("SC_CLK_TCK")
-        own = sum(os.times()[:2])  # seconds of CPU of this process (user + system)
-        return time.perf_counter(), (sum(fields) - idle) / tick, own
-
-    def fraction(self) -> float:
-        t1, busy1, own1 = self._sample()
-        other = (busy1 - self._busy0) - (own1 - self._own0)
-        return max(0.0, other) / max(1e-9, (t1 - self._t0) * (os.cpu_count() or 1))
-
-
 SETTLE_S = 0.025
 
 
@@ -320,34 +307,6 @@ def interleaved_settled(candidates: dict, rounds: int, calls_per_round: int, set
                 fn()
             samples[name].append((time.perf_counter() - t0) / calls_per_round)
     return {name: Timing.from_samples(s) for name, s in samples.items()}
-
-
-def _wait_quiet(limit_s: float, threshold: float = 0.1) -> float:
-    """Wait (up to limit_s) until other processes use < threshold of the machine over 5 s; returns it."""
-    end = time.perf_counter() + limit_s
-    while True:
-        probe = OtherLoad()
-        time.sleep(5)
-        load = probe.fraction()
-        if load < threshold or time.perf_counter() > end:
-            return load
-
-
-def quietest(measure, load_of, attempts: int, max_other_load: float, label: str) -> dict:
-    """``measure()``, again after waiting for quiet while other processes took more than ``max_other_load`` of the
-    CPUs (``load_of(result)``), up to ``attempts`` runs in all; the quietest result is kept, every attempt's load
-    in its ``other_load_of_attempts``."""
-    result = measure()
-    loads = [load_of(result)]
-    while min(loads) > max_other_load and len(loads) < attempts:
-        print(f"{label}: other processes used {loads[-1]:.0%} of the CPUs, running it again", flush=True)
-        _wait_quiet(60)
-        again = measure()
-        loads.append(load_of(again))
-        if loads[-1] == min(loads):
-            result = again
-    result["other_load_of_attempts"] = loads
-    return result
 
 
 def _torch_hyper() -> dict:
@@ -405,7 +364,7 @@ def _measure(candidates: dict, n: int, k: int, rounds: int, bytes_per_param: int
         if other <= MAX_OTHER_LOAD or attempt == attempts:
             break
         print(f"  n={n} threads={k}: other processes used {other:.0%} of the CPUs, measuring again", flush=True)
-        _wait_quiet(120)
+        wait_quiet(120)
     rows = _rows(timings, n, k, calls, bytes_per_param, other)
     for r in rows:
         r["attempts"] = attempt
@@ -678,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     ds_cls, ds_reason = _deepspeed_adam()
     zenflow_op, zenflow_reason = _deepspeed_zenflow_op() if ds_cls is not None else (None, ds_reason)
     if args.wait_quiet > 0:
-        print(f"other processes' CPU share before starting: {_wait_quiet(args.wait_quiet):.2f}", flush=True)
+        print(f"other processes' CPU share before starting: {wait_quiet(args.wait_quiet):.2f}", flush=True)
     print(f"sizes {sizes}, threads {threads}, rounds {rounds}, deepspeed: {'yes' if ds_cls else ds_reason}, "
           f"its native ZenFlow Adam: {'yes' if zenflow_op else zenflow_reason}", flush=True)
 

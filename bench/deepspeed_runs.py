@@ -9,9 +9,10 @@ DeepSpeed is never a dependency of the library: nothing under ``zenflow_kernels`
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
+
+from bench.harness import free_port
 
 
 def unavailable() -> str | None:
@@ -47,12 +48,6 @@ def ds_config(*, batch: int, lr: float, weight_decay: float, zenflow: dict | Non
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Engine:
     """A DeepSpeed engine driven like a torch optimizer by ``train_run``."""
 
@@ -61,7 +56,7 @@ class Engine:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
+            for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                                ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
                 os.environ.setdefault(key, value)
             deepspeed.init_distributed(dist_backend="nccl" if prep.device.type == "cuda" else "gloo")

@@ -72,6 +72,7 @@ from bench.harness import (
     machine_info_light,
     meminfo_bytes,
     output_dir,
+    parse_width_layers,
     peak_rss_bytes,
     plt,
     rss_bytes,
@@ -253,7 +254,7 @@ def step_summary(times: list[float], boundary: list[bool], flush_s: float) -> di
 
 def run_one(spec: dict) -> dict:
     """One (size, config, update_interval, offload) in this process: build, step, flush, measure."""
-    from bench.cpu_adam import OtherLoad
+    from bench.harness import OtherLoad
     from bench.scale import build_params
     from zenflow_kernels import ZenFlowAdamW
 
@@ -372,7 +373,7 @@ def _child(spec: dict) -> dict:
 def run_quietest(spec: dict, attempts: int, label: str) -> dict:
     """The run, again (after waiting for quiet) while other processes took more than MAX_OTHER_LOAD of the
     CPUs, up to ``attempts`` runs; the quietest is kept."""
-    from bench.cpu_adam import quietest
+    from bench.harness import quietest
 
     return quietest(lambda: _child(spec), lambda r: r["other_processes_cpu_fraction"], attempts, MAX_OTHER_LOAD, label)
 
@@ -643,12 +644,6 @@ def optimizer_runs(specs: list[dict], where: str, repeats: int, attempts: int,
     return runs, skipped
 
 
-def _parse_size(text: str) -> tuple[int, int]:
-    from bench.scale import _parse_size as parse
-
-    return parse(text)
-
-
 def main(argv=None) -> int:
     parser = OneLineParser(prog="python -m bench.nvme", description=__doc__.split("\n\n")[0],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -659,12 +654,12 @@ def main(argv=None) -> int:
                         help="storage pass: millions of parameters (default 16 64 256)")
     parser.add_argument("--dir", default=None, help="where the state files go (default: a temporary folder)")
     parser.add_argument("--repeats", type=int_at_least(1), default=2, help="passes per plain/streamed pass")
-    parser.add_argument("--run-sizes", nargs="+", type=_parse_size, default=None, metavar="DxL",
+    parser.add_argument("--run-sizes", nargs="+", type=parse_width_layers, default=None, metavar="DxL",
                         help="optimizer runs: d x layers (default 768x6 1024x12 1280x24 2048x20)")
     parser.add_argument("--configs", nargs="+", choices=list(GOAL_BYTES_PER_PARAM), default=None)
     parser.add_argument("--intervals", type=int_at_least(1), nargs="+", default=None,
                         help="update_interval of the stall runs (default 4 8 16)")
-    parser.add_argument("--stall-size", type=_parse_size, default=None, metavar="DxL",
+    parser.add_argument("--stall-size", type=parse_width_layers, default=None, metavar="DxL",
                         help="size of the stall runs (default 1024x12)")
     parser.add_argument("--attempts", type=int_at_least(1), default=None,
                         help="runs of one measurement while other processes take more than 15%% of the CPUs "

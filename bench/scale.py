@@ -67,15 +67,16 @@ import sys
 import time
 from pathlib import Path
 
-from bench.cpu_adam import quietest
 from bench.harness import (
     OneLineParser,
     int_at_least,
     machine_info_light,
     meminfo_bytes,
     output_dir,
+    parse_width_layers,
     peak_rss_bytes,
     plt,
+    quietest,
     rss_bytes,
     run_child,
     write_json_light,
@@ -243,7 +244,7 @@ def run_one(spec: dict) -> dict:
     import numba
     import torch
 
-    from bench.cpu_adam import OtherLoad
+    from bench.harness import OtherLoad
     from zenflow_kernels import ZenFlowAdamW
     from zenflow_kernels.cpu_ops import split_cores
 
@@ -368,7 +369,7 @@ def run_tensors(spec: dict) -> dict:
     tiny tensors, one step of each in turn."""
     import torch
 
-    from bench.cpu_adam import OtherLoad
+    from bench.harness import OtherLoad
     from zenflow_kernels import ZenFlowAdamW
     from zenflow_kernels.testing import chaos
 
@@ -439,16 +440,6 @@ def _child(kind: str, spec: dict, timeout: float) -> dict:
                      what=f"the {kind} process {spec}", env_extra=MALLOC_ENV)
 
 
-def _parse_size(text: str) -> tuple[int, int]:
-    try:
-        d, layers = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not DxLAYERS (e.g. 1024x24)") from None
-    if d < 16 or d % 16 or layers < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: d must be a multiple of 16 (>= 16) and layers >= 1")
-    return d, layers
-
-
 def best_bandwidth(runs: list[dict]) -> list[dict]:
     """The roofline: per (pattern, threads), the best rate any run of this benchmark measured (the
     attainable bandwidth is the machine's; a run measured while other processes took the cores sees less)."""
@@ -515,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and few steps (the test suite's run)")
-    ap.add_argument("--sizes", nargs="+", type=_parse_size, default=None, metavar="DxL",
+    ap.add_argument("--sizes", nargs="+", type=parse_width_layers, default=None, metavar="DxL",
                     help="d x layers, e.g. 1024x24 (default: 512x4 768x6 1024x12 1280x24)")
     ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=None)
     ap.add_argument("--steps", type=int_at_least(5), default=None,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -229,9 +228,9 @@ def check(rank: int, where: Path, out: Path) -> None:
 
 def launch(*args: str, world: int = 2, timeout: float = 300.0) -> None:
     """Run this script on ``world`` gloo ranks with ``args``; a failing rank raises with its stderr."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from bench.harness import free_port
+
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     root = Path(__file__).resolve().parents[1]

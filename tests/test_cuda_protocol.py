@@ -16,23 +16,19 @@ tests/test_gpu_link.py runs the real thing on a GPU (bench/gpu_suite.sh).
 from __future__ import annotations
 
 import datetime
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from worker_clock import accumulate_worker_times  # noqa: E402
 
 from zenflow_kernels import ZenFlowAdamW, link
 from zenflow_kernels.host import HostWorkerError
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.sharding import zero_context
 from zenflow_kernels.testing import chaos
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from worker_clock import accumulate_worker_times  # noqa: E402
 
 ZEN = dict(overlap_step=True, update_interval=1, select_strategy="step", select_interval=4)
 

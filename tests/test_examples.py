@@ -18,11 +18,9 @@ def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
 
 def run_torchrun(name: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
     """``examples/<name>`` under ``python -m torch.distributed.run`` on ``nproc`` CPU ranks (gloo)."""
-    import socket
+    from bench.harness import free_port
 
-    with socket.socket() as sock:  # torchrun's --master_port=0 does not pick a free port for the workers
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # torchrun's --master_port=0 does not pick a free port for the workers
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(

@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from test_optim import HYPER, snapshot
+from support import HYPER, snapshot
 
 from zenflow_kernels import ZenFlowAdamW, ZenFlowWarning
 from zenflow_kernels.ops import use_backend

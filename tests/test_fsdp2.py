@@ -15,21 +15,19 @@ import contextlib
 import copy
 import math
 import re
-import sys
 from pathlib import Path
 
+import fsdp2_worker as W  # noqa: E402
 import pytest
 import torch
+from support import assert_same_state, launch  # noqa: E402
+from tolerance import assert_within_stated_bound  # noqa: E402
 
+from bench.harness import free_port  # noqa: E402
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.host import ALIGN
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fsdp2_worker as W  # noqa: E402
-from test_zero import assert_same_state, free_port, launch  # noqa: E402
-from tolerance import assert_within_stated_bound  # noqa: E402
 
 pytest.importorskip("torch.distributed.fsdp")
 

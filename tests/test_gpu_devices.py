@@ -6,8 +6,6 @@ current give what they give on device 0, and leave device 0 current. Needs two G
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +21,6 @@ pytestmark = [
                        reason="compiled kernels only (TRITON_INTERPRET=0)"),
 ]
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_ops import OP_CALLS  # noqa: E402
 
 ZEN = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2, full_warm_up_rounds=1,

@@ -9,16 +9,12 @@ pinned buffers are locked in place, in whole pages of their own.
 from __future__ import annotations
 
 import mmap
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from worker_clock import accumulate_worker_times  # noqa: E402
 
 from zenflow_kernels import ZenFlowAdamW
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from worker_clock import accumulate_worker_times  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by bench/gpu_suite.sh)")
 

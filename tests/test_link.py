@@ -14,7 +14,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from test_optim import HYPER, SHAPES, drive, grad_sequence, make_params, snapshot
+from support import HYPER, SHAPES, drive, grad_sequence, make_params, snapshot
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.device_model import Chaos, _Delays, current_chaos

@@ -12,8 +12,7 @@ import stat
 import pytest
 import torch
 import torch.nn.functional as F
-from test_optim import HYPER, SWEEP, _ids, grad_sequence, make_params, quiet, snapshot
-from test_state_files import _device_sums
+from support import HYPER, SWEEP, _ids, grad_sequence, make_params, quiet, recording_device_sums, snapshot
 
 from zenflow_kernels import ZenFlowAdamW, ZenFlowConfig, ZenFlowConfigError
 from zenflow_kernels.ops import use_backend
@@ -459,7 +458,7 @@ def test_clipping_over_sums_fetched_in_pieces_has_the_bits_of_the_whole_buffer(t
     sums = torch.randn(shards[0].numel, generator=g) * 5
     shards[0].acc[0].copy_(sums)
     device, fetched = sums.clone(), []
-    source = _device_sums(device, SUM_CHUNK, 3, fetched)  # a 656 K-element matrix: 41 pieces
+    source = recording_device_sums(device, SUM_CHUNK, 3, fetched)  # a 656 K-element matrix: 41 pieces
     for shard, kw in zip(shards, (dict(), dict(sums=source)), strict=True):
         shard.update(0, counts, hyper, max_grad_norm=0.5, **kw)
     assert shards[1].acc == [] and torch.equal(device, sums)

@@ -8,16 +8,26 @@ and, when CUDA is present, "cuda" (parameters on the GPU, the CUDA link, the Tri
 import contextlib
 import copy
 import gc
-import itertools
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import warnings
 
 import pytest
 import torch
+from support import (
+    HYPER,
+    SWEEP,
+    _ids,
+    adamw_history,
+    adamw_tol,
+    drive,
+    grad_sequence,
+    make_params,
+    quiet,
+    snapshot,
+)
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.config import ZenFlowWarning
@@ -25,11 +35,6 @@ from zenflow_kernels.host import HostWorkerError
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
 from zenflow_kernels.testing import chaos
-
-# a small model's parameters: two linear layers with biases, a norm, and an embedding-like matrix
-SHAPES = [(24, 16), (24,), (12, 24), (12,), (12,), (40, 12)]
-HYPER = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
-
 
 HAS_CUDA = torch.cuda.is_available()
 MODES = ["cpu", "chaos0", "chaos1", "chaos2"] + (["cuda"] if HAS_CUDA else [])
@@ -69,71 +74,7 @@ def zenflow_threads():
     return [t for t in threading.enumerate() if t.name.startswith("zenflow")]
 
 
-def make_params(dtype=torch.float32, seed=0, device="cpu", shapes=SHAPES):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device, dtype)) for s in shapes]
-
-
-def snapshot(params):
-    return [p.detach().to("cpu", copy=True) for p in params]
-
-
-def grad_sequence(steps, seed=1, dtype=torch.float32):
-    """Gradients fixed in advance (a loss linear in the weights) with a few dominant, slowly drifting
-    columns per matrix, so that selections are well separated and change over time."""
-    g = torch.Generator().manual_seed(seed)
-    seq = []
-    for t in range(steps):
-        step = []
-        for shape in SHAPES:
-            x = torch.randn(shape, generator=g)
-            if len(shape) == 2:
-                cols = shape[1]
-                boost = torch.ones(cols)
-                for j in range(3):
-                    boost[(3 * j + t // 7) % cols] = 4.0 + j  # the hot columns shift every 7 steps
-                x = x * boost
-            step.append(x.to(dtype))
-        seq.append(step)
-    return seq
-
-
-def drive(opt, params, grads):
-    history = []
-    for step_grads in grads:
-        for p, g in zip(params, step_grads, strict=True):
-            p.grad = None if g is None else g.to(p.device, p.dtype, copy=True)
-        opt.step()
-        history.append(snapshot(params))
-    return history
-
-
-def quiet(factory, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ZenFlowWarning)
-        return factory(*args, **kwargs)
-
-
 # -- equivalence with the oracle --------------------------------------------------------------------
-
-TOPK = [0.0, 0.1, 1.0]
-UPDATE = [1, 3, "auto"]
-OVERLAP = [False, True]
-DTYPES = [torch.float32, torch.bfloat16]
-# the remaining axes rotate through the product above so every value meets every other often
-WARMUP = [0, 3]
-STRATEGY = [("step", 10, None), ("epoch", 1, 8), ("epoch", 1, None), ("auto", "auto", 10)]
-IMPORTANCE = ["l2", "l1"]
-SWEEP = [
-    (topk, upd, ov, dt, WARMUP[n % 2], STRATEGY[n % 4], IMPORTANCE[(n // 2) % 2])
-    for n, (topk, upd, ov, dt) in enumerate(itertools.product(TOPK, UPDATE, OVERLAP, DTYPES))
-]
-
-
-def _ids(case):
-    topk, upd, ov, dt, wu, (strategy, interval, epoch), imp = case
-    return f"k{topk}-u{upd}-{'ov' if ov else 'sync'}-{str(dt)[6:]}-wu{wu}-{strategy}{interval}e{epoch}-{imp}"
-
 
 # every case on the synchronous CPU link and under chaos (the seed rotates), and on CUDA when present
 SWEEP_RUNS = [
@@ -217,17 +158,6 @@ def test_matches_reference_on_a_real_model(device, warmup):
 
 
 # -- identities with torch.optim.AdamW ------------------------------------------------------------------
-
-
-def adamw_history(grads, shapes=SHAPES, **hyper):
-    ap = make_params(shapes=shapes)
-    return drive(torch.optim.AdamW(ap, **(HYPER | hyper), foreach=False), ap, grads)
-
-
-def adamw_tol(device):
-    """torch.optim.AdamW on CPU against our CPU kernels: a few ulps; against the Triton kernels (whose
-    bias corrections come from exp/log) a little more."""
-    return dict(rtol=1e-6, atol=1e-7) if device.type == "cpu" else dict(rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from test_optim import HYPER, drive, grad_sequence, make_params, snapshot
+from support import HYPER, drive, grad_sequence, make_params, snapshot
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.config import ZenFlowWarning

@@ -7,7 +7,6 @@ tests/test_triton_column_scores.py."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,19 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.harness import free_port
+
 pytest.importorskip("triton")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import score_determinism_worker as worker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(tmp_path: Path, timeout: float = 240.0) -> list[dict]:

@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from test_optim import HYPER, adamw_history, adamw_tol, drive, grad_sequence, make_params, snapshot
+from support import HYPER, adamw_history, adamw_tol, drive, grad_sequence, make_params, snapshot
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.config import ZenFlowConfigError

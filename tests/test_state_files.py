@@ -11,6 +11,7 @@ from io import BytesIO
 
 import pytest
 import torch
+from support import recording_device_sums
 
 from zenflow_kernels import cpu_ops
 from zenflow_kernels.state_files import FIELDS, StateFileError, StateFiles, _PosixIO
@@ -139,15 +140,6 @@ def _direct_supported(path) -> bool:
         return False
 
 
-def _device_sums(flat, block_numel, depth, fetched):
-    """``DeviceSums`` over ``flat`` (the stand-in for a device tensor) recording each fetched range."""
-    def fetch(dst, lo, hi):
-        fetched.append((lo, hi))
-        dst.copy_(flat[lo:hi])
-
-    return DeviceSums(fetch, [torch.full((block_numel,), float("nan")) for _ in range(depth)])
-
-
 @pytest.mark.parametrize("sums", ["host", "device"])
 @pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("block_numel, direct", [(1024, False), (2048, False), (2048, True)])
@@ -169,7 +161,8 @@ def test_streamed_adam_gives_the_in_memory_bits(tmp_path, name, block_numel, dir
     if sums == "host":
         report = streamed_adam_(files, acc, work, depth=depth)
     else:
-        report = streamed_adam_(files, None, work, depth=depth, sums=_device_sums(acc, block_numel, depth, fetched))
+        sums = recording_device_sums(acc, block_numel, depth, fetched)
+        report = streamed_adam_(files, None, work, depth=depth, sums=sums)
     touched = {j for lo, hi, _, _ in runs for j in range(lo // block_numel, -(-hi // block_numel))}
     assert report["blocks"] == len(touched)
     for f in FIELDS:
@@ -273,7 +266,7 @@ def test_streamed_adam_refuses_ambiguous_sums_and_short_buffers_and_raises_a_fai
     for f in FIELDS:
         files.write(f, 0, state[f])
     work = [Run(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))]
-    sums = _device_sums(state["acc"], 1024, 3, [])
+    sums = recording_device_sums(state["acc"], 1024, 3, [])
     with pytest.raises(ValueError, match="either as acc .* or as sums .* exactly one"):
         streamed_adam_(files, state["acc"], work, sums=sums)
     with pytest.raises(ValueError, match="either as acc .* or as sums .* exactly one"):

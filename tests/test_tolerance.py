@@ -6,17 +6,12 @@ differ by far more than 1e-5 in that element, and within the stated bound everyw
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from tolerance import assert_within_stated_bound, stated_bound  # noqa: E402
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.ops import use_backend
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tolerance import assert_within_stated_bound, stated_bound  # noqa: E402
 
 
 def test_the_bound_is_typical_plus_two_lr_per_step():

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +18,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on"
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (Triton launchers on CPU tensors)")
 
 _util = pytest.importorskip("zenflow_kernels.triton._util")
+from device_ops import OP_CALLS  # noqa: E402
+
 from zenflow_kernels.triton import column_scores as cs  # noqa: E402
 from zenflow_kernels.triton import selective_adamw as sa  # noqa: E402
 from zenflow_kernels.triton import topk_columns as tk  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_ops import OP_CALLS  # noqa: E402
 
 KERNELS = {name: obj for mod in (cs, tk, sa) for name, obj in vars(mod).items()
            if name.endswith("_kernel") and hasattr(obj, "run")}

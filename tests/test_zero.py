@@ -6,16 +6,14 @@ sum of two rounds the same in either order); at 3 ranks (the all-reduce's order 
 against one rank on the whole batch (a mean of rank means) and against the reference, within the stated
 bound (tests/tolerance.py)."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import zero_worker  # noqa: E402
+from support import assert_same_state, launch  # noqa: E402
+from tolerance import assert_all_within_stated_bound  # noqa: E402
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.config import ZenFlowConfig
@@ -23,50 +21,11 @@ from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
 from zenflow_kernels.sharding.zero_context import owner_runs, owners
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import zero_worker  # noqa: E402
-from tolerance import assert_all_within_stated_bound  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(zero_worker.__file__)
 ZEN = dict(topk_ratio=0.1, select_strategy="step", select_interval=6, update_interval=3, full_warm_up_rounds=1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(cases: list[dict], tmp_path: Path, world: int = 2, timeout: float = 240.0, worker: Path = WORKER):
-    """Run the cases on ``world`` ranks (``worker``: the script each rank runs); returns ({case: [rank
-    results]}, [completed processes])."""
-    spec = tmp_path / "cases.json"
-    spec.write_text(json.dumps(cases))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
-           "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen([sys.executable, str(worker), str(spec), str(tmp_path)], cwd=ROOT,
-                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-        for r in range(world)
-    ]
-    done = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"the ranks did not finish within {timeout} s (a hang)") from None
-        done.append((p.returncode, out, err))
-    results = {}
-    for case in cases:
-        files = [tmp_path / f"{case['name']}-rank{r}.pt" for r in range(world)]
-        if all(f.exists() for f in files):
-            results[case["name"]] = [torch.load(f, weights_only=False) for f in files]
-    return results, done
 
 
 def single_rank(case: dict, world: int, steps: int | None = None, state=None):
@@ -468,24 +427,6 @@ def test_host_state_on_disk_leaves_zero_runs_bit_identical(two_ranks, name):
         for key in ("consolidated", "per_rank", "flushed"):
             if key in m:
                 assert_same_state(d[key], m[key], f"rank {rank} {key}")
-
-
-def assert_same_state(a, b, what: str) -> None:
-    """Two state dicts hold the same tensors bit for bit (and the same everything else), ``offload_device`` and
-    ``nvme_path`` aside."""
-    if isinstance(a, dict):
-        assert set(a) == set(b), what
-        for k in a:
-            if k not in ("offload_device", "nvme_path"):
-                assert_same_state(a[k], b[k], f"{what}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), what
-        for k, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same_state(x, y, f"{what}[{k}]")
-    elif torch.is_tensor(a):
-        assert torch.equal(a, b), what
-    else:
-        assert a == b, what
 
 
 def test_a_rank_that_fails_ends_the_other_with_an_error_naming_the_collective(tmp_path):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_optim import HYPER, SHAPES, grad_sequence, make_params  # noqa: E402,F401  (the optimizer tests' model)
+from support import HYPER, SHAPES, grad_sequence, make_params  # noqa: E402,F401  (the optimizer tests' model)
 
 from zenflow_kernels import ZenFlowAdamW  # noqa: E402
 from zenflow_kernels.ops import use_backend  # noqa: E402
