@@ -23,7 +23,7 @@ TORCH_MIN ?= $(TORCH_PIN)
 MIN_TESTS ?= tests/test_versions.py tests/test_triton_compile.py tests/test_cpu_ops.py \
 	tests/test_cpu_ops_convert.py tests/test_cpu_ops_cores.py tests/test_cpu_selective_adamw.py
 
-.PHONY: install install-dev demo bench-results test test-min lint bench mutation mutation-sample clean
+.PHONY: install install-dev demo bench-results test test-fast test-min lint bench mutation mutation-sample clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,15 @@ bench-results: install
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# the edit-test loop: every single-process case (the modules that start rank processes, run benchmarks,
+# notebooks or examples in subprocesses are left out; CI runs them all with `make test`)
+FAST_SKIP ?= --ignore=tests/test_zero.py --ignore=tests/test_fsdp2.py --ignore=tests/test_bench.py \
+	--ignore=tests/test_notebooks.py --ignore=tests/test_examples.py --ignore=tests/test_gpu_checklist.py \
+	--ignore=tests/test_rank_cores.py --ignore=tests/test_score_determinism.py --ignore=tests/test_host_memory.py \
+	--deselect=tests/test_checkpoint_fixtures.py::test_old_zero_and_fsdp2_checkpoints_load_and_continue_bit_identically_at_the_same_world_size
+test-fast: install
+	$(PY) -m pytest $(PYTEST_ARGS) $(FAST_SKIP)
+
 # the floors: version checks, every Triton kernel compiled for sm_90 with the floor triton, the numba
 # kernel tests with the floor numba and numpy (~30 s once installed; the first run, ~1.5 min, downloads
 # ~220 MB). At the floor a register spill is a warning, not a failure (test_triton_compile.py). The
@@ -60,7 +69,7 @@ test-min:
 lint: install
 	$(VENV)/bin/ruff check .
 
-# mutation testing of optim.py, host.py, link.py and schedule.py against the fast optimizer tests
+# mutation testing of optim.py, host.py, link/ and schedule.py against the fast optimizer tests
 # ([tool.mutmut] in pyproject.toml); incremental: a second run re-tests what changed. ~3 h on 2 cores.
 mutation: install
 	$(PY) -m pip install -q "mutmut>=3.8,<4"

@@ -77,7 +77,6 @@ from bench.harness import (  # noqa: E402
     write_json,
 )
 from zenflow_kernels.cpu_ops import accumulate_, accumulate_adam_, cpu_adam_  # noqa: E402
-from zenflow_kernels.cpu_ops._common import as_numpy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ADAM_BYTES = 28  # read p, g, m, v + write p, m, v, fp32
@@ -86,6 +85,14 @@ PIPE_SEPARATE_BYTES = 52  # add: 4+2+4, scale: 4+4, adam: 28, copy: 4+2
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 INTERVAL, LOSS_SCALE, CLIP = 4, 1024.0, 0.5
 GRAD_SCALE = INTERVAL * LOSS_SCALE / CLIP
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A flat numpy view of a contiguous CPU tensor, sharing its memory: fp32 as float32, bf16 as its int16 bits
+    (numpy has no bf16), as the rooflines below take them."""
+    t = t.detach()
+    a = t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy()
+    return a.reshape(-1)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -212,8 +219,8 @@ class State:
         self.ds_zenflow = (DeepSpeedZenFlowAdam(zenflow_op, self.p, self.g, self.m, self.v, self.stale, list(threads))
                            if zenflow_op is not None else None)
         # the rooflines get their numpy views once: they measure memory, not call overhead
-        self.np_adam = [as_numpy(t) for t in (self.p, self.g, self.m, self.v)]
-        self.np_pipe = [as_numpy(t) for t in (self.p, self.acc, self.g16, self.m, self.v, self.out16)]
+        self.np_adam = [numpy_view(t) for t in (self.p, self.g, self.m, self.v)]
+        self.np_pipe = [numpy_view(t) for t in (self.p, self.acc, self.g16, self.m, self.v, self.out16)]
 
     def ours(self, k: int):
         self.step += 1

@@ -1,7 +1,7 @@
 """DeepSpeed as a baseline in the GPU end-to-end benchmark (optional: used only when it imports).
 
 :class:`Engine` wraps ``deepspeed.initialize`` (ZeRO stage 2 with the optimizer offloaded to the CPU,
-with or without DeepSpeed's own ZenFlow block) behind what ``bench.e2e.train_run`` calls of an
+with or without DeepSpeed's own ZenFlow block) behind what ``bench.e2e_core.train_run`` calls of an
 optimizer: ``backward(loss)``, ``step()``, ``zero_grad()``, ``close()``. One process, world size 1.
 DeepSpeed is never a dependency of the library: nothing under ``zenflow_kernels`` imports it.
 """

@@ -86,12 +86,16 @@ class Device:
 
         def d2h(engine, copies):
             if copies and kind == "slow":
-                engine._d2h.wait_stream(engine._current())
-                with torch.cuda.stream(engine._d2h):
+                compute = torch.cuda.current_stream(engine.device)
+
+                def delay():  # on the D2H stream (behind_d2h makes it current), after the device work so far
+                    torch.cuda.current_stream(engine.device).wait_stream(compute)
                     torch.cuda._sleep(SLEEP_CYCLES // 4)
+
+                engine.behind_d2h(delay)
             original(engine, copies)
             if copies and kind == "sync":
-                engine._d2h.synchronize()
+                engine.d2h_marker().wait()  # the host waits for these copies: the synchronous reference
 
         link.CudaEngine.d2h = d2h
         try:
@@ -115,7 +119,7 @@ class Device:
         refs = [(StorageWeakRef(p.grad.untyped_storage()), p.grad.untyped_storage().nbytes())
                 for p in model.parameters() if p.grad is not None]
         opt.zero_grad(set_to_none=True)
-        opt._link.synchronize()  # the copy threads idle: what is alive now is held by the program
+        opt.link.synchronize()  # the copy threads idle: what is alive now is held by the program
         return sum(n for ref, n in refs if not ref.expired())
 
     @contextlib.contextmanager
@@ -381,7 +385,7 @@ def _close_run(dev: Device, kind: str, base, data, close_early: bool):
             lm_loss(model, x, y).backward()
             opt.step()
             opt.zero_grad()
-            started = opt._inflight is not None
+            started = opt.host_update_in_flight
             if started:
                 break
         if not close_early:
@@ -389,7 +393,7 @@ def _close_run(dev: Device, kind: str, base, data, close_early: bool):
         t0 = time.perf_counter()
         opt.close()
         seconds = time.perf_counter() - t0
-    pinned = opt._link._engine._pinned if dev.cuda else []
+    pinned = opt.link.engine.pinned if dev.cuda else []
     return dict(weights=weights(model), started=started, close_s=seconds, pinned_left=len(pinned))
 
 

@@ -22,7 +22,8 @@ issue (ZenFlow step <= 1.25x AdamW's, >= 4x sync offload's speed, stall < 5%, fa
 ZenFlow, ``step()`` <= 2 ms of host time).
 
 On a machine without CUDA it says so and exits; ``--device cpu`` with a small ``--model`` runs the same
-code on CPU (the test suite does, to keep this path exercised).
+code on CPU (the test suite does, to keep this path exercised). The model, data, training loop and result rows
+are ``bench.e2e_core``'s (shared with ``bench.e2e``, which parses the command line and hands over here).
 """
 
 from __future__ import annotations
@@ -35,7 +36,17 @@ import time
 import torch
 
 from bench import deepspeed_runs, harness
-from bench.e2e import E2EConfig, RunSpec, compare, fused_supported, make_model, offload_block, prepare, run_all
+from bench.e2e_core import (
+    WARMUP_STEPS,
+    E2EConfig,
+    RunSpec,
+    compare,
+    fused_supported,
+    make_model,
+    offload_block,
+    prepare,
+    run_all,
+)
 from bench.model import num_params
 
 DEFAULT_MODEL = "gpt152m"
@@ -173,7 +184,7 @@ def main(args) -> int:
         "benchmark": "e2e_gpu",
         "command": "python -m bench.e2e " + " ".join(sys.argv[1:]),
         "config": {**cfg.__dict__, "threads": prep.threads, "device": str(prep.device), "size": cfg.size().as_dict(),
-                   "fused_adamw": fused_supported(prep.device), "warmup_steps_untimed": 9,
+                   "fused_adamw": fused_supported(prep.device), "warmup_steps_untimed": WARMUP_STEPS,
                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
         "model": {"params": num_params(make_model(prep))},
         "runs": runs,

@@ -93,7 +93,7 @@ def gbps(nbytes: float, ms: float) -> float:
 
 def launches(fn) -> int | None:
     try:
-        from zenflow_kernels.triton._util import count_launches
+        from zenflow_kernels.triton import count_launches
     except ImportError:
         return None
     with count_launches() as n:

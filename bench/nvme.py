@@ -106,9 +106,15 @@ STREAM_BUFFERS_BOUND = 3 * BLOCK_NUMEL * 12  # the update's pipeline: three bloc
 # -- the storage pass -----------------------------------------------------------------------------------------
 
 
-def drop_from_cache(files) -> None:
-    os.fdatasync(files._fd)
-    os.posix_fadvise(files._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+def file_descriptor(files) -> int:
+    """A descriptor of this benchmark's own on the state file (``files.path``; the caller closes it): syncing and
+    dropping act on the file's data and its pages in the cache, whichever descriptor names the file."""
+    return os.open(files.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+
+def drop_from_cache(fd: int) -> None:
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def plain_pass(files) -> None:
@@ -121,16 +127,20 @@ def plain_pass(files) -> None:
 def timed_passes(files, fn, repeats: int, flush: bool) -> dict:
     """``fn()`` ``repeats`` times, each from a cold cache: seconds, the best as GB/s of traffic, cache growth."""
     seconds, grew = [], []
-    for _ in range(repeats):
-        drop_from_cache(files)
-        before = meminfo_bytes("Cached")
-        t0 = time.perf_counter()
-        fn()
-        if flush:
-            os.fdatasync(files._fd)  # the written bytes reached the disk: part of the pass
-        seconds.append(time.perf_counter() - t0)
-        after = meminfo_bytes("Cached")
-        grew.append(None if before is None else after - before)
+    fd = file_descriptor(files)
+    try:
+        for _ in range(repeats):
+            drop_from_cache(fd)
+            before = meminfo_bytes("Cached")
+            t0 = time.perf_counter()
+            fn()
+            if flush:
+                os.fdatasync(fd)  # the written bytes reached the disk: part of the pass
+            seconds.append(time.perf_counter() - t0)
+            after = meminfo_bytes("Cached")
+            grew.append(None if before is None else after - before)
+    finally:
+        os.close(fd)
     best = min(seconds)
     return dict(seconds=seconds, best_s=best, gb_per_s=2 * files.nbytes / best / 1e9, cache_growth_bytes=grew)
 

@@ -15,9 +15,10 @@ copies), ``ratio`` in ``RATIOS``: below 1 the disk's update outlasts the interva
 it waits; above 1 the interval hides it.
 
 Variants (``VARIANTS``): ``memory`` (the sums zeroed behind their copies; only the next write into them waits:
-``AsyncLink.sums_ready``), ``memory eager`` (``AsyncLink.SUMS_WAIT_AT_BOUNDARY``: the boundary step waits for the
-crossing, the former order), ``disk`` (the reader starts a block's fetches, reads the block, then waits) and
-``disk serial`` (``streamed_adam.FETCH_BESIDE_READ = False``: read, then fetch, the former order).
+``AsyncLink.sums_ready``), ``memory eager`` (``ablations.changed(sums_wait_at_boundary=True)``: the boundary step
+waits for the crossing, the former order), ``disk`` (the reader starts a block's fetches, reads the block, then
+waits) and ``disk serial`` (``ablations.changed(fetch_beside_read=False)``: read, then fetch, the former order); both
+switches from ``zenflow_kernels.ablations``, set around the whole run of each variant's optimizer.
 
 Lanes (a :class:`~zenflow_kernels.testing.Timeline`): ``compute`` and ``step`` (marked here), ``wait`` (the
 training thread blocked: ``join`` the write-back of the weights the next forward needs, ``sums`` the crossing
@@ -41,8 +42,8 @@ from bench.harness import OneLineParser, draw_lanes, int_at_least, machine_info_
 PCIE = 25e9
 SLOW_SHARE = 0.25  # "slow": the sums' crossing takes this share of the host update on disk (its probe)
 RATIOS = (0.5, 1.5)  # S * compute_s over the host update on disk
-# name: (offload_device, the sums' crossing waited for at the boundary: AsyncLink.SUMS_WAIT_AT_BOUNDARY, a block's
-# fetch started before its read: streamed_adam.FETCH_BESIDE_READ); "eager" and "serial" are the former orders
+# name: (offload_device, the sums' crossing waited for at the boundary: ablations.sums_wait_at_boundary, a block's
+# fetch started before its read: ablations.fetch_beside_read); "eager" and "serial" are the former orders
 VARIANTS = {"memory": ("cpu", False, True), "memory eager": ("cpu", True, True), "disk": ("nvme", False, True),
             "disk serial": ("nvme", False, False)}
 SIZE = (1024, 4)  # d x layers: 50 M parameters
@@ -66,7 +67,7 @@ def _optimizer(params, offload: str, interval: int, folder: str, bandwidth: floa
     with chaos(seed=0, max_delay=0, d2h_bytes_per_s=bandwidth, h2d_bytes_per_s=bandwidth, timeline=timeline):
         opt = ZenFlowAdamW(params, lr=1e-4, zenflow=zen)
     opt.step()  # builds the link and the host shard (the first step: not measured)
-    files = opt._host.disk
+    files = opt.host_shard.disk
     if files is not None and timeline is not None:  # the state file's blocks as lanes of their own
         files.read_block = recorded(files.read_block, timeline, "read")
         files.write_block = recorded(files.write_block, timeline, "write")
@@ -108,8 +109,7 @@ def _lane_s(spans: list[tuple[float, float]]) -> float:
 def measure(spec: dict) -> dict:
     """Every variant, bandwidth and ratio at one size, in this process."""
     from bench.scale import build_params
-    from zenflow_kernels import streamed_adam
-    from zenflow_kernels.link import AsyncLink
+    from zenflow_kernels.ablations import ablations
     from zenflow_kernels.ops import use_backend
     from zenflow_kernels.testing import Timeline
 
@@ -135,16 +135,13 @@ def measure(spec: dict) -> dict:
                 compute_s = ratio * disk_s / interval
                 for variant, (offload, eager, beside) in VARIANTS.items():
                     timeline = Timeline()
-                    AsyncLink.SUMS_WAIT_AT_BOUNDARY, streamed_adam.FETCH_BESIDE_READ = eager, beside
-                    try:
+                    with ablations.changed(sums_wait_at_boundary=eager, fetch_beside_read=beside):
                         opt = _optimizer(build_params(d, layers, "cpu"), offload, interval, folder, bw, timeline)
                         _train(opt, interval - 1, compute_s, timeline)  # to the first boundary (not measured)
                         steps = _train(opt, intervals * interval, compute_s, timeline)
                         opt.flush()  # every update done: each crossed all the sums
                         stats = opt.stats()
                         opt.close()
-                    finally:
-                        AsyncLink.SUMS_WAIT_AT_BOUNDARY, streamed_adam.FETCH_BESIDE_READ = False, True
                     out["rows"].append(_row(spec, variant, offload, bw_name, bw, ratio, compute_s,
                                             out["probes"][offload]["update_s"], sums_bytes, steps, stats, timeline))
                     if bw_name == "slow" and ratio == min(spec["ratios"]):
@@ -165,7 +162,8 @@ def reader_pipeline(numel: int, bw_name: str, bandwidth: float | None, repeats: 
     modeled device's copy thread at ``bandwidth`` (None: ``no fetch`` only)."""
     import torch
 
-    from zenflow_kernels import ZenFlowAdamW, streamed_adam
+    from zenflow_kernels import ZenFlowAdamW
+    from zenflow_kernels.ablations import ablations
     from zenflow_kernels.link import ThreadEngine
     from zenflow_kernels.state_files import StateFiles
     from zenflow_kernels.streamed_adam import DeviceSums, Run, streamed_adam_
@@ -184,15 +182,14 @@ def reader_pipeline(numel: int, bw_name: str, bandwidth: float | None, repeats: 
         for _ in range(repeats):
             for name in times:
                 acc.fill_(1e-3)  # (zeroed by the in-memory pass)
-                streamed_adam.FETCH_BESIDE_READ = name != "serial"
-                t0 = time.perf_counter()
-                if name == "no fetch":
-                    streamed_adam_(files, acc, runs)
-                else:
-                    streamed_adam_(files, None, runs, sums=sums)
-                times[name].append(time.perf_counter() - t0)
+                with ablations.changed(fetch_beside_read=name != "serial"):
+                    t0 = time.perf_counter()
+                    if name == "no fetch":
+                        streamed_adam_(files, acc, runs)
+                    else:
+                        streamed_adam_(files, None, runs, sums=sums)
+                    times[name].append(time.perf_counter() - t0)
     finally:
-        streamed_adam.FETCH_BESIDE_READ = True
         engine.close()
         files.close()
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -15,8 +15,9 @@ backward (the median of three training steps without the model, taken first; on 
 GB/s hides almost anything; ``slow`` is where the design shows). Variants:
 
 * ``handover``: the link as it is: gradients cross from backward's hooks;
-* ``at_step``: hand-over from hooks switched off (``ZenFlowAdamW.EARLY_HANDOVER = False``): every gradient
-  crosses at ``step()``, after backward.
+* ``at_step``: hand-over from hooks switched off (``ablations.changed(early_handover=False)``, from
+  ``zenflow_kernels.ablations``, around every call into that run's optimizer): every gradient crosses at
+  ``step()``, after backward.
 
 Each variant runs twice, with the bandwidth model and without it (copies are memcpys), on copies of one
 model and batch, the four runs interleaved step by step. The "device" here is the CPU that also runs
@@ -106,8 +107,20 @@ def _run(base, bytes_per_s: float | None, early: bool) -> dict:
     model, timeline = copy.deepcopy(base), Timeline()
     with chaos(seed=0, max_delay=0, d2h_bytes_per_s=bytes_per_s, h2d_bytes_per_s=bytes_per_s, timeline=timeline):
         opt = ZenFlowAdamW(model.parameters(), lr=1e-4, zenflow=ZENFLOW)
-    opt.EARLY_HANDOVER = early
-    return dict(model=model, opt=opt, timeline=timeline, steps=[])
+    return dict(model=model, opt=opt, timeline=timeline, steps=[], early=early)
+
+
+def _switches(run: dict):
+    """The run's ablation switch (``early_handover``: read at the optimizer's first ``step()``), set around every
+    call into its optimizer: the runs are interleaved step by step, each with its own setting."""
+    from zenflow_kernels.ablations import ablations
+
+    return ablations.changed(early_handover=run["early"])
+
+
+def _close(run: dict) -> None:
+    with _switches(run):
+        run["opt"].close()
 
 
 def _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes) -> dict:
@@ -117,7 +130,7 @@ def _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes) -> dict:
         probe = _run(base, None, True)
         for t in range(5):
             _step(probe, x, y, measured=t >= 2)
-        probe["opt"].close()
+        _close(probe)
     backward_s = statistics.median(s["backward"] for s in probe["steps"])
     d, fold = spec["d"], spec["fold_bytes"]
     share = spec.get("slow_share", SLOW_SHARE)
@@ -176,7 +189,7 @@ def _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes) -> dict:
                         (lane, label, a - s["start"], b - s["start"], n)
                         for lane, label, a, b, n in timeline.between(s["start"], s["end"] + 0.3 * s["wall"])]
             for run in runs.values():
-                run["opt"].close()
+                _close(run)
     return out
 
 
@@ -185,21 +198,23 @@ def _step(run: dict, x, y, *, measured: bool) -> None:
     import torch.nn.functional as F
 
     model, opt, timeline = run["model"], run["opt"], run["timeline"]
-    waited = opt.stats()["worker_wait_s"] if opt._built else 0.0
-    t0 = time.perf_counter()
-    with timeline.span("forward"):
-        loss = F.mse_loss(model(x), y)
-    t1 = time.perf_counter()
-    with timeline.span("backward"):
-        loss.backward()
-    t2 = time.perf_counter()
-    with timeline.span("step"):
-        opt.step()
-        opt.zero_grad()
-    t3 = time.perf_counter()
-    if measured:
-        run["steps"].append(dict(start=t0, backward_start=t1, backward_end=t2, step_start=t2, end=t3, wall=t3 - t0,
-                                 backward=t2 - t1, step=t3 - t2, waited=opt.stats()["worker_wait_s"] - waited))
+    with _switches(run):
+        waited = opt.stats()["worker_wait_s"] if opt.built else 0.0
+        t0 = time.perf_counter()
+        with timeline.span("forward"):
+            loss = F.mse_loss(model(x), y)
+        t1 = time.perf_counter()
+        with timeline.span("backward"):
+            loss.backward()
+        t2 = time.perf_counter()
+        with timeline.span("step"):
+            opt.step()
+            opt.zero_grad()
+        t3 = time.perf_counter()
+        if measured:
+            run["steps"].append(dict(start=t0, backward_start=t1, backward_end=t2, step_start=t2, end=t3,
+                                     wall=t3 - t0, backward=t2 - t1, step=t3 - t2,
+                                     waited=opt.stats()["worker_wait_s"] - waited))
 
 
 def _worker(args) -> int:

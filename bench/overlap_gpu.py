@@ -11,8 +11,8 @@ after the other, every step ended by a device sync:
 * ``offload``: synchronous offload through ``ZenFlowAdamW`` (every step a host AdamW of the whole model);
 * ``zenflow``: ``ZenFlowAdamW(topk_ratio=0.1, update_interval=4, overlap_step=True)``: gradients cross from
   backward's hooks, copied into the host's landing area during backward (docs/design.md section 5.1);
-* ``zenflow_at_step``: the same with ``EARLY_HANDOVER = False``: every gradient crosses at ``step()``, after
-  backward.
+* ``zenflow_at_step``: the same with hand-over from hooks switched off (``ablations.changed(early_handover=False)``,
+  from ``zenflow_kernels.ablations``, around the whole run): every gradient crosses at ``step()``, after backward.
 
 Per run: ms/step (median), backward ms, ``step()`` ms, the host's time folding each step's landed gradients
 into the sums (``fold_ms_per_step``: a worker's, beside the next forward), and for the ZenFlow runs the D2H time
@@ -63,6 +63,15 @@ class Clock:
         event.record(stream)
         return event
 
+    def after_copies(self, engine):
+        """A mark behind every D2H copy the link's engine issued so far: recorded on its D2H stream through the
+        engine's ``behind_d2h`` (the work it runs finds that stream current); on the current stream without one."""
+        if engine is None:
+            return self.mark()
+        marks = []
+        engine.behind_d2h(lambda: marks.append(self.mark()))
+        return marks[0]
+
     def seconds(self, a, b) -> float:
         if not self.cuda:
             return b - a
@@ -91,6 +100,15 @@ def pinned_bandwidth(nbytes: int, device) -> float:
 
 
 def run(name: str, base, x, y, steps: int, warmup: int, device) -> dict:
+    """One run, start to end (its optimizer's first ``step()`` reads the ablation switch: hand-over from backward's
+    hooks, off for ``zenflow_at_step``)."""
+    from zenflow_kernels.ablations import ablations
+
+    with ablations.changed(early_handover=name != "zenflow_at_step"):
+        return _timed_run(name, base, x, y, steps, warmup, device)
+
+
+def _timed_run(name: str, base, x, y, steps: int, warmup: int, device) -> dict:
     from zenflow_kernels import ZenFlowAdamW
 
     model = copy.deepcopy(base)
@@ -98,8 +116,6 @@ def run(name: str, base, x, y, steps: int, warmup: int, device) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     else:
         opt = ZenFlowAdamW(model.parameters(), lr=1e-4, zenflow=OFFLOAD if name == "offload" else ZENFLOW)
-        if name == "zenflow_at_step":
-            opt.EARLY_HANDOVER = False
     clock = Clock(device)
     rows = []
     for t in range(warmup + steps):
@@ -112,12 +128,12 @@ def run(name: str, base, x, y, steps: int, warmup: int, device) -> dict:
         opt.step()
         opt.zero_grad()
         left = None
-        if name.startswith("zenflow") and opt._built:
-            engine = getattr(opt._link, "_engine", None)
-            stream = getattr(engine, "_d2h", None) if clock.cuda else None
-            if not clock.cuda:
-                opt._link.synchronize()
-            copies_end = clock.mark(stream)
+        if name.startswith("zenflow") and opt.built:
+            if clock.cuda:
+                copies_end = clock.after_copies(getattr(opt.link, "engine", None))
+            else:
+                opt.link.synchronize()
+                copies_end = clock.mark()
             left = max(0.0, clock.seconds(backward_end, copies_end))
         clock.sync(device)
         t2 = time.perf_counter()

@@ -308,7 +308,7 @@ def run_one(spec: dict) -> dict:
     at_boundary = [t for t, b in measured if b]
     overlap = zen["overlap_step"]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    # the update's threads, by the rule optim.py documents: the worker gets what torch leaves free of
+    # the update's threads, by the rule optim/build.py documents: the worker gets what torch leaves free of
     # the shared cores (CPU, pt_reserved_cores_perc=1.0); a synchronous update runs on the training
     # thread with its numba threads
     if overlap:

@@ -64,7 +64,7 @@ def worker(args) -> None:
         # start): in .grad, and in ZeRO-2's reductions (its own range's sums, other ranks' buckets in flight)
         if t > 0:
             now = dict(grad=sum(p.grad.numel() for p in model.parameters() if p.grad is not None),
-                       **(opt._shard.reducer.held_numel() if opt._shard.reducer is not None
+                       **(opt.sharding.reducer.held_numel() if opt.sharding.reducer is not None
                           else dict(own=0, in_flight=0)))
             held = {k: max(v, now[k]) for k, v in held.items()}
         opt.step()
@@ -76,7 +76,7 @@ def worker(args) -> None:
     wall = time.perf_counter() - t0
     opt.flush()
     stats = opt.stats()
-    host = opt._host
+    host = opt.host_shard
     moved = {k: v / (args.warmup + args.steps) for k, v in stats["collective_bytes"].items()}
     result = dict(rank=rank, world=world, steps=args.steps, wall_s=wall, steps_per_s=args.steps / wall,
                   stall_fraction=stats["stall_fraction"], collective_bytes_per_step=moved,

@@ -21,17 +21,18 @@ import pytest  # noqa: E402  (after the environment above)
 
 @pytest.fixture
 def host_workers_made(monkeypatch):
-    """The keyword arguments of every HostWorker the link module creates from here on (threads, cores,
-    timeout, name), in creation order."""
-    import zenflow_kernels.link as link_module
+    """The keyword arguments of every HostWorker the link package creates from here on (threads, cores,
+    timeout, name), in creation order (every module of it starts its workers through ``completions.new_worker``)."""
+    from zenflow_kernels.host import HostWorker
+    from zenflow_kernels.link import completions
 
     made = []
 
-    class Recording(link_module.HostWorker):
+    class Recording(HostWorker):
         def __init__(self, **kwargs):
             made.append(kwargs)
             super().__init__(**kwargs)
 
-    monkeypatch.setattr(link_module, "HostWorker", Recording)
+    monkeypatch.setattr(completions, "HostWorker", Recording)
     return made
 

@@ -56,7 +56,7 @@ def main() -> None:
     opt = ZenFlowAdamW(model.parameters(), zenflow=zen, zero_stage=1)
     model(torch.randn(4, 16)).sum().backward()
     opt.step()
-    host = next(w for w in opt._link.workers if w._thread.name == "zenflow-host")
+    host = next(w for w in opt.link.workers if w._thread.name == "zenflow-host")
     host.wait(host.submit(lambda: None))  # the worker pins itself before its first job
     result = dict(rank=rank, stats=opt.stats()["cores"], explain=opt.explain(1).splitlines())
     result["host_thread"] = asked["zenflow-host"] if pretend else allowed_cpus(host._thread.native_id)

@@ -171,7 +171,7 @@ def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> Non
             opt.zero_grad()
             result["weights"][t] = [p.full_tensor().detach().clone() for p in params]
             if case["kind"] == "save" and t + 1 == case["save_at"]:
-                result["pending_at_save"] = opt._inflight is not None  # a host update in flight
+                result["pending_at_save"] = opt.host_update_in_flight  # a host update in flight
                 # flushed: save (and evaluate) the flushed weights inside opt.flushed(), training unchanged
                 with opt.flushed() if case.get("flushed") else contextlib.nullcontext():
                     result["saved_weights"] = [p.full_tensor().detach().clone() for p in params]
@@ -186,7 +186,7 @@ def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> Non
         opt.flush()
         result["flushed"] = [p.full_tensor().detach().clone() for p in params]
         result["host_bytes"] = opt.host_bytes()
-        folder = opt._host.disk.folder if opt._host.disk is not None else None
+        folder = opt.host_shard.disk.folder if opt.host_shard.disk is not None else None
     if folder is not None:  # leaving `with opt` closed it: this rank's private folder is gone
         result["nvme_folder"] = (str(Path(folder).parent), os.path.exists(folder))
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
@@ -217,7 +217,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
             backward(model, batch, rank, world, micro=case.get("micro", 1), declare=case.get("declare", False))
             # the asynchronous link starts each gradient's copy from the hook FSDP2 calls after its
             # reduce-scatter: how many are staged before step() runs
-            result.setdefault("staged_by_hooks", []).append(len(getattr(opt._link, "_staged", {})) if t else None)
+            result.setdefault("staged_by_hooks", []).append(len(getattr(opt.link, "_staged", {})) if t else None)
             if case.get("fail_rank") == rank and t == case.get("fail_at"):
                 if case.get("hang_s"):  # alive but not stepping: the others must time out, not wait
                     time.sleep(case["hang_s"])
@@ -233,8 +233,8 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
         result.update(stats=opt.stats(), host_bytes=opt.host_bytes(), names=names,
                       local_rows=[p.to_local().shape[0] for p in params],
                       row_offsets=[_row_offset(p) for p in params],
-                      collective_world=opt._shard.ctx.world if opt._shard.ctx is not None else None)
-        folder = opt._host.disk.folder if opt._host.disk is not None else None
+                      collective_world=opt.sharding.ctx.world if opt.sharding.ctx is not None else None)
+        folder = opt.host_shard.disk.folder if opt.host_shard.disk is not None else None
     if folder is not None:  # leaving `with opt` closed it: this rank's private folder is gone
         result["nvme_folder"] = (str(Path(folder).parent), os.path.exists(folder))
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")

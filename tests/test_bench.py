@@ -42,6 +42,72 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
         assert fragment in lines[0], lines[0]
 
 
+# -- how the bench modules depend on each other (read from their source, nothing imported) --------------
+
+
+def bench_imports() -> dict[str, dict[str, set[str]]]:
+    """Per module of bench/: the bench modules it imports, at any depth in the file (a lazy import inside a
+    function counts), each with the names it takes from it (``from bench.x import a``, ``from bench import x``
+    then ``x.a``; ``*`` for a plain module import)."""
+    import ast
+
+    folder = REPO / "bench"
+    modules = {p.stem for p in folder.glob("*.py")}
+    graph: dict[str, dict[str, set[str]]] = {}
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        deps: dict[str, set[str]] = {}
+        aliases: dict[str, str] = {}  # a local name -> the bench module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "bench":
+                for a in node.names:
+                    if a.name in modules:
+                        deps.setdefault(a.name, set()).add("*")
+                        aliases[a.asname or a.name] = a.name
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("bench."):
+                deps.setdefault(node.module.split(".")[1], set()).update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level > 0:
+                deps.setdefault((node.module or "").split(".")[0] or "__init__", set()).update(
+                    a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("bench."):
+                        deps.setdefault(a.name.split(".")[1], set()).add("*")
+                        if a.asname:
+                            aliases[a.asname] = a.name.split(".")[1]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                deps[aliases[node.value.id]].add(node.attr)
+        deps.pop(path.stem, None)
+        graph[path.stem] = deps
+    return graph
+
+
+def test_bench_modules_import_no_cycle():
+    """No import cycle anywhere in bench/ (the CPU and GPU end-to-end entry points share bench.e2e_core and the GPU
+    one does not import the CPU one), and no bench module takes another's private (underscore) names."""
+    graph = bench_imports()
+    assert "e2e" not in graph["gpu_e2e"] and {"e2e_core"} <= set(graph["gpu_e2e"]) & set(graph["e2e"]), \
+        {m: sorted(graph[m]) for m in ("e2e", "gpu_e2e")}
+    state: dict[str, str] = {}  # "open" while on the depth-first path, "done" after
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(graph.get(node, {})):
+            assert state.get(dep) != "open", "import cycle in bench/: " + " -> ".join(
+                path[path.index(dep):] + [dep] if dep in path else [*path, dep])
+            if dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    borrowed = {f"bench.{m} takes {d}.{n}" for m, deps in graph.items() for d, names in deps.items() for n in names
+                if n.startswith("_") and not n.startswith("__")}
+    assert not borrowed, sorted(borrowed)
+
+
 # -- bench.e2e --------------------------------------------------------------------------------------------
 
 E2E_STEPS = 24

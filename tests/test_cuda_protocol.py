@@ -16,6 +16,7 @@ tests/test_gpu_link.py runs the real thing on a GPU (bench/gpu_suite.sh).
 from __future__ import annotations
 
 import datetime
+import mmap
 import threading
 import time
 
@@ -135,7 +136,7 @@ def test_cuda_engine_events_block_and_pinning_runs_on_the_engines_device(monkeyp
     assert buf.shape == (10,) and cuda.guards == [device]
     # page-locked where it is: the whole pages of a mapping of its own (torch's caching host allocator would
     # round 40 B up to a power of two and keep the block after it is freed)
-    page = link.mmap.PAGESIZE
+    page = mmap.PAGESIZE
     assert buf.data_ptr() % page == 0 and cuda.cudart.calls == [("register", buf.data_ptr(), page, 1)]
     assert engine.pinned_bytes() == {"pinned_requested": page, "pinned_reserved": page}
     engine.d2h([(torch.zeros(2), torch.ones(2))])
@@ -248,7 +249,7 @@ def test_cuda_engine_zeroes_the_uploaded_sums_behind_the_copies_without_holding_
 
 
 def test_pinned_sizes_count_whole_pages():
-    page = link.mmap.PAGESIZE
+    page = mmap.PAGESIZE
     sizes = link.pinned_sizes([(0, 1), (page - 1, 2), (3 * page, 2 * page)])  # 1 page, 2 (a boundary), 2
     assert sizes == {"pinned_requested": 1 + 2 + 2 * page, "pinned_reserved": page + 2 * page + 2 * page}
 
@@ -276,7 +277,7 @@ def test_every_worker_thread_that_waits_on_the_engine_runs_its_setup_first(monke
     with opt:
         model(torch.randn(3, 8)).sum().backward()
         opt.step()
-        threads = {w._thread.name for w in opt._link.workers}
+        threads = {w._thread.name for w in opt.link.workers}
     assert sorted(ran) == ["zenflow-accumulate", "zenflow-host"], ran
     assert {"zenflow-accumulate", "zenflow-host"} <= threads
 

@@ -21,10 +21,12 @@ from fake_cuda import PAGE, FakeCuda
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels import link as link_module
-from zenflow_kernels import optim as optim_module
 from zenflow_kernels.host import HostShard
 from zenflow_kernels.ops import use_backend
+from zenflow_kernels.optim import sums as sums_module
+from zenflow_kernels.optim.interval import HostInterval
 
+REAL_MAKE_ENGINE = link_module.make_engine  # (the cuda fixture replaces the package's)
 HYPER = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 ZEN = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2, full_warm_up_rounds=1,
            overlap_step=True)
@@ -39,23 +41,21 @@ def numba_backend():
 @pytest.fixture
 def cuda(monkeypatch):
     """The stand-in installed, and every ZenFlowAdamW built in the test on the CUDA engine over it (its H2D stream
-    eager: the write-back's column gathers are not deferred, see fake_cuda)."""
+    eager: the write-back's column gathers are not deferred, see fake_cuda): ``zenflow_kernels.link.make_engine``,
+    where the optimizer asks for its engine, answers the CPU parameters with a CUDA engine; the host shard (on the
+    engine's page-locked buffers, with a landing area) and ``make_link``'s AsyncLink(kind="cuda") follow from it."""
     fake = FakeCuda().install(monkeypatch)
     fake.engines = []
 
-    def make_link(params, groups, device, *, overlap, host_threads, cores, timeout, chaos, indices=None, num_acc=None,
-                  disk=None, landing=True):
+    def make_engine(device, *, chaos, timeout):
         engine = link_module.CudaEngine(torch.device("cuda", 0))
         engine._h2d.eager = True
         fake.engines.append(engine)
-        host = HostShard(params, groups, num_acc=num_acc, alloc=engine.alloc, indices=indices, disk=disk,
-                         landing=landing)
-        return link_module.AsyncLink(host, engine, kind="cuda", overlap=overlap, host_threads=host_threads,
-                                     cores=cores, timeout=timeout)
+        return engine
 
-    monkeypatch.setattr(optim_module, "make_link", make_link)
+    monkeypatch.setattr(link_module, "make_engine", make_engine)
     # device_accumulation's adds into the device sums: a default-stream kernel (the stand-in checks what it touches)
-    monkeypatch.setattr(optim_module, "accumulate_unchecked", fake.kernel(optim_module.accumulate_unchecked,
+    monkeypatch.setattr(sums_module, "accumulate_unchecked", fake.kernel(sums_module.accumulate_unchecked,
                                                                           "an add into the device sums"))
     return fake
 
@@ -130,7 +130,7 @@ def test_the_cuda_engine_on_the_stand_in_gives_the_synchronous_bits(cuda, tmp_pa
     kw = dict(case["kw"])
     max_grad_norm = kw.pop("max_grad_norm", None)
     with pytest.MonkeyPatch.context() as mp:  # the reference: the synchronous CPU link (no stream of the stand-in)
-        mp.setattr(optim_module, "make_link", link_module.make_link)
+        mp.setattr(link_module, "make_engine", REAL_MAKE_ENGINE)
         want, _, _ = run(zenflow, data, max_grad_norm=max_grad_norm, **kw)
     got, stats, held = run(zenflow, data, fake=cuda, max_grad_norm=max_grad_norm, **kw)
     assert stats["link"] == "cuda" and cuda.engines
@@ -161,7 +161,7 @@ def test_put_back_an_early_read_and_the_numbers_change(cuda, monkeypatch):
     stand-in runs the copies late, so the weights leave the synchronous link's."""
     data = batches(8)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(optim_module, "make_link", link_module.make_link)
+        mp.setattr(link_module, "make_engine", REAL_MAKE_ENGINE)
         want, _, _ = run(ZEN, data)
     monkeypatch.setattr(link_module.Event, "wait", lambda self: None)  # the fold's wait for its copies, gone
     got, _, _ = run(ZEN, data, fake=cuda)
@@ -182,7 +182,7 @@ def test_put_back_a_missing_wait_and_the_numbers_change(cuda, monkeypatch):
     zenflow = dict(ZEN, device_accumulation=True)
     data = batches(10)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(optim_module, "make_link", link_module.make_link)
+        mp.setattr(link_module, "make_engine", REAL_MAKE_ENGINE)
         want, _, _ = run(zenflow, data)
     monkeypatch.setattr(link_module.AsyncLink, "sums_ready", lambda self: None)
     got, _, _ = run(zenflow, data, fake=cuda)
@@ -232,8 +232,8 @@ def test_device_sums_fetches_start_before_the_write_back(cuda, tmp_path, monkeyp
     """``device_accumulation`` on disk with overlap: the event the update's fetches wait for is recorded before the
     write-back of the same boundary makes the compute stream wait for the H2D stream, so the fetches (D2H) need
     not wait for the write-back's copies (H2D) and both directions of PCIe work at once."""
-    real = ZenFlowAdamW._host_update
-    monkeypatch.setattr(ZenFlowAdamW, "_host_update",
+    real = HostInterval.boundary
+    monkeypatch.setattr(HostInterval, "boundary",
                         lambda self, *a, **kw: cuda.log.append(("host_update",)) or real(self, *a, **kw))
     zenflow = dict(ZEN, device_accumulation=True, offload_device="nvme", nvme_path=str(tmp_path))
     run(zenflow, batches(9), fake=cuda)

@@ -180,13 +180,13 @@ def test_a_callback_that_never_restores_is_caught_at_the_next_step():
     batches = data(torch.float32)
     model, opt = make(torch.float32, "sync")
     with opt:
-        opt._hold_flushed(True)  # before the first step (Lightning's sanity-check validation): nothing held
+        opt.hold_flushed(True)  # before the first step (Lightning's sanity-check validation): nothing held
         assert not opt._flushed_held
         train(model, opt, batches[:5])
-        opt._hold_flushed(True)
+        opt.hold_flushed(True)
         with pytest.warns(ZenFlowWarning, match="still in place when this step's forward ran"):
             train(model, opt, batches[:7], start=5)
-        assert opt._unflushed is None
+        assert opt.interval.unflushed is None
 
 
 def test_unflushed_state_of_another_shape_is_refused_before_anything_changes():

@@ -104,11 +104,11 @@ def test_pinned_buffers_are_page_locked_in_whole_pages_of_their_own():
     print({k: v for k, v in hb.items() if "pinned" in k or k in ("total", "landing")})
     assert hb["pinned_requested"] >= 6 * 4 * (2**26 + 16)  # master, 2 moments, 2 accumulation, copy-out
     assert hb["pinned_reserved"] <= 1.1 * hb["pinned_requested"]
-    assert all(t.data_ptr() % mmap.PAGESIZE == 0 for t, _ in opt._link._engine._pinned)
+    assert all(t.data_ptr() % mmap.PAGESIZE == 0 for t, _ in opt.link.engine.pinned)
     grown = torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0) - before
     assert grown < 0.01 * hb["pinned_requested"], grown
     opt.close()
-    assert opt._link.pinned_bytes()["pinned_requested"] == 0
+    assert opt.link.pinned_bytes()["pinned_requested"] == 0
 
 
 def test_cuda_parameters_keep_deepspeeds_core_split_by_default(monkeypatch):

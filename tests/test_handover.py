@@ -100,9 +100,9 @@ def run(model, zenflow, data, *, seed=None, max_grad_norm=None, **kw):
 
 def interval_sums(opt):
     """The current interval's host sums and counts (after every fold landed)."""
-    opt._link.synchronize()
-    acc = opt._interval_sums()
-    return [(opt._host.view(acc, i).clone(), opt._counts[opt._acc_buf][i]) for i in sorted(opt._host.slots)]
+    opt.link.synchronize()
+    acc = opt.interval.sums_flat()
+    return [(opt.host_shard.view(acc, i).clone(), opt.interval.counted(i)) for i in sorted(opt.host_shard.slots)]
 
 
 def assert_same(a, b):

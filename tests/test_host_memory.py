@@ -123,8 +123,10 @@ def test_a_reload_frees_the_old_buffers_before_building_new_ones(monkeypatch):
     params = _params(torch.bfloat16, torch.float32)
     opt = _run(params, "chaos", dict(overlap_step=True))
     saved = opt.state_dict()
-    old = [weakref.ref(t) for t in (opt._host.master, opt._host.exp_avg, *opt._host.acc, *opt._host.out.values())]
-    old += [weakref.ref(b) for b in opt._host.landing.values()]
+    shard = opt.host_shard
+    old = [weakref.ref(t) for t in (shard.master, shard.exp_avg, *shard.acc, *shard.out.values(),
+                                    *shard.landing.values())]
+    del shard  # (the test's own reference must not keep the old buffers alive)
     alive_at_build = []
     real_init = host_module.HostShard.__init__
 
@@ -158,7 +160,7 @@ RSS_SCRIPT = textwrap.dedent(
             p.grad = torch.zeros_like(p)
         before = rss()
         opt = _run(params, link, zenflow, steps=6)
-        opt._link.synchronize()
+        opt.link.synchronize()
         after = rss()
         hb = opt.host_bytes()
         opt.close()
@@ -230,7 +232,7 @@ RSS_GLIBC_SCRIPT = textwrap.dedent(
                 for p in params:
                     p.grad.normal_(generator=g)  # in place: the loop itself allocates nothing
                 opt.step()
-            opt._link.synchronize()
+            opt.link.synchronize()
             after = rss()
             n = sum(p.numel() for p in params)
             results.append(dict(params=n, growth=after - before, host_bytes=opt.host_bytes()))

@@ -111,7 +111,7 @@ def test_hf_checkpoints_hold_flushed_weights(tmp_path, with_callback):
     # the weights training continues from before this recorder ran
     assert not all(torch.equal(before[k], flushed[k]) for k in before)
     if with_callback:
-        assert opt._closed  # flushed and closed at the end of training
+        assert opt.closed  # flushed and closed at the end of training
         final = load_file(str(tmp_path / "checkpoint-8" / "model.safetensors"))
         assert all(torch.equal(final[k], model.state_dict()[k]) for k in final)
     else:
@@ -197,7 +197,7 @@ def test_hf_saving_and_evaluating_every_3_steps_leave_the_run_bit_identical(tmp_
                 c.isolated_rng = isolated
         trainer.train()
         runs[name] = flat_weights(model)
-        assert opt._closed and opt.host_updates >= 4
+        assert opt.closed and opt.host_updates >= 4
     assert len(list((tmp_path / "saves").glob("checkpoint-*"))) == 4
     for k, v in runs["plain"].items():
         assert torch.equal(v, runs["saves"][k]), k
@@ -290,7 +290,7 @@ def test_hf_gradient_accumulation_is_declared_and_exact(tmp_path, small_folds):
         assert torch.equal(v, runs["chaos"][0][k]), k
     stats = runs["chaos"][1]
     assert stats["handover"] == "on" and stats["d2h_bytes_unused"] == 0 and stats["d2h_bytes_in_backward"] > 0
-    assert opt._handover.sync_source is None  # let go at the end of training
+    assert opt.handover.sync_source is None  # let go at the end of training
 
 
 # -- Lightning ----------------------------------------------------------------------------------------------
@@ -368,7 +368,7 @@ def test_lightning_checkpoints_hold_flushed_weights_and_resume_exactly(tmp_path)
     trainer = lightning_trainer(tmp_path / "a")
     trainer.fit(module, loader(), loader(8, seed=1))
     opt = trainer.optimizers[0]
-    assert opt._closed
+    assert opt.closed
     final = {k: v.clone() for k, v in module.state_dict().items()}
     plain = TinyModule(ZEN, dropout=0.2)
     lightning_trainer(tmp_path / "p", enable_checkpointing=False, limit_val_batches=0,

@@ -19,7 +19,7 @@ from support import HYPER, SHAPES, drive, grad_sequence, make_params, snapshot
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.device_model import Chaos, _Delays, current_chaos
 from zenflow_kernels.host import ALIGN, HostShard, out_sizes
-from zenflow_kernels.link import AsyncLink, CpuLink
+from zenflow_kernels.link import AsyncLink, CpuLink, host_alloc, make_engine, make_link
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import chaos
 
@@ -32,6 +32,27 @@ def numba_backend():
 
 def zenflow_threads():
     return [t for t in threading.enumerate() if t.name.startswith("zenflow")]
+
+
+def new_link(params, *, overlap, host_threads=1, cores=None, timeout=10, chaos=None):
+    """A link for CPU ``params`` (one group) as the optimizer builds it: engine, host shard (double-buffered
+    accumulation with overlap), link."""
+    engine = make_engine(torch.device("cpu"), chaos=chaos, timeout=timeout)
+    host = HostShard(params, [0] * len(params), num_acc=2 if overlap else 1, **host_alloc(engine),
+                     landing=engine is not None)
+    return make_link(host, engine, overlap=overlap, host_threads=host_threads, cores=cores, timeout=timeout)
+
+
+def tick_link_clocks(monkeypatch):
+    """A clock ticking 1 s per read, in the link package's modules only (those that time the training thread)."""
+    import types
+
+    from zenflow_kernels.link import asynchronous, base, cpu
+
+    ticks = iter(range(1000))
+    clock = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)), sleep=time.sleep)
+    for module in (base, cpu, asynchronous):
+        monkeypatch.setattr(module, "time", clock)
 
 
 CONFIGS = {
@@ -100,7 +121,7 @@ def test_the_landing_area_is_allocated_once_in_the_gradients_dtypes(dtypes):
         opt = ZenFlowAdamW(params, **HYPER, zenflow=zenflow)
     with opt:
         drive(opt, params, grad_sequence(12))
-        link = opt._link
+        link = opt.link
         assert isinstance(link, AsyncLink)
         sizes = out_sizes(link.host.slots)
         assert {dt: t.numel() for dt, t in link.host.landing.items()} == sizes
@@ -111,7 +132,7 @@ def test_the_landing_area_is_allocated_once_in_the_gradients_dtypes(dtypes):
         assert {dt: t.data_ptr() for dt, t in link.host.landing.items()} == ids
     with ZenFlowAdamW([torch.nn.Parameter(p.detach().clone()) for p in params], **HYPER, zenflow=zenflow) as sync:
         drive(sync, sync._params, grad_sequence(2))
-        assert sync.host_bytes()["landing"] == 0 and sync._host.landing == {}
+        assert sync.host_bytes()["landing"] == 0 and sync.host_shard.landing == {}
 
 
 @pytest.mark.parametrize("fold_bytes", [64, 1000, 1 << 26])
@@ -186,7 +207,7 @@ def test_backward_hooks_start_copies_that_step_uses_only_if_unchanged(micro, cli
                 opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow)
         with opt:
             runs.append(_train(model, opt, batches, micro, clip))
-            copied, stats = opt._link.d2h_bytes, opt.stats()
+            copied, stats = opt.link.d2h_bytes, opt.stats()
     for t, (a, b) in enumerate(zip(*runs, strict=True)):
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert torch.equal(x, y), f"step {t} param {i}"
@@ -221,7 +242,7 @@ def test_device_accumulation_in_memory_crosses_behind_the_next_steps_compute():
     with opt:
         drive(opt, got, grads[:1])
         gate = threading.Event()
-        opt._link._engine._d2h.submit(gate.wait)  # a copy engine busy for as long as the test likes
+        opt.link.engine._d2h.submit(gate.wait)  # a copy engine busy for as long as the test likes
 
         def step(t):  # on a thread of its own, with this one's kernel backend (a context variable)
             return threading.Thread(target=contextvars.copy_context().run, args=(drive, opt, got, grads[t : t + 1]),
@@ -232,7 +253,7 @@ def test_device_accumulation_in_memory_crosses_behind_the_next_steps_compute():
             boundary.start()
             boundary.join(10)
             assert not boundary.is_alive(), "the boundary step waited for the sums' crossing"
-            assert opt.host_updates == 1 and opt._link._sums_zeroed is not None
+            assert opt.host_updates == 1 and opt.link._sums_zeroed is not None
             nxt = step(2)
             nxt.start()
             nxt.join(0.5)
@@ -240,7 +261,7 @@ def test_device_accumulation_in_memory_crosses_behind_the_next_steps_compute():
         finally:
             gate.set()  # (a failure above must not leave the threads waiting for host_timeout)
         nxt.join(10)
-        assert not nxt.is_alive() and opt._link._sums_zeroed is None
+        assert not nxt.is_alive() and opt.link._sums_zeroed is None
         drive(opt, got, grads[3:])
         opt.flush()
     for i, (x, y) in enumerate(zip(want, got, strict=True)):
@@ -337,16 +358,10 @@ def test_zeroing_gradients_in_place_waits_for_their_copies(monkeypatch):
 
 def test_cpu_link_times_the_host_work_it_does_on_the_training_thread(monkeypatch):
     """accumulate() and upload() add their own duration to ``accumulate_s`` (a clock ticking 1 s per read)."""
-    import types
-
-    import zenflow_kernels.link as link_module
-
-    ticks = iter(range(1000))
-    monkeypatch.setattr(link_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks)),
-                                                                 sleep=time.sleep))
+    tick_link_clocks(monkeypatch)
     params = make_params()
-    link = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=False, host_threads=1,
-                                 cores=None, timeout=10, chaos=None)
+    link = new_link(params, overlap=False)
+    assert isinstance(link, CpuLink)
     grads = [(i, torch.ones_like(p)) for i, p in enumerate(params)]
     link.accumulate(grads, 0)
     link.accumulate(grads, 0)
@@ -499,17 +514,11 @@ def test_in_place_zeroing_before_any_copy_is_fine():
 
 def test_the_training_thread_waits_are_timed(monkeypatch):
     """Every wait of the training thread on asynchronous work adds its duration to ``waited_s`` (a clock
-    ticking 1 s per read, in the link module only)."""
-    import types
-
-    import zenflow_kernels.link as link_module
-
-    ticks = iter(range(1000))
-    monkeypatch.setattr(link_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks)),
-                                                                 sleep=time.sleep))
+    ticking 1 s per read, in the link package only)."""
+    tick_link_clocks(monkeypatch)
     params = make_params()
-    link = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=True, host_threads=1,
-                                 cores=None, timeout=10, chaos=link_module.Chaos(seed=0, max_delay=0))
+    link = new_link(params, overlap=True, chaos=Chaos(seed=0, max_delay=0))
+    assert isinstance(link, AsyncLink)
     done = link.submit_update(lambda: 7)
     assert link.wait(done) == 7 and link.waited_s == 1.0
     assert link.wait(link.submit_update(lambda: 8)) == 8 and link.waited_s == 2.0  # added up, not replaced
@@ -523,12 +532,9 @@ def test_the_training_thread_waits_are_timed(monkeypatch):
 
 def test_every_thread_of_the_asynchronous_link_gets_its_share(host_workers_made):
     """The accumulation worker runs with the host worker's threads and cores; the copy threads run no numba."""
-    import zenflow_kernels.link as link_module
-
     made = host_workers_made
     params = make_params()
-    link = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=True, host_threads=3,
-                                 cores=[0], timeout=7, chaos=link_module.Chaos())
+    link = new_link(params, overlap=True, host_threads=3, cores=[0], timeout=7, chaos=Chaos())
     try:
         by_name = {m.get("name", "zenflow-host"): m for m in made}
         assert sorted(by_name) == ["zenflow-accumulate", "zenflow-d2h", "zenflow-fetch", "zenflow-h2d", "zenflow-host"]
@@ -540,8 +546,7 @@ def test_every_thread_of_the_asynchronous_link_gets_its_share(host_workers_made)
         assert len(link.host.acc) == 2  # overlap: double-buffered accumulation
     finally:
         link.close()  # (a failure above must not leave threads behind for later tests)
-    sync = link_module.make_link(params, [0] * len(params), torch.device("cpu"), overlap=False, host_threads=1,
-                                 cores=None, timeout=7, chaos=None)
+    sync = new_link(params, overlap=False, timeout=7)
     assert len(sync.host.acc) == 1 and sync.workers == []
     sync.close()
 
@@ -561,14 +566,40 @@ def test_links_are_chosen_by_device_and_chaos():
     zenflow = dict(select_strategy="step", select_interval=4, update_interval=2)
     with ZenFlowAdamW(make_params(), zenflow=zenflow) as opt:
         drive(opt, opt._params, grad_sequence(1))
-        assert isinstance(opt._link, CpuLink) and opt.stats()["link"] == "cpu"
+        assert isinstance(opt.link, CpuLink) and opt.stats()["link"] == "cpu"
     with chaos(seed=1, max_delay=0):
         assert current_chaos().seed == 1
         opt = ZenFlowAdamW(make_params(), zenflow=zenflow)
     assert current_chaos() is None
     with opt:  # created inside the block: keeps the asynchronous link after it
         drive(opt, opt._params, grad_sequence(1))
-        assert isinstance(opt._link, AsyncLink) and opt.stats()["link"] == "cpu-async"
+        assert isinstance(opt.link, AsyncLink) and opt.stats()["link"] == "cpu-async"
+
+
+def test_engines_and_links_are_chosen_by_device_and_chaos():
+    """make_engine: CPU without chaos -> no engine; with chaos -> a ThreadEngine carrying its delays (none at
+    max_delay 0). make_link: no engine -> CpuLink; a ThreadEngine -> the asynchronous CPU link with its delays.
+    host_alloc: the engine's allocator, or HostShard's default."""
+    from zenflow_kernels.link import ThreadEngine
+
+    cpu = torch.device("cpu")
+    assert make_engine(cpu, chaos=None, timeout=5) is None and host_alloc(None) == {}
+    params = make_params()
+    for max_delay in (0.0, 0.001):
+        engine = make_engine(cpu, chaos=Chaos(seed=3, max_delay=max_delay), timeout=5)
+        assert isinstance(engine, ThreadEngine) and host_alloc(engine) == {"alloc": engine.alloc}
+        assert (engine.delays is None) == (max_delay == 0)
+        host = HostShard(params, [0] * len(params), num_acc=1, **host_alloc(engine), landing=True)
+        link = make_link(host, engine, overlap=False, host_threads=1, cores=None, timeout=5)
+        try:
+            assert isinstance(link, AsyncLink) and link.kind == "cpu-async" and link.host is host
+            assert link.engine is engine and link._delays is engine.delays
+        finally:
+            link.close()
+    host = HostShard(params, [0] * len(params), num_acc=1)
+    link = make_link(host, None, overlap=False, host_threads=1, cores=None, timeout=5)
+    assert isinstance(link, CpuLink) and link.kind == "cpu" and link.host is host
+    link.close()
 
 
 def test_bytes_moved_are_counted():

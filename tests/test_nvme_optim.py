@@ -93,7 +93,7 @@ def test_the_disk_host_gives_the_in_memory_bits(tmp_path, mode, overlap, clip, d
         for key in ("host_master", "host_exp_avg", "host_exp_avg_sq"):
             assert torch.equal(got["state"][i][key], st[key]), (i, key)
     assert os.listdir(tmp_path) == []  # removed at close
-    numel = opt._host.numel
+    numel = opt.host_shard.numel
     assert hb["disk"] == -(-numel // 1024) * 1024 * 12
     assert hb["master"] == hb["exp_avg"] == hb["exp_avg_sq"] == 0
     assert hb["total"] == hb["accumulation"] + hb["copy_out"] + hb["landing"] + hb.get("sums_blocks", 0)
@@ -244,7 +244,7 @@ def test_state_dict_hands_out_file_backed_tensors_valid_after_close(tmp_path):
             name = t.untyped_storage().filename
             assert name is not None and "snapshot-" in name and not os.path.exists(name), (i, key, name)
     assert os.listdir(tmp_path) == []
-    opt._host.disk.release()  # what collecting the optimizer does
+    opt.host_shard.disk.release()  # what collecting the optimizer does
     with pytest.raises(StateFileError, match="snapshot after release"):
         opt.state_dict()
     path = tmp_path.parent / f"{tmp_path.name}-saved.pt"
@@ -275,7 +275,7 @@ def test_building_and_loading_the_state_file_are_one_pass_each(tmp_path, monkeyp
                         staticmethod(lambda fd, b, o: calls["write"].append(o) or os.pwritev(fd, b, o)))
     with opt:
         opt._build()
-        blocks = -(-opt._host.numel // 1024)
+        blocks = -(-opt.host_shard.numel // 1024)
         assert blocks == 3 and calls == {"read": [], "write": [j * 1024 * 12 for j in range(blocks)]}
         for p in params:
             p.grad = torch.randn_like(p)

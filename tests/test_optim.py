@@ -386,11 +386,11 @@ def test_offloaded_fast_state_in_buckets_matches_resident_state(device, monkeypa
         zp = make_params(torch.bfloat16, device=device)
         with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
             runs.append(drive(opt, zp, grads))
-            assert opt._offload == (offload and opt.stats()["link"] != "cpu")
-            if opt._offload:
+            assert opt.fast_path.offload == (offload and opt.stats()["link"] != "cpu")
+            if opt.fast_path.offload:
                 assert all(st["exp_avg"].device.type == "cpu" for st in opt.state.values() if st)
                 states = [(None,) * 3 + (st["exp_avg"],) for st in opt.state.values()]
-                assert len(opt._buckets(states)) > 2
+                assert len(opt.fast_path.buckets(states)) > 2
     for t, (a, b) in enumerate(zip(*runs, strict=True)):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y), f"step {t}"
@@ -535,7 +535,7 @@ def test_worker_failure_surfaces_in_step_within_seconds(device):
     def broken_update(*args, **kwargs):
         raise RuntimeError("injected host failure")
 
-    opt._host.update = broken_update
+    opt.host_shard.update = broken_update
     t0 = time.perf_counter()
     with pytest.raises(HostWorkerError, match="injected host failure") as info:
         drive(opt, zp, grads[1:8])
@@ -660,7 +660,7 @@ def test_dead_worker_is_detected_not_waited_on_forever(device):
     def dying_update(*args, **kwargs):
         raise SystemExit("the worker thread ends here")  # not an Exception: the thread dies mid-job
 
-    opt._host.update = dying_update
+    opt.host_shard.update = dying_update
     t0 = time.perf_counter()
     with pytest.raises(HostWorkerError, match="died"):
         drive(opt, zp, grads[1:8])
@@ -676,13 +676,13 @@ def test_stuck_worker_times_out(device):
     release = threading.Event()
     real = None
     drive(opt, zp, grad_sequence(1))
-    real = opt._host.update
+    real = opt.host_shard.update
 
     def stuck_update(*args, **kwargs):
         release.wait(30)
         return real(*args, **kwargs)
 
-    opt._host.update = stuck_update
+    opt.host_shard.update = stuck_update
     with pytest.raises(HostWorkerError, match="host_timeout=0.5"):
         drive(opt, zp, grad_sequence(3))
     release.set()
@@ -701,7 +701,7 @@ def test_accumulation_failure_surfaces_within_seconds(device, monkeypatch):
         raise RuntimeError("injected accumulation failure")
 
     import zenflow_kernels.host as host_module
-    import zenflow_kernels.link as link_module
+    import zenflow_kernels.link.cpu as link_module
 
     monkeypatch.setattr(host_module, "accumulate_unchecked", broken_accumulate)  # the asynchronous links'
     monkeypatch.setattr(link_module, "accumulate_unchecked", broken_accumulate)  # the synchronous CPU link's

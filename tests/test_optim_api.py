@@ -217,7 +217,7 @@ def test_an_old_adamw_state_dict_loads_with_its_groups_and_from_step_zero():
         assert opt.stats()["d2h_bytes"] == moved > 0  # the replaced link's counters are kept
         assert opt.param_groups[0]["eps"] == 1e-6 and opt.param_groups[0]["weight_decay"] == HYPER["weight_decay"]
         assert (opt.t, opt.skipped_steps, opt.host_updates, opt.selections, opt.steps_accumulated) == (0, 0, 0, 0, 0)
-        assert opt._host.host_step == [2] * len(params)
+        assert opt.host_shard.host_step == [2] * len(params)
 
 
 def test_an_adam_state_dict_without_weight_decay_is_accepted():
@@ -226,7 +226,7 @@ def test_an_adam_state_dict_without_weight_decay_is_accepted():
     drive(adam, params, grad_sequence(2))
     with ZenFlowAdamW(make_params(), zenflow=ZEN) as opt:
         opt.load_state_dict(adam.state_dict())
-        assert opt.param_groups[0]["weight_decay"] == 0 and opt._host.host_step[0] == 2
+        assert opt.param_groups[0]["weight_decay"] == 0 and opt.host_shard.host_step[0] == 2
 
 
 def test_a_narrow_matrix_gets_one_fast_column_like_the_oracle():
@@ -405,7 +405,7 @@ def test_host_state_is_fp32_whatever_the_default_dtype():
     try:
         with ZenFlowAdamW(params, **HYPER, zenflow=zen) as opt:
             drive(opt, params, grad_sequence(2))
-            host = opt._host
+            host = opt.host_shard
             assert {t.dtype for t in [host.master, host.exp_avg, host.exp_avg_sq, *host.acc]} == {torch.float32}
     finally:
         torch.set_default_dtype(previous)

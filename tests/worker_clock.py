@@ -12,10 +12,10 @@ def accumulate_worker_times(opt, train_step: Callable[[], None], steps: int = 20
     """(CPU seconds of the optimizer's accumulate thread, wall seconds) over ``steps`` calls of
     ``train_step`` (zero_grad, backward, step), then the link synchronised. ``opt`` has stepped once (its
     link and workers exist)."""
-    worker = next(w for w in opt._link.workers if w._thread.name == "zenflow-accumulate")
+    worker = next(w for w in opt.link.workers if w._thread.name == "zenflow-accumulate")
     clock = time.pthread_getcpuclockid(worker._thread.ident)
     cpu0, wall0 = time.clock_gettime(clock), time.perf_counter()
     for _ in range(steps):
         train_step()
-    opt._link.synchronize()
+    opt.link.synchronize()
     return time.clock_gettime(clock) - cpu0, time.perf_counter() - wall0

@@ -109,7 +109,7 @@ def train_model(model, opt, batches, part: slice, micro: int, held: list | None 
                 (torch.nn.functional.mse_loss(model(xm), ym) / micro).backward()
         if held is not None:
             grads = [p.grad for p in model.parameters()]
-            reducer = opt._shard.reducer
+            reducer = opt.sharding.reducer
             held.append(dict(
                 matrices=sum(g.numel() for g in grads if g is not None and g.dim() == 2),
                 vectors=sum(g.numel() for g in grads if g is not None and g.dim() != 2),
@@ -130,12 +130,13 @@ def run_model_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     held: list[dict] = []
     train_model(model, opt, batch(case["steps"], size), part, case.get("micro", 1), held, case.get("declare", False))
     opt.flush()
-    reducer = opt._shard.reducer
+    reducer = opt.sharding.reducer
     params = list(model.parameters())
     result = dict(params=[p.detach().clone() for p in params], stats=opt.stats(),
                   started_in_backward=reducer.started_in_backward if reducer else 0,
                   restarted=reducer.restarted if reducer else 0, buckets=len(reducer.buckets) if reducer else 0,
-                  held=held, owned_matrix_numel=sum(params[i].numel() for i in opt._host.slots if params[i].dim() == 2))
+                  held=held,
+                  owned_matrix_numel=sum(params[i].numel() for i in opt.host_shard.slots if params[i].dim() == 2))
     opt.close()
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
 
@@ -228,7 +229,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
                 result["per_rank"] = opt.state_dict()
                 result["params_at_save"] = [p.detach().clone() for p in params]
         opt.flush()
-        host = opt._host
+        host = opt.host_shard
         result.update(
             params=[p.detach().clone() for p in params],
             stats=opt.stats(),

@@ -59,24 +59,24 @@ BUGS = [
     # -- the four gaps the safety net closes (issue item 0) ------------------------------------------------
     Bug(
         "plan-stale-after-load",
-        "zenflow_kernels/optim.py",
-        "        self._received = None\n        self._plan = None\n",
-        "        self._received = None\n",
-        "(a) load_state_dict into a stepped optimizer keeps the fast step's per-selection plan: the fast step "
-        "goes on updating the old state's tensors while the loaded ones (checkpointed, and read at the next "
-        "re-selection) stay frozen",
+        "zenflow_kernels/optim/fast_path.py",
+        "            st[\"master\"] = self.to_state(run.from_host(i, \"master\").reshape(1, n))\n"
+        "        self._plan = None\n",
+        "            st[\"master\"] = self.to_state(run.from_host(i, \"master\").reshape(1, n))\n",
+        "(a) a vector joining the fast path (after warm-up, or after a load) keeps the fast step's per-selection "
+        "plan: the plan laid out before it joined leaves it out, so its fast-path state never moves",
     ),
     Bug(
         "hooks-kept-after-reset",
-        "zenflow_kernels/optim.py",
-        "            self._stats.retire(self._link)\n            self._finalizer()\n",
-        "            self._stats.retire(self._link)\n            self._link.close()\n",
+        "zenflow_kernels/optim/optimizer.py",
+        "            self._stats.retire(self.run.link)\n            self._finalizer()\n",
+        "            self._stats.retire(self.run.link)\n            self.run.link.close()\n",
         "(b) a reload stops the old link but not the rest of the finalizer's work: the old backward hooks stay, "
         "so each load adds one more hook per parameter (every gradient staged again and again)",
     ),
     Bug(
         "hooks-kept-after-close",
-        "zenflow_kernels/optim.py",
+        "zenflow_kernels/optim/optimizer.py",
         "    for handle in hooks:\n        handle.remove()\n",
         "    del hooks  # the hooks check _closed and return\n",
         "(b) close() and the finalizer leave the backward hooks on the parameters (a closed or collected "
@@ -102,9 +102,9 @@ BUGS = [
     ),
     Bug(
         "stage2-hooks-not-registered",
-        "zenflow_kernels/optim.py",
-        'if self._handover.mode == "on" or self._shard.consumes_hooks:',
-        'if self._handover.mode == "on":',
+        "zenflow_kernels/optim/optimizer.py",
+        'if self.handover.mode == "on" or self._shard.consumes_hooks:',
+        'if self.handover.mode == "on":',
         "(b) ZeRO-2 registers no backward hooks: every reduction starts in step(), none overlaps backward",
         tests=ZERO, k=ZERO_K,
     ),
@@ -138,84 +138,84 @@ BUGS = [
     # -- more of the same kind --------------------------------------------------------------------------
     Bug(
         "entering-columns-keep-old-moments",
-        "zenflow_kernels/optim.py",
-        "                    m[:, stay] = old_m[:, pos[stay]]\n                    v[:, stay] = old_v[:, pos[stay]]\n",
-        "                    m.copy_(old_m[:, pos])\n                    v.copy_(old_v[:, pos])\n",
+        "zenflow_kernels/optim/selection.py",
+        "            m[:, stay] = old_m[:, pos[stay]]\n            v[:, stay] = old_v[:, pos[stay]]\n",
+        "            m.copy_(old_m[:, pos])\n            v.copy_(old_v[:, pos])\n",
         "a re-selection's entering columns take the moments of the old column at their sorted position "
         "instead of starting from zero (spec 2.3)",
     ),
     Bug(
         "write-back-overwrites-selected-columns",
-        "zenflow_kernels/optim.py",
-        "            items.append((p, others[i] if i in others else self._host.out_view(i), sel))\n",
-        "            items.append((p, others[i] if i in others else self._host.out_view(i), None))\n",
+        "zenflow_kernels/optim/interval.py",
+        "            items.append((run.local[i], others[i] if i in others else run.host.out_view(i), sel))\n",
+        "            items.append((run.local[i], others[i] if i in others else run.host.out_view(i), None))\n",
         "the host result overwrites the whole matrix, the fast path's selected columns included (spec 2.5)",
     ),
     Bug(
         "mean-over-steps-not-gradients",
-        "zenflow_kernels/optim.py",
-        "        counts = self._counts[self._acc_buf]\n        for i in indices:\n            counts[i] += 1\n",
-        "        counts = self._counts[self._acc_buf]\n        for i in range(len(self._params)):\n"
-        "            counts[i] += self._params[i].dim() == 2\n",
+        "zenflow_kernels/optim/interval.py",
+        "        counts = self.counts[self.buf]\n        for i in indices:\n            counts[i] += 1\n",
+        "        counts = self.counts[self.buf]\n        for i in range(len(self.run.params)):\n"
+        "            counts[i] += self.run.params[i].dim() == 2\n",
         "the interval's mean gradient divides by the steps of the interval, also counting the steps in which "
         "a matrix had no gradient",
     ),
     Bug(
         "clip-coefficient-twice",
-        "zenflow_kernels/optim.py",
+        "zenflow_kernels/optim/optimizer.py",
         "grad_scale = self._amp if coef is None else self._amp / coef",
         "grad_scale = self._amp if coef is None else self._amp / (coef * coef)",
         "the fast path divides the gradient by the clipping coefficient twice (spec 2.6)",
     ),
     Bug(
         "checkpoint-drops-pending",
-        "zenflow_kernels/optim.py",
-        "st.update(acc_count=self._counts[self._acc_buf][i], pending=i in self._pending)",
-        "st.update(acc_count=self._counts[self._acc_buf][i], pending=False)",
+        "zenflow_kernels/optim/checkpoint.py",
+        "st.update(acc_count=interval.counted(i), pending=i in interval.pending)",
+        "st.update(acc_count=interval.counted(i), pending=False)",
         "a checkpoint taken with an overlapped host result awaiting its write-back forgets it: the resumed "
         "run never writes that interval's result back (spec 2.7)",
     ),
     Bug(
         "load-drops-interval-counts",
-        "zenflow_kernels/optim.py",
-        "            self._counts[self._acc_buf][i] = int(st[\"acc_count\"])\n",
+        "zenflow_kernels/optim/checkpoint.py",
+        "        interval.counts[interval.buf][i] = int(st[\"acc_count\"])\n",
         "",
         "a loaded checkpoint restores the interval's gradient sums but not how many gradients they hold",
     ),
     Bug(
         "zero-grad-does-not-wait",
-        "zenflow_kernels/optim.py",
-        "            self._link.before_grad_write()  # copies still reading the gradients finish first\n",
-        "            pass\n",
+        "zenflow_kernels/optim/optimizer.py",
+        "                self.run.link.before_grad_write()  # copies still reading the gradients finish first\n",
+        "                pass\n",
         "zero_grad(set_to_none=False) zeroes gradients that queued copies to the host still read",
         judged="equivalent on CPU: step() already orders its gradient copies before later writes and joins "
                "them on the test link (6df95e1); only a CUDA stream wait could still differ",
     ),
     Bug(
         "overlap-reuses-the-busy-buffer",
-        "zenflow_kernels/optim.py",
-        "            self._acc_buf = (self._acc_buf + 1) % len(self._counts)\n",
+        "zenflow_kernels/optim/interval.py",
+        "        self.buf = (self.buf + 1) % len(self.counts)\n",
         "",
         "with overlap the next interval accumulates into the buffer the background host update is reading",
     ),
     Bug(
         "vectors-join-fast-path-at-step-zero",
-        "zenflow_kernels/optim.py",
-        "        st[\"step\"] = self._host_step(i)\n",
+        "zenflow_kernels/optim/fast_path.py",
+        "        st[\"step\"] = run.host_step(i)\n",
         "        st[\"step\"] = 0\n",
         "a vector joins the fast path with the host's moments but restarts bias correction at step 0",
     ),
     Bug(
         "leaving-columns-not-handed-back",
-        "zenflow_kernels/optim.py",
-        "                if owned and gone.any():  # ownership returns to the host, value included\n",
-        "                if False:  # ownership returns to the host, value included\n",
+        "zenflow_kernels/optim/selection.py",
+        "            if owned and gone.any():  # ownership returns to the host, value included\n",
+        "            if False:  # ownership returns to the host, value included\n",
         "columns that leave the selection do not refresh the host master: the fast path's updates of them "
         "are lost at the next write-back (spec 2.3)",
     ),
     Bug(
         "every-group-gets-group-0-hyper",
-        "zenflow_kernels/optim.py",
+        "zenflow_kernels/optim/fast_path.py",
         "        numbers = [(h[\"lr\"], h[\"weight_decay\"]) for h in hyper]\n",
         "        numbers = [(hyper[0][\"lr\"], hyper[0][\"weight_decay\"]) for h in hyper]\n",
         "the fast path uses the first param group's lr and weight decay for every parameter",

@@ -25,7 +25,7 @@ Host kernels (numba, multithreaded, release the GIL), see ``cpu_ops``
 Testing (``zenflow_kernels.testing``)
     chaos(seed, max_delay, d2h_bytes_per_s=, h2d_bytes_per_s=, timeline=)
                            -- optimizers created inside run the GPU's asynchronous protocol on CPU,
-                              with seeded random delays (``link.py`` holds that protocol), and, with
+                              with seeded random delays (``link/`` holds that protocol), and, with
                               bandwidths, a modeled device whose copies take bytes / bandwidth
     Timeline               -- the modeled device's lanes (copies, accumulation, updates, waits)
 """

@@ -12,7 +12,13 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from .config import RESERVED_CORES_PERC_CPU, RESERVED_CORES_PERC_DEVICE, ZenFlowConfig, ZenFlowConfigError
+from .config import (
+    RESERVED_CORES_PERC_CPU,
+    RESERVED_CORES_PERC_DEVICE,
+    ZenFlowConfig,
+    ZenFlowConfigError,
+    num_selected,
+)
 from .schedule import Schedule, resolve_schedule
 
 
@@ -99,6 +105,30 @@ def explain(config: ZenFlowConfig, schedule: Schedule, steps: int) -> str:
         sel = "S" if t in select_set else "."
         upd = "sync" if s.is_warmup(t) else ("U" if t in update_set else ".")
         lines.append(f"  {t:>4}  {phase:<7}  {sel:^6}  {upd:^11}")
+    return "\n".join(lines)
+
+
+def explain_optimizer(config: ZenFlowConfig, schedule: Schedule, steps: int, cores: dict, param_groups) -> str:
+    """``ZenFlowAdamW.explain()``: :func:`explain`, the CPUs of training and of the host worker (and why), and per
+    param group its ``topk_ratio`` and ``importance`` and each matrix's ``k`` of ``C`` columns on the fast path."""
+    lines = [explain(config, schedule, steps)]
+    lines += [f"cores: training {cores['train']}, host worker {cores['host']} ({cores['why']})", "param groups:"]
+    for gi, g in enumerate(param_groups):
+        ratio, importance = g.get("topk_ratio", config.topk_ratio), g.get("importance", config.importance)
+        own = [k for k in ("topk_ratio", "importance") if k in g]
+        name = getattr(importance, "__name__", None) or repr(importance) if callable(importance) else importance
+        lines.append(f"  group {gi}: topk_ratio={ratio!r}, importance={name}"
+                     + (f" (its own: {', '.join(own)})" if own else " (the optimizer's)"))
+        for p in g["params"]:
+            if p.dim() == 2:
+                C = p.shape[1]
+                k = num_selected(ratio, C)
+                what = "host only" if k == 0 else "every column on the device (AdamW)" if k == C else \
+                    f"{k} of {C} columns on the device"
+                lines.append(f"    matrix {tuple(p.shape)}: {what}")
+        vectors = sum(1 for p in g["params"] if p.dim() != 2)
+        if vectors:
+            lines.append(f"    {vectors} vector parameter(s): on the device every step")
     return "\n".join(lines)
 
 

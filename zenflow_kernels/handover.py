@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["HandOver"]
+__all__ = ["HandOver", "handover_mode"]
 
 
 class HandOver:
@@ -40,6 +40,16 @@ class HandOver:
         self.backwards = 1  # backward passes per step, learned from the last step
         self._fires: dict[int, int] = {}  # parameter -> its hook's final firings since the last step
         self._rewrites = 0
+
+    def declare(self, requires_sync) -> None:
+        """``ZenFlowAdamW.set_requires_gradient_sync``: True, False, or a callable answering it at each backward."""
+        if isinstance(requires_sync, bool):
+            self.requires_sync, self.sync_source = requires_sync, None
+        elif callable(requires_sync):
+            self.requires_sync, self.sync_source = True, requires_sync
+        else:
+            raise TypeError(f"ZenFlowAdamW.set_requires_gradient_sync: requires_gradient_sync={requires_sync!r} is "
+                            "invalid: allowed True, False or a callable returning one")
 
     def final(self) -> bool:
         """The backward running now is, as declared, the last before ``step()``."""
@@ -75,3 +85,18 @@ class HandOver:
                         f"{self.REWRITES_BEFORE_OFF} steps in a row (clipping or unscaling in place): they cross "
                         "at step(); clip with max_grad_norm or opt.clip_grad_norm_() and let GradScaler unscale "
                         "inside the optimizer to keep them crossing during backward (docs/custom-loop.md)")
+
+
+def handover_mode(link, shard, device_accumulation: bool, early: bool) -> tuple[str, str]:
+    """Whether a run's gradients cross from backward's hooks (``"on"``/``"off"``), and why: where the link is
+    asynchronous, the step's gradient is final at backward (ZeRO-1 averages it in ``step()``) and crosses at every
+    step (not summed on the device); ``early``: the ablation switch (``ablations.early_handover``)."""
+    copies = link.asynchronous and shard.final_at_backward and not device_accumulation
+    why = ("ZeRO-2 reduces gradients to their owners first" if shard.consumes_hooks else
+           "a synchronous link (nothing to overlap)" if not link.asynchronous else
+           "ZeRO-1 averages gradients in step()" if not shard.final_at_backward else
+           "device_accumulation: gradients are summed on the device and cross once per update"
+           if device_accumulation else
+           "ablations.early_handover is False" if not early else
+           "gradients cross from backward's hooks (each checked at step() against its fingerprint)")
+    return ("on" if copies and early else "off"), why

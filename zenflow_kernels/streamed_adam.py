@@ -7,7 +7,8 @@ range. Memory: ``depth`` blocks of buffers (12 B per element each), whatever the
 With ``device_accumulation`` the gradient sums stay on the device (:class:`DeviceSums`): the reader also
 fetches each block's piece of them into a fourth buffer (``DeviceSums.buffers``, reused across updates), so no
 shard-sized host buffer of sums exists. It starts the fetch before reading the block and waits for it after,
-so the copy over the link runs beside the disk read (bench.nvme_timeline measures both orders).
+so the copy over the link runs beside the disk read (``ablations.fetch_beside_read`` False: read, then fetch,
+the former order; bench.nvme_timeline measures both).
 
 Every block a run touches is read, updated and written once (runs sharing a block are updated in the same
 visit), so no block is read before an earlier write of it landed. A failed read or write stops the pipeline
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_ops
+from .ablations import ablations
 from .state_files import StateFiles
 
 __all__ = ["DeviceSums", "Run", "streamed_adam_"]
@@ -76,11 +78,6 @@ def _settle(waits: list[Callable[[], None]]) -> None:
 
 _STOP = object()
 
-# the reader starts a block's fetches before reading it (False: after, the former order, bench.nvme_timeline's
-# "disk serial" variant; read at each block)
-FETCH_BESIDE_READ = True
-
-
 def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[Run], *, depth: int = 3,
                    sums: DeviceSums | None = None) -> dict:
     """One AdamW step of ``runs`` (disjoint, ascending) over the state in ``files``, with the gradient sums
@@ -121,7 +118,7 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[R
                     return
                 bufs, fetched = item
                 waits: list[Callable[[], None]] = []
-                beside = FETCH_BESIDE_READ
+                beside = ablations.fetch_beside_read  # (read at each block; False: the former order)
                 try:
                     if not beside:
                         files.read_block(j, bufs)

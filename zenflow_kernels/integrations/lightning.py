@@ -61,7 +61,7 @@ class ZenFlowCallback(Callback):
 
     def _hold(self, trainer, held: bool) -> None:
         for opt in _zenflow_optimizers(trainer):
-            opt._hold_flushed(held)
+            opt.hold_flushed(held)
 
     def __init__(self, isolated_rng: bool = True):
         self.isolated_rng = isolated_rng
@@ -117,6 +117,6 @@ class ZenFlowCallback(Callback):
         self._unroute_clipping()
         for opt in _zenflow_optimizers(trainer):
             opt.set_requires_gradient_sync(True)
-            opt._hold_flushed(False)
+            opt.hold_flushed(False)
             opt.flush()
             opt.close()

@@ -116,17 +116,17 @@ class ZenFlowCallback(TrainerCallback):
             # (a best model loaded at the end must not get this run's pending update written over it)
             opt = self._optimizer(kwargs)
             if opt is not None:
-                opt._hold_flushed(False)
+                opt.hold_flushed(False)
                 opt.flush()
         elif control.should_save or control.should_evaluate:
             opt = self._optimizer(kwargs)
             if opt is not None:
-                opt._hold_flushed(True)
+                opt.hold_flushed(True)
 
     def _restore(self, kwargs):
         opt = find_zenflow(kwargs.get("optimizer"))
         if opt is not None:
-            opt._hold_flushed(False)
+            opt.hold_flushed(False)
 
     def on_step_end(self, args, state, control, **kwargs):
         self._before_save_or_evaluate(args, control, kwargs)
@@ -157,7 +157,7 @@ class ZenFlowCallback(TrainerCallback):
         opt = self._optimizer(kwargs)
         if opt is not None:
             opt.set_requires_gradient_sync(True)
-            opt._hold_flushed(False)
+            opt.hold_flushed(False)
             opt.flush()
             opt.close()
 

@@ -1,7 +1,7 @@
 """How the ranks hold gradients and host state: the seam between ZenFlow's algorithm and data parallelism
 (docs/design.md, "The seam").
 
-``optim.py`` holds the algorithm once. What differs between one process, ZeRO-1, ZeRO-2 and FSDP2 is
+``optim/`` holds the algorithm once. What differs between one process, ZeRO-1, ZeRO-2 and FSDP2 is
 behind :class:`Sharding`: which parameters this rank's host shard holds, where a step's (averaged)
 gradient of a parameter comes from, and how column scores, the selected columns' gradients, the
 gradient norm, host state and the write-back cross ranks. One process is the base class itself.
@@ -26,8 +26,8 @@ the shard dimension only (the replicas hold the same gradients and identical cop
 
 Modules, each importing only those above it: ``base`` (:class:`Sharding`, one process), ``collectives``
 (timed collectives shared by ZeRO and FSDP2), ``zero_context`` (ZeRO's ownership, exchanges and buckets),
-``zero`` (:class:`Zero1`, :class:`Zero2`), ``fsdp2`` (:class:`FSDP2`). ``optim.py`` imports this package;
-nothing here imports ``optim.py``.
+``zero`` (:class:`Zero1`, :class:`Zero2`), ``fsdp2`` (:class:`FSDP2`). ``optim/`` imports this package;
+nothing here imports ``optim/``.
 """
 
 from __future__ import annotations

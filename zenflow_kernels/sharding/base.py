@@ -188,11 +188,13 @@ class Sharding:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def export_state_dict(self, state_dict: dict, opt) -> dict:
-        """The optimizer's state dict as this way of holding state saves it (one process, ZeRO: as it is)."""
+    def export_state_dict(self, state_dict: dict, local, topk) -> dict:
+        """The optimizer's state dict as this way of holding state saves it (one process, ZeRO: as it is).
+        ``local``: the tensors the optimizer updates (None before its first step); ``topk(i)``: matrix ``i``'s
+        number of selected columns."""
         return state_dict
 
-    def import_state_dict(self, state_dict: dict, opt) -> dict:
+    def import_state_dict(self, state_dict: dict) -> dict:
         """The inverse of :meth:`export_state_dict`: a dict ``load_state_dict`` reads (anything else as it is)."""
         return state_dict
 

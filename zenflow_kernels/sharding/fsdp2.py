@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from .._memory import host_copy
-from ..config import num_selected
 from .base import Sharding, column_scores, is_dtensor, sum_of_squares
 from .collectives import Collectives
 
@@ -157,9 +156,12 @@ class FSDP2(Sharding):
                            tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype))
         return DTensor(local.contiguous(), spec, requires_grad=False)
 
-    def export_state_dict(self, state_dict: dict, opt) -> dict:
+    def export_state_dict(self, state_dict: dict, local, topk) -> dict:
         groups = [dict(g) for g in state_dict["param_groups"]]
-        groups[0]["zenflow"] = state_dict["zenflow"]
+        # no format key: torch.distributed.checkpoint loads the keys of the loading optimizer's template and refuses
+        # a checkpoint that lacks one, so a key older checkpoints lack would make them unloadable (the DCP form's
+        # format is its key set; load_state_dict reads a dict without the key as format 1)
+        groups[0]["zenflow"] = {k: v for k, v in state_dict["zenflow"].items() if k != "format"}
         if not state_dict["zenflow"].get("built"):
             return {"state": {}, "param_groups": groups}
         state = {}
@@ -172,11 +174,11 @@ class FSDP2(Sharding):
             # weights training continues from when saved inside flushed(), else a copy of the live ones, unused
             unflushed = st.pop("unflushed", None)
             out["has_unflushed"] = int(unflushed is not None)
-            out["unflushed"] = self._sharded(host_copy(opt._local[i]) if unflushed is None else unflushed, p)
+            out["unflushed"] = self._sharded(host_copy(local[i]) if unflushed is None else unflushed, p)
             low = p.dtype != torch.float32
             if p.dim() == 2:  # a placeholder of the k of this matrix's param group (its own topk_ratio, if set)
-                k = num_selected(opt._setting(i, "topk_ratio"), p.shape[1])
-                rows = opt._local[i].shape[0]
+                k = topk(i)
+                rows = local[i].shape[0]
                 out["has_fast"] = int("selected" in st)
                 out["selected"] = st.pop("selected", torch.full((k,), -1, dtype=torch.int64))
                 out["step"] = st.pop("step", torch.zeros(k, dtype=torch.int64))
@@ -185,7 +187,7 @@ class FSDP2(Sharding):
                 for name, zero in (("auto_selected", 0.0), ("auto_unselected", 0.0), ("auto_count", 0)):
                     out[name] = st.pop(name, zero)
             else:
-                rows = opt._local[i].numel()
+                rows = local[i].numel()
                 out["has_fast"] = int("exp_avg" in st)
                 out["step"] = int(st.pop("step", 0))
                 for name in self._FAST[: 3 if low else 2]:
@@ -193,7 +195,7 @@ class FSDP2(Sharding):
             state[i] = out
         return {"state": state, "param_groups": groups}
 
-    def import_state_dict(self, state_dict: dict, opt) -> dict:
+    def import_state_dict(self, state_dict: dict) -> dict:
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not (isinstance(groups, list) and groups and isinstance(groups[0], dict) and "zenflow" in groups[0]):
             return state_dict  # not this form (an AdamW dict, or something load_state_dict will refuse)

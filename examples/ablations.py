@@ -1,0 +1,87 @@
+"""Two ablations of ZenFlow, each changing one part of ``ZenFlowAdamW`` (docs/hacking.md).
+
+* :class:`StickyColumns` (the selection part, ``zenflow_kernels/optim/selection.py``): at a re-selection a column
+  already on the fast path keeps its place unless an outside column scores more than ``margin`` times higher, so
+  fewer columns change hands (each change moves Adam state and writes a column back to the host master). With
+  ``margin=1`` it is top-k.
+* :class:`LrTimesInterval` (the host interval part, ``zenflow_kernels/optim/interval.py``): the host update, one
+  AdamW step on the interval's mean gradient, stands for the interval's S steps; this rule takes it with the
+  learning rate times S, as if the S steps had all been taken with that gradient.
+
+Use either as the optimizer (``LrTimesInterval(params, lr=..., zenflow=...)``); ``python examples/ablations.py``
+trains a small model with the stock optimizer and both ablations and prints the loss and the selection churn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.optim.interval import HostInterval
+from zenflow_kernels.optim.selection import Selection
+
+
+class StickySelection(Selection):
+    """Top-k with a stay bonus: the columns now selected compete with their score times ``margin``."""
+
+    margin = 2.0
+
+    def choose(self, t, indices, importances, scores, ks):
+        chosen = []
+        for i, s, k in zip(indices, scores, ks, strict=True):
+            old = self.run.fast_state(i).get("selected")
+            boosted = s.clone()
+            if old is not None and old.numel():
+                boosted[old] *= self.margin
+            chosen.append(torch.sort(torch.topk(boosted, k).indices).values)  # (sorted, as the fast path reads them)
+        return chosen
+
+
+class StickyColumns(ZenFlowAdamW):
+    """ZenFlowAdamW whose re-selections keep the current columns unless an outsider scores ``margin`` times more."""
+
+    selection_class = StickySelection
+
+
+class LrTimesIntervalHost(HostInterval):
+    """Each host update runs with every param group's learning rate times the number of steps in its interval."""
+
+    def boundary(self, max_norm, last=None):
+        steps = max(self.counts[self.buf])  # (every parameter with a gradient counted once per step)
+        plain = self.hyper
+        self.hyper = lambda: [dict(h, lr=h["lr"] * steps) for h in plain()]
+        try:
+            super().boundary(max_norm, last)
+        finally:
+            self.hyper = plain
+
+
+class LrTimesInterval(ZenFlowAdamW):
+    """ZenFlowAdamW whose host updates take the learning rate times the interval's length."""
+
+    interval_class = LrTimesIntervalHost
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(512, 64), torch.randn(64, 16)
+    y = x @ w + 0.1 * torch.randn(512, 16)
+    zen = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=4, overlap_step=False)
+    for cls in (ZenFlowAdamW, StickyColumns, LrTimesInterval):
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+        with cls(model.parameters(), lr=3e-3, zenflow=zen) as opt:
+            for step in range(80):
+                batch = slice((step * 64) % 512, (step * 64) % 512 + 64)
+                loss = torch.nn.functional.mse_loss(model(x[batch]), y[batch])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            opt.flush()
+            churn = [1 - j for j in opt.stats()["selection_jaccard"] if j == j]
+            print(f"{cls.__name__:>16}: loss {torch.nn.functional.mse_loss(model(x), y).item():.4f}, "
+                  f"columns changing hands per re-selection {sum(churn) / max(1, len(churn)):.2f}")
+
+
+if __name__ == "__main__":
+    main()

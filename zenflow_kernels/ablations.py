@@ -1,0 +1,68 @@
+"""The switches that put back a former order of work, for benchmarks and ablations: one documented place.
+
+Each switch names an ordering the library chose because it is faster; turning it off restores the order it
+replaced, with the same results (every switch is about *when* work runs, never about *what* is computed: the
+tests compare both settings bit for bit). Benchmarks set them to measure what each choice is worth::
+
+    from zenflow_kernels.ablations import ablations
+
+    with ablations.changed(early_handover=False):   # read when the optimizer is built: its first step()
+        opt = ZenFlowAdamW(model.parameters(), ...)
+        train(opt, steps)
+
+When each is read:
+
+``early_handover`` (default True)
+    Gradients cross to the host from backward's hooks (docs/design.md section 5.1). False: at ``step()``, after
+    backward. Read once per optimizer, at its first ``step()`` (``stats()["handover_why"]`` says it was off).
+``sums_wait_at_boundary`` (default False)
+    ``device_accumulation`` in memory: the update boundary's step waits for the sums' crossing and zeroing (the
+    former order) instead of letting the next forward and backward run beside it. Read at every boundary.
+``fetch_beside_read`` (default True)
+    ``device_accumulation`` on disk: a block's sums start crossing from the device before the block's state is
+    read from the file, so both run side by side. False: read, then fetch (the former order). Read at every block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+__all__ = ["Ablations", "ablations"]
+
+
+@dataclasses.dataclass
+class Ablations:
+    """The ordering switches (see the module's docstring); :data:`ablations` is the one instance the library reads."""
+
+    early_handover: bool = True
+    sums_wait_at_boundary: bool = False
+    fetch_beside_read: bool = True
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in {f.name for f in dataclasses.fields(self)}:
+            allowed = ", ".join(f.name for f in dataclasses.fields(self))
+            raise AttributeError(f"Ablations: {name!r} is not a switch: allowed {allowed}")
+        if not isinstance(value, bool):
+            raise TypeError(f"Ablations: {name}={value!r} is invalid: allowed True or False")
+        super().__setattr__(name, value)
+
+    @contextlib.contextmanager
+    def changed(self, **switches: bool) -> Iterator[Ablations]:
+        """Set these switches for the block and put the former values back after it (also on an error). Every
+        switch is checked before any is set: a bad name or value changes nothing."""
+        for name, value in switches.items():
+            Ablations().__setattr__(name, value)  # (a scratch instance: checks without touching this one)
+        before = {name: getattr(self, name) for name in switches}
+        try:
+            for name, value in switches.items():
+                setattr(self, name, value)
+            yield self
+        finally:
+            for name, value in before.items():
+                setattr(self, name, value)
+
+
+ablations = Ablations()
+"""The switches every part of the library reads (benchmarks and ablation notebooks change them here)."""

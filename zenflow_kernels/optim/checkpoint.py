@@ -1,0 +1,250 @@
+"""The checkpoint format of ``ZenFlowAdamW`` (docs/design.md section 2 item 7): what ``state_dict()`` writes and
+``load_state_dict()`` reads, as functions over the parts of a built optimizer.
+
+Format ``FORMAT`` (``state_dict()["zenflow"]["format"]``; dicts written before the key existed are format 1, the
+same layout): ``state`` by parameter position, each entry holding the fast path's state (``selected``, ``exp_avg``,
+``exp_avg_sq``, ``master``, ``step``, Zen-auto's running means) and, for the parameters whose host state this rank
+holds, ``host_master``, ``host_exp_avg``, ``host_exp_avg_sq``, ``host_step`` and the interval's sums ``acc``; every
+entry has ``acc_count`` and ``pending`` (a host result awaiting its write-back) and, inside ``flushed()``,
+``unflushed`` (the weights training continues from). ``param_groups`` as torch writes them; ``zenflow`` the
+counters, the config, the schedule, ``max_grad_norm``, ``seed_from_host``, ``built`` and ``zero`` (stage, world,
+rank, consolidated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import torch
+
+from ..config import ZenFlowConfig, check_adamw_hyperparameters
+from ..schedule import Schedule
+from .interval import HostInterval
+from .run import Run
+
+__all__ = ["FORMAT", "COUNTERS", "pack", "Loaded", "unpack", "restore", "unpack_adam", "restore_adam"]
+
+FORMAT = 2
+"""The format this version writes; it reads formats 1 and 2."""
+
+COUNTERS = ("t", "skipped_steps", "host_updates", "selections", "steps_accumulated")
+
+_FAST_STATE_KEYS = frozenset({"exp_avg", "exp_avg_sq", "master"})
+_HOST_KEYS = frozenset({"host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "acc", "acc_count", "pending",
+                        "unflushed"})
+
+
+def pack_groups(param_groups: list[dict], group_of: list[int]) -> list[dict]:
+    """``param_groups`` as torch writes them: each group's settings and its parameters' positions."""
+    groups = []
+    for gi, g in enumerate(param_groups):
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = [i for i, grp in enumerate(group_of) if grp == gi]
+        groups.append(packed)
+    return groups
+
+
+@torch.no_grad()
+def pack(run: Run | None, interval: HostInterval | None, *, groups: list[dict], zenflow: dict,
+         consolidated: bool) -> dict:
+    """The state dict of an optimizer (``run``/``interval`` None before its first step). ``zenflow``: its counters
+    and settings (``format`` and ``built`` are added here). The caller has drained and synchronized."""
+    state: dict[int, dict] = {}
+    zenflow = dict(zenflow, format=FORMAT, built=run is not None)
+    if run is None:
+        return {"state": state, "param_groups": groups, "zenflow": zenflow}
+    host = run.host
+    # on disk: the host state and the interval's sums handed out as views of one file-backed copy, never whole in
+    # memory
+    snap = None if consolidated else host.snapshot(interval.sums_flat())
+    for i, p in enumerate(run.params):
+        st = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in run.state[p].items()}
+        st.update(acc_count=interval.counted(i), pending=i in interval.pending)
+        if interval.unflushed is not None and i in interval.unflushed:  # inside flushed(): what training holds
+            st["unflushed"] = interval.unflushed[i]
+        if consolidated:  # every parameter's host state, from the rank holding it
+            fields = {name: run.from_host(i, name).to("cpu") for name in ("master", "exp_avg", "exp_avg_sq")}
+            st.update(host_master=fields["master"], host_exp_avg=fields["exp_avg"],
+                      host_exp_avg_sq=fields["exp_avg_sq"], host_step=run.host_step(i),
+                      acc=run.shard.checkpoint_tensor(i, lambda i=i: interval.sums_of(i), tuple(run.local[i].shape)))
+        elif i in host.slots:
+            fields = ([host.view(snap[k], i) for k in range(3)] if snap is not None else
+                      [host.field(name, i).clone() for name in ("master", "exp_avg", "exp_avg_sq")])
+            st.update(host_master=fields[0], host_exp_avg=fields[1], host_exp_avg_sq=fields[2],
+                      host_step=host.host_step[i],
+                      acc=host.view(snap[3], i) if snap is not None else interval.sums_of(i))
+        state[i] = st
+    return {"state": state, "param_groups": groups, "zenflow": zenflow}
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A checked state dict, ready to apply: the settings, each param group's values to update, the counters,
+    whether the saved optimizer was built and ``restore(run, interval, to_state)`` to write its state into the
+    rebuilt one."""
+
+    config: ZenFlowConfig
+    schedule: Schedule
+    max_grad_norm: float | None
+    seed_from_host: bool
+    groups: list[dict]
+    counters: dict[str, int]
+    built: bool
+    restore: Callable[[Run, HostInterval, Callable], None]
+    changed: list[str]  # settings of the checkpoint that differ from the loading optimizer's
+
+
+def check_form(state_dict, n_groups: int, group_sizes: list[int]) -> None:
+    """A state dict with ``state`` and ``param_groups`` matching this optimizer's groups, or an error."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) or not \
+            isinstance(state_dict.get("state"), dict):
+        raise ValueError(
+            "ZenFlowAdamW.load_state_dict: expected a state dict with 'state' and 'param_groups' (from "
+            f"ZenFlowAdamW.state_dict() or torch.optim.AdamW/Adam.state_dict()), got {type(state_dict).__name__}"
+            + (f" with keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict) else "")
+        )
+    groups = state_dict["param_groups"]
+    if len(groups) != n_groups:
+        raise ValueError(
+            f"ZenFlowAdamW.load_state_dict: the state dict has {len(groups)} param groups, this optimizer "
+            f"{n_groups}: the param groups do not match this optimizer's"
+        )
+    for gi, (saved, size) in enumerate(zip(groups, group_sizes, strict=True)):
+        if len(saved.get("params", ())) != size:
+            raise ValueError(f"ZenFlowAdamW.load_state_dict: param group {gi}'s size does not match")
+
+
+def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: list[torch.Tensor],
+           will_hold: list[int], rank: int, world: int) -> Loaded:
+    """Check a ZenFlowAdamW state dict against the loading optimizer (its ``config``, ``max_grad_norm``, the
+    tensors ``local`` it updates and the parameters ``will_hold`` whose host state this rank will hold)."""
+    zenflow = state_dict["zenflow"]
+    version = int(zenflow.get("format", 1))
+    if version > FORMAT:
+        raise ValueError(f"ZenFlowAdamW.load_state_dict: the state dict has format {version}, this version of "
+                         f"zenflow_kernels reads formats 1 to {FORMAT}: load it with the version that saved it")
+    # where the host state lives and which CPUs run it are this optimizer's, not the checkpoint's (memory <-> disk
+    # both ways; another machine)
+    saved_config = ZenFlowConfig.from_dict({**zenflow["config"], "offload_device": config.offload_device,
+                                            "nvme_path": config.nvme_path, "cores": config.cores})
+    schedule = Schedule.from_dict(zenflow["schedule"])
+    saved_state = state_dict["state"]
+    for idx, st in saved_state.items():
+        p = local[int(idx)]
+        for key in ("host_master", "unflushed"):
+            if key in st and tuple(st[key].shape) != tuple(p.shape):
+                raise ValueError(
+                    f"ZenFlowAdamW.load_state_dict: parameter {idx} was saved with shape "
+                    f"{tuple(st[key].shape)} ({key}), this one is {tuple(p.shape)}"
+                )
+    if zenflow.get("built"):
+        # ZeRO: this rank needs the host state of the parameters it will hold (a consolidated dict, or a dict saved
+        # by the same rank at the same world size, has it)
+        missing = [i for i in will_hold if "host_master" not in saved_state.get(i, saved_state.get(str(i), {}))]
+        if missing:
+            saved = zenflow.get("zero", {})
+            raise ValueError(
+                f"ZenFlowAdamW.load_state_dict: the state dict (saved by rank {saved.get('rank', 0)} of "
+                f"{saved.get('world', 1)}) holds no host state for parameters {missing[:8]}, which rank "
+                f"{rank} of {world} holds: load each rank's own state_dict() at the same world size, or a "
+                "consolidated_state_dict() at any world size"
+            )
+    changed = [f"zenflow.{k}={v!r} (this optimizer: {getattr(config, k)!r})"
+               for k, v in saved_config.to_dict().items() if getattr(config, k) != v]
+    if zenflow["max_grad_norm"] != max_grad_norm:
+        changed.append(f"max_grad_norm={zenflow['max_grad_norm']!r} (this optimizer: {max_grad_norm!r})")
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]]
+    return Loaded(saved_config, schedule, zenflow["max_grad_norm"], bool(zenflow.get("seed_from_host", False)), groups,
+                  {name: int(zenflow[name]) for name in COUNTERS}, bool(zenflow.get("built")),
+                  functools.partial(restore, saved_state), changed)
+
+
+@torch.no_grad()
+def restore(saved_state: dict, run: Run, interval: HostInterval, to_state: Callable) -> None:
+    """Write a checked state dict's entries into a freshly built optimizer: the host state of this rank's
+    parameters, the interval's sums, counts and pending results, the fast path's state (``to_state`` places it),
+    and inside-``flushed()`` weights into the parameters."""
+    host = run.host
+    writes = []  # the host fields, written in one pass (on disk: each block of the file once)
+    for idx, st in saved_state.items():
+        i = int(idx)
+        p = run.params[i]
+        if i in host.slots:  # ZeRO: the host state of this rank's parameters only
+            writes += [(name, i, st[f"host_{name}"]) for name in ("master", "exp_avg", "exp_avg_sq")]
+            host.view(interval.sums_flat(), i).copy_(st["acc"])
+            host.host_step[i] = int(st["host_step"])
+            if st["pending"]:
+                host.out_view(i).copy_(st["host_master"])  # what the finished update wrote
+        interval.counts[interval.buf][i] = int(st["acc_count"])
+        if st["pending"]:
+            interval.pending.append(i)
+        if "unflushed" in st:  # saved inside flushed(): the model holds the flushed weights, training these
+            run.local[i].copy_(st["unflushed"])
+        fast = {k: v for k, v in st.items() if k not in _HOST_KEYS}
+        run.state[p] = {
+            # copies: the optimizer must not share storage with the caller's state dict
+            k: (to_state(v.clone()) if k in _FAST_STATE_KEYS else v.to(run.device, copy=True))
+            if torch.is_tensor(v) else v
+            for k, v in fast.items()
+        }
+    host.set_fields(writes)
+
+
+def unpack_adam(state_dict: dict, params: list[torch.Tensor], config, schedule, max_grad_norm) -> Loaded:
+    """Check a ``torch.optim.AdamW`` (or ``Adam``) state dict: the host takes its moments and step counts as if
+    warm-up had produced them, vectors join the fast path with them, and each matrix's first selection takes its
+    columns' moments and steps from the host (``seed_from_host``). The param groups' hyper-parameters are the saved
+    ones, as torch's own ``load_state_dict`` does; ZenFlow's schedule starts at step 0 (warm-up rounds included)."""
+    where = "ZenFlowAdamW.load_state_dict"
+    groups = state_dict["param_groups"]
+    for gi, g in enumerate(groups):
+        missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in g]
+        if missing:
+            raise ValueError(f"{where}: param group {gi} has no {missing}: neither a ZenFlowAdamW nor a "
+                             "torch.optim.AdamW/Adam state dict")
+        for flag in ("amsgrad", "maximize"):
+            if g.get(flag):
+                raise ValueError(f"{where}: param group {gi} was saved with {flag}=True, which ZenFlowAdamW "
+                                 f"does not do: only plain AdamW/Adam state can be continued")
+        if not g.get("decoupled_weight_decay", True) and g["weight_decay"] != 0:
+            raise ValueError(
+                f"{where}: param group {gi} is torch.optim.Adam with weight_decay={g['weight_decay']} (an L2 "
+                "term in the gradient); ZenFlowAdamW decays decoupled (AdamW) and cannot continue it exactly: "
+                "continue from a torch.optim.AdamW run, or an Adam run without weight decay"
+            )
+        check_adamw_hyperparameters(float(g["lr"]), g["betas"], g["eps"], g["weight_decay"],
+                                    where=f"{where} group {gi}")
+    order = [i for g in groups for i in g["params"]]
+    imported = {}
+    for idx, st in state_dict["state"].items():
+        if idx not in order:
+            raise ValueError(f"{where}: state of parameter {idx!r}, which no param group lists")
+        i = order.index(idx)
+        p = params[i]
+        if not isinstance(st, dict) or not {"exp_avg", "exp_avg_sq", "step"} <= set(st):
+            held = sorted(st) if isinstance(st, dict) else repr(st)
+            raise ValueError(f"{where}: the state of parameter {i} holds {held}, not AdamW's exp_avg, "
+                             "exp_avg_sq and step")
+        for key in ("exp_avg", "exp_avg_sq"):
+            if tuple(st[key].shape) != tuple(p.shape):
+                raise ValueError(f"{where}: parameter {i}'s {key} has shape {tuple(st[key].shape)}, the "
+                                 f"parameter {tuple(p.shape)}")
+        step = int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"])
+        imported[i] = (st["exp_avg"], st["exp_avg_sq"], step)
+    updates = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"]) for g in groups]
+    return Loaded(config, schedule, max_grad_norm, True, updates, dict.fromkeys(COUNTERS, 0), True,
+                  lambda run, interval, to_state: restore_adam(imported, run), [])
+
+
+def restore_adam(imported: dict[int, tuple], run: Run) -> None:
+    """The host takes an AdamW run's moments and step counts as if warm-up had produced them."""
+    host = run.host
+    writes = []
+    for i, (m, v, step) in imported.items():
+        if i not in host.slots:  # ZeRO: another rank holds it
+            continue
+        writes += [("exp_avg", i, m), ("exp_avg_sq", i, v)]
+        host.host_step[i] = step
+    host.set_fields(writes)

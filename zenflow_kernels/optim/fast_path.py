@@ -1,0 +1,157 @@
+"""The device fast path (docs/design.md section 2): one fused multi-tensor AdamW over the selected columns of every
+matrix and every vector, laid out once per selection; with ``offload`` its Adam state lives in host memory and
+visits the device bucket by bucket."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..launch_plan import LaunchItems
+from .run import Run
+
+__all__ = ["FastPath"]
+
+
+class FastPath:
+    """The fast step's plan and state placement. ``offload``: the state's home is host memory (the link's);
+    ``bucket_numel``: with it, the largest bucket of state elements on the device at once."""
+
+    def __init__(self, run: Run, *, offload: bool, bucket_numel: int):
+        self.run, self.offload, self.bucket_numel = run, offload, bucket_numel
+        self._plan = None  # the per-selection lists (plan())
+        self._split: tuple[list[int], list[int], list[int]] | None = None  # (active, its matrices, its vectors)
+
+    def invalidate(self) -> None:
+        """The fast path's state changed shape (a selection, a vector joining): lay the plan out again."""
+        self._plan = None
+
+    def split(self, active: list[int]) -> tuple[list[int], list[int]]:
+        """The active parameters' matrices and vectors (kept while the same parameters step)."""
+        if self._split is None or self._split[0] != active:
+            params = self.run.params
+            matrices = [i for i in active if params[i].dim() == 2]
+            self._split = (active, matrices, [i for i in active if params[i].dim() != 2])
+        return self._split[1], self._split[2]
+
+    def to_state(self, t: torch.Tensor) -> torch.Tensor:
+        """Where fast-path Adam state is kept: the device, or host memory (the link's) with ``offload``."""
+        return self.run.link.new_host_state(t) if self.offload else t.to(self.run.device)
+
+    def init_vector(self, i: int) -> None:
+        """A vector joins the fast path with the Adam state the host gave it during warm-up."""
+        run = self.run
+        p, st = run.local[i], run.fast_state(i)
+        n = p.numel()
+        st["exp_avg"] = self.to_state(run.from_host(i, "exp_avg").reshape(1, n))
+        st["exp_avg_sq"] = self.to_state(run.from_host(i, "exp_avg_sq").reshape(1, n))
+        st["step"] = run.host_step(i)
+        if p.dtype != torch.float32:
+            st["master"] = self.to_state(run.from_host(i, "master").reshape(1, n))
+        self._plan = None
+
+    def plan(self) -> tuple[list, torch.Tensor | None, dict]:
+        """What the fast step needs of each parameter on the fast path, built once per selection (not per step):
+        ``(index, param [R, C] or [1, n], is_matrix, state, group)`` for every parameter with fast-path state, one
+        int64 tensor holding the per-column step counts of all those matrices (each matrix's ``state["step"]``
+        becomes a view of it, so one ``add_`` advances them all), and the launch caches of the fast step's
+        multi-tensor calls (``LaunchItems``: laid out once per selection)."""
+        if self._plan is not None:
+            return self._plan
+        run = self.run
+        entries, steps = [], []
+        for i, (key, p) in enumerate(zip(run.params, run.local, strict=True)):
+            st = run.state.get(key)
+            if not st or "exp_avg" not in st:
+                continue
+            if p.dim() != 2:
+                entries.append((i, p.view(1, -1), False, st, run.group_of[i]))
+            elif st["selected"].numel():
+                entries.append((i, p, True, st, run.group_of[i]))
+                steps.append(st)
+        flat = None
+        if steps:
+            flat = torch.cat([st["step"] for st in steps])
+            offset = 0
+            for st in steps:
+                k = st["step"].numel()
+                st["step"] = flat[offset : offset + k]
+                offset += k
+        self._plan = (entries, flat, {})
+        return self._plan
+
+    def step(self, active: set[int], hyper: list[dict], *, grad_scale: float,
+             compact: dict[int, torch.Tensor] | None = None) -> None:
+        """One fused multi-tensor AdamW over the selected columns of every active matrix and every active vector
+        (one launch set per distinct (beta1, beta2, eps) of the param groups: usually one). With every parameter
+        active, each launch is laid out once per selection (``LaunchItems``). ``grad_scale`` divides the gradients
+        (GradScaler's scale, clipping); ``compact``: released gradients, only the selected columns' ``[R, k]``."""
+        run = self.run
+        entries, flat_steps, launches = self.plan()
+        if len(active) < len(run.params):
+            entries = [e for e in entries if e[0] in active]
+            for _, _, is_matrix, st, _ in entries:
+                if is_matrix:
+                    st["step"].add_(1)
+            launches = None  # not the plan's list of tensors: laid out at this step
+        elif flat_steps is not None:
+            flat_steps.add_(1)
+        if compact is not None or self.offload:
+            launches = None  # tensors made at this step (gathered columns, state visiting the device)
+        own_grad = run.shard.own_grad
+        numbers = [(h["lr"], h["weight_decay"]) for h in hyper]
+        group_keys = [(h["beta1"], h["beta2"], h["eps"]) for h in hyper]
+        items, keys, gathered = [], [], []
+        for i, pv, is_matrix, st, gi in entries:
+            if is_matrix and compact is not None:
+                # released gradients: only the selected columns' [R, k] exist; a dense update of the gathered
+                # columns, scattered back after (the same arithmetic as the indexed update)
+                idx = st["selected"]
+                grad, cols = compact[i], pv.detach().index_select(1, idx)
+                gathered.append((pv, idx, cols))
+                pv, idx = cols, None
+            elif is_matrix:
+                grad, idx = own_grad(i), st["selected"]
+            else:
+                st["step"] += 1
+                grad, idx = own_grad(i)[None], None  # [1, n], as the parameter's view
+            items.append((pv, grad, idx, st["exp_avg"], st["exp_avg_sq"], st.get("master"), st["step"], *numbers[gi]))
+            keys.append(group_keys[gi])
+        distinct = dict.fromkeys(keys)
+        for key in distinct:
+            chosen = items if len(distinct) == 1 else [item for item, kk in zip(items, keys, strict=True) if kk == key]
+            if launches is not None:
+                chosen = LaunchItems(chosen, launches.setdefault(key, {}), same_tensors=True)
+            for bucket in self.buckets(chosen):
+                self._update(bucket, key, grad_scale)
+        with torch.no_grad():
+            for p, idx, cols in gathered:
+                p.index_copy_(1, idx, cols)
+
+    def _update(self, bucket, key: tuple, grad_scale: float) -> None:
+        link = self.run.link
+        if self.offload:  # stream this bucket's state in; it goes back out after the update
+            moved = [(p, g, idx, *(None if t is None else link.to_device(t) for t in (m, v, w)), *rest)
+                     for p, g, idx, m, v, w, *rest in bucket]
+        else:
+            moved = bucket
+        ops.multi_selective_adamw_items_(moved, beta1=key[0], beta2=key[1], eps=key[2], grad_scale=grad_scale)
+        if self.offload:
+            for home, there in zip(bucket, moved, strict=True):
+                for dst, src in zip(home[3:6], there[3:6], strict=True):
+                    if dst is not None:
+                        link.to_host_(dst, src)
+
+    def buckets(self, items: list[tuple]) -> list[list[tuple]]:
+        """All at once, or (offload) buckets of at most ``bucket_numel`` state elements."""
+        if not self.offload:
+            return [items]
+        buckets, size = [[]], 0
+        for item in items:
+            numel = item[3].numel()
+            if buckets[-1] and size + numel > self.bucket_numel:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(item)
+            size += numel
+        return buckets

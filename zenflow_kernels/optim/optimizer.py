@@ -1,0 +1,648 @@
+"""ZenFlowAdamW: the drop-in ``torch.optim`` optimizer (docs/design.md sections 2-3, oracle: reference.py).
+
+A facade over parts that each own their state (docs/hacking.md): ``selection.py`` (which columns are on the fast
+path), ``fast_path.py`` (the fused device AdamW), ``interval.py`` with ``sums.py`` (the host interval: sums, counts,
+the host update, the write-back), ``handover.py`` (gradients crossing during backward), ``checkpoint.py`` (the
+format) and ``telemetry.py``. This class holds the torch ``Optimizer`` surface and ``step()``'s order of calls.
+Moving data is the link's (``zenflow_kernels.link``); this package holds no stream, event or pinned buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..ablations import ablations
+from ..config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings, num_selected
+from ..device_model import current_chaos
+from ..handover import HandOver, handover_mode
+from ..schedule import Schedule, resolve_schedule
+from ..sharding import Sharding, world_of
+from . import build, checkpoint
+from .fast_path import FastPath
+from .interval import HostInterval
+from .run import Run
+from .selection import Selection
+from .step_inputs import ClipRequests, GradChecks, grad_scaler, hyper
+from .sums import make_sums
+from .telemetry import Telemetry, host_bytes
+
+__all__ = ["ZenFlowAdamW"]
+
+
+class ZenFlowAdamW(torch.optim.Optimizer):
+    """AdamW with ZenFlow's split: top-k columns on the device every step, the rest on the host.
+
+    Args:
+        params: parameters or param groups (each group may set ``lr``, ``betas``, ``eps``,
+            ``weight_decay``, and its own ZenFlow ``topk_ratio`` and ``importance``: see
+            docs/custom-loop.md). fp32, bf16 or fp16, all on one device (CPU or one CUDA device); or the
+            parameters of a model sharded with FSDP2 (docs/fsdp2.md).
+        lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
+        zenflow: a :class:`ZenFlowConfig`, a ``zenflow`` dict, or a DeepSpeed JSON (dict or path).
+        max_grad_norm: clip by global norm (fast path: the step's gradient; host: the mean
+            accumulated gradient), or None.
+        steps_per_epoch, dataloader: the epoch length for ``select_strategy="epoch"``/``"auto"``.
+        host_timeout: longest wait in seconds for one host update before an error (None: no limit;
+            a dead worker is detected regardless).
+        zero_stage: 0, 1 or 2: ZeRO under ``torch.distributed`` (docs/torchrun.md). Each rank's host holds
+            the fp32 master, moments and accumulation of its own run of parameters, and the optimizer
+            averages the gradients itself (do not wrap the model in DDP): stage 1 all-reduces them,
+            stage 2 reduces each matrix's gradient to its owner only, from backward hooks, in buckets.
+            With one rank (or without ``torch.distributed``) every stage runs as 0. Several ranks need
+            a stage.
+        release_gradients: stage 2 only (its default: True): a matrix's ``.grad`` is set to None as its
+            bucket's reduction starts, during backward, so a rank holds only its own range of the
+            gradient; do not read or change the matrices' gradients between backward and ``step()``
+            (clip with ``max_grad_norm``; use bf16 autocast rather than a GradScaler). False keeps
+            every ``.grad`` (the local, un-averaged one) at the cost of a whole gradient per rank.
+        process_group: the ranks to partition over (default: the default group).
+        collective_timeout: longest wait in seconds for one collective; a rank that fails or stops
+            stepping ends the others with an error naming the collective instead of a hang.
+
+    With gradient accumulation, run every backward but the last inside :meth:`no_sync` (or
+    :meth:`set_requires_gradient_sync`): on a GPU the last one's gradients then cross to the host during
+    backward (docs/design.md section 5.1; ``stats()["handover"]`` says whether they do).
+    ``step()`` reads ``p.grad``; parameters whose ``.grad`` is None take no part in that step. Save and
+    evaluate inside :meth:`flushed` (the flushed weights, then the ones training continues from, bit for
+    bit), use :meth:`flush` to land the last host update at the end of training or before an export, and
+    :meth:`close` (or ``with ZenFlowAdamW(...) as opt:``) to stop the background worker.
+
+    The parts (docs/hacking.md) are made at the first step from the classes ``selection_class``,
+    ``fast_path_class`` and ``interval_class``: a subclass that sets one changes that part only.
+    """
+
+    selection_class = Selection
+    fast_path_class = FastPath
+    interval_class = HostInterval
+
+    NVME_BLOCK_NUMEL = 1 << 20
+    """offload_device="nvme": elements per block of the state file (12 MiB a block; the update streams three
+    blocks at a time)."""
+    NVME_DIRECT = True
+    """offload_device="nvme" opens the state file with O_DIRECT (the page cache does not hold it; bench.nvme).
+    False (on the class or an instance, before the first step) uses the page cache."""
+    ZERO_BUCKET_NUMEL = 1 << 23
+    """ZeRO-2 reduces matrices' gradients in buckets of at most this many elements (one owner, one dtype)."""
+    FUSE_MIN_NUMEL = 1 << 16
+    """A synchronous CPU update folds a parameter's last gradient into its AdamW pass (saving a pass over the
+    accumulation buffer) when it has at least this many elements; below, one merged AdamW call per run of
+    parameters costs less than a fused call per parameter."""
+    OFFLOAD_BUCKET_NUMEL = 1 << 26
+    """With ``offload``, the fast-path state moves to the device in buckets of at most this many elements."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        zenflow: ZenFlowConfig | dict | str | None = None,
+        max_grad_norm: float | None = None,
+        steps_per_epoch: int | None = None,
+        dataloader: Any = None,
+        host_timeout: float | None = 600.0,
+        zero_stage: int = 0,
+        process_group: Any = None,
+        collective_timeout: float = 300.0,
+        release_gradients: bool | None = None,
+    ):
+        check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm)
+        build.check_arguments(zero_stage, collective_timeout, release_gradients)
+        world = world_of(process_group)
+        self._built = False
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.config = ZenFlowConfig.coerce(zenflow)
+        build.rank_cores(self.config)  # a cores list outside this process's CPUs is an error now, not at a step
+        self.schedule: Schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch, dataloader=dataloader)
+        self.max_grad_norm = max_grad_norm
+        self.host_timeout = host_timeout
+        self.zero_stage = zero_stage
+        self.release_gradients = zero_stage == 2 and release_gradients is not False
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        build.check_params(self._params)
+        # how the ranks hold gradients and host state (sharding/): the one thing that differs between one process,
+        # ZeRO and FSDP2; the algorithm is the same for all
+        self._shard: Sharding = build.choose_sharding(
+            self._params, world=world, zero_stage=zero_stage, process_group=process_group,
+            timeout=float(collective_timeout), release=self.release_gradients, bucket_numel=self.ZERO_BUCKET_NUMEL)
+        self._shard.accept(self._params)
+        self.t = self.skipped_steps = self.host_updates = self.selections = self.steps_accumulated = 0
+        self._closed = False
+        self._chaos = current_chaos()  # testing.chaos: a CPU run uses the asynchronous test link
+        self._seed_from_host = False  # after loading a torch AdamW state dict (Selection.seed_from_host)
+        self._stats = Telemetry()
+        # the parts, made at the first step (like torch's lazy state): see _build
+        self.run: Run | None = None
+        self.selection: Selection | None = None
+        self.fast_path: FastPath | None = None
+        self.interval: HostInterval | None = None
+        # whether gradients cross to the host from backward's hooks (handover.py): decided at the first step
+        self.handover = HandOver("on", "no step yet")
+        # this step's numbers: GradScaler's scale and its float32 reciprocal (the fused-optimizer protocol), and
+        # the clipping norm in force (max_grad_norm, or a clip_grad_norm_() request for this step, the smaller)
+        self._amp, self._inv_amp, self._max_norm = 1.0, 1.0, max_grad_norm
+        self._clips = ClipRequests()
+        self._flushed_depth = 0  # flushed() contexts open
+        self._flushed_held = False  # an integration holds the flushed weights (hold_flushed)
+        self._warned: set[str] = set()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):
+            raise RuntimeError(
+                "ZenFlowAdamW.add_param_group after the first step() is not supported: the host buffers are laid out "
+                "at the first step; create the optimizer with every param group instead"
+            )
+        super().add_param_group(param_group)
+        try:
+            g = self.param_groups[-1]
+            check_adamw_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"], where="ZenFlowAdamW group")
+            check_group_settings(g, f"ZenFlowAdamW param group {len(self.param_groups) - 1}")
+            if hasattr(self, "_params"):  # a group added after __init__ but before the first step
+                params = [p for grp in self.param_groups for p in grp["params"]]
+                build.check_params(params)
+                self._shard.accept(params)
+                self._params = params
+                self._group_of = [gi for gi, grp in enumerate(self.param_groups) for _ in grp["params"]]
+        except Exception:
+            self.param_groups.pop()  # a refused group leaves nothing behind
+            raise
+
+    def _build(self) -> None:
+        """Lay out the host shard, pick the link, make the parts and start the workers (at the first step)."""
+        cfg = self.config
+        self.device = self._params[0].device if self._params else torch.device("cpu")
+        self._cores = build.split_cores(cfg, self.device)
+        self._shard.start(self._params, self._group_of, self.device, self._chaos)
+        local = [self._shard.local(p) for p in self._params]  # the parameters, or (FSDP2) this rank's rows
+        self._grad_checks = GradChecks(local, self.device)
+        for p in self._params:  # a built optimizer has state: torch.distributed.checkpoint would otherwise
+            self.state.setdefault(p, {})  # run a (learning rate 0) step to create it
+        self._saved_torch_threads = build.training_threads(cfg, self._cores)
+        self.run = run = build.make_run(self._params, local, self._group_of, self.param_groups, self.state, cfg,
+                                        self.device, self._shard, self._stats, cores=self._cores,
+                                        timeout=self.host_timeout, chaos=self._chaos,
+                                        nvme_block=self.NVME_BLOCK_NUMEL, nvme_direct=self.NVME_DIRECT)
+        link = run.link
+        # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket around
+        # the fast step (on a CPU link host memory is the device: nothing moves)
+        self.fast_path = self.fast_path_class(run, offload=cfg.offload and link.moves_state,
+                                              bucket_numel=self.OFFLOAD_BUCKET_NUMEL)
+        self.selection = self.selection_class(run, self.fast_path, seed_from_host=self._seed_from_host)
+        self.interval = self.interval_class(run, make_sums(run), overlap=cfg.overlap_step,
+                                            hyper=lambda: hyper(self.param_groups))
+        self.handover.mode, self.handover.why = handover_mode(link, self._shard, cfg.device_accumulation,
+                                                              ablations.early_handover)
+        hooks = []
+        if self.handover.mode == "on" or self._shard.consumes_hooks:
+            ref = weakref.ref(self)
+            hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
+        # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
+        self._finalizer = weakref.finalize(self, _shutdown, link, self._saved_torch_threads, hooks)
+        self._built = True
+
+    def _grad_ready(self, i: int) -> None:
+        """Backward finished parameter ``i``'s gradient: start its copy to the host if the host path will need it at
+        the coming step (every parameter in warm-up, matrices after) and the hand-over says so (the last backward of
+        a step, declared or learned: handover.py). ``step()`` checks it is still what was copied."""
+        if self._closed:
+            return
+        final = self.handover.final()
+        if self._shard.consumes_hooks:  # ZeRO-2: the gradient goes to its owner first, averaged
+            self._shard.grad_ready(i, self._grad_checks.one, final)
+        elif final and (self._params[i].dim() == 2 or self.schedule.is_warmup(self.t)) and self.handover.copy_now(i):
+            self.run.link.stage(i, self._shard.own_grad(i))
+
+    # -- the public surface ------------------------------------------------------------------------
+
+    def __enter__(self) -> ZenFlowAdamW:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "ZenFlowAdamW cannot be copied or pickled (copy.copy, copy.deepcopy, pickle, torch.save(opt)): it owns "
+            "background threads, host buffers and, on a GPU, streams. Save opt.state_dict() and load it into a new "
+            "ZenFlowAdamW with load_state_dict() instead"
+        )
+
+    def __repr__(self) -> str:
+        base = super().__repr__()  # "ZenFlowAdamW (\nParameter Group 0\n    ...\n)"
+        zen = "".join(f"    {k}: {v!r}\n" for k, v in self.config.to_dict().items())
+        return f"{base[:-1]}ZenFlow\n{zen}    max_grad_norm: {self.max_grad_norm!r}\n)"
+
+    # what tools and benchmarks may look at (read-only): built (the first step laid out the host state, made the
+    # parts, started the workers), closed, the link and the host shard (None before the first step), the sharding
+    built = property(lambda self: self._built)
+    closed = property(lambda self: self._closed)
+    link = property(lambda self: self.run.link if self._built else None)
+    host_shard = property(lambda self: self.run.host if self._built else None)
+    sharding = property(lambda self: self._shard)
+    host_update_in_flight = property(lambda self: self._built and self.interval.inflight is not None,
+                                     doc="An overlapped host update was handed to the worker and not yet waited for.")
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool | Callable[[], bool]) -> None:
+        """Declare whether the coming backward passes are the last before ``step()`` (True, the default) or
+        micro-batches whose gradients a later backward still adds to (False), as FSDP2's
+        ``set_requires_gradient_sync`` does for its reduce-scatter; or give a callable that answers it at each
+        backward (the Hugging Face callback passes accelerate's ``sync_gradients``). Backward hooks copy nothing
+        to the host while it is False, so only the last micro-batch's gradients cross, during its backward
+        (docs/design.md section 5.1). Results never depend on it: undeclared micro-batches are exact too (the
+        optimizer learns how many backward passes a step has), declaring only saves copies."""
+        self.handover.declare(requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """``set_requires_gradient_sync(False)`` for the block, as DDP's ``no_sync()``: run every micro-batch's
+        backward but the last inside it::
+
+            for k, batch in enumerate(micro_batches):
+                with opt.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
+                    loss_fn(model(batch)).backward()
+            opt.step()
+        """
+        before = self.handover.requires_sync
+        self.handover.requires_sync = False
+        try:
+            yield
+        finally:
+            self.handover.requires_sync = before
+
+    def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
+        """Give the epoch length, in optimizer steps (batches divided by gradient-accumulation steps,
+        rounded up), when it was not known at construction: ``select_strategy="epoch"``/``"auto"`` then
+        re-selects columns every ``select_interval`` epochs instead of never. The schedule is resolved again
+        (boundaries count from step 0); the ``ZenFlowCallback`` integrations call this for you."""
+        self.schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch)
+
+    def close(self) -> None:
+        """Land any in-flight host update and stop the background workers (idempotent)."""
+        if self._closed:
+            return
+        try:
+            if self._built and not self.run.link.failed and not self._shard.failed:
+                self.flush()
+        finally:
+            self._closed = True
+            if self._built:
+                self._finalizer()
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Wait for any in-flight host update and write back every pending result, so the live weights
+        hold everything the host has computed, from now on (the end of training, export). The pending
+        result then lands one interval early and the run continues from it: to save or evaluate mid-run
+        without changing the run, use :meth:`flushed`. Inside :meth:`flushed` it keeps the flushed weights
+        (nothing is restored at the context's end)."""
+        if self._built:
+            self.interval.flush()
+
+    @contextlib.contextmanager
+    def flushed(self) -> Iterator[ZenFlowAdamW]:
+        """A context in which the parameters hold the flushed weights (what :meth:`flush` gives: every host
+        update computed so far applied) and after which they hold again, bit for bit, the weights training
+        continues from: save and evaluate inside it, and the run ends as it would without them
+        (docs/design.md section 5.2)::
+
+            with opt.flushed():
+                evaluate(model); torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+
+        ``state_dict()`` inside it records, for each parameter with a pending host result, the weights it
+        held before (``"unflushed"``), and ``load_state_dict`` writes them back into the parameters: load the
+        model first, then the optimizer (as torch.distributed.checkpoint, the Hugging Face Trainer and
+        Lightning do), and the resumed run is bit-identical to the uninterrupted one. Costs: host memory for
+        one copy of the parameters with a pending result (their dtype: 2 bytes per parameter in bf16,
+        freed at exit), no device memory; one device-to-host copy of them at entry, the pending write-back
+        (done again at its boundary), one host-to-device copy at exit. ``step()`` and ``load_state_dict()``
+        inside it are errors; contexts nest (the outermost restores)."""
+        self._enter_flushed()
+        self._flushed_depth += 1
+        try:
+            yield self
+        finally:
+            self._flushed_depth -= 1
+            self._leave_flushed()
+
+    def _enter_flushed(self) -> None:
+        if self._built and not self._closed:
+            self.interval.enter_flushed()
+
+    def _leave_flushed(self) -> None:
+        if not self._flushed_depth and not self._flushed_held and self._built:
+            self.interval.restore()
+
+    def hold_flushed(self, held: bool) -> None:
+        """:meth:`flushed` for trainer integrations, whose save or evaluation runs between two callbacks:
+        ``hold_flushed(True)`` before it, ``hold_flushed(False)`` after it (or at the next batch's start)."""
+        if held:
+            self._enter_flushed()
+            self._flushed_held = self._built and self.interval.unflushed is not None  # (not built, or closed)
+        else:
+            self._flushed_held = False
+            self._leave_flushed()
+
+    def selected_columns(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The columns of a matrix parameter currently on the fast path (int64, sorted ascending, on the
+        parameter's device; a copy), or None when it has none yet (before its first selection, during
+        warm-up, or for a vector parameter). Raises ValueError for a tensor this optimizer does not own."""
+        if not any(param is p for p in self._params):
+            raise ValueError("selected_columns: the tensor is not a parameter of this optimizer")
+        sel = self.state.get(param, {}).get("selected")
+        return None if sel is None else sel.clone()
+
+    def stats(self) -> dict:
+        """Telemetry of the run so far.
+
+        ``stall_s``: time the training thread spent on the host path instead of training: synchronous
+        host updates, gradient accumulation it does itself (CPU runs; ``accumulate_s``) and waits for the
+        background worker (``worker_wait_s``). ``stall_fraction``: that over the wall time from the first
+        ``step()`` to the end of the last, forward and backward included. ``overlap_fraction``: share of
+        the background host-update time the training thread did not wait for. Also per-step fast-path
+        time, host-update times, skipped steps, the share of score mass the selected columns captured
+        at each selection, and the Jaccard overlap of each new selection with the previous one. Under ZeRO,
+        ``collective_bytes`` (and ``collective_bytes_per_step``): the payload bytes each kind of collective
+        carried (docs/torchrun.md). ``host_bytes``: see :meth:`host_bytes`.
+        """
+        counters = {name: getattr(self, name) for name in checkpoint.COUNTERS}
+        return self._stats.summary(counters=counters, link=self.link, overlap=self.config.overlap_step,
+                                   host_bytes=self.host_bytes(), handover=self.handover,
+                                   cores=dict(self._cores) if self._built else {}, collective_bytes=self._shard.bytes)
+
+    def explain(self, steps: int = 20) -> str:
+        """What this optimizer will do, as ``python -m zenflow_kernels explain`` prints it for a config (the
+        resolved schedule over the first ``steps`` steps), the CPUs of training and of the host worker (and why:
+        ``zenflow.cores``), and, per param group, its own ``topk_ratio`` and ``importance`` and each matrix's ``k``
+        of ``C`` columns on the fast path."""
+        from ..__main__ import explain_optimizer
+
+        device = self._params[0].device if self._params else torch.device("cpu")
+        cores = self._cores if self._built else build.split_cores(self.config, device)  # what the first step picks
+        return explain_optimizer(self.config, self.schedule, steps, cores, self.param_groups)
+
+    def host_bytes(self) -> dict:
+        """The optimizer's host memory, by buffer, in bytes as allocated (``{}`` before the first step): the keys
+        are listed at :func:`zenflow_kernels.optim.telemetry.host_bytes` (docs/design.md section 9)."""
+        if not self._built:
+            return {}
+        run = self.run
+        return host_bytes(run.link, self._shard.host_bytes(), run.host, run.local, self.state,
+                          self.interval.sums.device_tensors())
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    # torch.compile(opt.step) runs the step eagerly, as torch's own optimizers' host-side work does: it
+    # drives threads, streams and numba kernels, nothing a graph can hold
+    @torch.compiler.disable
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self._closed:
+            raise RuntimeError("ZenFlowAdamW.step() after close()")
+        if self._flushed_depth:
+            raise RuntimeError(
+                "ZenFlowAdamW.step() inside opt.flushed(): the parameters hold the flushed weights, which training "
+                "does not continue from; step after the with-block")
+        if self._flushed_held:  # an integration missed the hook that restores before the next forward
+            self._warn_once("held", "ZenFlowAdamW.step(): the weights flushed for a save or an evaluation were still "
+                            "in place when this step's forward ran (no callback restored them); restored now. The run "
+                            "differs from one without the save/evaluation from here on")
+            self.hold_flushed(False)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._built:
+            self._build()
+        link = self.run.link
+        link.check()
+        amp, inv_amp, overflow = grad_scaler(self)
+        max_norm, norms_out = self._clips.take(self.max_grad_norm)
+        active = self._shard.active()
+        self._grad_checks.all([(i, g) for i in active if (g := self._shard.own_grad(i)) is not None])
+        self._shard.gather(active)
+        norm = self._shard.grad_norm(active) / amp  # (a power-of-two scale divides exactly)
+        for out in norms_out:
+            out.fill_(norm)
+        if overflow or not math.isfinite(norm):
+            self.skipped_steps += 1
+            link.discard()  # nothing of this step reached the host sums: nothing to take back
+            self.handover.stepped(self.t, *link.step_bytes())
+            return loss
+        self._amp, self._inv_amp, self._max_norm = amp, inv_amp, max_norm
+        coef = None if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
+        t0 = time.perf_counter()
+        if self._stats.first_step_start is None:
+            self._stats.first_step_start = t0
+        # a synchronous CPU update may fold a large last gradient into its AdamW pass (not under clipping or a scale)
+        fuse = self.FUSE_MIN_NUMEL if max_norm is None and inv_amp == 1.0 else None
+        if self.schedule.is_warmup(self.t):
+            self.interval.warmup(active, scale=inv_amp, max_norm=max_norm, fuse_min_numel=fuse)
+            self.host_updates += 1
+        else:
+            self._zenflow_step(active, coef, fuse)
+        link.join()  # the write-backs of this step are visible to whatever runs next
+        self.handover.stepped(self.t, *link.step_bytes())
+        self._stats.last_step_end = time.perf_counter()
+        self._stats.step_seconds.append(self._stats.last_step_end - t0)
+        self.t += 1
+        return loss
+
+    def _zenflow_step(self, active: list[int], coef: float | None, fuse: int | None) -> None:
+        """After warm-up: re-select at a selection boundary, the fast step, the sums, and at an update boundary
+        the host update."""
+        t, state = self.t, self.state
+        matrices, vectors = self.fast_path.split(active)
+        for i in vectors:
+            if "exp_avg" not in state[self._params[i]]:
+                self.fast_path.init_vector(i)
+        if self.schedule.is_select_boundary(t):
+            self.flush()  # drain: ownership must not change under an in-flight host update
+            self.selections += 1
+            reselect = matrices
+        else:
+            reselect = [i for i in matrices if "selected" not in state[self._params[i]]]
+        if reselect:
+            self.selection.reselect(t, reselect, self._amp, self._inv_amp)
+        # the selected columns' gradients as every replica's fast step reads them (ZeRO-2 released gradients)
+        compact = self._shard.selected_gradients([(i, state[self._params[i]]["selected"]) for i in matrices]) \
+            if self._shard.exchanges_selected else None
+        t0 = time.perf_counter()
+        grad_scale = self._amp if coef is None else self._amp / coef  # GradScaler's scale, clipping
+        self.fast_path.step(set(active), hyper(self.param_groups), grad_scale=grad_scale, compact=compact)
+        self._stats.fast_seconds.append(time.perf_counter() - t0)
+        self.steps_accumulated += 1
+        trigger = self.selection.auto_vote(matrices, self._amp) if self.schedule.is_auto else False
+        boundary = self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger)
+        fold = boundary and not self.config.overlap_step and self.interval.sums.fuses
+        last = self.interval.add(matrices, scale=self._inv_amp, fuse_min_numel=fuse if fold else None)
+        if boundary:
+            self.selection.reset_votes()
+            self.interval.boundary(self._max_norm, last)
+            self.host_updates += 1
+            self.steps_accumulated = 0
+
+    # GradScaler's protocol for optimizers that unscale inside their step (torch.amp.GradScaler.step): the scaler
+    # does not rewrite the gradients; it sets ``grad_scale`` and ``found_inf`` on the optimizer for the length of
+    # step() (``grad_scale`` None after the user's own ``scaler.unscale_(opt)``), and never skips step() itself
+    _step_supports_amp_scaling = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the coming ``step()``'s gradients by their global norm inside the optimizer, as ``max_grad_norm``
+        does (the fast path by this step's gradient norm; a host update at this step by the interval's mean
+        gradient norm), instead of rewriting ``.grad`` as ``torch.nn.utils.clip_grad_norm_`` does: the
+        gradients stay what backward produced, so they keep crossing to the host during backward. The smaller of
+        this and ``max_grad_norm`` applies; ``max_norm=inf`` clips nothing (the norm only). The trainer
+        integrations route the Hugging Face ``max_grad_norm`` and Lightning's ``gradient_clip_val`` here.
+
+        Returns a 0-dim float32 tensor on the parameters' device that ``step()`` fills with the global L2 norm of
+        the step's gradients (unscaled under a GradScaler, averaged under ZeRO): read it after ``step()`` (the
+        Hugging Face Trainer logs it then); NaN until then, or if no ``step()`` follows. Only ``norm_type=2``."""
+        device = self.run.local[0].device if self._built else self._params[0].device if self._params else "cpu"
+        return self._clips.ask(max_norm, norm_type, device)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, ZenFlowWarning, stacklevel=4)
+
+    @torch.compiler.disable
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. Between a backward and its ``step()`` it skips that batch: what
+        backward's hooks copied to the host is dropped (none of it reached the sums), the hand-over stays as it
+        was, and no clipping requested for the step applies."""
+        if self._built:
+            if self.handover.fired:  # a batch dropped before step() (a gradient-norm guard, say): a skip
+                self.run.link.discard()
+                self.run.link.step_bytes()  # (not a step: nothing to learn from its copies)
+                self.handover.skipped()
+            if not set_to_none:
+                self.run.link.before_grad_write()  # copies still reading the gradients finish first
+        self._clips.drop()
+        super().zero_grad(set_to_none=set_to_none)
+
+    # -- checkpoints (the format: checkpoint.py) ----------------------------------------------------
+
+    @torch.no_grad()
+    def state_dict(self, *, consolidated: bool = False) -> dict:
+        """Everything needed to continue exactly (docs/design.md section 2 item 7); drains any in-flight host
+        update first (its result stays pending, as it would without the save). Under ZeRO each rank's dict
+        holds the host state of its own parameters (load it on the same rank at the same world size); see
+        :meth:`consolidated_state_dict` for one dict of all of them. torch's ``register_state_dict_pre_hook`` and
+        ``register_state_dict_post_hook`` hooks run around it, as for torch's optimizers."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        zenflow = {name: getattr(self, name) for name in checkpoint.COUNTERS}
+        zenflow.update(config=self.config.to_dict(), schedule=self.schedule.to_dict(), max_grad_norm=self.max_grad_norm,
+                       seed_from_host=self._seed_from_host, zero=dict(stage=self.zero_stage, world=self._shard.world,
+                                                                     rank=self._shard.rank, consolidated=consolidated))
+        if self._built:
+            self.run.link.check()  # a failed host update may have left half its result: no torn state handed out
+            self.interval.drain()
+            self.run.link.synchronize()  # accumulation, write-backs and offloaded state have all landed
+        packed = checkpoint.pack(self.run if self._built else None, self.interval, consolidated=consolidated,
+                                 groups=checkpoint.pack_groups(self.param_groups, self._group_of), zenflow=zenflow)
+        out = self._shard.export_state_dict(packed, self.run.local if self._built else None, self._topk)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, out) or out
+        return out
+
+    def _topk(self, i: int) -> int:
+        """Matrix ``i``'s number of selected columns (its param group's ``topk_ratio``)."""
+        return num_selected(self.param_groups[self._group_of[i]].get("topk_ratio", self.config.topk_ratio),
+                            self._params[i].shape[1])
+
+    def consolidated_state_dict(self) -> dict:
+        """Under ZeRO: one state dict holding every rank's host state, loadable by ``load_state_dict`` at
+        any world size (1 included). Collective: every rank calls it and gets the whole dict (save it
+        from rank 0). Without ZeRO it is :meth:`state_dict`."""
+        return self.state_dict(consolidated=True)
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a :meth:`state_dict` (config, schedule and counters included: the saved run continues;
+        a saved config or ``max_grad_norm`` that differs from this optimizer's is reported with a
+        :class:`ZenFlowWarning` first). A ``torch.optim.AdamW`` (or ``Adam``) state dict starts ZenFlow from its
+        moments and step counts instead: the host takes them as if warm-up had produced them, vectors join the fast
+        path with them, and each matrix's first selection takes its columns' moments and steps from the host, so
+        ``topk_ratio=1`` continues exactly as AdamW would (the saved hyper-parameters apply; the schedule starts at
+        step 0). Anything else is an error, and nothing is changed before every check passed. torch's
+        ``register_load_state_dict_pre_hook`` (which may return a new dict) and ``..._post_hook`` hooks run around
+        it."""
+        if self._built and self.interval.unflushed is not None:
+            raise RuntimeError("ZenFlowAdamW.load_state_dict() inside opt.flushed() (or while an integration holds the "
+                               "flushed weights): leave the context first")
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        state_dict = self._shard.import_state_dict(state_dict)  # FSDP2: torch.distributed.checkpoint's form
+        checkpoint.check_form(state_dict, len(self.param_groups), [len(g["params"]) for g in self.param_groups])
+        if "zenflow" not in state_dict:  # a torch AdamW/Adam run to continue
+            loaded = checkpoint.unpack_adam(state_dict, self._params, self.config, self.schedule, self.max_grad_norm)
+        else:
+            loaded = checkpoint.unpack(state_dict, config=self.config, max_grad_norm=self.max_grad_norm,
+                                       local=[self._shard.local(p) for p in self._params],
+                                       will_hold=self._shard.will_hold(self._params, self._group_of),
+                                       rank=self._shard.rank, world=self._shard.world)
+        if loaded.changed:
+            warnings.warn("ZenFlowAdamW.load_state_dict: the checkpoint's settings replace this optimizer's: "
+                          + "; ".join(loaded.changed) + ". The saved run continues as it was configured",
+                          ZenFlowWarning, stacklevel=2)
+        self._reset()
+        self.config, self.schedule, self.max_grad_norm = loaded.config, loaded.schedule, loaded.max_grad_norm
+        self._seed_from_host = loaded.seed_from_host
+        for saved, g in zip(loaded.groups, self.param_groups, strict=True):
+            g.update(saved)
+        for name, value in loaded.counters.items():
+            setattr(self, name, value)
+        if loaded.built:
+            self._build()
+            loaded.restore(self.run, self.interval, self.fast_path.to_state)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _reset(self) -> None:
+        """A clean slate before a load: land nothing, keep nothing, stop the workers."""
+        if self._built:
+            self.interval.settle()
+            self._stats.retire(self.run.link)
+            self._finalizer()
+            # the old buffers go before the new link is built: never two links' host memory at once
+            self.run = self.selection = self.fast_path = self.interval = None
+            self._built = False
+        self.state.clear()
+
+
+def _grad_ready_hook(ref: weakref.ref, i: int):
+    def hook(p: torch.Tensor) -> None:
+        autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # (imported by whoever enables it)
+        if autograd is not None and autograd.in_compiled_autograd_region:
+            raise RuntimeError(
+                "ZenFlowAdamW: a backward traced by compiled autograd (torch._dynamo.config.compiled_autograd) is "
+                "not supported: the optimizer's gradient hooks copy to the host and keep books in Python, which a "
+                "graph cannot hold. Run backward eagerly; torch.compile(model) still compiles forward and backward")
+        opt = ref()  # a weak reference: the hook must not keep the optimizer alive
+        if opt is not None:
+            opt._grad_ready(i)
+
+    return hook
+
+
+def _shutdown(link, torch_threads: int | None, hooks) -> None:
+    for handle in hooks:
+        handle.remove()
+    link.close()
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)

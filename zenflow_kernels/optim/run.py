@@ -1,0 +1,64 @@
+"""What the parts of one built optimizer share (the parameters, their state, the sharding, the link, the host
+shard), and reads of the host state every part may make."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .._memory import gather_columns
+from ..config import ZenFlowConfig
+from ..host import HostShard
+from ..sharding import Sharding
+from .telemetry import Telemetry
+
+__all__ = ["Run"]
+
+
+@dataclasses.dataclass
+class Run:
+    """One built optimizer's shared context. ``params`` are the optimizer's parameters (the keys of ``state``),
+    ``local`` the tensors the algorithm reads and writes (the parameters, or under FSDP2 this rank's rows);
+    ``param_groups`` and ``state`` are the optimizer's own (live) objects."""
+
+    params: list[torch.Tensor]
+    local: list[torch.Tensor]
+    group_of: list[int]
+    param_groups: list[dict]
+    state: dict
+    config: ZenFlowConfig
+    device: torch.device
+    shard: Sharding
+    link: Any
+    host: HostShard
+    telemetry: Telemetry
+
+    def setting(self, i: int, name: str):
+        """Parameter ``i``'s ``topk_ratio`` or ``importance``: its param group's, else the optimizer's."""
+        return self.param_groups[self.group_of[i]].get(name, getattr(self.config, name))
+
+    def fast_state(self, i: int) -> dict:
+        """Parameter ``i``'s ``state`` entry (the fast path's Adam state, its selected columns, the auto vote)."""
+        return self.state[self.params[i]]
+
+    def from_host(self, i: int, name: str, cols: torch.Tensor | None = None, transient: bool = False) -> torch.Tensor:
+        """A copy of parameter ``i``'s host ``master``/``exp_avg``/``exp_avg_sq`` (fp32, parameter shape;
+        ``cols``: those columns only), on the device. ZeRO: its owner broadcasts it. ``transient``: a
+        temporary (the columns are gathered into transient memory where it is made: see _memory)."""
+        host, p = self.host, self.local[i]
+
+        def make():
+            t = host.field(name, i)
+            if cols is None:
+                return t.clone()
+            return gather_columns(t, cols.cpu()) if transient else t[:, cols.cpu()]
+
+        shape = tuple(p.shape) if cols is None else (p.shape[0], cols.numel())
+        return self.shard.from_host(i, make, shape, torch.float32)
+
+    def host_step(self, i: int) -> int:
+        """Parameter ``i``'s host step count (ZeRO: its owner's)."""
+        make = lambda: torch.tensor([self.host.host_step[i]])  # noqa: E731
+        return int(self.shard.from_host(i, make, (1,), torch.int64))

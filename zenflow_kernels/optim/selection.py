@@ -1,0 +1,184 @@
+"""Column selection (docs/design.md section 2, reference.py): scoring the columns, choosing each matrix's top k (or
+a seeded random draw), moving the fast path's Adam state with the columns that stay and handing the departing ones'
+values back to the host master, and Zen-auto's vote on whether the host needs an update."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .. import ops
+from .._memory import gather_columns
+from ..config import num_selected
+from .fast_path import FastPath
+from .run import Run
+
+__all__ = ["Selection"]
+
+
+class Selection:
+    """Which columns of each matrix are on the fast path. ``seed_from_host``: after loading a torch AdamW state
+    dict, a matrix's first selection takes its columns' Adam state from the host (the imported moments and step)
+    instead of starting them from zero."""
+
+    def __init__(self, run: Run, fast: FastPath, *, seed_from_host: bool = False):
+        self.run, self.fast, self.seed_from_host = run, fast, seed_from_host
+
+    def scores(self, indices: list[int], scale: float, inv_scale: float) -> tuple[list, list[torch.Tensor]]:
+        """Each matrix's importance rule and its per-column scores (a scorer of one's own sees the gradient
+        unscaled, as it would without a GradScaler: ``scale`` and its float32 reciprocal ``inv_scale``)."""
+        importances = [self.run.setting(i, "importance") for i in indices]
+        if scale != 1.0:
+            importances = [_unscaled(f, inv_scale) if callable(f) else f for f in importances]
+        return importances, self.run.shard.scores(indices, importances)
+
+    def choose(self, t: int, indices: list[int], importances: list, scores: list[torch.Tensor], ks: list[int]) -> list:
+        """The selected columns of each matrix (sorted int64 on the device): top-k of its scores (one multi-tensor
+        launch for all), or for ``importance="random"`` k columns drawn uniformly from a generator seeded with
+        (selection_seed, step, parameter index): the same on every rank and after a resume."""
+        top = [n for n, importance in enumerate(importances) if importance != "random"]
+        chosen: list = [None] * len(indices)
+        picked = ops.multi_topk_columns([scores[n] for n in top], [ks[n] for n in top], check_data=False)
+        for n, columns in zip(top, picked, strict=True):
+            chosen[n] = columns
+        for n, importance in enumerate(importances):
+            if importance == "random":
+                rng = np.random.default_rng([self.run.config.selection_seed, t, indices[n]])
+                draw = np.sort(rng.choice(self.run.params[indices[n]].shape[1], size=ks[n], replace=False))
+                chosen[n] = torch.from_numpy(draw.astype(np.int64)).to(self.run.device)
+        return chosen
+
+    @torch.no_grad()
+    def reselect(self, t: int, indices: list[int], scale: float = 1.0, inv_scale: float = 1.0) -> None:
+        """New columns for these matrices at step ``t``; state moves with the columns that stay."""
+        run = self.run
+        importances, scores = self.scores(indices, scale, inv_scale)
+        ks = [num_selected(run.setting(i, "topk_ratio"), run.params[i].shape[1]) for i in indices]
+        chosen = self.choose(t, indices, importances, scores, ks)
+        jaccards, captured, total = [], 0.0, 0.0
+        returning: list = []  # columns leaving the fast path for the host master (on disk: in one pass, after)
+        for i, new, s in zip(indices, chosen, scores, strict=True):
+            jaccard = self._move(i, new, returning)
+            if jaccard is not None:
+                jaccards.append(jaccard)
+            captured += float(s[new].sum()) if new.numel() else 0.0
+            total += float(s.sum())
+        run.host.set_columns(returning)
+        run.telemetry.record_selection(t, jaccards, captured / total if total > 0 else float("nan"))
+        self.fast.invalidate()
+
+    def _move(self, i: int, new: torch.Tensor, returning: list) -> float | None:
+        """Matrix ``i`` takes the columns ``new``: its fast-path state follows the columns that stay, entering
+        columns start from zero moments (a low-precision matrix: from the host master's value), departing columns'
+        values go back to the host master (``returning``). Returns the Jaccard overlap with the old columns."""
+        run, fast = self.run, self.fast
+        host, device = run.host, run.device
+        p, st = run.local[i], run.fast_state(i)
+        R, k = p.shape[0], new.numel()
+        owned = i in host.slots  # ZeRO: this rank holds the matrix's host state
+        old = st.get("selected")
+        carry = old is not None and old.numel() > 0
+        jaccard = None
+        # the same k, the state where the fast step reads it: the new state is written over the old through
+        # transient [R, k] temporaries (a second fast-path state freed, or heap temporaries of this size, would
+        # stay in the process's RSS: see _memory)
+        in_place = carry and not fast.offload and tuple(st["exp_avg"].shape) == (R, k)
+        # a low-precision matrix keeps an fp32 master of its selected columns; entering columns take the host
+        # master's value (the live weight is that value, rounded)
+        master = run.from_host(i, "master", new, transient=in_place) if p.dtype != torch.float32 else None
+        if carry:
+            # sorted index sets: position of each new column in the old set, if it was there
+            pos = torch.searchsorted(old, new).clamp_(max=old.numel() - 1)
+            stay = old[pos] == new
+            old_master = st["master"].to(device) if master is not None else None
+            gone = ~torch.isin(old, new)
+            if owned and gone.any():  # ownership returns to the host, value included
+                src = (gather_columns(old_master, gone.nonzero().view(-1)) if master is not None
+                       else gather_columns(p, old[gone]))
+                returning.append(("master", i, old[gone].cpu(), src.to("cpu", torch.float32)))
+                if host.disk is None:  # in memory: at once (nothing to batch, no copy kept)
+                    host.set_columns(returning)
+                    returning.clear()
+            jaccard = float(stay.sum()) / max(1, int(torch.unique(torch.cat([old, new])).numel()))
+        if in_place:  # staying columns move to their new positions; entering ones start as below
+            for name in ("exp_avg", "exp_avg_sq"):
+                st[name].copy_(gather_columns(st[name], pos).masked_fill_(~stay, 0))
+            if master is not None:
+                torch.where(stay, gather_columns(old_master, pos), master, out=st["master"])
+            st["selected"], st["step"] = new, st["step"][pos].masked_fill_(~stay, 0)
+            return jaccard
+        m = torch.zeros(R, k, dtype=torch.float32, device=device)
+        v = torch.zeros_like(m)
+        steps = torch.zeros(k, dtype=torch.int64, device=device)
+        if old is None and self.seed_from_host:  # continuing an imported AdamW run
+            m.copy_(run.from_host(i, "exp_avg", new))
+            v.copy_(run.from_host(i, "exp_avg_sq", new))
+            steps.fill_(run.host_step(i))
+        if carry:
+            old_m, old_v = st["exp_avg"].to(device), st["exp_avg_sq"].to(device)
+            m[:, stay] = old_m[:, pos[stay]]
+            v[:, stay] = old_v[:, pos[stay]]
+            steps[stay] = st["step"][pos[stay]]
+            if master is not None:
+                master[:, stay] = old_master[:, pos[stay]]
+        st["selected"], st["exp_avg"], st["exp_avg_sq"], st["step"] = new, fast.to_state(m), fast.to_state(v), steps
+        if master is not None:
+            st["master"] = fast.to_state(master)
+        return jaccard
+
+    def auto_vote(self, matrices: list[int], scale: float) -> bool:
+        """Zen-auto (see reference.py): do at least ``auto_ratio`` of the matrices need a host update? ``scale``:
+        GradScaler's, which the gradients carry."""
+        run = self.run
+        voters = needing = 0
+        eligible = []
+        for i in matrices:
+            p = run.params[i]
+            k = run.state[p]["selected"].numel()
+            if k == p.shape[1]:
+                continue
+            voters += 1
+            if k == 0:
+                needing += 1
+            else:
+                eligible.append(i)
+        if eligible:
+            params = [run.params[i] for i in eligible]
+            # the magnitudes of the gradient's columns: l1 sums for "l1", l2 norms otherwise (a "random" or
+            # callable selection still votes on the gradient)
+            norms = ["l1" if run.setting(i, "importance") == "l1" else "l2" for i in eligible]
+            scores = run.shard.scores(eligible, norms)
+            pairs = []
+            for p, s, norm in zip(params, scores, norms, strict=True):
+                mags = s.sqrt() if norm == "l2" else s
+                sel = run.state[p]["selected"]
+                sel_sum = mags[sel].sum()
+                pairs.append(torch.stack([sel_sum / sel.numel(), (mags.sum() - sel_sum) / (p.shape[1] - sel.numel())]))
+            # (under a GradScaler the gradients are scaled: its power-of-two scale divides the magnitudes exactly)
+            means = (torch.stack(pairs).double() / scale).tolist()  # one device sync for all matrices
+            for p, (sel_mean, unsel_mean) in zip(params, means, strict=True):
+                st = run.state[p]
+                st["auto_selected"] = st.get("auto_selected", 0.0) + sel_mean
+                st["auto_unselected"] = st.get("auto_unselected", 0.0) + unsel_mean
+                st["auto_count"] = st.get("auto_count", 0) + 1
+                if st["auto_unselected"] >= st["auto_selected"] / st["auto_count"]:
+                    needing += 1
+        return voters > 0 and needing >= run.config.auto_ratio * voters
+
+    def reset_votes(self) -> None:
+        """A host update ran: Zen-auto's running means start again."""
+        for st in self.run.state.values():
+            if st and "auto_count" in st:
+                st.update(auto_selected=0.0, auto_unselected=0.0, auto_count=0)
+
+
+def _unscaled(scorer, inv_scale: float):
+    """A selection scorer called with the gradient times ``inv_scale`` (GradScaler's reciprocal)."""
+
+    @functools.wraps(scorer)
+    def scores(grad, param):
+        return scorer(grad * inv_scale, param)
+
+    return scores

@@ -1,0 +1,105 @@
+"""What a step reads besides the gradients: GradScaler's scale (the fused-optimizer protocol), the clipping norm in
+force, the param groups' AdamW numbers as they are now, and the one-pass check of every gradient."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..config import check_adamw_hyperparameters, check_group_settings
+from .build import PARAM_DTYPES
+
+__all__ = ["ClipRequests", "grad_scaler", "hyper", "GradChecks"]
+
+
+def grad_scaler(opt) -> tuple[float, float, bool]:
+    """``(scale, its float32 reciprocal, overflow)`` of this step: what a GradScaler set on ``opt`` (its
+    ``grad_scale`` and ``found_inf``; ``1.0, 1.0, False`` without one). The reciprocal is GradScaler's own (float64,
+    then float32), which multiplies each gradient as the scaler's in-place unscale would: for a power-of-two scale
+    (its growth and backoff by 2) exactly."""
+    scale, found = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
+    amp = 1.0 if scale is None else float(scale)
+    if not (math.isfinite(amp) and amp > 0):
+        raise ValueError(f"ZenFlowAdamW.step(): grad_scale={amp!r} (set by a GradScaler) is invalid: allowed a "
+                         "finite number > 0")
+    return amp, float(np.float32(1.0 / amp)), found is not None and float(found) != 0.0
+
+
+class ClipRequests:
+    """``clip_grad_norm_()`` calls since the last step: the smallest norm asked, and the tensors handed out that
+    ``step()`` fills with the gradient norm."""
+
+    def __init__(self):
+        self.request: float | None = None
+        self.norms: list[torch.Tensor] = []
+
+    def ask(self, max_norm: float, norm_type: float, device) -> torch.Tensor:
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ValueError(f"ZenFlowAdamW.clip_grad_norm_: max_norm={max_norm!r} is invalid: allowed a number > 0 "
+                             "(inf: no clipping)")
+        if norm_type != 2:
+            raise ValueError(f"ZenFlowAdamW.clip_grad_norm_: norm_type={norm_type!r} is invalid: allowed 2 (the "
+                             "optimizer clips by the global L2 norm)")
+        if math.isfinite(max_norm):
+            self.request = min(float(max_norm), self.request or math.inf)
+        norm = torch.full((), math.nan, dtype=torch.float32, device=device)
+        self.norms.append(norm)
+        return norm
+
+    def take(self, max_grad_norm: float | None) -> tuple[float | None, list[torch.Tensor]]:
+        """This step's clipping norm (``max_grad_norm`` and a request, the smaller; None: no clipping) and the
+        tensors to write its gradient norm into; the request is used up."""
+        request, norms = self.request, self.norms
+        self.drop()
+        limits = [x for x in (max_grad_norm, request) if x is not None]
+        return (min(limits) if limits else None), norms
+
+    def drop(self) -> None:
+        """The batch was skipped (``zero_grad()``): no request applies."""
+        self.request, self.norms = None, []
+
+
+def hyper(param_groups: list[dict]) -> list[dict]:
+    """Each param group's AdamW numbers as they are now (a scheduler may have changed them), checked: the kernels
+    are called without per-tensor validation."""
+    out = []
+    for gi, g in enumerate(param_groups):
+        lr = float(g["lr"])
+        check_adamw_hyperparameters(lr, g["betas"], g["eps"], g["weight_decay"], where=f"ZenFlowAdamW group {gi}")
+        check_group_settings(g, f"ZenFlowAdamW param group {gi}")
+        out.append(dict(lr=lr, beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"]))
+    return out
+
+
+def check_grad(i: int, g: torch.Tensor, p: torch.Tensor, device: torch.device) -> None:
+    """Parameter ``i``'s gradient ``g``: dense, an allowed dtype, ``p``'s shape, on ``device``; or an error."""
+    if g.is_sparse or g.shape != p.shape or g.device != device or g.dtype not in PARAM_DTYPES:
+        raise ValueError(
+            f"ZenFlowAdamW: gradient of parameter {i} ({tuple(g.shape)}, {g.dtype}, {g.device}, "
+            f"sparse={g.is_sparse}) is invalid: allowed a dense float32, bfloat16 or float16 gradient of "
+            f"shape {tuple(p.shape)} on {device}"
+        )
+
+
+class GradChecks:
+    """One pass over a step's gradients: dense, on the device, an allowed dtype, the parameter's shape; otherwise
+    the first that is not is named. The parameters' shapes are kept per set of indices."""
+
+    def __init__(self, local: list[torch.Tensor], device: torch.device):
+        self.local, self.device = local, device
+        self._shapes: tuple[list[int], list] | None = None
+
+    def one(self, i: int, g: torch.Tensor) -> None:
+        check_grad(i, g, self.local[i], self.device)
+
+    def all(self, grads: list[tuple[int, torch.Tensor]]) -> None:
+        indices = [i for i, _ in grads]
+        if self._shapes is None or self._shapes[0] != indices:
+            self._shapes = (indices, [self.local[i].shape for i in indices])
+        if not {(g.device, g.dtype, g.layout) for _, g in grads} <= {
+                (self.device, dtype, torch.strided) for dtype in PARAM_DTYPES} or (
+                [g.shape for _, g in grads] != self._shapes[1]):
+            for i, g in grads:
+                self.one(i, g)

@@ -1,0 +1,137 @@
+"""What a run did: the step, fast-path and host-update times, selections, what the link moved (``stats()``), and the
+optimizer's host memory by buffer (``host_bytes()``). Outlives links: a ``load_state_dict`` keeps the old link's
+counters."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Telemetry", "host_bytes"]
+
+_LINK_COUNTERS = ("waited_s", "accumulate_s", "fold_s", "d2h_bytes", "h2d_bytes", "early_bytes", "unused_bytes")
+
+
+class Telemetry:
+    def __init__(self):
+        self.step_seconds: list[float] = []
+        self.fast_seconds: list[float] = []
+        self.host_seconds: list[float] = []
+        self.sync_host_seconds = 0.0  # host updates run on the training thread
+        self.link_totals = dict.fromkeys(_LINK_COUNTERS, 0.0)  # of links replaced by load_state_dict
+        self.first_step_start: float | None = None  # wall clock of the run: training, not only step()
+        self.last_step_end: float | None = None
+        self.selection_steps: list[int] = []
+        self.jaccard: list[float] = []
+        self.captured: list[float] = []
+
+    def retire(self, link) -> None:
+        """Keep a link's counters before it is replaced."""
+        for name in _LINK_COUNTERS:
+            self.link_totals[name] += getattr(link, name)
+
+    def record_selection(self, t: int, jaccards: list[float], captured: float) -> None:
+        self.selection_steps.append(t)
+        self.jaccard.append(sum(jaccards) / len(jaccards) if jaccards else float("nan"))
+        self.captured.append(captured)
+
+    def host_update(self, seconds: float, *, waited: bool) -> None:
+        """A host update took ``seconds``; ``waited``: on the training thread (synchronous), so all of it stall."""
+        self.host_seconds.append(seconds)
+        if waited:
+            self.sync_host_seconds += seconds
+
+    def summary(self, *, counters: dict, link, overlap: bool, host_bytes: dict, handover, cores: dict,
+                collective_bytes: dict) -> dict:
+        """``stats()``: ``counters`` are the optimizer's (t, skipped_steps, host_updates, selections); ``link`` the
+        live one (None before the first step)."""
+        def mean(xs):
+            return sum(xs) / len(xs) if xs else 0.0
+
+        t = counters["t"]
+        wall = self.last_step_end - self.first_step_start if self.first_step_start is not None else 0.0
+        moved = {name: total + (getattr(link, name) if link else 0) for name, total in self.link_totals.items()}
+        waited, accumulated = moved["waited_s"], moved["accumulate_s"]
+        # stall: the training thread did host work itself or waited for it, instead of training
+        stall = self.sync_host_seconds + accumulated + waited
+        host_total = sum(self.host_seconds)
+        hidden = max(0.0, host_total - waited) if overlap else 0.0
+        return {
+            "steps": t,
+            "skipped_steps": counters["skipped_steps"],
+            "host_updates": counters["host_updates"],
+            "selections": counters["selections"],
+            "wall_s": wall,
+            "step_s_mean": mean(self.step_seconds),  # inside step()
+            "fast_path_s_mean": mean(self.fast_seconds),
+            "fast_path_s": list(self.fast_seconds),
+            "host_update_s_mean": mean(self.host_seconds),
+            "host_update_s": list(self.host_seconds),
+            "stall_s": stall,
+            "accumulate_s": accumulated,
+            # the accumulate worker's time folding the landing area into the sums (asynchronous link; beside
+            # training, not stall: waits for it are in worker_wait_s)
+            "fold_s": moved["fold_s"],
+            "worker_wait_s": waited,
+            # of the wall time from the first step() to the end of the last: forward and backward included
+            "stall_fraction": stall / wall if wall > 0 else 0.0,
+            "overlap_fraction": hidden / host_total if host_total > 0 else 0.0,
+            "score_mass_captured": list(self.captured),
+            "selection_jaccard": list(self.jaccard),
+            "selection_steps": list(self.selection_steps),
+            # what the link moved: gradients device -> host, weights host -> device (on a CPU link the
+            # same logical bytes, copied within host memory)
+            "link": link.kind if link is not None else None,
+            "d2h_bytes": int(moved["d2h_bytes"]),
+            "h2d_bytes": int(moved["h2d_bytes"]),
+            "d2h_bytes_per_step": moved["d2h_bytes"] / t if t else 0.0,
+            # of them, gradient bytes that crossed during backward (copied by backward's hooks, used by step()),
+            # and bytes hooks copied that were not used (copied again after a change or by a later backward's
+            # hook, or dropped with a skipped step or batch): docs/design.md section 5.1
+            "d2h_bytes_in_backward": int(moved["early_bytes"]),
+            "d2h_bytes_unused": int(moved["unused_bytes"]),
+            "h2d_bytes_per_step": moved["h2d_bytes"] / t if t else 0.0,
+            # ZeRO: payload bytes each kind of collective carried (gradients, gradient presence, write-back,
+            # host state, clipping norm, checkpoint); empty on one rank
+            "host_bytes": host_bytes,
+            # gradients crossing during backward (docs/design.md section 5.1): "on" or "off", and why
+            "handover": handover.mode,
+            "handover_why": handover.why,
+            # the CPUs of training's threads and of the host worker, and why (zenflow.cores); {} before the first step
+            "cores": cores,
+            "collective_bytes": dict(collective_bytes),
+            "collective_bytes_per_step": {k: v / t for k, v in collective_bytes.items()} if t else {},
+        }
+
+
+def host_bytes(link, receive: int, host, local: list[torch.Tensor], state: dict,
+               device_sums: list[torch.Tensor]) -> dict:
+    """``ZenFlowAdamW.host_bytes()`` of a built optimizer: its host memory, by buffer, in bytes as allocated (each
+    buffer's storage): ``master``, ``exp_avg``, ``exp_avg_sq``, ``accumulation`` (one or two
+    buffers), ``copy_out`` (one per parameter dtype, sized by that dtype's parameters), ``landing`` (an
+    asynchronous link's landing area, laid out like the copy-out: a step's gradients in their dtype until
+    ``step()`` folds them into the sums; 0 on the synchronous link and with ``device_accumulation``),
+    ``receive`` (ZeRO: the other ranks' copy-out buffers as this rank receives them for the write-back, reused;
+    0 on one rank), their sum ``total`` and ``per_parameter`` (over the parameters this rank's host holds:
+    under ZeRO its own run). Beside them, not in ``total``:
+    ``fast_state`` (the fast path's Adam state in host memory: on a CPU run, or offloaded) and
+    ``device_sums`` (``device_accumulation``'s buffer when the device is the CPU), and with
+    ``offload_device="nvme"`` ``disk`` (the state file: master and moments, 12 bytes per parameter; then
+    ``master``, ``exp_avg`` and ``exp_avg_sq`` are 0 and the update's block buffers are not counted; with
+    ``device_accumulation`` ``accumulation`` is 0 and ``sums_blocks``, in ``total``, the blocks the update
+    fetches the device's sums into). On a GPU also
+    ``pinned_requested`` and ``pinned_reserved`` (the page-locked bytes of those buffers: whole pages of
+    their own; docs/design.md section 9)."""
+    out = link.host_bytes()
+    out["receive"] = receive  # ZeRO: the other ranks' copy-out as this rank receives it
+    total = sum(v for k, v in out.items() if k != "disk")  # memory only: the state file's bytes are beside it
+    held = sum(local[i].numel() for i in host.slots)
+    storages = {}  # views share their storage (the flat step counts): each counted once
+    for st in state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.device.type == "cpu":
+                storages[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    fast = sum(storages.values())
+    out.update(total=total, per_parameter=total / held if held else 0.0, fast_state=fast,
+               device_sums=sum(t.untyped_storage().nbytes() for t in device_sums if t.device.type == "cpu"))
+    out.update(link.pinned_bytes())
+    return out
