@@ -8,7 +8,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
-PYTEST_ARGS ?= -q
+# the suite runs on two pytest workers (pytest-xdist), whole files each so a module's shared rank launches run once
+PYTEST_JOBS ?= 2
+PYTEST_ARGS ?= -q -n $(PYTEST_JOBS) --dist loadfile
 ARGS ?=
 
 # test-min: triton, numba and numpy at exactly pyproject.toml's floors (tests/test_versions.py fails if
@@ -45,8 +47,8 @@ bench-results: install
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# the edit-test loop: every single-process case (the modules that start rank processes, run benchmarks,
-# notebooks or examples in subprocesses are left out; CI runs them all with `make test`)
+# the edit-test loop (docs/testing.md): every single-process case; the modules that start rank processes or run
+# benchmarks, notebooks or examples in subprocesses are left out (CI runs them all with `make test`)
 FAST_SKIP ?= --ignore=tests/test_zero.py --ignore=tests/test_fsdp2.py --ignore=tests/test_bench.py \
 	--ignore=tests/test_notebooks.py --ignore=tests/test_examples.py --ignore=tests/test_gpu_checklist.py \
 	--ignore=tests/test_rank_cores.py --ignore=tests/test_score_determinism.py --ignore=tests/test_host_memory.py \

@@ -315,7 +315,7 @@ def test_a_backward_under_cuda_graph_capture_is_a_clear_error(cuda):
         cuda.capturing = False
 
 
-def test_a_backward_under_compiled_autograd_is_a_clear_error(monkeypatch):
+def test_a_backward_under_compiled_autograd_is_a_clear_error():
     """Compiled autograd traces backward's hooks into a graph, which cannot hold the hooks' host work: the hook
     says so (on the asynchronous CPU link, whose hooks are the CUDA link's)."""
     from zenflow_kernels.testing import chaos
@@ -325,14 +325,16 @@ def test_a_backward_under_compiled_autograd_is_a_clear_error(monkeypatch):
         opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=ZEN)
     with opt:
         x, y = first_step(model, opt)
-        monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+        # (config.patch, not monkeypatch.setattr: undoing a setattr on dynamo's config leaves the flag unreadable,
+        # and every later torch.compile in the process fails; torch.compile reads the flag when it wraps)
+        with torch._dynamo.config.patch(compiled_autograd=True):
 
-        @torch.compile(backend="eager")
-        def step(x, y):
-            F.mse_loss(model(x), y).backward()
+            @torch.compile(backend="eager")
+            def step(x, y):
+                F.mse_loss(model(x), y).backward()
 
-        with pytest.raises(Exception, match="traced by compiled autograd .* is not supported"):
-            step(x, y)
+            with pytest.raises(Exception, match="traced by compiled autograd .* is not supported"):
+                step(x, y)
 
 
 def test_pinned_buffers_are_whole_pages_of_their_own_and_failures_are_named(cuda):

@@ -17,7 +17,7 @@ import torch
 from support import HYPER, SHAPES, drive, grad_sequence, make_params, snapshot
 
 from zenflow_kernels import ZenFlowAdamW
-from zenflow_kernels.device_model import Chaos, _Delays, current_chaos
+from zenflow_kernels.device_model import Chaos, Delays, current_chaos
 from zenflow_kernels.host import ALIGN, HostShard, out_sizes
 from zenflow_kernels.link import AsyncLink, CpuLink, host_alloc, make_engine, make_link
 from zenflow_kernels.ops import use_backend
@@ -380,8 +380,8 @@ def test_chaos_delays_every_kind_of_asynchronous_job(monkeypatch):
     marker, the accumulation, the host update and the write-back (a kind left out would let its ordering
     bugs pass unseen)."""
     wrapped = []
-    real_wrap = _Delays.wrap
-    monkeypatch.setattr(_Delays, "wrap", lambda self, fn: wrapped.append(fn.__name__) or real_wrap(self, fn))
+    real_wrap = Delays.wrap
+    monkeypatch.setattr(Delays, "wrap", lambda self, fn: wrapped.append(fn.__name__) or real_wrap(self, fn))
     zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2, overlap_step=True)
     with chaos(seed=0):
         opt = ZenFlowAdamW(make_params(), **HYPER, zenflow=zenflow)
@@ -647,7 +647,7 @@ def test_host_shard_layout_is_aligned_and_disjoint():
 
 def test_chaos_delays_follow_the_seed():
     def draws(seed):
-        delays = _Delays(Chaos(seed=seed, max_delay=0.01))
+        delays = Delays(Chaos(seed=seed, max_delay=0.01))
         return [delays.draw() for _ in range(50)]
 
     assert draws(4) == draws(4) and draws(4) != draws(5)

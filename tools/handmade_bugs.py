@@ -76,7 +76,7 @@ BUGS = [
     ),
     Bug(
         "hooks-kept-after-close",
-        "zenflow_kernels/optim/optimizer.py",
+        "zenflow_kernels/optim/build.py",
         "    for handle in hooks:\n        handle.remove()\n",
         "    del hooks  # the hooks check _closed and return\n",
         "(b) close() and the finalizer leave the backward hooks on the parameters (a closed or collected "

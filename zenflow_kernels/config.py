@@ -51,7 +51,7 @@ def _fail(field: str, value: Any, allowed: str) -> ZenFlowConfigError:
     return ZenFlowConfigError(f"zenflow.{field}={value!r} is invalid: allowed {allowed}")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     # bool is an int subclass in Python; a flag where a count belongs is a bug, not a 1.
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -61,7 +61,7 @@ def _check_cpu_ids(field: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple, range)):
         raise _fail(field, value, allowed)
     ids = tuple(value)
-    if not ids or len(set(ids)) != len(ids) or not all(_is_int(c) and c >= 0 for c in ids):
+    if not ids or len(set(ids)) != len(ids) or not all(is_int(c) and c >= 0 for c in ids):
         raise _fail(field, value, allowed)
     return tuple(int(c) for c in ids)
 
@@ -75,7 +75,7 @@ def _check_fraction(field: str, value: Any, or_: str = "") -> float:
 
 
 def _check_int(field: str, value: Any, minimum: int) -> int:
-    if not _is_int(value) or int(value) < minimum:
+    if not is_int(value) or int(value) < minimum:
         raise _fail(field, value, f"an integer >= {minimum} (not a bool)")
     return int(value)
 
@@ -198,10 +198,10 @@ class ZenFlowConfig:
             raise _fail("nvme_path", self.nvme_path, "None when offload_device='cpu' (it would be ignored)")
         if (
             self.select_strategy == "step"
-            and _is_int(self.update_interval)
+            and is_int(self.update_interval)
             and self.select_interval < self.update_interval
         ):
-            raise _interval_order_error(self.select_interval, self.update_interval)
+            raise interval_order_error(self.select_interval, self.update_interval)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -275,7 +275,7 @@ def num_selected(topk_ratio: float, num_columns: int) -> int:
     as a LoRA factor with 4 columns, still gets one fast column), 0 when ``topk_ratio == 0`` or the matrix
     has no columns. The floor is taken of the decimal the user wrote (0.29 * 100 is 29, not the 28 that
     binary floating point gives)."""
-    if not _is_int(num_columns) or num_columns < 0:
+    if not is_int(num_columns) or num_columns < 0:
         raise ValueError(f"num_columns={num_columns!r} is invalid: allowed an integer >= 0")
     if topk_ratio == 0 or num_columns == 0:
         return 0
@@ -312,12 +312,12 @@ def check_group_settings(group: dict, where: str) -> None:
 def _check_int_or_auto(field: str, value: Any) -> int | str:
     if value == "auto" and isinstance(value, str):
         return value
-    if not _is_int(value) or int(value) < 1:
+    if not is_int(value) or int(value) < 1:
         raise _fail(field, value, "'auto' or an integer >= 1 (not a bool)")
     return int(value)
 
 
-def _interval_order_error(select_interval: int, update_interval: int) -> ZenFlowConfigError:
+def interval_order_error(select_interval: int, update_interval: int) -> ZenFlowConfigError:
     return ZenFlowConfigError(
         f"zenflow.select_interval resolves to {select_interval} steps, which is below "
         f"zenflow.update_interval={update_interval}: allowed select_interval >= update_interval "

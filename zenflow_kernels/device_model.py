@@ -87,7 +87,17 @@ def current_chaos() -> Chaos | None:
     return _CHAOS.get()
 
 
-class _Delays:
+@contextlib.contextmanager
+def chaos_in_force(settings: Chaos) -> Iterator[Chaos]:
+    """``settings`` in force for the block (this thread's context): what ``testing.chaos`` sets."""
+    token = _CHAOS.set(settings)
+    try:
+        yield settings
+    finally:
+        _CHAOS.reset(token)
+
+
+class Delays:
     """Draws (before, after) sleeps for each asynchronous job, on the submitting thread, so one seed
     gives one sequence of delays whatever the threads then do."""
 

@@ -21,9 +21,11 @@ A batch skipped with ``zero_grad()`` before ``step()`` or a skipped step leaves 
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections.abc import Callable
 
-__all__ = ["HandOver", "handover_mode"]
+__all__ = ["HandOver", "grad_ready_hook", "handover_mode"]
 
 
 class HandOver:
@@ -100,3 +102,21 @@ def handover_mode(link, shard, device_accumulation: bool, early: bool) -> tuple[
            "ablations.early_handover is False" if not early else
            "gradients cross from backward's hooks (each checked at step() against its fingerprint)")
     return ("on" if copies and early else "off"), why
+
+
+def grad_ready_hook(method: weakref.WeakMethod, i: int):
+    """Parameter ``i``'s post-accumulate-grad hook: calls ``method(i)`` (the optimizer's, weakly held: the hook
+    must not keep it alive) once backward has finished the gradient."""
+
+    def hook(p) -> None:
+        autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # (imported by whoever enables it)
+        if autograd is not None and autograd.in_compiled_autograd_region:
+            raise RuntimeError(
+                "ZenFlowAdamW: a backward traced by compiled autograd (torch._dynamo.config.compiled_autograd) is "
+                "not supported: the optimizer's gradient hooks copy to the host and keep books in Python, which a "
+                "graph cannot hold. Run backward eagerly; torch.compile(model) still compiles forward and backward")
+        ready = method()
+        if ready is not None:
+            ready(i)
+
+    return hook

@@ -465,7 +465,7 @@ class HostWorker:
         self._thread.start()
 
     @property
-    def _failed(self) -> _Job | None:
+    def failure(self) -> _Job | None:
         """The first failure: a job that raised, or the worker's death; None while healthy."""
         return self._failures[0] if self._failures else self._dead
 
@@ -516,8 +516,8 @@ class HostWorker:
     def check(self) -> None:
         """Re-raise an earlier failure of any job of this worker, waited for or not (a failed worker stays
         failed)."""
-        if self._failed is not None:
-            job = self._failed
+        if self.failure is not None:
+            job = self.failure
             raise HostWorkerError(f"zenflow host update failed earlier in the background worker:\n{job.tb}") from (
                 job.error
             )

@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ZenFlowConfig, ZenFlowConfigError, ZenFlowWarning, _interval_order_error, _is_int
+from .config import ZenFlowConfig, ZenFlowConfigError, ZenFlowWarning, interval_order_error, is_int
 
 __all__ = ["Schedule", "resolve_schedule"]
 
@@ -163,7 +163,7 @@ def resolve_schedule(
         interval = 1
 
     if steps_per_epoch is not None:
-        if not _is_int(steps_per_epoch) or steps_per_epoch < 1:
+        if not is_int(steps_per_epoch) or steps_per_epoch < 1:
             raise ZenFlowConfigError(
                 f"steps_per_epoch={steps_per_epoch!r} is invalid: allowed None or an integer >= 1 (not a bool)"
             )
@@ -197,7 +197,7 @@ def resolve_schedule(
 
     update = config.update_interval
     if update != "auto" and resolved != 0 and resolved < update:
-        raise _interval_order_error(resolved, update)
+        raise interval_order_error(resolved, update)
     auto_bound = None
     if update == "auto":
         auto_bound = config.max_update_interval if resolved == 0 else min(resolved, config.max_update_interval)

@@ -12,7 +12,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 
-from .device_model import _CHAOS, Chaos, Timeline
+from .device_model import Chaos, Timeline, chaos_in_force
 
 __all__ = ["Timeline", "chaos"]
 
@@ -59,8 +59,5 @@ def chaos(seed: int = 0, max_delay: float = 0.005, *, d2h_bytes_per_s: float | N
     settings = Chaos(seed=seed, max_delay=float(max_delay),
                      d2h_bytes_per_s=None if d2h_bytes_per_s is None else float(d2h_bytes_per_s),
                      h2d_bytes_per_s=None if h2d_bytes_per_s is None else float(h2d_bytes_per_s), timeline=timeline)
-    token = _CHAOS.set(settings)
-    try:
+    with chaos_in_force(settings):
         yield settings
-    finally:
-        _CHAOS.reset(token)

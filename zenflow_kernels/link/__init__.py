@@ -62,11 +62,11 @@ from .completions import Event, Future, new_worker
 from .completions import _submit as _submit  # (tests queue jobs of their own on an engine's workers)
 from .cpu import CpuLink, add_scaled
 from .cuda_engine import CudaEngine, clear_cuda_error, cuda_error_text, page_aligned_zeros, pinned_sizes
-from .factory import host_alloc, make_engine, make_link, make_link_for_params
+from .factory import host_alloc, make_engine, make_link
 from .thread_engine import ThreadEngine
 
 __all__ = [
     "AsyncLink", "Chaos", "CpuLink", "CudaEngine", "Event", "Future", "ThreadEngine", "add_scaled", "clear_cuda_error",
-    "cuda_error_text", "host_alloc", "make_engine", "make_link", "make_link_for_params", "new_worker",
+    "cuda_error_text", "host_alloc", "make_engine", "make_link", "new_worker",
     "page_aligned_zeros", "pinned_sizes",
 ]

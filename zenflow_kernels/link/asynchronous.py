@@ -12,7 +12,7 @@ import torch
 
 from .. import ops
 from ..ablations import ablations
-from ..device_model import _Delays, recorded
+from ..device_model import Delays, recorded
 from ..host import HostShard
 from .base import _Link
 from .completions import Future, _submit, new_worker
@@ -27,7 +27,7 @@ class AsyncLink(_Link):
     """Landing bytes one fold job adds into the sums: the next backward's hooks each wait only for the job that
     reads their gradient's place, in the order they fired (a class attribute; tests shrink it)."""
 
-    def __init__(self, host: HostShard, engine, *, kind: str, delays: _Delays | None = None, **kwargs):
+    def __init__(self, host: HostShard, engine, *, kind: str, delays: Delays | None = None, **kwargs):
         super().__init__(host, thread_setup=engine.thread_setup, **kwargs)
         self.kind = kind
         self.moves_state = engine.moves_state

@@ -126,7 +126,7 @@ class _Link:
 
     @property
     def failed(self) -> bool:
-        return any(w._failed is not None for w in self.workers)
+        return any(w.failure is not None for w in self.workers)
 
     def check(self) -> None:
         """Re-raise a background failure seen earlier (a failed link stays failed)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..device_model import _Delays
+from ..device_model import Delays
 from ..host import HostWorker
 
 
@@ -54,6 +54,6 @@ def _nothing() -> None:
     return None
 
 
-def _submit(worker: HostWorker, fn: Callable, delays: _Delays | None) -> Future:
+def _submit(worker: HostWorker, fn: Callable, delays: Delays | None) -> Future:
     """Queue ``fn`` on ``worker`` (with chaos delays around it, if any); its completion."""
     return Future(worker, worker.submit(delays.wrap(fn) if delays is not None else fn))

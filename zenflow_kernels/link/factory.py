@@ -7,17 +7,16 @@ The optimizer builds the host shard between the two calls, the engine's allocato
                      landing=landing and engine is not None)
     link = make_link(host, engine, overlap=overlap, host_threads=host_threads, cores=cores, timeout=timeout)
 
-(:func:`make_link_for_params` does exactly that; ``make_link(params, groups, device, ...)``, the former form, still
-goes there until the optimizer calls the three steps itself.)
+(``zenflow_kernels.optim.build.make_host_and_link`` does exactly that.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
-from ..device_model import Chaos, _Delays
+from ..device_model import Chaos, Delays
 from ..host import HostShard
 from .asynchronous import AsyncLink
 from .cpu import CpuLink
@@ -35,7 +34,7 @@ def make_engine(device: torch.device, *, chaos: Chaos | None,
         return CudaEngine(device)
     if chaos is None:
         return None
-    delays = _Delays(chaos) if chaos.max_delay > 0 else None
+    delays = Delays(chaos) if chaos.max_delay > 0 else None
     return ThreadEngine(timeout=timeout, delays=delays, d2h_bytes_per_s=chaos.d2h_bytes_per_s,
                         h2d_bytes_per_s=chaos.h2d_bytes_per_s, timeline=chaos.timeline)
 
@@ -46,23 +45,12 @@ def host_alloc(engine: CudaEngine | ThreadEngine | None) -> dict[str, Callable[[
     return {"alloc": engine.alloc} if engine is not None else {}
 
 
-def make_link(host: HostShard, engine, *former, overlap: bool, host_threads: int, cores, timeout: float | None,
-              **former_kwargs):
+def make_link(host: HostShard, engine, *, overlap: bool, host_threads: int, cores, timeout: float | None):
     """The link over ``host`` (a :class:`~zenflow_kernels.host.HostShard`) and ``engine`` (:func:`make_engine`'s):
     None -> :class:`CpuLink`; a :class:`CudaEngine` -> ``AsyncLink(kind="cuda")``; a :class:`ThreadEngine` ->
     ``AsyncLink(kind="cpu-async")`` with the engine's delays on its workers too. ``overlap``: a host update runs on
     a worker of ``host_threads`` numba threads pinned to ``cores`` (the accumulate worker too); ``timeout``: the
-    longest wait for one job.
-
-    The former form ``make_link(params, groups, device, *, ..., chaos, indices=None, num_acc=None, disk=None,
-    landing=True)`` (first argument not a HostShard) is :func:`make_link_for_params`'s, until the optimizer moves to
-    the new one."""
-    if not isinstance(host, HostShard):
-        return make_link_for_params(host, engine, *former, overlap=overlap, host_threads=host_threads, cores=cores,
-                                    timeout=timeout, **former_kwargs)
-    if former or former_kwargs:
-        raise TypeError(f"make_link(host, engine, *, overlap, host_threads, cores, timeout): unexpected arguments "
-                        f"{former!r} {sorted(former_kwargs)!r}")
+    longest wait for one job."""
     common = dict(overlap=overlap, host_threads=host_threads, cores=cores, timeout=timeout)
     if engine is None:
         return CpuLink(host, **common)
@@ -71,40 +59,3 @@ def make_link(host: HostShard, engine, *former, overlap: bool, host_threads: int
     if isinstance(engine, ThreadEngine):
         return AsyncLink(host, engine, kind="cpu-async", delays=engine.delays, **common)
     raise TypeError(f"make_link: engine={engine!r} is invalid: allowed None, a CudaEngine or a ThreadEngine")
-
-
-def make_link_for_params(
-    params: Sequence[torch.Tensor],
-    groups: Sequence[int],
-    device: torch.device,
-    *,
-    overlap: bool,
-    host_threads: int,
-    cores,
-    timeout: float | None,
-    chaos: Chaos | None,
-    indices: Sequence[int] | None = None,
-    num_acc: int | None = None,
-    disk=None,
-    landing: bool = True,
-):
-    """The former ``make_link``: engine, host shard and link for parameters on ``device`` in one call (the module's
-    docstring shows the three steps). ``indices``: the parameters whose host state this rank holds (ZeRO; default
-    all). ``num_acc``: accumulation buffers (default 2 with ``overlap``, else 1). ``disk``: ``disk(numel)`` makes
-    the state file of an NVMe host (HostShard). ``landing``: an asynchronous link's gradients cross through a
-    landing area (False: they never cross per step, the sums being on the device; the synchronous link has none).
-    ``make_engine`` and ``make_link`` are looked up on the package, where tests replace them (as the optimizer
-    does)."""
-    from .. import link as package
-
-    engine = package.make_engine(device, chaos=chaos, timeout=timeout)
-    if num_acc is None:
-        num_acc = 2 if overlap else 1
-    try:
-        host = HostShard(params, groups, num_acc=num_acc, **host_alloc(engine), indices=indices, disk=disk,
-                         landing=landing and engine is not None)
-    except BaseException:
-        if engine is not None:
-            engine.close()  # (its threads, its page-locked buffers: nothing else holds them)
-        raise
-    return package.make_link(host, engine, overlap=overlap, host_threads=host_threads, cores=cores, timeout=timeout)

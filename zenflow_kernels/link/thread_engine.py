@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..device_model import Timeline, _Delays, modeled_copy
+from ..device_model import Delays, Timeline, modeled_copy
 from .completions import Future, _nothing, _submit, new_worker
 
 
@@ -18,7 +18,7 @@ class ThreadEngine:
 
     moves_state = True
 
-    def __init__(self, *, timeout: float | None, delays: _Delays | None, d2h_bytes_per_s: float | None = None,
+    def __init__(self, *, timeout: float | None, delays: Delays | None, d2h_bytes_per_s: float | None = None,
                  h2d_bytes_per_s: float | None = None, timeline: Timeline | None = None):
         self.delays = delays  # chaos delays around every job (None: none); the link's workers take them too
         # the modeled device: each copy job takes bytes / bandwidth on its thread (device_model.py)

@@ -16,7 +16,7 @@ from .run import Run
 from .sums import host_buffers
 
 __all__ = ["PARAM_DTYPES", "check_arguments", "check_params", "choose_sharding", "rank_cores", "make_host_and_link",
-           "make_run", "training_threads"]
+           "make_run", "shutdown", "training_threads"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -142,3 +142,13 @@ def make_host_and_link(local, group_of, device, *, config, cores: dict, timeout,
     link = link_module.make_link(host, engine, overlap=config.overlap_step, host_threads=host_threads(cores, device),
                                  cores=cores["host"], timeout=timeout)
     return host, link
+
+
+def shutdown(link, torch_threads: int | None, hooks) -> None:
+    """The optimizer's finalizer: remove its backward hooks, stop the link's workers, give training its threads
+    back."""
+    for handle in hooks:
+        handle.remove()
+    link.close()
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)

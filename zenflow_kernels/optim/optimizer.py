@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 import warnings
 import weakref
@@ -23,7 +22,7 @@ import torch
 from ..ablations import ablations
 from ..config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings, num_selected
 from ..device_model import current_chaos
-from ..handover import HandOver, handover_mode
+from ..handover import HandOver, grad_ready_hook, handover_mode
 from ..schedule import Schedule, resolve_schedule
 from ..sharding import Sharding, world_of
 from . import build, checkpoint
@@ -206,10 +205,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                                               ablations.early_handover)
         hooks = []
         if self.handover.mode == "on" or self._shard.consumes_hooks:
-            ref = weakref.ref(self)
-            hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
+            ref = weakref.WeakMethod(self._grad_ready)  # (the hooks must not keep the optimizer alive)
+            hooks = [p.register_post_accumulate_grad_hook(grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
         # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
-        self._finalizer = weakref.finalize(self, _shutdown, link, self._saved_torch_threads, hooks)
+        self._finalizer = weakref.finalize(self, build.shutdown, link, self._saved_torch_threads, hooks)
         self._built = True
 
     def _grad_ready(self, i: int) -> None:
@@ -624,25 +623,3 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._built = False
         self.state.clear()
 
-
-def _grad_ready_hook(ref: weakref.ref, i: int):
-    def hook(p: torch.Tensor) -> None:
-        autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # (imported by whoever enables it)
-        if autograd is not None and autograd.in_compiled_autograd_region:
-            raise RuntimeError(
-                "ZenFlowAdamW: a backward traced by compiled autograd (torch._dynamo.config.compiled_autograd) is "
-                "not supported: the optimizer's gradient hooks copy to the host and keep books in Python, which a "
-                "graph cannot hold. Run backward eagerly; torch.compile(model) still compiles forward and backward")
-        opt = ref()  # a weak reference: the hook must not keep the optimizer alive
-        if opt is not None:
-            opt._grad_ready(i)
-
-    return hook
-
-
-def _shutdown(link, torch_threads: int | None, hooks) -> None:
-    for handle in hooks:
-        handle.remove()
-    link.close()
-    if torch_threads is not None:
-        torch.set_num_threads(torch_threads)

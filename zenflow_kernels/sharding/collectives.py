@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..device_model import Chaos, _Delays
+from ..device_model import Chaos, Delays
 
 __all__ = ["Collectives", "ZeroCollectiveError", "world_of"]
 
@@ -83,7 +83,7 @@ class Collectives:
         self._delays = None
         if chaos is not None and chaos.max_delay > 0:
             seed_rank = self.rank if every is None else dist.get_rank()
-            self._delays = {name: _Delays(Chaos(seed=chaos.seed * 7919 + 2 * seed_rank + k, max_delay=chaos.max_delay))
+            self._delays = {name: Delays(Chaos(seed=chaos.seed * 7919 + 2 * seed_rank + k, max_delay=chaos.max_delay))
                             for k, name in enumerate(("train", "host"))}
 
     # -- one collective ----------------------------------------------------------------------------
@@ -139,6 +139,11 @@ class Collectives:
         self._run(kind, "broadcast", tensor,
                   lambda: dist.broadcast(tensor, src=src_global, group=self._train, async_op=True))
         return tensor
+
+    @property
+    def train_group(self):
+        """The group the training ranks' own collectives run on (the gradients' reductions)."""
+        return self._train
 
     # -- what the optimizer asks for ---------------------------------------------------------------
 

@@ -260,8 +260,8 @@ class BucketReducer:
         self._started[b] = (self._reduce(flat, members), flat, members, [(g, g._version) for g in grads])
 
     def _reduce(self, flat: torch.Tensor, members: list[int]) -> tuple:
-        dst = dist.get_global_rank(self.ctx._train, self.ctx.owner[members[0]])
-        group = self.ctx._train
+        group = self.ctx.train_group
+        dst = dist.get_global_rank(group, self.ctx.owner[members[0]])
         return self.ctx.start("gradients", "reduce", flat,
                               lambda: dist.reduce(flat, dst=dst, group=group, async_op=True))
 
