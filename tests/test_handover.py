@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.handover import HandOver
 from zenflow_kernels.link import AsyncLink
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import Timeline, chaos
@@ -140,6 +141,23 @@ def test_hooks_copy_during_backward_with_the_synchronous_bits(seed, overlap, max
     # are dropped
     step_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
     assert stats["d2h_bytes_in_backward"] == 12 * step_bytes and stats["d2h_bytes_unused"] == step_bytes
+
+
+def test_isolated_rewrites_leave_the_hand_over_on_and_three_in_a_row_switch_it_off():
+    """The policy itself (handover.py): a step where most of what the hooks copied was copied again counts as a
+    rewrite; isolated ones (a repaired NaN, clipping on a spike) leave the hand-over on however many there are,
+    ``REWRITES_BEFORE_OFF`` in a row switch it off with the step named. Steps whose hooks copied nothing (all
+    crossed at step()) neither count nor reset."""
+    policy = HandOver("on", "why")
+    for t in range(30):
+        assert policy.copy_now(0)
+        policy.stepped(t, 100, 100 if t % 3 == 0 else 10)  # a rewrite every third step
+        assert policy.mode == "on", t
+    policy.stepped(30, 0, 0)  # (nothing copied by hooks: not a step to learn from)
+    for t in range(31, 31 + HandOver.REWRITES_BEFORE_OFF):
+        assert policy.mode == "on"
+        policy.stepped(t, 100, 60)
+    assert policy.mode == "off" and policy.why.startswith(f"step {30 + HandOver.REWRITES_BEFORE_OFF}:")
 
 
 @pytest.mark.parametrize("seed", [0, 1])

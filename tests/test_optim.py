@@ -868,6 +868,33 @@ def test_matches_reference_with_gradients_missing_in_some_intervals(device, over
         assert opt.host_updates == ref.host_updates
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_vector_joining_the_fast_path_between_selections_is_stepped_from_then_on(device, overlap):
+    """A vector first gets a gradient after warm-up at a step with no selection (its first zenflow step): it joins
+    the fast path there with the host's state, and the fast step's plan (laid out once per selection) includes
+    it from that step on, as the reference does."""
+    grads = grad_sequence(16)
+    for t, step in enumerate(grads):
+        if 1 <= t <= 4:
+            step[1] = None  # a vector: its first gradient after warm-up at step 5
+        if 1 <= t <= 2:
+            step[3] = None  # another: at step 3
+    zenflow = dict(topk_ratio=0.2, select_strategy="step", select_interval=8, update_interval=2,
+                   overlap_step=overlap, full_warm_up_rounds=1)
+    zp, rp = make_params(device=device), make_params()
+    ref = ReferenceZenFlow(rp, **HYPER, zenflow=zenflow)
+    with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
+        for t, step_grads in enumerate(grads):
+            for p, q, g in zip(zp, rp, step_grads, strict=True):
+                p.grad = None if g is None else g.to(device, copy=True)
+                q.grad = None if g is None else g.clone()
+            opt.step()
+            ref.step()
+            for i, (p, q) in enumerate(zip(snapshot(zp), rp, strict=True)):
+                torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, t=t, i=i: f"{t} {i}: {m}")
+        assert opt.stats()["selection_steps"] == [1, 9]
+
+
 def test_state_dict_waits_for_the_host_update_in_flight(device, monkeypatch):
     """Saving drains the overlapped host update: a slow one must be finished before master and moments
     are read, or the checkpoint holds half an interval."""

@@ -39,6 +39,7 @@ FAST = ("tests/test_optim_api.py", "tests/test_optim.py")
 FAST_K = "not chaos1 and not chaos2 and not interpreter_exits and not every_backend"
 INTEGRATIONS = ("tests/test_integrations.py",)
 ZERO = ("tests/test_zero.py",)
+HANDOVER = ("tests/test_handover.py",)
 # the spawned two-rank cases against one rank and the reference, ZeRO-2's hooks and reloads
 ZERO_K = "two_ranks_match or stage2_keeps or spans_start_past"
 
@@ -219,6 +220,35 @@ BUGS = [
         "        numbers = [(h[\"lr\"], h[\"weight_decay\"]) for h in hyper]\n",
         "        numbers = [(hyper[0][\"lr\"], hyper[0][\"weight_decay\"]) for h in hyper]\n",
         "the fast path uses the first param group's lr and weight decay for every parameter",
+    ),
+    # -- the hand-over's bookkeeping (handover.py: one owner since the optimizer became a facade) ----------------
+    Bug(
+        "handover-copies-every-firing",
+        "zenflow_kernels/handover.py",
+        "        return self.mode == \"on\" and n >= self.backwards\n",
+        "        return self.mode == \"on\"\n",
+        "undeclared micro-batches: every backward's hooks copy their gradients, not only the last one's (the "
+        "learned backward count is ignored): each earlier copy crosses PCIe for nothing",
+        tests=HANDOVER, k=None,
+    ),
+    Bug(
+        "handover-skip-keeps-firings",
+        "zenflow_kernels/handover.py",
+        "        \"\"\"The batch was dropped before ``step()`` (``zero_grad()``): nothing to learn from it.\"\"\"\n"
+        "        self._fires.clear()\n",
+        "        \"\"\"The batch was dropped before ``step()`` (``zero_grad()``): nothing to learn from it.\"\"\"\n",
+        "a batch skipped with zero_grad() before step() counts its backward passes into the next step's, so the "
+        "next step learns one backward too many and its last backward's hooks copy nothing",
+        tests=HANDOVER, k=None,
+    ),
+    Bug(
+        "handover-rewrites-never-reset",
+        "zenflow_kernels/handover.py",
+        "        self._rewrites = self._rewrites + 1 if 2 * unused > copied else 0\n",
+        "        self._rewrites = self._rewrites + 1 if 2 * unused > copied else self._rewrites\n",
+        "occasional rewrites (a repaired NaN, clipping on a spike) add up over the run instead of needing "
+        "REWRITES_BEFORE_OFF steps in a row: the hand-over switches off for good after three isolated ones",
+        tests=HANDOVER, k=None,
     ),
 ]
 
