@@ -684,8 +684,8 @@ def test_chaos_refuses_bad_device_models(kwargs, match):
 def test_a_model_many_times_a_fold_job_hides_its_transfer_behind_backward():
     """The modeled device (issue 23): a model 12x a fold job of 4 MiB, copies at a bandwidth where a step's
     transfer takes 60% of backward. What the transfer adds to the training thread, per step: with hand-over
-    from hooks <= 25% of the transfer time; copying at step() (EARLY_HANDOVER off) >= 50% of it, which shows the
-    measurement can fail. Measured as the training thread's waits on the link (in hooks, at backward's end and
+    from hooks <= 25% of the transfer time; copying at step() (ablations.early_handover off) >= 50% of it, which
+    shows the measurement can fail. Measured as the training thread's waits on the link (in hooks, at backward's end and
     in step()) against the same variant's step without the bandwidth model taken just before it
     (bench.overlap.measure_size): the modeled copies are sleeps on the copy thread, so waiting for them is the
     only way they can delay training, and the waits are the link's own clock, not a wall-clock difference that

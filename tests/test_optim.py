@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -736,6 +737,31 @@ def test_no_thread_outlives_the_optimizer(two_torch_threads):
         time.sleep(0.05)
     assert not zenflow_threads()
     assert torch.get_num_threads() == threads_before  # the finalizer restored torch's threads too
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_dropped_optimizer_is_freed_at_once_without_the_cycle_collector(asynchronous):
+    """The parts hold the optimizer's param groups and state, the backward hooks a weak method: no reference cycle
+    runs through the optimizer, so dropping the last reference runs its finalizer at once (workers stopped, hooks
+    removed), not at some later garbage collection."""
+    zenflow = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2, overlap_step=True)
+    params = make_params()
+    with chaos(seed=0, max_delay=0) if asynchronous else contextlib.nullcontext():
+        opt = ZenFlowAdamW(params, **HYPER, zenflow=zenflow)
+    drive(opt, params, grad_sequence(5))
+    assert zenflow_threads() and opt.stats()["handover"] == ("on" if asynchronous else "off")
+    ref = weakref.ref(opt)
+    gc.disable()
+    try:
+        del opt
+        assert ref() is None
+    finally:
+        gc.enable()
+    deadline = time.time() + 10
+    while zenflow_threads() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not zenflow_threads()
+    assert all(not p._post_accumulate_grad_hooks for p in params)
 
 
 def test_interpreter_exits_with_an_open_optimizer():

@@ -10,6 +10,7 @@ Moving data is the link's (``zenflow_kernels.link``); this package holds no stre
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import warnings
@@ -199,8 +200,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.fast_path = self.fast_path_class(run, offload=cfg.offload and link.moves_state,
                                               bucket_numel=self.OFFLOAD_BUCKET_NUMEL)
         self.selection = self.selection_class(run, self.fast_path, seed_from_host=self._seed_from_host)
+        # (the parts hold the optimizer's param groups and state, never the optimizer: no cycle delays its finalizer)
         self.interval = self.interval_class(run, make_sums(run), overlap=cfg.overlap_step,
-                                            hyper=lambda: hyper(self.param_groups))
+                                            hyper=functools.partial(hyper, self.param_groups))
         self.handover.mode, self.handover.why = handover_mode(link, self._shard, cfg.device_accumulation,
                                                               ablations.early_handover)
         hooks = []
