@@ -19,6 +19,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402  (after the environment above)
 
 
+def pytest_configure(config):
+    """Before pytest-xdist starts its workers: compile and cache the numba kernels once (tests/numba_warmup.py), so
+    that no two processes create the same cache entry at the same time (numba/numba#4807)."""
+    if hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None) in (None, 0):
+        return  # a worker, or one process (nothing races)
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent / "numba_warmup.py"
+    root = script.parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, str(script)], cwd=root, env=env, check=True, timeout=900)
+
+
 @pytest.fixture
 def host_workers_made(monkeypatch):
     """The keyword arguments of every HostWorker the link package creates from here on (threads, cores,
