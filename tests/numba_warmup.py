@@ -7,6 +7,7 @@ other process starts; later processes only read them."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import warnings
 
@@ -31,7 +32,7 @@ def warm() -> None:
                         torch.randn(64).to(dtype))]
                     zen = dict(topk_ratio=0.25, select_strategy="step", select_interval=2, update_interval=2,
                                full_warm_up_rounds=1, **settings)
-                    with chaos(seed=0, max_delay=0) if asynchronous else _nothing():
+                    with chaos(seed=0, max_delay=0) if asynchronous else contextlib.nullcontext():
                         opt = ZenFlowAdamW(params, zenflow=zen, max_grad_norm=1.0)
                     with opt:
                         for _ in range(4):
@@ -48,14 +49,6 @@ def warm() -> None:
                         opt.step()
             x = torch.randn(1000).to(dtype)
             cpu_ops.sum_squares(x)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

@@ -866,6 +866,23 @@ def test_selection_telemetry_is_exact_on_a_constructed_run(device):
     assert s["score_mass_captured"] == [pytest.approx(54 / 66)] * 3
 
 
+def _beside_the_reference(device, zenflow, grads):
+    """Step ZenFlowAdamW and ReferenceZenFlow side by side on ``grads`` (None: no gradient that step), every
+    parameter within the bound of a step; returns both (the optimizer closed)."""
+    zp, rp = make_params(device=device), make_params()
+    ref = ReferenceZenFlow(rp, **HYPER, zenflow=zenflow)
+    with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
+        for t, step_grads in enumerate(grads):
+            for p, q, g in zip(zp, rp, step_grads, strict=True):
+                p.grad = None if g is None else g.to(device, copy=True)
+                q.grad = None if g is None else g.clone()
+            opt.step()
+            ref.step()
+            for i, (p, q) in enumerate(zip(snapshot(zp), rp, strict=True)):
+                torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, t=t, i=i: f"{t} {i}: {m}")
+    return opt, ref
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_matches_reference_with_gradients_missing_in_some_intervals(device, overlap):
     """Parameters that miss gradients get fewer in an interval than their flat neighbours: their mean is
@@ -880,18 +897,8 @@ def test_matches_reference_with_gradients_missing_in_some_intervals(device, over
             step[1] = None  # a vector
     zenflow = dict(topk_ratio=0.2, select_strategy="step", select_interval=8, update_interval=4,
                    overlap_step=overlap, full_warm_up_rounds=1)
-    zp, rp = make_params(device=device), make_params()
-    ref = ReferenceZenFlow(rp, **HYPER, zenflow=zenflow)
-    with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
-        for t, step_grads in enumerate(grads):
-            for p, q, g in zip(zp, rp, step_grads, strict=True):
-                p.grad = None if g is None else g.to(device, copy=True)
-                q.grad = None if g is None else g.clone()
-            opt.step()
-            ref.step()
-            for i, (p, q) in enumerate(zip(snapshot(zp), rp, strict=True)):
-                torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, t=t, i=i: f"{t} {i}: {m}")
-        assert opt.host_updates == ref.host_updates
+    opt, ref = _beside_the_reference(device, zenflow, grads)
+    assert opt.host_updates == ref.host_updates
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -907,18 +914,8 @@ def test_a_vector_joining_the_fast_path_between_selections_is_stepped_from_then_
             step[3] = None  # another: at step 3
     zenflow = dict(topk_ratio=0.2, select_strategy="step", select_interval=8, update_interval=2,
                    overlap_step=overlap, full_warm_up_rounds=1)
-    zp, rp = make_params(device=device), make_params()
-    ref = ReferenceZenFlow(rp, **HYPER, zenflow=zenflow)
-    with ZenFlowAdamW(zp, **HYPER, zenflow=zenflow) as opt:
-        for t, step_grads in enumerate(grads):
-            for p, q, g in zip(zp, rp, step_grads, strict=True):
-                p.grad = None if g is None else g.to(device, copy=True)
-                q.grad = None if g is None else g.clone()
-            opt.step()
-            ref.step()
-            for i, (p, q) in enumerate(zip(snapshot(zp), rp, strict=True)):
-                torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, t=t, i=i: f"{t} {i}: {m}")
-        assert opt.stats()["selection_steps"] == [1, 9]
+    opt, _ = _beside_the_reference(device, zenflow, grads)
+    assert opt.stats()["selection_steps"] == [1, 9]
 
 
 def test_state_dict_waits_for_the_host_update_in_flight(device, monkeypatch):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..ablations import ablations
-from ..config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings, num_selected
+from ..config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings
 from ..device_model import current_chaos
 from ..handover import HandOver, grad_ready_hook, handover_mode
 from ..schedule import Schedule, resolve_schedule
@@ -556,15 +556,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self.run.link.synchronize()  # accumulation, write-backs and offloaded state have all landed
         packed = checkpoint.pack(self.run if self._built else None, self.interval, consolidated=consolidated,
                                  groups=checkpoint.pack_groups(self.param_groups, self._group_of), zenflow=zenflow)
-        out = self._shard.export_state_dict(packed, self.run.local if self._built else None, self._topk)
+        out = self._shard.export_state_dict(packed, self.run.local if self._built else None,
+                                            self.run.topk if self._built else None)
         for hook in self._optimizer_state_dict_post_hooks.values():
             out = hook(self, out) or out
         return out
-
-    def _topk(self, i: int) -> int:
-        """Matrix ``i``'s number of selected columns (its param group's ``topk_ratio``)."""
-        return num_selected(self.param_groups[self._group_of[i]].get("topk_ratio", self.config.topk_ratio),
-                            self._params[i].shape[1])
 
     def consolidated_state_dict(self) -> dict:
         """Under ZeRO: one state dict holding every rank's host state, loadable by ``load_state_dict`` at

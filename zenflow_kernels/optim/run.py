@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .._memory import gather_columns
-from ..config import ZenFlowConfig
+from ..config import ZenFlowConfig, num_selected
 from ..host import HostShard
 from ..sharding import Sharding
 from .telemetry import Telemetry
@@ -38,6 +38,10 @@ class Run:
     def setting(self, i: int, name: str):
         """Parameter ``i``'s ``topk_ratio`` or ``importance``: its param group's, else the optimizer's."""
         return self.param_groups[self.group_of[i]].get(name, getattr(self.config, name))
+
+    def topk(self, i: int) -> int:
+        """Matrix ``i``'s number of selected columns (its ``topk_ratio`` of its columns)."""
+        return num_selected(self.setting(i, "topk_ratio"), self.params[i].shape[1])
 
     def fast_state(self, i: int) -> dict:
         """Parameter ``i``'s ``state`` entry (the fast path's Adam state, its selected columns, the auto vote)."""

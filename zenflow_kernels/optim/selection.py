@@ -11,7 +11,6 @@ import torch
 
 from .. import ops
 from .._memory import gather_columns
-from ..config import num_selected
 from .fast_path import FastPath
 from .run import Run
 
@@ -55,7 +54,7 @@ class Selection:
         """New columns for these matrices at step ``t``; state moves with the columns that stay."""
         run = self.run
         importances, scores = self.scores(indices, scale, inv_scale)
-        ks = [num_selected(run.setting(i, "topk_ratio"), run.params[i].shape[1]) for i in indices]
+        ks = [run.topk(i) for i in indices]
         chosen = self.choose(t, indices, importances, scores, ks)
         jaccards, captured, total = [], 0.0, 0.0
         returning: list = []  # columns leaving the fast path for the host master (on disk: in one pass, after)
