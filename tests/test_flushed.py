@@ -181,7 +181,7 @@ def test_a_callback_that_never_restores_is_caught_at_the_next_step():
     model, opt = make(torch.float32, "sync")
     with opt:
         opt.hold_flushed(True)  # before the first step (Lightning's sanity-check validation): nothing held
-        assert not opt._flushed_held
+        assert not opt.flushed_weights.held
         train(model, opt, batches[:5])
         opt.hold_flushed(True)
         with pytest.warns(ZenFlowWarning, match="still in place when this step's forward ran"):

@@ -46,13 +46,13 @@ def test_modules_are_small_and_the_optimizer_is_a_facade():
     """At most ~600 lines a module; the one exception is cpu_ops/_kernels.py, which holds every numba kernel in
     one file on purpose (numba's cache is invalidated only by a change to the file that defines a kernel, not to a
     helper in another file: its docstring). ``ZenFlowAdamW`` itself (the torch surface and step()'s order of calls,
-    about half of it docstrings) stays under 600 lines; its parts are in optim/."""
+    about half of it docstrings) is at most 500 lines; its parts are in optim/."""
     sizes = layout.sizes()
-    over = {name: n for name, n in sizes.items() if n > 650 and name != "zenflow_kernels.cpu_ops._kernels"}
+    over = {name: n for name, n in sizes.items() if n > 600 and name != "zenflow_kernels.cpu_ops._kernels"}
     assert over == {}
     tree = ast.parse((ROOT / "zenflow_kernels" / "optim" / "optimizer.py").read_text())
     facade = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ZenFlowAdamW")
-    assert facade.end_lineno - facade.lineno < 600
+    assert facade.end_lineno - facade.lineno + 1 <= 500
     assert {"selection_class", "fast_path_class", "interval_class"} <= {
         t.id for n in facade.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
 

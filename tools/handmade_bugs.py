@@ -104,8 +104,8 @@ BUGS = [
     Bug(
         "stage2-hooks-not-registered",
         "zenflow_kernels/optim/optimizer.py",
-        'if self.handover.mode == "on" or self._shard.consumes_hooks:',
-        'if self.handover.mode == "on":',
+        'if self.handover.mode == "on" or self._shard.consumes_hooks else []',
+        'if self.handover.mode == "on" else []',
         "(b) ZeRO-2 registers no backward hooks: every reduction starts in step(), none overlaps backward",
         tests=ZERO, k=ZERO_K,
     ),

@@ -21,9 +21,10 @@ A batch skipped with ``zero_grad()`` before ``step()`` or a skipped step leaves 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 __all__ = ["HandOver", "grad_ready_hook", "handover_mode"]
 
@@ -52,6 +53,15 @@ class HandOver:
         else:
             raise TypeError(f"ZenFlowAdamW.set_requires_gradient_sync: requires_gradient_sync={requires_sync!r} is "
                             "invalid: allowed True, False or a callable returning one")
+
+    @contextlib.contextmanager
+    def not_final(self) -> Iterator[None]:
+        """``ZenFlowAdamW.no_sync``: the backward passes of the block are not the last before ``step()``."""
+        before, self.requires_sync = self.requires_sync, False
+        try:
+            yield
+        finally:
+            self.requires_sync = before
 
     def final(self) -> bool:
         """The backward running now is, as declared, the last before ``step()``."""

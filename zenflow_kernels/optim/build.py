@@ -10,13 +10,14 @@ import torch
 
 from .. import cpu_ops
 from .. import link as link_module
+from ..handover import grad_ready_hook
 from ..host import HostShard
 from ..sharding import FSDP2, Sharding, Zero1, Zero2, fsdp2_mesh
 from .run import Run
 from .sums import host_buffers
 
-__all__ = ["PARAM_DTYPES", "check_arguments", "check_params", "choose_sharding", "rank_cores", "make_host_and_link",
-           "make_run", "shutdown", "training_threads"]
+__all__ = ["PARAM_DTYPES", "check_arguments", "index_params", "check_params", "choose_sharding", "rank_cores",
+           "make_host_and_link", "make_run", "grad_hooks", "shutdown", "training_threads"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -34,6 +35,13 @@ def check_arguments(zero_stage, collective_timeout, release_gradients) -> None:
         raise ValueError(f"ZenFlowAdamW: release_gradients={release_gradients!r} with zero_stage={zero_stage} is "
                          "invalid: allowed None, or True/False with zero_stage=2 (only stage 2 reduces each "
                          "gradient to one owner)")
+
+
+def index_params(param_groups: list[dict]) -> tuple[list[torch.Tensor], list[int]]:
+    """The parameters of every group in order, and each one's group, checked (:func:`check_params`)."""
+    params = [p for g in param_groups for p in g["params"]]
+    check_params(params)
+    return params, [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
 
 
 def check_params(params: list[torch.Tensor]) -> None:
@@ -116,10 +124,17 @@ def training_threads(config, cores: dict) -> int | None:
     return saved
 
 
-def make_run(params, local, group_of, param_groups, state, config, device, shard, telemetry, *,
-             cores: dict,
-             timeout, chaos, nvme_block: int, nvme_direct: bool) -> Run:
-    """The host shard, the link and the context the parts share (:class:`Run`)."""
+def make_run(params, group_of, param_groups, state, config, shard, telemetry, *, timeout, chaos, nvme_block: int,
+             nvme_direct: bool) -> Run:
+    """The first step's setup: the CPUs of training and of the host worker, the sharding started, the host shard
+    laid out, the link and the context the parts share (:class:`Run`)."""
+    device = params[0].device if params else torch.device("cpu")
+    cores = split_cores(config, device)
+    shard.start(params, group_of, device, chaos)
+    local = [shard.local(p) for p in params]  # the parameters, or (FSDP2) this rank's rows
+    for p in params:  # a built optimizer has state: torch.distributed.checkpoint would otherwise
+        state.setdefault(p, {})  # run a (learning rate 0) step to create it
+    torch_threads = training_threads(config, cores)
     disk = None
     if config.offload_device == "nvme":
         from ..state_files import StateFiles
@@ -129,7 +144,8 @@ def make_run(params, local, group_of, param_groups, state, config, device, shard
     host, link = make_host_and_link(local, group_of, device, config=config, cores=cores, timeout=timeout, chaos=chaos,
                                     owned=shard.owned, num_acc=host_buffers(config), disk=disk)
     shard.use_host_memory(link.alloc)  # ZeRO: the write-back's receive buffers (pinned on a GPU)
-    return Run(params, local, group_of, param_groups, state, config, device, shard, link, host, telemetry)
+    return Run(params, local, group_of, param_groups, state, config, device, shard, link, host, telemetry, cores,
+               torch_threads)
 
 
 def make_host_and_link(local, group_of, device, *, config, cores: dict, timeout, chaos, owned, num_acc: int, disk):
@@ -142,6 +158,12 @@ def make_host_and_link(local, group_of, device, *, config, cores: dict, timeout,
     link = link_module.make_link(host, engine, overlap=config.overlap_step, host_threads=host_threads(cores, device),
                                  cores=cores["host"], timeout=timeout)
     return host, link
+
+
+def grad_hooks(params, grad_ready) -> list:
+    """``grad_ready(i)`` from each parameter's post-accumulate-grad hook (``grad_ready``: a ``WeakMethod``, so the
+    hooks do not keep the optimizer alive)."""
+    return [p.register_post_accumulate_grad_hook(grad_ready_hook(grad_ready, i)) for i, p in enumerate(params)]
 
 
 def shutdown(link, torch_threads: int | None, hooks) -> None:

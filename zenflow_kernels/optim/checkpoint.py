@@ -24,7 +24,7 @@ from ..schedule import Schedule
 from .interval import HostInterval
 from .run import Run
 
-__all__ = ["FORMAT", "COUNTERS", "pack", "Loaded", "unpack", "restore", "unpack_adam", "restore_adam"]
+__all__ = ["FORMAT", "COUNTERS", "header", "pack", "Loaded", "read", "unpack", "restore", "unpack_adam", "restore_adam"]
 
 FORMAT = 2
 """The format this version writes; it reads formats 1 and 2."""
@@ -34,6 +34,15 @@ COUNTERS = ("t", "skipped_steps", "host_updates", "selections", "steps_accumulat
 _FAST_STATE_KEYS = frozenset({"exp_avg", "exp_avg_sq", "master"})
 _HOST_KEYS = frozenset({"host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "acc", "acc_count", "pending",
                         "unflushed"})
+
+
+def header(counters: dict, *, config: ZenFlowConfig, schedule: Schedule, max_grad_norm, seed_from_host: bool,
+           zero_stage: int, shard, consolidated: bool) -> dict:
+    """The ``zenflow`` entry but ``format`` and ``built`` (:func:`pack` adds them): the optimizer's ``counters``
+    (:data:`COUNTERS`), its settings and how the ranks held the state."""
+    return dict(counters, config=config.to_dict(), schedule=schedule.to_dict(), max_grad_norm=max_grad_norm,
+                seed_from_host=seed_from_host,
+                zero=dict(stage=zero_stage, world=shard.world, rank=shard.rank, consolidated=consolidated))
 
 
 def pack_groups(param_groups: list[dict], group_of: list[int]) -> list[dict]:
@@ -114,6 +123,19 @@ def check_form(state_dict, n_groups: int, group_sizes: list[int]) -> None:
     for gi, (saved, size) in enumerate(zip(groups, group_sizes, strict=True)):
         if len(saved.get("params", ())) != size:
             raise ValueError(f"ZenFlowAdamW.load_state_dict: param group {gi}'s size does not match")
+
+
+def read(state_dict, *, params: list[torch.Tensor], group_of: list[int], group_sizes: list[int], shard,
+         config: ZenFlowConfig, schedule: Schedule, max_grad_norm) -> Loaded:
+    """Check a state dict for the loading optimizer (its ``params``, their param groups, its ``shard``ing and
+    settings): a ZenFlowAdamW one (:func:`unpack`), a torch AdamW/Adam one (:func:`unpack_adam`), or an error.
+    FSDP2: the dict is in torch.distributed.checkpoint's form first."""
+    state_dict = shard.import_state_dict(state_dict)
+    check_form(state_dict, len(group_sizes), group_sizes)
+    if "zenflow" not in state_dict:  # a torch AdamW/Adam run to continue
+        return unpack_adam(state_dict, params, config, schedule, max_grad_norm)
+    return unpack(state_dict, config=config, max_grad_norm=max_grad_norm, local=[shard.local(p) for p in params],
+                  will_hold=shard.will_hold(params, group_of), rank=shard.rank, world=shard.world)
 
 
 def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: list[torch.Tensor],

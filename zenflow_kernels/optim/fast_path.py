@@ -38,6 +38,12 @@ class FastPath:
         """Where fast-path Adam state is kept: the device, or host memory (the link's) with ``offload``."""
         return self.run.link.new_host_state(t) if self.offload else t.to(self.run.device)
 
+    def join(self, vectors: list[int]) -> None:
+        """Of ``vectors``, the ones without fast-path state yet join the fast path (:meth:`init_vector`)."""
+        for i in vectors:
+            if "exp_avg" not in self.run.fast_state(i):
+                self.init_vector(i)
+
     def init_vector(self, i: int) -> None:
         """A vector joins the fast path with the Adam state the host gave it during warm-up."""
         run = self.run

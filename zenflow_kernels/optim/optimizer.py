@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -23,15 +21,16 @@ import torch
 from ..ablations import ablations
 from ..config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings
 from ..device_model import current_chaos
-from ..handover import HandOver, grad_ready_hook, handover_mode
+from ..handover import HandOver, handover_mode
 from ..schedule import Schedule, resolve_schedule
 from ..sharding import Sharding, world_of
 from . import build, checkpoint
 from .fast_path import FastPath
+from .flushed import FlushedWeights
 from .interval import HostInterval
 from .run import Run
 from .selection import Selection
-from .step_inputs import ClipRequests, GradChecks, grad_scaler, hyper
+from .step_inputs import ClipRequests, GradChecks, hyper, read_step
 from .sums import make_sums
 from .telemetry import Telemetry, host_bytes
 
@@ -129,9 +128,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.host_timeout = host_timeout
         self.zero_stage = zero_stage
         self.release_gradients = zero_stage == 2 and release_gradients is not False
-        self._params = [p for g in self.param_groups for p in g["params"]]
-        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        build.check_params(self._params)
+        self._params, self._group_of = build.index_params(self.param_groups)
         # how the ranks hold gradients and host state (sharding/): the one thing that differs between one process,
         # ZeRO and FSDP2; the algorithm is the same for all
         self._shard: Sharding = build.choose_sharding(
@@ -154,9 +151,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # the clipping norm in force (max_grad_norm, or a clip_grad_norm_() request for this step, the smaller)
         self._amp, self._inv_amp, self._max_norm = 1.0, 1.0, max_grad_norm
         self._clips = ClipRequests()
-        self._flushed_depth = 0  # flushed() contexts open
-        self._flushed_held = False  # an integration holds the flushed weights (hold_flushed)
-        self._warned: set[str] = set()
+        self.flushed_weights = FlushedWeights()  # who holds the flushed weights: flushed() contexts, hold_flushed
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_built", False):
@@ -170,47 +165,34 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             check_adamw_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"], where="ZenFlowAdamW group")
             check_group_settings(g, f"ZenFlowAdamW param group {len(self.param_groups) - 1}")
             if hasattr(self, "_params"):  # a group added after __init__ but before the first step
-                params = [p for grp in self.param_groups for p in grp["params"]]
-                build.check_params(params)
+                params, group_of = build.index_params(self.param_groups)
                 self._shard.accept(params)
-                self._params = params
-                self._group_of = [gi for gi, grp in enumerate(self.param_groups) for _ in grp["params"]]
+                self._params, self._group_of = params, group_of
         except Exception:
             self.param_groups.pop()  # a refused group leaves nothing behind
             raise
 
     def _build(self) -> None:
         """Lay out the host shard, pick the link, make the parts and start the workers (at the first step)."""
-        cfg = self.config
-        self.device = self._params[0].device if self._params else torch.device("cpu")
-        self._cores = build.split_cores(cfg, self.device)
-        self._shard.start(self._params, self._group_of, self.device, self._chaos)
-        local = [self._shard.local(p) for p in self._params]  # the parameters, or (FSDP2) this rank's rows
-        self._grad_checks = GradChecks(local, self.device)
-        for p in self._params:  # a built optimizer has state: torch.distributed.checkpoint would otherwise
-            self.state.setdefault(p, {})  # run a (learning rate 0) step to create it
-        self._saved_torch_threads = build.training_threads(cfg, self._cores)
-        self.run = run = build.make_run(self._params, local, self._group_of, self.param_groups, self.state, cfg,
-                                        self.device, self._shard, self._stats, cores=self._cores,
-                                        timeout=self.host_timeout, chaos=self._chaos,
+        self.run = run = build.make_run(self._params, self._group_of, self.param_groups, self.state, self.config,
+                                        self._shard, self._stats, timeout=self.host_timeout, chaos=self._chaos,
                                         nvme_block=self.NVME_BLOCK_NUMEL, nvme_direct=self.NVME_DIRECT)
-        link = run.link
+        self.device, link = run.device, run.link
+        self._grad_checks = GradChecks(run.local, run.device)
         # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket around
         # the fast step (on a CPU link host memory is the device: nothing moves)
-        self.fast_path = self.fast_path_class(run, offload=cfg.offload and link.moves_state,
+        self.fast_path = self.fast_path_class(run, offload=self.config.offload and link.moves_state,
                                               bucket_numel=self.OFFLOAD_BUCKET_NUMEL)
         self.selection = self.selection_class(run, self.fast_path, seed_from_host=self._seed_from_host)
         # (the parts hold the optimizer's param groups and state, never the optimizer: no cycle delays its finalizer)
-        self.interval = self.interval_class(run, make_sums(run), overlap=cfg.overlap_step,
+        self.interval = self.interval_class(run, make_sums(run), overlap=self.config.overlap_step,
                                             hyper=functools.partial(hyper, self.param_groups))
-        self.handover.mode, self.handover.why = handover_mode(link, self._shard, cfg.device_accumulation,
+        self.handover.mode, self.handover.why = handover_mode(link, self._shard, self.config.device_accumulation,
                                                               ablations.early_handover)
-        hooks = []
-        if self.handover.mode == "on" or self._shard.consumes_hooks:
-            ref = weakref.WeakMethod(self._grad_ready)  # (the hooks must not keep the optimizer alive)
-            hooks = [p.register_post_accumulate_grad_hook(grad_ready_hook(ref, i)) for i, p in enumerate(self._params)]
+        hooks = build.grad_hooks(self._params, weakref.WeakMethod(self._grad_ready)) \
+            if self.handover.mode == "on" or self._shard.consumes_hooks else []
         # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
-        self._finalizer = weakref.finalize(self, build.shutdown, link, self._saved_torch_threads, hooks)
+        self._finalizer = weakref.finalize(self, build.shutdown, link, run.torch_threads, hooks)
         self._built = True
 
     def _grad_ready(self, i: int) -> None:
@@ -275,12 +257,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     loss_fn(model(batch)).backward()
             opt.step()
         """
-        before = self.handover.requires_sync
-        self.handover.requires_sync = False
-        try:
+        with self.handover.not_final():
             yield
-        finally:
-            self.handover.requires_sync = before
 
     def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
         """Give the epoch length, in optimizer steps (batches divided by gradient-accumulation steps,
@@ -330,31 +308,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         freed at exit), no device memory; one device-to-host copy of them at entry, the pending write-back
         (done again at its boundary), one host-to-device copy at exit. ``step()`` and ``load_state_dict()``
         inside it are errors; contexts nest (the outermost restores)."""
-        self._enter_flushed()
-        self._flushed_depth += 1
-        try:
+        with self.flushed_weights.context(self.interval, closed=self._closed):
             yield self
-        finally:
-            self._flushed_depth -= 1
-            self._leave_flushed()
-
-    def _enter_flushed(self) -> None:
-        if self._built and not self._closed:
-            self.interval.enter_flushed()
-
-    def _leave_flushed(self) -> None:
-        if not self._flushed_depth and not self._flushed_held and self._built:
-            self.interval.restore()
 
     def hold_flushed(self, held: bool) -> None:
         """:meth:`flushed` for trainer integrations, whose save or evaluation runs between two callbacks:
         ``hold_flushed(True)`` before it, ``hold_flushed(False)`` after it (or at the next batch's start)."""
-        if held:
-            self._enter_flushed()
-            self._flushed_held = self._built and self.interval.unflushed is not None  # (not built, or closed)
-        else:
-            self._flushed_held = False
-            self._leave_flushed()
+        self.flushed_weights.hold(held, self.interval, closed=self._closed)
 
     def selected_columns(self, param: torch.Tensor) -> torch.Tensor | None:
         """The columns of a matrix parameter currently on the fast path (int64, sorted ascending, on the
@@ -366,22 +326,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return None if sel is None else sel.clone()
 
     def stats(self) -> dict:
-        """Telemetry of the run so far.
-
-        ``stall_s``: time the training thread spent on the host path instead of training: synchronous
-        host updates, gradient accumulation it does itself (CPU runs; ``accumulate_s``) and waits for the
-        background worker (``worker_wait_s``). ``stall_fraction``: that over the wall time from the first
-        ``step()`` to the end of the last, forward and backward included. ``overlap_fraction``: share of
-        the background host-update time the training thread did not wait for. Also per-step fast-path
-        time, host-update times, skipped steps, the share of score mass the selected columns captured
-        at each selection, and the Jaccard overlap of each new selection with the previous one. Under ZeRO,
-        ``collective_bytes`` (and ``collective_bytes_per_step``): the payload bytes each kind of collective
-        carried (docs/torchrun.md). ``host_bytes``: see :meth:`host_bytes`.
-        """
+        """Telemetry of the run so far: stall and overlap, step, fast-path and host-update times, selections, what
+        crossed between device and host and between ranks; the keys are listed at
+        :meth:`zenflow_kernels.optim.telemetry.Telemetry.summary`."""
         counters = {name: getattr(self, name) for name in checkpoint.COUNTERS}
+        cores = dict(self.run.cores) if self._built else {}
         return self._stats.summary(counters=counters, link=self.link, overlap=self.config.overlap_step,
-                                   host_bytes=self.host_bytes(), handover=self.handover,
-                                   cores=dict(self._cores) if self._built else {}, collective_bytes=self._shard.bytes)
+                                   host_bytes=self.host_bytes(), handover=self.handover, cores=cores,
+                                   collective_bytes=self._shard.bytes)
 
     def explain(self, steps: int = 20) -> str:
         """What this optimizer will do, as ``python -m zenflow_kernels explain`` prints it for a config (the
@@ -391,17 +343,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         from ..__main__ import explain_optimizer
 
         device = self._params[0].device if self._params else torch.device("cpu")
-        cores = self._cores if self._built else build.split_cores(self.config, device)  # what the first step picks
+        cores = self.run.cores if self._built else build.split_cores(self.config, device)  # what the first step picks
         return explain_optimizer(self.config, self.schedule, steps, cores, self.param_groups)
 
     def host_bytes(self) -> dict:
         """The optimizer's host memory, by buffer, in bytes as allocated (``{}`` before the first step): the keys
         are listed at :func:`zenflow_kernels.optim.telemetry.host_bytes` (docs/design.md section 9)."""
-        if not self._built:
-            return {}
-        run = self.run
-        return host_bytes(run.link, self._shard.host_bytes(), run.host, run.local, self.state,
-                          self.interval.sums.device_tensors())
+        return host_bytes(self.run, self.interval.sums.device_tensors()) if self._built else {}
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -412,15 +360,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._closed:
             raise RuntimeError("ZenFlowAdamW.step() after close()")
-        if self._flushed_depth:
-            raise RuntimeError(
-                "ZenFlowAdamW.step() inside opt.flushed(): the parameters hold the flushed weights, which training "
-                "does not continue from; step after the with-block")
-        if self._flushed_held:  # an integration missed the hook that restores before the next forward
-            self._warn_once("held", "ZenFlowAdamW.step(): the weights flushed for a save or an evaluation were still "
-                            "in place when this step's forward ran (no callback restored them); restored now. The run "
-                            "differs from one without the save/evaluation from here on")
-            self.hold_flushed(False)
+        self.flushed_weights.before_step(self.interval)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -429,35 +369,24 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._build()
         link = self.run.link
         link.check()
-        amp, inv_amp, overflow = grad_scaler(self)
-        max_norm, norms_out = self._clips.take(self.max_grad_norm)
-        active = self._shard.active()
-        self._grad_checks.all([(i, g) for i in active if (g := self._shard.own_grad(i)) is not None])
-        self._shard.gather(active)
-        norm = self._shard.grad_norm(active) / amp  # (a power-of-two scale divides exactly)
-        for out in norms_out:
-            out.fill_(norm)
-        if overflow or not math.isfinite(norm):
+        inputs = read_step(self, self._shard, self._clips, self._grad_checks)
+        if inputs.skip:  # an overflow under a GradScaler, or a non-finite gradient norm
             self.skipped_steps += 1
             link.discard()  # nothing of this step reached the host sums: nothing to take back
             self.handover.stepped(self.t, *link.step_bytes())
             return loss
-        self._amp, self._inv_amp, self._max_norm = amp, inv_amp, max_norm
-        coef = None if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
-        t0 = time.perf_counter()
-        if self._stats.first_step_start is None:
-            self._stats.first_step_start = t0
+        self._amp, self._inv_amp, self._max_norm = inputs.amp, inputs.inv_amp, inputs.max_norm
         # a synchronous CPU update may fold a large last gradient into its AdamW pass (not under clipping or a scale)
-        fuse = self.FUSE_MIN_NUMEL if max_norm is None and inv_amp == 1.0 else None
-        if self.schedule.is_warmup(self.t):
-            self.interval.warmup(active, scale=inv_amp, max_norm=max_norm, fuse_min_numel=fuse)
-            self.host_updates += 1
-        else:
-            self._zenflow_step(active, coef, fuse)
-        link.join()  # the write-backs of this step are visible to whatever runs next
-        self.handover.stepped(self.t, *link.step_bytes())
-        self._stats.last_step_end = time.perf_counter()
-        self._stats.step_seconds.append(self._stats.last_step_end - t0)
+        fuse = self.FUSE_MIN_NUMEL if inputs.max_norm is None and inputs.inv_amp == 1.0 else None
+        with self._stats.timed_step():
+            if self.schedule.is_warmup(self.t):
+                self.interval.warmup(inputs.active, scale=inputs.inv_amp, max_norm=inputs.max_norm,
+                                     fuse_min_numel=fuse)
+                self.host_updates += 1
+            else:
+                self._zenflow_step(inputs.active, inputs.coef, fuse)
+            link.join()  # the write-backs of this step are visible to whatever runs next
+            self.handover.stepped(self.t, *link.step_bytes())
         self.t += 1
         return loss
 
@@ -466,24 +395,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         the host update."""
         t, state = self.t, self.state
         matrices, vectors = self.fast_path.split(active)
-        for i in vectors:
-            if "exp_avg" not in state[self._params[i]]:
-                self.fast_path.init_vector(i)
+        self.fast_path.join(vectors)  # a vector's first step on the fast path: its state from the host
         if self.schedule.is_select_boundary(t):
             self.flush()  # drain: ownership must not change under an in-flight host update
             self.selections += 1
-            reselect = matrices
-        else:
-            reselect = [i for i in matrices if "selected" not in state[self._params[i]]]
+        reselect = matrices if self.schedule.is_select_boundary(t) else self.selection.unselected(matrices)
         if reselect:
             self.selection.reselect(t, reselect, self._amp, self._inv_amp)
         # the selected columns' gradients as every replica's fast step reads them (ZeRO-2 released gradients)
         compact = self._shard.selected_gradients([(i, state[self._params[i]]["selected"]) for i in matrices]) \
             if self._shard.exchanges_selected else None
-        t0 = time.perf_counter()
         grad_scale = self._amp if coef is None else self._amp / coef  # GradScaler's scale, clipping
-        self.fast_path.step(set(active), hyper(self.param_groups), grad_scale=grad_scale, compact=compact)
-        self._stats.fast_seconds.append(time.perf_counter() - t0)
+        with self._stats.timed_fast_step():
+            self.fast_path.step(set(active), hyper(self.param_groups), grad_scale=grad_scale, compact=compact)
         self.steps_accumulated += 1
         trigger = self.selection.auto_vote(matrices, self._amp) if self.schedule.is_auto else False
         boundary = self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger)
@@ -515,11 +439,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         device = self.run.local[0].device if self._built else self._params[0].device if self._params else "cpu"
         return self._clips.ask(max_norm, norm_type, device)
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, ZenFlowWarning, stacklevel=4)
-
     @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``. Between a backward and its ``step()`` it skips that batch: what
@@ -546,10 +465,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         ``register_state_dict_post_hook`` hooks run around it, as for torch's optimizers."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        zenflow = {name: getattr(self, name) for name in checkpoint.COUNTERS}
-        zenflow.update(config=self.config.to_dict(), schedule=self.schedule.to_dict(), max_grad_norm=self.max_grad_norm,
-                       seed_from_host=self._seed_from_host, zero=dict(stage=self.zero_stage, world=self._shard.world,
-                                                                     rank=self._shard.rank, consolidated=consolidated))
+        zenflow = checkpoint.header({name: getattr(self, name) for name in checkpoint.COUNTERS}, config=self.config,
+                                    schedule=self.schedule, max_grad_norm=self.max_grad_norm,
+                                    seed_from_host=self._seed_from_host, zero_stage=self.zero_stage,
+                                    shard=self._shard, consolidated=consolidated)
         if self._built:
             self.run.link.check()  # a failed host update may have left half its result: no torn state handed out
             self.interval.drain()
@@ -584,15 +503,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                "flushed weights): leave the context first")
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
-        state_dict = self._shard.import_state_dict(state_dict)  # FSDP2: torch.distributed.checkpoint's form
-        checkpoint.check_form(state_dict, len(self.param_groups), [len(g["params"]) for g in self.param_groups])
-        if "zenflow" not in state_dict:  # a torch AdamW/Adam run to continue
-            loaded = checkpoint.unpack_adam(state_dict, self._params, self.config, self.schedule, self.max_grad_norm)
-        else:
-            loaded = checkpoint.unpack(state_dict, config=self.config, max_grad_norm=self.max_grad_norm,
-                                       local=[self._shard.local(p) for p in self._params],
-                                       will_hold=self._shard.will_hold(self._params, self._group_of),
-                                       rank=self._shard.rank, world=self._shard.world)
+        loaded = checkpoint.read(state_dict, params=self._params, group_of=self._group_of,
+                                 group_sizes=[len(g["params"]) for g in self.param_groups], shard=self._shard,
+                                 config=self.config, schedule=self.schedule, max_grad_norm=self.max_grad_norm)
         if loaded.changed:
             warnings.warn("ZenFlowAdamW.load_state_dict: the checkpoint's settings replace this optimizer's: "
                           + "; ".join(loaded.changed) + ". The saved run continues as it was configured",

@@ -34,6 +34,8 @@ class Run:
     link: Any
     host: HostShard
     telemetry: Telemetry
+    cores: dict  # {"train": CPUs, "host": CPUs, "why": ...}: training's and the host worker's (build.split_cores)
+    torch_threads: int | None  # training's torch thread count before the build changed it (None: unchanged)
 
     def setting(self, i: int, name: str):
         """Parameter ``i``'s ``topk_ratio`` or ``importance``: its param group's, else the optimizer's."""

@@ -3,6 +3,7 @@ force, the param groups' AdamW numbers as they are now, and the one-pass check o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from ..config import check_adamw_hyperparameters, check_group_settings
 from .build import PARAM_DTYPES
 
-__all__ = ["ClipRequests", "grad_scaler", "hyper", "GradChecks"]
+__all__ = ["ClipRequests", "grad_scaler", "hyper", "GradChecks", "StepInputs", "read_step"]
 
 
 def grad_scaler(opt) -> tuple[float, float, bool]:
@@ -103,3 +104,36 @@ class GradChecks:
                 [g.shape for _, g in grads] != self._shapes[1]):
             for i, g in grads:
                 self.one(i, g)
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """What a step reads before it changes anything: GradScaler's scale and its float32 reciprocal, the clipping norm
+    in force, the indices of the parameters with a gradient, and the global gradient norm (unscaled; under ZeRO of
+    the averaged gradients). ``skip``: an overflow or a non-finite norm; the step changes nothing."""
+
+    amp: float
+    inv_amp: float
+    max_norm: float | None
+    active: list[int]
+    norm: float
+    skip: bool
+
+    @property
+    def coef(self) -> float | None:
+        """The fast path's clipping coefficient (None: no clipping)."""
+        return None if self.max_norm is None else min(1.0, self.max_norm / (self.norm + 1e-6))
+
+
+def read_step(opt, shard, clips: ClipRequests, checks: GradChecks) -> StepInputs:
+    """Check the step's gradients, gather them where the sharding needs it, compute their norm and fill the tensors
+    ``clip_grad_norm_()`` handed out with it (``opt``: what a GradScaler set, see :func:`grad_scaler`)."""
+    amp, inv_amp, overflow = grad_scaler(opt)
+    max_norm, norms_out = clips.take(opt.max_grad_norm)
+    active = shard.active()
+    checks.all([(i, g) for i in active if (g := shard.own_grad(i)) is not None])
+    shard.gather(active)
+    norm = shard.grad_norm(active) / amp  # (a power-of-two scale divides exactly)
+    for out in norms_out:
+        out.fill_(norm)
+    return StepInputs(amp, inv_amp, max_norm, active, norm, overflow or not math.isfinite(norm))

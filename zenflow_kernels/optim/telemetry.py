@@ -4,6 +4,10 @@ counters."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+
 import torch
 
 __all__ = ["Telemetry", "host_bytes"]
@@ -24,6 +28,23 @@ class Telemetry:
         self.jaccard: list[float] = []
         self.captured: list[float] = []
 
+    @contextlib.contextmanager
+    def timed_step(self) -> Iterator[None]:
+        """Time a step that changes the state (a skipped or failed step is not counted); the first one starts the
+        run's wall clock."""
+        t0 = time.perf_counter()
+        if self.first_step_start is None:
+            self.first_step_start = t0
+        yield
+        self.last_step_end = time.perf_counter()
+        self.step_seconds.append(self.last_step_end - t0)
+
+    @contextlib.contextmanager
+    def timed_fast_step(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.fast_seconds.append(time.perf_counter() - t0)
+
     def retire(self, link) -> None:
         """Keep a link's counters before it is replaced."""
         for name in _LINK_COUNTERS:
@@ -42,8 +63,18 @@ class Telemetry:
 
     def summary(self, *, counters: dict, link, overlap: bool, host_bytes: dict, handover, cores: dict,
                 collective_bytes: dict) -> dict:
-        """``stats()``: ``counters`` are the optimizer's (t, skipped_steps, host_updates, selections); ``link`` the
-        live one (None before the first step)."""
+        """``ZenFlowAdamW.stats()``: ``counters`` are the optimizer's (:data:`checkpoint.COUNTERS`); ``link`` the
+        live one (None before the first step).
+
+        ``stall_s``: time the training thread spent on the host path instead of training: synchronous
+        host updates, gradient accumulation it does itself (CPU runs; ``accumulate_s``) and waits for the
+        background worker (``worker_wait_s``). ``stall_fraction``: that over the wall time from the first
+        ``step()`` to the end of the last, forward and backward included. ``overlap_fraction``: share of
+        the background host-update time the training thread did not wait for. Also per-step fast-path
+        time, host-update times, skipped steps, the share of score mass the selected columns captured
+        at each selection, and the Jaccard overlap of each new selection with the previous one. Under ZeRO,
+        ``collective_bytes`` (and ``collective_bytes_per_step``): the payload bytes each kind of collective
+        carried (docs/torchrun.md). ``host_bytes``: see :func:`host_bytes`."""
         def mean(xs):
             return sum(xs) / len(xs) if xs else 0.0
 
@@ -103,8 +134,7 @@ class Telemetry:
         }
 
 
-def host_bytes(link, receive: int, host, local: list[torch.Tensor], state: dict,
-               device_sums: list[torch.Tensor]) -> dict:
+def host_bytes(run, device_sums: list[torch.Tensor]) -> dict:
     """``ZenFlowAdamW.host_bytes()`` of a built optimizer: its host memory, by buffer, in bytes as allocated (each
     buffer's storage): ``master``, ``exp_avg``, ``exp_avg_sq``, ``accumulation`` (one or two
     buffers), ``copy_out`` (one per parameter dtype, sized by that dtype's parameters), ``landing`` (an
@@ -121,8 +151,9 @@ def host_bytes(link, receive: int, host, local: list[torch.Tensor], state: dict,
     fetches the device's sums into). On a GPU also
     ``pinned_requested`` and ``pinned_reserved`` (the page-locked bytes of those buffers: whole pages of
     their own; docs/design.md section 9)."""
+    link, host, local, state = run.link, run.host, run.local, run.state
     out = link.host_bytes()
-    out["receive"] = receive  # ZeRO: the other ranks' copy-out as this rank receives it
+    out["receive"] = run.shard.host_bytes()  # ZeRO: the other ranks' copy-out as this rank receives it
     total = sum(v for k, v in out.items() if k != "disk")  # memory only: the state file's bytes are beside it
     held = sum(local[i].numel() for i in host.slots)
     storages = {}  # views share their storage (the flat step counts): each counted once
