@@ -383,7 +383,7 @@ def _scaler_loop(model, opt, data, *, unscale=False, clip=None, routed_clip=None
     """fp16 mixed precision with GradScaler's own calls: scale, backward, (unscale_, clip), step, update. A scale
     high enough to overflow at the first steps, growth every 2 steps: backoff, skipped steps and growth."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=2)
-    history, scales, norms = [], [], []
+    history, scales, norms, by_hand = [], [], [], []
     for batch in data:
         x, y = batch[0]
         with torch.autocast("cpu", dtype=torch.float16):
@@ -394,13 +394,16 @@ def _scaler_loop(model, opt, data, *, unscale=False, clip=None, routed_clip=None
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         norm = opt.clip_grad_norm_(routed_clip) if routed_clip is not None else None
+        # the unscaled gradient norm, in float64 from the scaled gradients (the reference for the returned one)
+        by_hand.append(float(torch.linalg.vector_norm(torch.cat([p.grad.double().flatten() for p in model.parameters()
+                                                                 if p.grad is not None])) / scaler.get_scale()))
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
         history.append(snapshot(model.parameters()))
         scales.append(scaler.get_scale())
         norms.append(None if norm is None else float(norm))
-    return history, scales, norms
+    return history, scales, norms, by_hand
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -420,7 +423,7 @@ def test_grad_scaler_unscales_inside_the_optimizer_and_keeps_the_hand_over(seed,
         m = copy.deepcopy(model)
         opt = make(m.parameters(), zenflow, seed)
         with opt:
-            history, scales, _ = _scaler_loop(m, opt, data, **kw)
+            history, scales, _, _ = _scaler_loop(m, opt, data, **kw)
             return history, scales, opt.stats()
 
     want, scales, want_stats = go(None)
@@ -449,17 +452,20 @@ def test_grad_scaler_with_clipping_in_place_or_routed(seed):
         m = copy.deepcopy(model)
         opt = make(m.parameters(), zenflow, seed)
         with opt:
-            history, _, norms = _scaler_loop(m, opt, data, **kw)
-            return history, norms, opt.stats()
+            history, _, norms, by_hand = _scaler_loop(m, opt, data, **kw)
+            return history, norms, by_hand, opt.stats()
 
     for kw in (dict(unscale=True, clip=0.05), dict(routed_clip=0.05)):
-        want, want_norms, _ = go(None, **kw)
-        got, norms, stats = go(seed, **kw)
+        want, want_norms, _, _ = go(None, **kw)
+        got, norms, by_hand, stats = go(seed, **kw)
         assert_same(want, got)
         assert same_norms(norms, want_norms)
         if "routed_clip" in kw:  # (an overflow step's norm is inf or NaN)
             assert stats["handover"] == "on"
-            assert sum(math.isfinite(n) for n in norms) == len(data) - stats["skipped_steps"]
+            finite = [(n, h) for n, h in zip(norms, by_hand, strict=True) if math.isfinite(n)]
+            assert len(finite) == len(data) - stats["skipped_steps"] > 0
+            # the norm of the unscaled gradients: each as computed by hand in float64 (float32 sums: 1e-5)
+            assert all(n == pytest.approx(h, rel=1e-5) for n, h in finite), finite
 
 
 def test_routed_clipping_is_max_grad_norm_for_the_step():

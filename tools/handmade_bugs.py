@@ -250,6 +250,42 @@ BUGS = [
         "REWRITES_BEFORE_OFF steps in a row: the hand-over switches off for good after three isolated ones",
         tests=HANDOVER, k=None,
     ),
+    # -- the parts the facade hands to (optim/flushed.py, step_inputs.read_step, fast_path.join) -------------
+    Bug(
+        "inner-flushed-restores",
+        "zenflow_kernels/optim/flushed.py",
+        "        if not self.depth and not self.held and interval is not None:\n",
+        "        if not self.held and interval is not None:\n",
+        "nested flushed() contexts: the inner one's exit restores the live weights while the outer one (a save "
+        "around an evaluation) still expects the flushed ones",
+        tests=("tests/test_flushed.py",), k=None,
+    ),
+    Bug(
+        "missed-restore-not-restored",
+        "zenflow_kernels/optim/flushed.py",
+        "            self.hold(False, interval, closed=False)\n",
+        "            self.held = False\n",
+        "an integration that never restores the held weights: step() warns but trains on from the flushed "
+        "weights, so the run differs from one without the save for good",
+        tests=("tests/test_flushed.py",), k=None,
+    ),
+    Bug(
+        "norm-of-scaled-gradients",
+        "zenflow_kernels/optim/step_inputs.py",
+        "    norm = shard.grad_norm(active) / amp  # (a power-of-two scale divides exactly)\n",
+        "    norm = shard.grad_norm(active)\n",
+        "under a GradScaler the clipping norm (and the norm clip_grad_norm_() returns) is the scaled gradients': "
+        "clipping cuts by the scale too",
+        tests=HANDOVER, k=None,
+    ),
+    Bug(
+        "vector-state-reset-every-step",
+        "zenflow_kernels/optim/fast_path.py",
+        "            if \"exp_avg\" not in self.run.fast_state(i):\n",
+        "            if True:\n",
+        "every step, each vector takes its Adam state from the host again: the fast path's updates of the "
+        "vectors are thrown away",
+    ),
 ]
 
 
