@@ -37,6 +37,21 @@ from .telemetry import Telemetry, host_bytes
 __all__ = ["ZenFlowAdamW"]
 
 
+def compile_disabled(fn):
+    """``torch.compiler.disable(fn)``, made at the first call (as torch's own optimizers do with
+    ``torch._disable_dynamo``): making it imports ``torch._dynamo``, which would otherwise cost every ``import
+    zenflow_kernels`` about 1.4 s (40% of it), also in processes that never step."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def eager(*args, **kwargs):
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return eager
+
+
 class ZenFlowAdamW(torch.optim.Optimizer):
     """AdamW with ZenFlow's split: top-k columns on the device every step, the rest on the host.
 
@@ -279,7 +294,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if self._built:
                 self._finalizer()
 
-    @torch.compiler.disable
+    @compile_disabled
     @torch.no_grad()
     def flush(self) -> None:
         """Wait for any in-flight host update and write back every pending result, so the live weights
@@ -355,7 +370,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # torch.compile(opt.step) runs the step eagerly, as torch's own optimizers' host-side work does: it
     # drives threads, streams and numba kernels, nothing a graph can hold
-    @torch.compiler.disable
+    @compile_disabled
     @torch.no_grad()
     def step(self, closure=None):
         if self._closed:
@@ -439,7 +454,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         device = self.run.local[0].device if self._built else self._params[0].device if self._params else "cpu"
         return self._clips.ask(max_norm, norm_type, device)
 
-    @torch.compiler.disable
+    @compile_disabled
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``. Between a backward and its ``step()`` it skips that batch: what
         backward's hooks copied to the host is dropped (none of it reached the sums), the hand-over stays as it
