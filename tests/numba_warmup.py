@@ -1,25 +1,103 @@
 """Compile and cache the numba kernels the suite uses, once, before pytest-xdist starts its workers (conftest.py).
 
-numba's on-disk cache is not safe to create from several processes at once (numba/numba#4807: a process can load
-another's half-written entry and crash with SIGSEGV). With two pytest workers and their rank processes starting
-from a fresh clone, the first uses of a kernel would otherwise race. Run here, once, they are written before any
-other process starts; later processes only read them."""
+numba's on-disk cache is not safe to fill from several processes at once (numba/numba#4807): two processes that
+compile *different* signatures of one kernel at the same time each number their new entry after the index they
+loaded, so one entry's file can be overwritten with another signature's machine code, and a later process loads
+it (SIGSEGV, or wrong results). From a fresh clone, two pytest workers and their rank processes would otherwise
+do exactly that. Here every signature the suite compiles is compiled before any worker starts:
+
+1. the signatures recorded in ``numba_signatures.json`` (kernel -> argument types), compiled with
+   ``dispatcher.compile`` by one process per CPU, each owning whole kernels (a kernel's entries are only ever
+   written by one process at a time);
+2. then, in this process, the optimizer's own paths (every dtype, link and accumulation mode): a signature the
+   record misses (a kernel changed since it was written) is compiled here, still before the workers start.
+
+``python tests/numba_warmup.py --record`` rewrites the record from the cache after a full ``make test`` (do it
+when a kernel's arguments or the tests' dtype sweeps change; a stale record costs time, never correctness:
+step 2 and the tests compile what it misses, and a signature that no longer compiles is reported and skipped).
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
 import tempfile
+import time
 import warnings
+from pathlib import Path
 
-import torch
-
-from zenflow_kernels import ZenFlowAdamW, cpu_ops
-from zenflow_kernels.config import ZenFlowWarning
-from zenflow_kernels.ops import use_backend
-from zenflow_kernels.testing import chaos
+RECORD = Path(__file__).with_name("numba_signatures.json")
+_ARRAY = re.compile(r"array\((\w+), (\d)d, (\w)\)")
+_SCALARS = {"bool": "boolean", "none": "none"}
 
 
-def warm() -> None:
+def recorded_signatures(cache_dir: Path) -> dict[str, list[list[str]]]:
+    """kernel name -> the argument types (numba's spelling) of every entry in numba's cache index files."""
+    out: dict[str, list[list[str]]] = {}
+    for index in sorted(cache_dir.glob("_kernels.*.nbi")):
+        kernel = index.name.split(".")[1].rsplit("-", 1)[0]
+        with open(index, "rb") as f:
+            pickle.load(f)  # numba's version
+            _, overloads = pickle.loads(f.read())
+        out[kernel] = sorted([str(t) for t in key[0]] for key in overloads)
+    return out
+
+
+def dumps(record: dict[str, list[list[str]]]) -> str:
+    """The record as JSON, one signature a line."""
+    kernels = [f" {json.dumps(name)}: [\n" + ",\n".join(f"  {json.dumps(sig)}" for sig in sigs) + "\n ]"
+               for name, sigs in sorted(record.items())]
+    return "{\n" + ",\n".join(kernels) + "\n}\n"
+
+
+def numba_type(spelling: str):
+    from numba.core import types
+
+    if m := _ARRAY.fullmatch(spelling):
+        return types.Array(getattr(types, m[1]), int(m[2]), m[3])
+    return getattr(types, _SCALARS.get(spelling, spelling))
+
+
+def compile_recorded(kernels: list[str]) -> None:
+    """Compile these kernels' recorded signatures (a worker of :func:`warm`)."""
+    from zenflow_kernels.cpu_ops import _kernels
+
+    record = json.loads(RECORD.read_text())
+    for name in kernels:
+        dispatcher = getattr(_kernels, name, None)
+        for signature in record[name]:
+            try:
+                dispatcher.compile(tuple(numba_type(t) for t in signature))
+            except Exception as e:  # a kernel renamed or its arguments changed since the record
+                print(f"numba_warmup: skipped {name}{tuple(signature)}: {type(e).__name__}: {str(e)[:200]}",
+                      file=sys.stderr)
+
+
+def split(record: dict[str, list], parts: int) -> list[list[str]]:
+    """Whole kernels into ``parts`` groups of about equal signature counts (largest first)."""
+    groups: list[list[str]] = [[] for _ in range(parts)]
+    sizes = [0] * parts
+    for name in sorted(record, key=lambda n: -len(record[n])):
+        k = sizes.index(min(sizes))
+        groups[k].append(name)
+        sizes[k] += len(record[name])
+    return [g for g in groups if g]
+
+
+def optimizer_paths() -> None:
+    import torch
+
+    from zenflow_kernels import ZenFlowAdamW, cpu_ops
+    from zenflow_kernels.config import ZenFlowWarning
+    from zenflow_kernels.ops import use_backend
+    from zenflow_kernels.testing import chaos
+
     torch.manual_seed(0)
     with warnings.catch_warnings(), use_backend("numba"):  # (the CPU fast path's numba kernels too)
         warnings.simplefilter("ignore", ZenFlowWarning)
@@ -51,5 +129,37 @@ def warm() -> None:
             cpu_ops.sum_squares(x)
 
 
+def warm() -> None:
+    t0 = time.perf_counter()
+    if RECORD.exists():
+        record = json.loads(RECORD.read_text())
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        procs = [subprocess.Popen([sys.executable, __file__, "--kernels", *group])
+                 for group in split(record, max(1, cpus))]
+        if any(p.wait() for p in procs):
+            raise SystemExit("numba_warmup: a compile process failed")
+    t1 = time.perf_counter()
+    optimizer_paths()
+    print(f"numba_warmup: recorded signatures {t1 - t0:.0f} s, optimizer paths {time.perf_counter() - t1:.0f} s",
+          file=sys.stderr)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--record", action="store_true", help="write numba_signatures.json from the kernels' cache")
+    ap.add_argument("--kernels", nargs="+", help="(internal) compile these kernels' recorded signatures")
+    args = ap.parse_args(argv)
+    if args.record:
+        import zenflow_kernels.cpu_ops as cpu_ops
+
+        record = recorded_signatures(Path(cpu_ops.__file__).parent / "__pycache__")
+        RECORD.write_text(dumps(record))
+        print(f"wrote {RECORD}: {sum(map(len, record.values()))} signatures of {len(record)} kernels")
+    elif args.kernels:
+        compile_recorded(args.kernels)
+    else:
+        warm()
+
+
 if __name__ == "__main__":
-    warm()
+    main()

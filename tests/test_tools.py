@@ -32,3 +32,28 @@ def test_each_handmade_bug_patches_code_that_exists_once(bug):
     assert bug.replacement != bug.original
     for test in bug.tests:
         assert (ROOT / test.split("::")[0]).exists(), test
+
+
+def test_the_recorded_numba_signatures_are_kernels_and_types_that_exist():
+    """tests/numba_warmup.py compiles the recorded signatures before the workers start: each names a kernel of
+    cpu_ops/_kernels.py with as many argument types as it has parameters, each type spelled as numba spells it
+    (``numba_type`` turns it back: ``str`` gives the spelling again); the compile processes split whole kernels,
+    each once, none empty."""
+    import inspect
+    import json
+
+    from numba_warmup import RECORD, numba_type, split
+
+    from zenflow_kernels.cpu_ops import _kernels
+
+    record = json.loads(RECORD.read_text())
+    assert sum(map(len, record.values())) > 20
+    for name, signatures in record.items():
+        arity = len(inspect.signature(getattr(_kernels, name).py_func).parameters)
+        for signature in signatures:
+            assert len(signature) == arity, (name, signature)
+            assert [str(numba_type(t)) for t in signature] == signature
+    for parts in (1, 2, 3, 16):
+        groups = split(record, parts)
+        assert sorted(n for g in groups for n in g) == sorted(record) and all(groups)
+        assert len(groups) == min(parts, len(record))
