@@ -12,9 +12,10 @@ do exactly that. Here every signature the suite compiles is compiled before any 
 2. then, in this process, the optimizer's own paths (every dtype, link and accumulation mode): a signature the
    record misses (a kernel changed since it was written) is compiled here, still before the workers start.
 
-``python tests/numba_warmup.py --record`` rewrites the record from the cache after a full ``make test`` (do it
-when a kernel's arguments or the tests' dtype sweeps change; a stale record costs time, never correctness:
-step 2 and the tests compile what it misses, and a signature that no longer compiles is reported and skipped).
+``python tests/numba_warmup.py --record`` rewrites the record from the cache after a full ``make test`` in a clean
+clone (do it when a kernel's arguments or the tests' dtype sweeps change). A signature that no longer compiles is
+reported and skipped; one the record misses is compiled by step 2 if the optimizer uses it, else by the test that
+does, as before the record (with the race back for it).
 """
 
 from __future__ import annotations
