@@ -2,8 +2,9 @@
 
 A facade over parts that each own their state (docs/hacking.md): ``selection.py`` (which columns are on the fast
 path), ``fast_path.py`` (the fused device AdamW), ``interval.py`` with ``sums.py`` (the host interval: sums, counts,
-the host update, the write-back), ``handover.py`` (gradients crossing during backward), ``checkpoint.py`` (the
-format) and ``telemetry.py``. This class holds the torch ``Optimizer`` surface and ``step()``'s order of calls.
+the host update, the write-back), ``handover.py`` (gradients crossing during backward), ``flushed.py`` (who holds
+the flushed weights), ``step_inputs.py`` (a step's scale, clipping norm and gradient checks), ``checkpoint.py``
+(the format) and ``telemetry.py``. This class holds the torch ``Optimizer`` surface and ``step()``'s order of calls.
 Moving data is the link's (``zenflow_kernels.link``); this package holds no stream, event or pinned buffer.
 """
 

@@ -49,12 +49,12 @@ class Selection:
                 chosen[n] = torch.from_numpy(draw.astype(np.int64)).to(self.run.device)
         return chosen
 
-    @torch.no_grad()
     def unselected(self, matrices: list[int]) -> list[int]:
         """The matrices among ``matrices`` with no selection yet (their first step after warm-up, or a matrix whose
         gradient first appears now): they are selected at this step, between selection boundaries."""
         return [i for i in matrices if "selected" not in self.run.fast_state(i)]
 
+    @torch.no_grad()
     def reselect(self, t: int, indices: list[int], scale: float = 1.0, inv_scale: float = 1.0) -> None:
         """New columns for these matrices at step ``t``; state moves with the columns that stay."""
         run = self.run
