@@ -203,7 +203,7 @@ def topk_columns(scores: torch.Tensor, k: int, *, check_data: bool = True) -> to
         lower index wins. ``k == 0`` gives an empty tensor, ``k == C`` every column.
     """
     compiling = torch.compiler.is_compiling()
-    if compiling and isinstance(scores, torch.Tensor) and is_int(k) and isinstance(check_data, bool):
+    if compiling and isinstance(scores, torch.Tensor) and _is_python_int(k) and isinstance(check_data, bool):
         return torch.ops.zenflow_kernels.topk_columns(scores, k, check_data)
     return _impl(scores).topk_columns(scores, k, check_data=check_data)
 
@@ -352,7 +352,8 @@ def multi_selective_adamw_items_(items, *, beta1: float, beta2: float, eps: floa
 # device dispatch run inside, when the op runs, with the same errors as eager.
 
 
-def is_int(x) -> bool:
+def _is_python_int(x) -> bool:
+    # the custom ops' schema ``int``: a Python int (not a bool; numpy integers are config.is_int's, not this)
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -367,7 +368,7 @@ def _fits_selective_adamw_schema(param, grad, indices, exp_avg, exp_avg_sq, mast
     optional = (indices, master)
     return (all(isinstance(t, torch.Tensor) for t in tensors)
             and all(t is None or isinstance(t, torch.Tensor) for t in optional)
-            and (isinstance(step, torch.Tensor) or is_int(step))
+            and (isinstance(step, torch.Tensor) or _is_python_int(step))
             and all(_is_real(x) for x in (lr, beta1, beta2, eps, weight_decay, grad_scale))
             and isinstance(check_data, bool))
 

@@ -16,8 +16,8 @@ from ..sharding import FSDP2, Sharding, Zero1, Zero2, fsdp2_mesh
 from .run import Run
 from .sums import host_buffers
 
-__all__ = ["PARAM_DTYPES", "check_arguments", "index_params", "check_params", "choose_sharding", "rank_cores",
-           "make_host_and_link", "make_run", "grad_hooks", "shutdown", "training_threads"]
+__all__ = ["PARAM_DTYPES", "check_arguments", "index_params", "device_of", "check_params", "choose_sharding",
+           "rank_cores", "make_host_and_link", "make_run", "grad_hooks", "shutdown", "training_threads"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -42,6 +42,11 @@ def index_params(param_groups: list[dict]) -> tuple[list[torch.Tensor], list[int
     params = [p for g in param_groups for p in g["params"]]
     check_params(params)
     return params, [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
+
+
+def device_of(params: list[torch.Tensor]) -> torch.device:
+    """The parameters' device (:func:`check_params` makes it one), the CPU for an optimizer without any."""
+    return params[0].device if params else torch.device("cpu")
 
 
 def check_params(params: list[torch.Tensor]) -> None:
@@ -128,7 +133,7 @@ def make_run(params, group_of, param_groups, state, config, shard, telemetry, *,
              nvme_direct: bool) -> Run:
     """The first step's setup: the CPUs of training and of the host worker, the sharding started, the host shard
     laid out, the link and the context the parts share (:class:`Run`)."""
-    device = params[0].device if params else torch.device("cpu")
+    device = device_of(params)
     cores = split_cores(config, device)
     shard.start(params, group_of, device, chaos)
     local = [shard.local(p) for p in params]  # the parameters, or (FSDP2) this rank's rows

@@ -358,8 +358,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         of ``C`` columns on the fast path."""
         from ..__main__ import explain_optimizer
 
-        device = self._params[0].device if self._params else torch.device("cpu")
-        cores = self.run.cores if self._built else build.split_cores(self.config, device)  # what the first step picks
+        # what the first step picks
+        cores = self.run.cores if self._built else build.split_cores(self.config, build.device_of(self._params))
         return explain_optimizer(self.config, self.schedule, steps, cores, self.param_groups)
 
     def host_bytes(self) -> dict:
@@ -412,10 +412,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         t, state = self.t, self.state
         matrices, vectors = self.fast_path.split(active)
         self.fast_path.join(vectors)  # a vector's first step on the fast path: its state from the host
-        if self.schedule.is_select_boundary(t):
+        select_all = self.schedule.is_select_boundary(t)
+        if select_all:
             self.flush()  # drain: ownership must not change under an in-flight host update
             self.selections += 1
-        reselect = matrices if self.schedule.is_select_boundary(t) else self.selection.unselected(matrices)
+        reselect = matrices if select_all else self.selection.unselected(matrices)
         if reselect:
             self.selection.reselect(t, reselect, self._amp, self._inv_amp)
         # the selected columns' gradients as every replica's fast step reads them (ZeRO-2 released gradients)
@@ -452,8 +453,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         Returns a 0-dim float32 tensor on the parameters' device that ``step()`` fills with the global L2 norm of
         the step's gradients (unscaled under a GradScaler, averaged under ZeRO): read it after ``step()`` (the
         Hugging Face Trainer logs it then); NaN until then, or if no ``step()`` follows. Only ``norm_type=2``."""
-        device = self.run.local[0].device if self._built else self._params[0].device if self._params else "cpu"
-        return self._clips.ask(max_norm, norm_type, device)
+        return self._clips.ask(max_norm, norm_type, self.run.device if self._built else build.device_of(self._params))
 
     @compile_disabled
     def zero_grad(self, set_to_none: bool = True) -> None:
