@@ -167,5 +167,5 @@ def test_any_write_before_step_is_seen(link, write):
     want, _ = _train("cpu", batches, zero=_set_to_none, before_step=WRITES[write])
     got, stats = _train(link, batches, zero=_set_to_none, before_step=WRITES[write])
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert stats["handover"] == "off" and "rewritten between backward and step()" in stats["handover_why"]
+    assert stats["handover"] == "off" and "changed between backward and step()" in stats["handover_why"]
     assert stats["d2h_bytes_unused"] > 0 and stats["d2h_bytes_in_backward"] == 0

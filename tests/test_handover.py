@@ -144,20 +144,24 @@ def test_hooks_copy_during_backward_with_the_synchronous_bits(seed, overlap, max
 
 
 def test_isolated_rewrites_leave_the_hand_over_on_and_three_in_a_row_switch_it_off():
-    """The policy itself (handover.py): a step where most of what the hooks copied was copied again counts as a
-    rewrite; isolated ones (a repaired NaN, clipping on a spike) leave the hand-over on however many there are,
-    ``REWRITES_BEFORE_OFF`` in a row switch it off with the step named. Steps whose hooks copied nothing (all
-    crossed at step()) neither count nor reset."""
+    """The policy itself (handover.py): a step where most of what the hooks copied changed before step() counts
+    as a rewrite; isolated ones (a repaired NaN, clipping on a spike) leave the hand-over on however many there
+    are, ``REWRITES_BEFORE_OFF`` consecutive ones switch it off with the steps and bytes named. A step whose hooks
+    copied nothing (all crossed at step()) breaks the row: rewrites every other step never switch it off."""
     policy = HandOver("on", "why")
     for t in range(30):
         assert policy.copy_now(0)
         policy.stepped(t, 100, 100 if t % 3 == 0 else 10)  # a rewrite every third step
         assert policy.mode == "on", t
-    policy.stepped(30, 0, 0)  # (nothing copied by hooks: not a step to learn from)
-    for t in range(31, 31 + HandOver.REWRITES_BEFORE_OFF):
+    for t in range(30, 60):  # rewrites with a step between them whose hooks copied nothing: not in a row
+        policy.stepped(t, *((100, 60) if t % 2 == 0 else (0, 0)))
+        assert policy.mode == "on", t
+    for t in range(60, 60 + HandOver.REWRITES_BEFORE_OFF):
         assert policy.mode == "on"
         policy.stepped(t, 100, 60)
-    assert policy.mode == "off" and policy.why.startswith(f"step {30 + HandOver.REWRITES_BEFORE_OFF}:")
+    last = 59 + HandOver.REWRITES_BEFORE_OFF
+    assert policy.mode == "off" and policy.why.startswith(f"step {last}:")
+    assert f"step {last}: 60 of 100 bytes" in policy.why and "step 60: 60 of 100 bytes" in policy.why
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -237,7 +241,8 @@ def test_gradients_changed_in_place_at_every_step_are_exact_and_then_cross_at_st
     got, stats, sums = run(model, zenflow, data, seed=seed, before_step=_clip_in_place)
     assert_same(want, got)
     assert_same_sums(want_sums, sums)
-    assert stats["handover"] == "off" and "step 3: gradients were rewritten" in stats["handover_why"]
+    assert stats["handover"] == "off" and "step 3: gradients changed between backward and step()" in \
+        stats["handover_why"] and "in 3 consecutive steps (step 1: " in stats["handover_why"]
     matrices = sum(p.numel() * 4 for p in model.parameters() if p.dim() == 2)
     assert stats["d2h_bytes_unused"] == 3 * matrices and stats["d2h_bytes_in_backward"] == 0
 

@@ -177,13 +177,44 @@ def test_the_configuration_in_both_forms_and_what_is_refused(tmp_path):
         ZenFlowConfig(offload_device="disk")
     with pytest.raises(ZenFlowConfigError, match=r"offload_param.device='nvme' .* not supported"):
         ZenFlowConfig.from_dict({"zero_optimization": {"offload_param": {"device": "nvme"}, "zenflow": {}}})
-    # a path that is not a directory fails at the first step, naming it, and leaves nothing behind
-    m, opt = make(tmp_path / "missing", dict(overlap_step=True))
+    # a path that cannot hold the state files is refused by the constructor, naming it, before anything exists
+    (tmp_path / "a-file").write_text("")
+    for name, why in (("missing", "does not exist"), ("a-file", "is not a folder")):
+        with pytest.raises(ValueError, match=f"nvme_path='.*{name}' {why}: allowed an existing, writable folder"):
+            make(tmp_path / name, dict(overlap_step=True))
+    assert os.listdir(tmp_path) == ["a-file"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "chaos0"])
+def test_an_unwritable_folder_is_refused_and_a_failed_first_step_leaves_nothing(tmp_path, monkeypatch, mode):
+    """The constructor refuses a folder this process may not write (os.access: root may write anything, so the
+    answer is patched); a first step whose state file cannot be made (the folder removed after construction)
+    raises, and leaves no thread, no hook, no file and training's thread count as it was; the optimizer stays
+    unbuilt and a later step builds it."""
+    import threading
+
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, how: False if str(path) == str(tmp_path) else real_access(path, how))
+    with pytest.raises(ValueError, match="is not writable by this process"):
+        make(tmp_path, dict(overlap_step=True))
+    monkeypatch.setattr(os, "access", real_access)
+    where = tmp_path / "state"
+    where.mkdir()
+    before = {t.name for t in threading.enumerate()}, torch.get_num_threads()
+    m, opt = make(where, dict(overlap_step=True), mode=mode)
+    where.rmdir()
     x, y = batches()[0]
     F.mse_loss(m(x), y).backward()
-    with pytest.raises(ValueError, match="missing' is not an existing directory"):
+    with pytest.raises(ValueError, match="is not an existing directory"):
         opt.step()
+    assert ({t.name for t in threading.enumerate()}, torch.get_num_threads()) == before
+    assert not opt.built and all(not p._post_accumulate_grad_hooks for p in m.parameters())
     assert os.listdir(tmp_path) == []
+    where.mkdir()
+    opt.step()  # the folder is back: the step builds and runs
+    assert opt.built and len(os.listdir(where)) == 1
+    opt.close()
+    assert os.listdir(where) == [] and {t.name for t in threading.enumerate()} == before[0]
 
 
 def test_an_io_error_in_an_update_fails_the_optimizer_naming_file_and_offset(tmp_path, monkeypatch):

@@ -352,7 +352,8 @@ def test_parameters_and_param_groups_are_checked_with_whole_messages():
         with pytest.raises(ValueError, match="^ZenFlowAdamW: a parameter appears more than once$"):
             ZenFlowAdamW([p, p], zenflow=zen)
     with ZenFlowAdamW([p], zenflow=zen) as opt:
-        with pytest.raises(ValueError, match=r"^ZenFlowAdamW group: lr=-1.0 is invalid: allowed a finite number >= 0"):
+        with pytest.raises(ValueError,
+                           match=r"^ZenFlowAdamW group 1: lr=-1.0 is invalid: allowed a finite number >= 0"):
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": -1.0})
         with pytest.raises(ValueError, match=re.escape("ZenFlowAdamW: parameters on several devices ['cpu', 'meta']")):
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device="meta"))]})

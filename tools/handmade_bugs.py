@@ -77,9 +77,9 @@ BUGS = [
     ),
     Bug(
         "hooks-kept-after-close",
-        "zenflow_kernels/optim/build.py",
-        "    for handle in hooks:\n        handle.remove()\n",
-        "    del hooks  # the hooks check _closed and return\n",
+        "zenflow_kernels/handover.py",
+        "        for handle in self.handles.values():\n            handle.remove()\n",
+        "        pass  # the hooks check _closed and return\n",
         "(b) close() and the finalizer leave the backward hooks on the parameters (a closed or collected "
         "optimizer is still called from every backward)",
     ),
@@ -103,9 +103,9 @@ BUGS = [
     ),
     Bug(
         "stage2-hooks-not-registered",
-        "zenflow_kernels/optim/optimizer.py",
-        'if self.handover.mode == "on" or self._shard.consumes_hooks else []',
-        'if self.handover.mode == "on" else []',
+        "zenflow_kernels/optim/build.py",
+        'if handover.mode == "on" or run.shard.consumes_hooks:',
+        'if handover.mode == "on":',
         "(b) ZeRO-2 registers no backward hooks: every reduction starts in step(), none overlaps backward",
         tests=ZERO, k=ZERO_K,
     ),
@@ -244,8 +244,8 @@ BUGS = [
     Bug(
         "handover-rewrites-never-reset",
         "zenflow_kernels/handover.py",
-        "        self._rewrites = self._rewrites + 1 if 2 * unused > copied else 0\n",
-        "        self._rewrites = self._rewrites + 1 if 2 * unused > copied else self._rewrites\n",
+        "            self._rewrites.clear()  # a step whose copies were used (or that had none) ends the row\n",
+        "            pass  # a step whose copies were used (or that had none) ends the row\n",
         "occasional rewrites (a repaired NaN, clipping on a spike) add up over the run instead of needing "
         "REWRITES_BEFORE_OFF steps in a row: the hand-over switches off for good after three isolated ones",
         tests=HANDOVER, k=None,

@@ -108,10 +108,16 @@ def explain(config: ZenFlowConfig, schedule: Schedule, steps: int) -> str:
     return "\n".join(lines)
 
 
-def explain_optimizer(config: ZenFlowConfig, schedule: Schedule, steps: int, cores: dict, param_groups) -> str:
-    """``ZenFlowAdamW.explain()``: :func:`explain`, the CPUs of training and of the host worker (and why), and per
-    param group its ``topk_ratio`` and ``importance`` and each matrix's ``k`` of ``C`` columns on the fast path."""
-    lines = [explain(config, schedule, steps)]
+def explain_optimizer(opt, steps: int) -> str:
+    """``ZenFlowAdamW.explain()``: :func:`explain`, the CPUs of training and of the host worker (and why: those the
+    first step picks, before it), and per param group its ``topk_ratio`` and ``importance`` and each matrix's ``k``
+    of ``C`` columns on the fast path."""
+    from .optim import build
+
+    config, param_groups = opt.config, opt.param_groups
+    params = [p for g in param_groups for p in g["params"]]
+    cores = opt.run.cores if opt.built else build.split_cores(config, build.device_of(params))
+    lines = [explain(config, opt.schedule, steps)]
     lines += [f"cores: training {cores['train']}, host worker {cores['host']} ({cores['why']})", "param groups:"]
     for gi, g in enumerate(param_groups):
         ratio, importance = g.get("topk_ratio", config.topk_ratio), g.get("importance", config.importance)

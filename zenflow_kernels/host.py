@@ -155,12 +155,16 @@ class HostShard:
         self.out = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()}
         self.landing = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()} if landing else {}
         self.host_step = [0] * len(params)  # owned like the master: by the host update in flight
-        with torch.no_grad():
-            if self.disk is not None:  # one pass over the new file, whatever the number of tensors
-                self.disk.write_many([("master", slots[i].offset, params[i]) for i in order], fresh=True)
-            else:
-                for i in order:
-                    self.set_field("master", i, params[i].detach())
+        try:
+            with torch.no_grad():
+                if self.disk is not None:  # one pass over the new file, whatever the number of tensors
+                    self.disk.write_many([("master", slots[i].offset, params[i]) for i in order], fresh=True)
+                else:
+                    for i in order:
+                        self.set_field("master", i, params[i].detach())
+        except BaseException:
+            self.close()  # (a state file made above is removed)
+            raise
 
     def field(self, name: str, index: int) -> torch.Tensor:
         """Parameter ``index``'s ``master``/``exp_avg``/``exp_avg_sq`` (its shape, fp32): a view of the buffer in
@@ -523,7 +527,9 @@ class HostWorker:
             )
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread after the queued jobs; idempotent."""
+        """Stop the thread after the queued jobs; idempotent. Called on the worker's own thread (an optimizer whose
+        last reference a job dropped is finalized there) it only asks the thread to stop after this job."""
         if self._thread.is_alive():
             self._jobs.put(_STOP)
-            self._thread.join(timeout)
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout)

@@ -12,6 +12,7 @@ import torch
 
 from .. import ops
 from ..ablations import ablations
+from ..cpu_ops.fingerprint import fingerprint_unchecked
 from ..device_model import Delays, recorded
 from ..host import HostShard
 from .base import _Link
@@ -45,6 +46,13 @@ class AsyncLink(_Link):
         # the hooks fired; step() checks each against its fingerprint before folding it into the sums
         self._staged: dict[int, int] = {}
         self._overwritten = 0  # bytes of this step's hook copies a later hook copied over (a second backward)
+        # the gradients this backward's hooks staged, with their version counters then: one written in place later in
+        # the same backward (another hook's doing) may have been copied mid-change, and changed back before step()
+        # its fingerprint would agree. Such a suspect's landed bytes are fingerprinted on the host at step() and
+        # copied again if they differ (a version counter is shared by views: FSDP2's gradients, views of one flat
+        # buffer, all move when one is added into, so a moved counter is a reason to look, not a change)
+        self._watch: dict[int, tuple[torch.Tensor, int]] = {}
+        self._suspect: set[int] = set()
         self._readers: dict[int, Future] = {}  # index -> the fold job that last read its place in the landing area
         self._ordered = False  # this backward's end orders the device's later work after its copies (queued)
         self._last_accumulate = None  # completion of every fold (and upload) issued so far (jobs run in order)
@@ -86,6 +94,8 @@ class AsyncLink(_Link):
             self._fingerprints = torch.zeros(len(self.host.host_step), dtype=torch.int64, device=grad.device)
         src = grad.detach()
         ops.multi_fingerprint([src], self.key, out=self._fingerprints[i : i + 1])
+        self._watch[i] = (src, src._version)  # (a detached tensor shares the gradient's version counter)
+        self._suspect.discard(i)
         self.engine.d2h([(dst, src)])
         nbytes = src.numel() * src.element_size()
         self.d2h_bytes += nbytes
@@ -99,9 +109,15 @@ class AsyncLink(_Link):
         gradient, GradScaler's unscale, the optimizer step) comes after those copies, so a copy reads the
         gradient its fingerprint was taken of. A stream wait on a GPU; the stand-in's training thread waits."""
         self._ordered = False
+        self._check_versions()
         t0 = time.perf_counter()
         self.engine.device_waits_for_d2h()
         self._waited(t0, "backward")
+
+    def _check_versions(self) -> None:
+        """The gradients staged since the last check that were written in place since their hook are suspect."""
+        self._suspect.update(i for i, (src, version) in self._watch.items() if src._version != version)
+        self._watch.clear()
 
     def accumulate(self, items, buf: int, *, scale: float = 1.0, fuse_min_numel: int | None = None) -> dict:
         """acc[buf] += grad * ``scale`` for each ``(index, grad)``, in the background: a gradient a hook copied
@@ -110,6 +126,7 @@ class AsyncLink(_Link):
         acc[buf] (on the accumulate worker, behind the copies). Hooks' copies of gradients not in ``items``
         are dropped. Returns ``{}`` (nothing is left to fuse)."""
         staged, wanted = self._staged, dict(items)
+        self._check_versions()  # (a backward that failed never ran its end)
         checked = [(i, wanted[i]) for i in staged if i in wanted]
         changed: set[int] = set()
         if checked:
@@ -117,6 +134,11 @@ class AsyncLink(_Link):
             where = torch.tensor([i for i, _ in checked], device=now.device)
             differ = (now != self._fingerprints.index_select(0, where)).tolist()  # (one device sync)
             changed = {i for (i, _), d in zip(checked, differ, strict=True) if d}
+            if self._suspect:  # (written in place during their backward: what landed is looked at)
+                looks = [(i, f) for (i, _), f, d in zip(checked, now.tolist(), differ, strict=True)
+                         if not d and i in self._suspect]
+                changed |= self._landed_differ(looks)
+        self._suspect.clear()
         kept = [i for i, _ in checked if i not in changed]
         hooks_copied = self.engine.d2h_marker() if kept else None
         copies = []
@@ -132,7 +154,7 @@ class AsyncLink(_Link):
         used = sum(staged[i] for i in kept)
         self.early_bytes += used
         self.unused_bytes += hook_bytes - used
-        self._step_bytes = (hook_bytes, hook_bytes - used)
+        self._step_bytes = (sum(staged.values()), sum(staged[i] for i in changed))
         self._overwritten, self._ordered = 0, False  # (a backward that failed never ran its end: start again)
         # fold in the order the next backward's hooks will want their places back (this one's), then the rest
         later = [i for i, _ in items if i not in kept]
@@ -145,6 +167,16 @@ class AsyncLink(_Link):
         # (zero_grad(set_to_none=False), p.grad.zero_(), the next backward adding in place) comes after
         self.engine.device_orders_after_d2h()
         return {}
+
+    def _landed_differ(self, suspects: list[tuple[int, int]]) -> set[int]:
+        """Of these ``(index, fingerprint at step())``, gradients written in place during the backward that staged
+        them: those whose landed bytes differ (their copy read them mid-change). Waits for the hooks' copies."""
+        if not suspects:
+            return set()
+        self.wait(self.engine.d2h_marker())
+        self.landed_checked_bytes += sum(self._staged[i] for i, _ in suspects)
+        landed = fingerprint_unchecked([self.host.landing_view(i) for i, _ in suspects], self.key).tolist()
+        return {i for (i, want), got in zip(suspects, landed, strict=True) if got != want}
 
     def _chunks(self, order: list[int]) -> list[list[int]]:
         """``order`` cut into runs of at most ``FOLD_CHUNK_BYTES`` of landing area (a larger gradient alone)."""
@@ -210,6 +242,8 @@ class AsyncLink(_Link):
         the next copies into the same places land after these (the copy stream runs in order)."""
         self.unused_bytes += sum(self._staged.values()) + self._overwritten
         self._staged, self._overwritten, self._ordered = {}, 0, False
+        self._watch.clear()
+        self._suspect.clear()
 
     def accumulation(self) -> Future | None:
         """The completion of every accumulation issued so far (jobs run in order)."""

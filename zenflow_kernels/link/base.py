@@ -41,7 +41,10 @@ class _Link:
         # gradient bytes backward's hooks copied that were not used: copied again (the gradient changed after its
         # hook, or a later backward's hook copied it again), or dropped (a skipped step or batch)
         self.unused_bytes = 0
-        # the step just accumulated (step_bytes): bytes its hooks copied, of them not used
+        # gradient bytes hooks copied whose landed bytes step() fingerprinted on the host (written in place during
+        # their backward: AsyncLink._landed_differ)
+        self.landed_checked_bytes = 0
+        # the step just accumulated (step_bytes): bytes of each gradient's last hook copy, of them those that changed
         self._step_bytes = (0, 0)
         self._sums_blocks: list[torch.Tensor] | None = None  # device_sums' host blocks (made at first use)
 
@@ -75,9 +78,10 @@ class _Link:
         does with them comes first (here nothing: a synchronous upload copied and zeroed them)."""
 
     def step_bytes(self) -> tuple[int, int]:
-        """``(copied, unused)`` of the step just accumulated: gradient bytes backward's hooks copied to the host,
-        and of them those not used (copied again by a later hook or by ``step()``, or not part of the step);
-        ``(0, 0)`` after a skipped one. Reset when taken."""
+        """``(copied, changed)`` of the step just accumulated: the bytes of the gradients backward's hooks handed
+        to the host (each one's last copy: not those a later backward's hook copied over), and of them those of
+        gradients that changed after their hook (``step()`` copied them again); ``(0, 0)`` after a skipped one.
+        Reset when taken."""
         taken, self._step_bytes = self._step_bytes, (0, 0)
         return taken
 

@@ -10,14 +10,16 @@ import torch
 
 from .. import cpu_ops
 from .. import link as link_module
-from ..handover import grad_ready_hook
+from ..ablations import ablations
+from ..handover import GradHooks, handover_mode, release_hooks
 from ..host import HostShard
 from ..sharding import FSDP2, Sharding, Zero1, Zero2, fsdp2_mesh
 from .run import Run
-from .sums import host_buffers
+from .sums import host_buffers, make_sums
 
-__all__ = ["PARAM_DTYPES", "check_arguments", "index_params", "device_of", "check_params", "choose_sharding",
-           "rank_cores", "make_host_and_link", "make_run", "grad_hooks", "shutdown", "training_threads"]
+__all__ = ["PARAM_DTYPES", "check_arguments", "check_nvme_path", "take_params", "device_of", "check_params",
+           "choose_sharding", "rank_cores", "trained", "make_host_and_link", "make_run", "make_parts", "grad_hooks",
+           "shutdown", "training_threads"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -37,10 +39,25 @@ def check_arguments(zero_stage, collective_timeout, release_gradients) -> None:
                          "gradient to one owner)")
 
 
-def index_params(param_groups: list[dict]) -> tuple[list[torch.Tensor], list[int]]:
-    """The parameters of every group in order, and each one's group, checked (:func:`check_params`)."""
+def check_nvme_path(config) -> None:
+    """``offload_device="nvme"``: ``nvme_path`` is an existing folder this process may write, or an error naming it
+    (at construction: before any thread, hook or file exists)."""
+    if config.offload_device != "nvme":
+        return
+    path = config.nvme_path
+    problem = ("does not exist" if not os.path.exists(path) else "is not a folder" if not os.path.isdir(path) else
+               "is not writable by this process" if not os.access(path, os.W_OK | os.X_OK) else None)
+    if problem:
+        raise ValueError(f"ZenFlowAdamW: zenflow.nvme_path={path!r} {problem}: allowed an existing, writable folder "
+                         "(the host state's files are created in it at the first step)")
+
+
+def take_params(param_groups: list[dict]) -> tuple[list[torch.Tensor], list[int]]:
+    """The parameters of every group in order, and each one's group, checked (:func:`check_params`); an optimizer
+    that hooked them before (the one this replaces) no longer copies their gradients (``handover.release_hooks``)."""
     params = [p for g in param_groups for p in g["params"]]
     check_params(params)
+    release_hooks(params)
     return params, [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
 
 
@@ -129,10 +146,19 @@ def training_threads(config, cores: dict) -> int | None:
     return saved
 
 
+def trained(params, kept=()) -> set[int]:
+    """The parameters that get host state: those that can receive a gradient (``requires_grad``) or hold one, and
+    ``kept`` (held before: a checkpoint's, or an earlier layout's). A frozen parameter (a LoRA model's base, a
+    frozen backbone) costs no host memory; one unfrozen later is added at the step its first gradient reaches
+    (the facade's ``_admit``)."""
+    return {i for i, p in enumerate(params) if p.requires_grad or p.grad is not None} | set(kept)
+
+
 def make_run(params, group_of, param_groups, state, config, shard, telemetry, *, timeout, chaos, nvme_block: int,
-             nvme_direct: bool) -> Run:
+             nvme_direct: bool, host_params: set[int]) -> Run:
     """The first step's setup: the CPUs of training and of the host worker, the sharding started, the host shard
-    laid out, the link and the context the parts share (:class:`Run`)."""
+    of ``host_params`` (those of them this rank holds) laid out, the link and the context the parts share
+    (:class:`Run`). A failure leaves nothing running: training's thread count restored, no worker started."""
     device = device_of(params)
     cores = split_cores(config, device)
     shard.start(params, group_of, device, chaos)
@@ -140,42 +166,87 @@ def make_run(params, group_of, param_groups, state, config, shard, telemetry, *,
     for p in params:  # a built optimizer has state: torch.distributed.checkpoint would otherwise
         state.setdefault(p, {})  # run a (learning rate 0) step to create it
     torch_threads = training_threads(config, cores)
-    disk = None
-    if config.offload_device == "nvme":
-        from ..state_files import StateFiles
+    try:
+        disk = None
+        if config.offload_device == "nvme":
+            from ..state_files import StateFiles
 
-        path, rank = config.nvme_path, shard.rank
-        disk = lambda numel: StateFiles(path, numel, block_numel=nvme_block, rank=rank, direct=nvme_direct)  # noqa: E731
-    host, link = make_host_and_link(local, group_of, device, config=config, cores=cores, timeout=timeout, chaos=chaos,
-                                    owned=shard.owned, num_acc=host_buffers(config), disk=disk)
+            path, rank = config.nvme_path, shard.rank
+            disk = lambda numel: StateFiles(path, numel, block_numel=nvme_block, rank=rank, direct=nvme_direct)  # noqa: E731
+        owned = sorted(host_params if shard.owned is None else host_params.intersection(shard.owned))
+        host, link = make_host_and_link(local, group_of, device, config=config, cores=cores, timeout=timeout,
+                                        chaos=chaos, owned=owned, num_acc=host_buffers(config), disk=disk)
+    except BaseException:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        raise
     shard.use_host_memory(link.alloc)  # ZeRO: the write-back's receive buffers (pinned on a GPU)
     return Run(params, local, group_of, param_groups, state, config, device, shard, link, host, telemetry, cores,
-               torch_threads)
+               torch_threads, frozenset(host_params))
+
+
+def make_parts(run: Run, classes, handover, *, seed_from_host: bool, hyper, grad_ready) -> tuple:
+    """The parts of a built optimizer over ``run`` (docs/hacking.md), from ``classes``' ``fast_path_class``,
+    ``selection_class`` and ``interval_class``: ``(fast_path, selection, interval, hooks)``, with ``handover``'s
+    mode decided and the backward hooks registered where the link or the sharding uses them (``hooks`` None
+    elsewhere); ``hyper()``: the param groups' numbers as they are now. A failure stops what ``run`` started
+    (:func:`shutdown`) before it is raised."""
+    config, link, hooks = run.config, run.link, None
+    try:
+        # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket around
+        # the fast step (on a CPU link host memory is the device: nothing moves)
+        fast_path = classes.fast_path_class(run, offload=config.offload and link.moves_state,
+                                            bucket_numel=classes.OFFLOAD_BUCKET_NUMEL)
+        selection = classes.selection_class(run, fast_path, seed_from_host=seed_from_host)
+        # (the parts hold the optimizer's param groups and state, never the optimizer: no cycle delays its finalizer)
+        interval = classes.interval_class(run, make_sums(run), overlap=config.overlap_step, hyper=hyper)
+        handover.decide(*handover_mode(link, run.shard, config.device_accumulation, ablations.early_handover))
+        if handover.mode == "on" or run.shard.consumes_hooks:
+            hooks = grad_hooks(run.params, grad_ready, range(len(run.params)))
+    except BaseException:
+        shutdown(link, run.torch_threads, hooks)
+        raise
+    return fast_path, selection, interval, hooks
 
 
 def make_host_and_link(local, group_of, device, *, config, cores: dict, timeout, chaos, owned, num_acc: int, disk):
-    """The host shard of this rank's parameters (laid out by the optimizer) and the link that moves data between
-    it and the device: CUDA streams and pinned memory, plain CPU copies, or (``chaos``) the asynchronous CPU link."""
+    """The host shard of this rank's parameters ``owned`` (laid out by the optimizer) and the link that moves data
+    between it and the device: CUDA streams and pinned memory, plain CPU copies, or (``chaos``) the asynchronous
+    CPU link. A failure stops the engine's threads and removes the state file made so far."""
     engine = link_module.make_engine(device, chaos=chaos, timeout=timeout)
-    # an asynchronous link's gradients cross through a landing area, except where the sums are on the device
-    host = HostShard(local, group_of, num_acc=num_acc, indices=owned, disk=disk,
-                     landing=engine is not None and not config.device_accumulation, **link_module.host_alloc(engine))
-    link = link_module.make_link(host, engine, overlap=config.overlap_step, host_threads=host_threads(cores, device),
-                                 cores=cores["host"], timeout=timeout)
+    host = None
+    try:
+        # an asynchronous link's gradients cross through a landing area, except where the sums are on the device
+        host = HostShard(local, group_of, num_acc=num_acc, indices=owned, disk=disk,
+                         landing=engine is not None and not config.device_accumulation,
+                         **link_module.host_alloc(engine))
+        link = link_module.make_link(host, engine, overlap=config.overlap_step,
+                                     host_threads=host_threads(cores, device), cores=cores["host"], timeout=timeout)
+    except BaseException:
+        if engine is not None:
+            engine.close()
+        if host is not None:
+            host.close()
+        raise
     return host, link
 
 
-def grad_hooks(params, grad_ready) -> list:
-    """``grad_ready(i)`` from each parameter's post-accumulate-grad hook (``grad_ready``: a ``WeakMethod``, so the
-    hooks do not keep the optimizer alive)."""
-    return [p.register_post_accumulate_grad_hook(grad_ready_hook(grad_ready, i)) for i, p in enumerate(params)]
+def grad_hooks(params, grad_ready, indices) -> GradHooks:
+    """``grad_ready(i)`` from the post-accumulate-grad hook of each of these parameters that can receive a gradient
+    (``grad_ready``: a ``WeakMethod``, so the hooks do not keep the optimizer alive)."""
+    hooks = GradHooks(params, grad_ready)
+    hooks.ensure(indices)
+    return hooks
 
 
-def shutdown(link, torch_threads: int | None, hooks) -> None:
-    """The optimizer's finalizer: remove its backward hooks, stop the link's workers, give training its threads
-    back."""
-    for handle in hooks:
-        handle.remove()
-    link.close()
-    if torch_threads is not None:
-        torch.set_num_threads(torch_threads)
+def shutdown(link, torch_threads: int | None, hooks: GradHooks | None) -> None:
+    """The optimizer's finalizer (or the undoing of a first step that failed): remove its backward hooks, stop the
+    link's workers, give training its threads back."""
+    try:
+        if hooks is not None:
+            hooks.remove()
+        if link is not None:
+            link.close()
+    finally:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)

@@ -7,8 +7,9 @@ same layout): ``state`` by parameter position, each entry holding the fast path'
 holds, ``host_master``, ``host_exp_avg``, ``host_exp_avg_sq``, ``host_step`` and the interval's sums ``acc``; every
 entry has ``acc_count`` and ``pending`` (a host result awaiting its write-back) and, inside ``flushed()``,
 ``unflushed`` (the weights training continues from). ``param_groups`` as torch writes them; ``zenflow`` the
-counters, the config, the schedule, ``max_grad_norm``, ``seed_from_host``, ``built`` and ``zero`` (stage, world,
-rank, consolidated).
+counters, the config, the schedule, ``max_grad_norm``, ``seed_from_host``, ``built``, ``zero`` (stage, world,
+rank, consolidated) and ``host_params``, the parameters with host state (a frozen one has none; a dict without the
+key: all of them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ..schedule import Schedule
 from .interval import HostInterval
 from .run import Run
 
-__all__ = ["FORMAT", "COUNTERS", "header", "pack", "Loaded", "read", "unpack", "restore", "unpack_adam", "restore_adam"]
+__all__ = ["FORMAT", "COUNTERS", "header", "pack", "carried", "Loaded", "read", "unpack", "restore", "unpack_adam",
+           "restore_adam"]
 
 FORMAT = 2
 """The format this version writes; it reads formats 1 and 2."""
@@ -64,6 +66,7 @@ def pack(run: Run | None, interval: HostInterval | None, *, groups: list[dict], 
     zenflow = dict(zenflow, format=FORMAT, built=run is not None)
     if run is None:
         return {"state": state, "param_groups": groups, "zenflow": zenflow}
+    zenflow["host_params"] = sorted(run.host_params)
     host = run.host
     # on disk: the host state and the interval's sums handed out as views of one file-backed copy, never whole in
     # memory
@@ -73,7 +76,7 @@ def pack(run: Run | None, interval: HostInterval | None, *, groups: list[dict], 
         st.update(acc_count=interval.counted(i), pending=i in interval.pending)
         if interval.unflushed is not None and i in interval.unflushed:  # inside flushed(): what training holds
             st["unflushed"] = interval.unflushed[i]
-        if consolidated:  # every parameter's host state, from the rank holding it
+        if consolidated and i in run.host_params:  # every parameter's host state, from the rank holding it
             fields = {name: run.from_host(i, name).to("cpu") for name in ("master", "exp_avg", "exp_avg_sq")}
             st.update(host_master=fields["master"], host_exp_avg=fields["exp_avg"],
                       host_exp_avg_sq=fields["exp_avg_sq"], host_step=run.host_step(i),
@@ -86,6 +89,15 @@ def pack(run: Run | None, interval: HostInterval | None, *, groups: list[dict], 
                       acc=host.view(snap[3], i) if snap is not None else interval.sums_of(i))
         state[i] = st
     return {"state": state, "param_groups": groups, "zenflow": zenflow}
+
+
+def carried(run: Run, interval: HostInterval) -> None:
+    """Before :func:`pack`: a failed host update refused (it may have left half its result: no torn state handed
+    out), the in-flight one drained (its result stays pending), the accumulation, write-backs and offloaded state
+    landed."""
+    run.link.check()
+    interval.drain()
+    run.link.synchronize()
 
 
 @dataclasses.dataclass
@@ -103,6 +115,7 @@ class Loaded:
     built: bool
     restore: Callable[[Run, HostInterval, Callable], None]
     changed: list[str]  # settings of the checkpoint that differ from the loading optimizer's
+    host_params: set[int]  # the parameters that had host state (they keep it whatever requires_grad says now)
 
 
 def check_form(state_dict, n_groups: int, group_sizes: list[int]) -> None:
@@ -153,6 +166,7 @@ def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: lis
                                             "nvme_path": config.nvme_path, "cores": config.cores})
     schedule = Schedule.from_dict(zenflow["schedule"])
     saved_state = state_dict["state"]
+    held = set(zenflow.get("host_params", range(len(local))))
     for idx, st in saved_state.items():
         p = local[int(idx)]
         for key in ("host_master", "unflushed"):
@@ -164,7 +178,8 @@ def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: lis
     if zenflow.get("built"):
         # ZeRO: this rank needs the host state of the parameters it will hold (a consolidated dict, or a dict saved
         # by the same rank at the same world size, has it)
-        missing = [i for i in will_hold if "host_master" not in saved_state.get(i, saved_state.get(str(i), {}))]
+        missing = [i for i in will_hold
+                   if i in held and "host_master" not in saved_state.get(i, saved_state.get(str(i), {}))]
         if missing:
             saved = zenflow.get("zero", {})
             raise ValueError(
@@ -180,20 +195,21 @@ def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: lis
     groups = [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]]
     return Loaded(saved_config, schedule, zenflow["max_grad_norm"], bool(zenflow.get("seed_from_host", False)), groups,
                   {name: int(zenflow[name]) for name in COUNTERS}, bool(zenflow.get("built")),
-                  functools.partial(restore, saved_state), changed)
+                  functools.partial(restore, saved_state), changed, held if zenflow.get("built") else set())
 
 
 @torch.no_grad()
 def restore(saved_state: dict, run: Run, interval: HostInterval, to_state: Callable) -> None:
     """Write a checked state dict's entries into a freshly built optimizer: the host state of this rank's
     parameters, the interval's sums, counts and pending results, the fast path's state (``to_state`` places it),
-    and inside-``flushed()`` weights into the parameters."""
+    and inside-``flushed()`` weights into the parameters. A parameter the state holds no host state of (frozen when
+    it was saved, trained now) keeps the fresh shard's: its live weights, zero moments."""
     host = run.host
     writes = []  # the host fields, written in one pass (on disk: each block of the file once)
     for idx, st in saved_state.items():
         i = int(idx)
         p = run.params[i]
-        if i in host.slots:  # ZeRO: the host state of this rank's parameters only
+        if i in host.slots and "host_master" in st:  # ZeRO: the host state of this rank's parameters only
             writes += [(name, i, st[f"host_{name}"]) for name in ("master", "exp_avg", "exp_avg_sq")]
             host.view(interval.sums_flat(), i).copy_(st["acc"])
             host.host_step[i] = int(st["host_step"])
@@ -257,7 +273,7 @@ def unpack_adam(state_dict: dict, params: list[torch.Tensor], config, schedule, 
         imported[i] = (st["exp_avg"], st["exp_avg_sq"], step)
     updates = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"]) for g in groups]
     return Loaded(config, schedule, max_grad_norm, True, updates, dict.fromkeys(COUNTERS, 0), True,
-                  lambda run, interval, to_state: restore_adam(imported, run), [])
+                  lambda run, interval, to_state: restore_adam(imported, run), [], set(imported))
 
 
 def restore_adam(imported: dict[int, tuple], run: Run) -> None:

@@ -19,20 +19,17 @@ from typing import Any
 
 import torch
 
-from ..ablations import ablations
-from ..config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters, check_group_settings
+from ..config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters
 from ..device_model import current_chaos
-from ..handover import HandOver, handover_mode
+from ..handover import HandOver
 from ..schedule import Schedule, resolve_schedule
 from ..sharding import Sharding, world_of
 from . import build, checkpoint
 from .fast_path import FastPath
 from .flushed import FlushedWeights
 from .interval import HostInterval
-from .run import Run
 from .selection import Selection
-from .step_inputs import ClipRequests, GradChecks, hyper, read_step
-from .sums import make_sums
+from .step_inputs import ClipRequests, GradChecks, check_group, hyper, read_step
 from .telemetry import Telemetry, host_bytes
 
 __all__ = ["ZenFlowAdamW"]
@@ -139,12 +136,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.config = ZenFlowConfig.coerce(zenflow)
         build.rank_cores(self.config)  # a cores list outside this process's CPUs is an error now, not at a step
+        build.check_nvme_path(self.config)  # (so is an nvme_path that cannot hold the state files)
         self.schedule: Schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch, dataloader=dataloader)
         self.max_grad_norm = max_grad_norm
         self.host_timeout = host_timeout
         self.zero_stage = zero_stage
         self.release_gradients = zero_stage == 2 and release_gradients is not False
-        self._params, self._group_of = build.index_params(self.param_groups)
+        self._params, self._group_of = build.take_params(self.param_groups)
         # how the ranks hold gradients and host state (sharding/): the one thing that differs between one process,
         # ZeRO and FSDP2; the algorithm is the same for all
         self._shard: Sharding = build.choose_sharding(
@@ -154,13 +152,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.t = self.skipped_steps = self.host_updates = self.selections = self.steps_accumulated = 0
         self._closed = False
         self._chaos = current_chaos()  # testing.chaos: a CPU run uses the asynchronous test link
+        self._held: set[int] = set()  # parameters with host state whatever requires_grad says (build.trained)
+        self._hooks = None  # the backward hooks (handover.GradHooks), where the link or the sharding uses them
         self._seed_from_host = False  # after loading a torch AdamW state dict (Selection.seed_from_host)
         self._stats = Telemetry()
-        # the parts, made at the first step (like torch's lazy state): see _build
-        self.run: Run | None = None
-        self.selection: Selection | None = None
-        self.fast_path: FastPath | None = None
-        self.interval: HostInterval | None = None
+        # the parts (a Run, Selection, FastPath, HostInterval), made at the first step like torch's lazy state: _build
+        self.run = self.selection = self.fast_path = self.interval = None
         # whether gradients cross to the host from backward's hooks (handover.py): decided at the first step
         self.handover = HandOver("on", "no step yet")
         # this step's numbers: GradScaler's scale and its float32 reciprocal (the fused-optimizer protocol), and
@@ -177,11 +174,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
         try:
-            g = self.param_groups[-1]
-            check_adamw_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"], where="ZenFlowAdamW group")
-            check_group_settings(g, f"ZenFlowAdamW param group {len(self.param_groups) - 1}")
+            check_group(self.param_groups[-1], len(self.param_groups) - 1)
             if hasattr(self, "_params"):  # a group added after __init__ but before the first step
-                params, group_of = build.index_params(self.param_groups)
+                params, group_of = build.take_params(self.param_groups)
                 self._shard.accept(params)
                 self._params, self._group_of = params, group_of
         except Exception:
@@ -189,27 +184,37 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise
 
     def _build(self) -> None:
-        """Lay out the host shard, pick the link, make the parts and start the workers (at the first step)."""
+        """Lay out the host shard, pick the link, make the parts and start the workers (at the first step); a build
+        that fails leaves no thread, hook or state file behind, and the optimizer unbuilt."""
         self.run = run = build.make_run(self._params, self._group_of, self.param_groups, self.state, self.config,
                                         self._shard, self._stats, timeout=self.host_timeout, chaos=self._chaos,
-                                        nvme_block=self.NVME_BLOCK_NUMEL, nvme_direct=self.NVME_DIRECT)
-        self.device, link = run.device, run.link
-        self._grad_checks = GradChecks(run.local, run.device)
-        # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket around
-        # the fast step (on a CPU link host memory is the device: nothing moves)
-        self.fast_path = self.fast_path_class(run, offload=self.config.offload and link.moves_state,
-                                              bucket_numel=self.OFFLOAD_BUCKET_NUMEL)
-        self.selection = self.selection_class(run, self.fast_path, seed_from_host=self._seed_from_host)
-        # (the parts hold the optimizer's param groups and state, never the optimizer: no cycle delays its finalizer)
-        self.interval = self.interval_class(run, make_sums(run), overlap=self.config.overlap_step,
-                                            hyper=functools.partial(hyper, self.param_groups))
-        self.handover.mode, self.handover.why = handover_mode(link, self._shard, self.config.device_accumulation,
-                                                              ablations.early_handover)
-        hooks = build.grad_hooks(self._params, weakref.WeakMethod(self._grad_ready)) \
-            if self.handover.mode == "on" or self._shard.consumes_hooks else []
+                                        nvme_block=self.NVME_BLOCK_NUMEL, nvme_direct=self.NVME_DIRECT,
+                                        host_params=build.trained(self._params, self._held))
+        self.device, self._grad_checks = run.device, GradChecks(run.local, run.device)
+        try:  # (the parts hold the param groups and state, never the optimizer: no cycle delays its finalizer)
+            parts = build.make_parts(run, type(self), self.handover, seed_from_host=self._seed_from_host,
+                                     hyper=functools.partial(hyper, self.param_groups),
+                                     grad_ready=weakref.WeakMethod(self._grad_ready))
+        except BaseException:
+            self.run = None
+            raise
+        self.fast_path, self.selection, self.interval, self._hooks = parts
         # no thread outlives its optimizer: the finalizer (also run at interpreter exit) stops them
-        self._finalizer = weakref.finalize(self, build.shutdown, link, run.torch_threads, hooks)
+        self._finalizer = weakref.finalize(self, build.shutdown, run.link, run.torch_threads, self._hooks)
         self._built = True
+
+    def _admit(self, active: list[int]) -> None:
+        """This step's parameters all have host state (one frozen at the layout and trained now gets it: the shard is
+        laid out again, the rest carried over as a checkpoint carries it) and a hook wherever one can go."""
+        if not self.run.host_params.issuperset(active):
+            checkpoint.carried(self.run, self.interval)
+            saved = checkpoint.pack(self.run, self.interval, groups=[], zenflow={}, consolidated=False)["state"]
+            self._held = set(self.run.host_params).union(active)
+            self._reset()
+            self._build()
+            checkpoint.restore(saved, self.run, self.interval, self.fast_path.to_state)
+        if self._hooks is not None:
+            self._hooks.ensure(active)
 
     def _grad_ready(self, i: int) -> None:
         """Backward finished parameter ``i``'s gradient: start its copy to the host if the host path will need it at
@@ -220,8 +225,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         final = self.handover.final()
         if self._shard.consumes_hooks:  # ZeRO-2: the gradient goes to its owner first, averaged
             self._shard.grad_ready(i, self._grad_checks.one, final)
-        elif final and (self._params[i].dim() == 2 or self.schedule.is_warmup(self.t)) and self.handover.copy_now(i):
-            self.run.link.stage(i, self._shard.own_grad(i))
+        elif final and (self._params[i].dim() == 2 or self.schedule.is_warmup(self.t)):
+            grad = self._shard.own_grad(i)  # None: a hook of the user's before ours took it; it sits out the step
+            if grad is not None and self.handover.copy_now(i):
+                self.run.link.stage(i, grad)
 
     # -- the public surface ------------------------------------------------------------------------
 
@@ -318,12 +325,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
         ``state_dict()`` inside it records, for each parameter with a pending host result, the weights it
         held before (``"unflushed"``), and ``load_state_dict`` writes them back into the parameters: load the
-        model first, then the optimizer (as torch.distributed.checkpoint, the Hugging Face Trainer and
-        Lightning do), and the resumed run is bit-identical to the uninterrupted one. Costs: host memory for
-        one copy of the parameters with a pending result (their dtype: 2 bytes per parameter in bf16,
-        freed at exit), no device memory; one device-to-host copy of them at entry, the pending write-back
-        (done again at its boundary), one host-to-device copy at exit. ``step()`` and ``load_state_dict()``
-        inside it are errors; contexts nest (the outermost restores)."""
+        model first, then the optimizer, and the resumed run is bit-identical to the uninterrupted one (what it
+        costs: docs/checkpoints.md). ``step()`` and ``load_state_dict()`` inside it are errors; contexts nest
+        (the outermost restores)."""
         with self.flushed_weights.context(self.interval, closed=self._closed):
             yield self
 
@@ -358,9 +362,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         of ``C`` columns on the fast path."""
         from ..__main__ import explain_optimizer
 
-        # what the first step picks
-        cores = self.run.cores if self._built else build.split_cores(self.config, build.device_of(self._params))
-        return explain_optimizer(self.config, self.schedule, steps, cores, self.param_groups)
+        return explain_optimizer(self, steps)
 
     def host_bytes(self) -> dict:
         """The optimizer's host memory, by buffer, in bytes as allocated (``{}`` before the first step): the keys
@@ -391,6 +393,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             link.discard()  # nothing of this step reached the host sums: nothing to take back
             self.handover.stepped(self.t, *link.step_bytes())
             return loss
+        self._admit(inputs.active)  # (it may lay the host state out again: a new link)
+        link = self.run.link
         self._amp, self._inv_amp, self._max_norm = inputs.amp, inputs.inv_amp, inputs.max_norm
         # a synchronous CPU update may fold a large last gradient into its AdamW pass (not under clipping or a scale)
         fuse = self.FUSE_MIN_NUMEL if inputs.max_norm is None and inputs.inv_amp == 1.0 else None
@@ -409,7 +413,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _zenflow_step(self, active: list[int], coef: float | None, fuse: int | None) -> None:
         """After warm-up: re-select at a selection boundary, the fast step, the sums, and at an update boundary
         the host update."""
-        t, state = self.t, self.state
+        t = self.t
         matrices, vectors = self.fast_path.split(active)
         self.fast_path.join(vectors)  # a vector's first step on the fast path: its state from the host
         select_all = self.schedule.is_select_boundary(t)
@@ -419,9 +423,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         reselect = matrices if select_all else self.selection.unselected(matrices)
         if reselect:
             self.selection.reselect(t, reselect, self._amp, self._inv_amp)
-        # the selected columns' gradients as every replica's fast step reads them (ZeRO-2 released gradients)
-        compact = self._shard.selected_gradients([(i, state[self._params[i]]["selected"]) for i in matrices]) \
-            if self._shard.exchanges_selected else None
+        compact = self.selection.compact_gradients(matrices)  # (ZeRO-2's released gradients)
         grad_scale = self._amp if coef is None else self._amp / coef  # GradScaler's scale, clipping
         with self._stats.timed_fast_step():
             self.fast_path.step(set(active), hyper(self.param_groups), grad_scale=grad_scale, compact=compact)
@@ -486,9 +488,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                     seed_from_host=self._seed_from_host, zero_stage=self.zero_stage,
                                     shard=self._shard, consolidated=consolidated)
         if self._built:
-            self.run.link.check()  # a failed host update may have left half its result: no torn state handed out
-            self.interval.drain()
-            self.run.link.synchronize()  # accumulation, write-backs and offloaded state have all landed
+            checkpoint.carried(self.run, self.interval)
         packed = checkpoint.pack(self.run if self._built else None, self.interval, consolidated=consolidated,
                                  groups=checkpoint.pack_groups(self.param_groups, self._group_of), zenflow=zenflow)
         out = self._shard.export_state_dict(packed, self.run.local if self._built else None,
@@ -533,6 +533,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             g.update(saved)
         for name, value in loaded.counters.items():
             setattr(self, name, value)
+        self._held = loaded.host_params
         if loaded.built:
             self._build()
             loaded.restore(self.run, self.interval, self.fast_path.to_state)

@@ -36,6 +36,7 @@ class Run:
     telemetry: Telemetry
     cores: dict  # {"train": CPUs, "host": CPUs, "why": ...}: training's and the host worker's (build.split_cores)
     torch_threads: int | None  # training's torch thread count before the build changed it (None: unchanged)
+    host_params: frozenset  # the parameters with host state, on some rank (build.trained): the others are frozen
 
     def setting(self, i: int, name: str):
         """Parameter ``i``'s ``topk_ratio`` or ``importance``: its param group's, else the optimizer's."""

@@ -54,6 +54,14 @@ class Selection:
         gradient first appears now): they are selected at this step, between selection boundaries."""
         return [i for i in matrices if "selected" not in self.run.fast_state(i)]
 
+    def compact_gradients(self, matrices: list[int]) -> dict | None:
+        """The selected columns' gradients of these matrices as every replica's fast step reads them (ZeRO-2's
+        released gradients: ``Sharding.selected_gradients``), or None where the fast step indexes ``.grad``."""
+        shard, run = self.run.shard, self.run
+        if not shard.exchanges_selected:
+            return None
+        return shard.selected_gradients([(i, run.fast_state(i)["selected"]) for i in matrices])
+
     @torch.no_grad()
     def reselect(self, t: int, indices: list[int], scale: float = 1.0, inv_scale: float = 1.0) -> None:
         """New columns for these matrices at step ``t``; state moves with the columns that stay."""

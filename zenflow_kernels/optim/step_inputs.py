@@ -12,7 +12,7 @@ import torch
 from ..config import check_adamw_hyperparameters, check_group_settings
 from .build import PARAM_DTYPES
 
-__all__ = ["ClipRequests", "grad_scaler", "hyper", "GradChecks", "StepInputs", "read_step"]
+__all__ = ["ClipRequests", "grad_scaler", "check_group", "hyper", "GradChecks", "StepInputs", "read_step"]
 
 
 def grad_scaler(opt) -> tuple[float, float, bool]:
@@ -62,14 +62,20 @@ class ClipRequests:
         self.request, self.norms = None, []
 
 
+def check_group(g: dict, gi: int) -> None:
+    """Param group ``gi``'s AdamW numbers and ZenFlow settings, or an error naming the group."""
+    check_adamw_hyperparameters(float(g["lr"]), g["betas"], g["eps"], g["weight_decay"],
+                                where=f"ZenFlowAdamW group {gi}")
+    check_group_settings(g, f"ZenFlowAdamW param group {gi}")
+
+
 def hyper(param_groups: list[dict]) -> list[dict]:
     """Each param group's AdamW numbers as they are now (a scheduler may have changed them), checked: the kernels
     are called without per-tensor validation."""
     out = []
     for gi, g in enumerate(param_groups):
         lr = float(g["lr"])
-        check_adamw_hyperparameters(lr, g["betas"], g["eps"], g["weight_decay"], where=f"ZenFlowAdamW group {gi}")
-        check_group_settings(g, f"ZenFlowAdamW param group {gi}")
+        check_group(g, gi)
         out.append(dict(lr=lr, beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"]))
     return out
 

@@ -12,7 +12,8 @@ import torch
 
 __all__ = ["Telemetry", "host_bytes"]
 
-_LINK_COUNTERS = ("waited_s", "accumulate_s", "fold_s", "d2h_bytes", "h2d_bytes", "early_bytes", "unused_bytes")
+_LINK_COUNTERS = ("waited_s", "accumulate_s", "fold_s", "d2h_bytes", "h2d_bytes", "early_bytes", "unused_bytes",
+                  "landed_checked_bytes")
 
 
 class Telemetry:
@@ -120,6 +121,9 @@ class Telemetry:
             # hook, or dropped with a skipped step or batch): docs/design.md section 5.1
             "d2h_bytes_in_backward": int(moved["early_bytes"]),
             "d2h_bytes_unused": int(moved["unused_bytes"]),
+            # hook copies of gradients written in place during their backward: what landed was fingerprinted on the
+            # host at step() (copied again where it differed): docs/design.md section 5.1
+            "d2h_bytes_landed_checked": int(moved["landed_checked_bytes"]),
             "h2d_bytes_per_step": moved["h2d_bytes"] / t if t else 0.0,
             # ZeRO: payload bytes each kind of collective carried (gradients, gradient presence, write-back,
             # host state, clipping norm, checkpoint); empty on one rank

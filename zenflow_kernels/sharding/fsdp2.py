@@ -139,7 +139,10 @@ class FSDP2(Sharding):
     # DTensor in its parameter's global shape ([R, C], or [R, k] for the selected columns' state; vectors
     # [n]); the selection and its per-column step counts are plain tensors (the same on every rank); and
     # every parameter always has every key (a matrix before its first selection: "has_fast" 0, selected -1),
-    # so a template taken at any step (or after the dummy step DCP runs on a fresh optimizer) has them all.
+    # so a template taken at any step (or after the dummy step DCP runs on a fresh optimizer) has them all. A
+    # frozen parameter (no host state: build.trained) has every key too, each tensor an empty placeholder of global
+    # shape [0] (no copy of a frozen backbone in the checkpoint): the loading optimizer's template has the same
+    # where the same parameters are frozen.
 
     _SHARDED = ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc")
     _FAST = ("exp_avg", "exp_avg_sq", "master")
@@ -156,17 +159,35 @@ class FSDP2(Sharding):
                            tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype))
         return DTensor(local.contiguous(), spec, requires_grad=False)
 
+    def _placeholder(self, like: torch.Tensor) -> torch.Tensor:
+        """An empty DTensor (global shape [0]) standing for a frozen parameter's state, placed like ``like``."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        spec = DTensorSpec(like.device_mesh, like.placements, tensor_meta=TensorMeta(torch.Size((0,)), (1,),
+                                                                                     torch.float32))
+        return DTensor(torch.zeros(0), spec, requires_grad=False)
+
     def export_state_dict(self, state_dict: dict, local, topk) -> dict:
         groups = [dict(g) for g in state_dict["param_groups"]]
         # no format key: torch.distributed.checkpoint loads the keys of the loading optimizer's template and refuses
         # a checkpoint that lacks one, so a key older checkpoints lack would make them unloadable (the DCP form's
         # format is its key set; load_state_dict reads a dict without the key as format 1)
-        groups[0]["zenflow"] = {k: v for k, v in state_dict["zenflow"].items() if k != "format"}
+        # (host_params likewise: the parameters with host state are those whose state is not a placeholder)
+        groups[0]["zenflow"] = {k: v for k, v in state_dict["zenflow"].items() if k not in ("format", "host_params")}
         if not state_dict["zenflow"].get("built"):
             return {"state": {}, "param_groups": groups}
         state = {}
         for i, st in state_dict["state"].items():
             p, st = self.params[i], dict(st)
+            if "host_master" not in st:  # frozen: no host state, and nothing of the fast path's either
+                out = {k: self._placeholder(p) for k in (*self._SHARDED, "unflushed", *self._FAST)}
+                out.update(host_step=0, acc_count=0, pending=0, has_unflushed=0, has_fast=0, step=0)
+                if p.dim() == 2:
+                    out.update(selected=torch.zeros(0, dtype=torch.int64), auto_selected=0.0, auto_unselected=0.0,
+                               auto_count=0)
+                state[i] = out
+                continue
             out = {k: self._sharded(st.pop(k), p) for k in self._SHARDED}
             out.update(host_step=int(st.pop("host_step")), acc_count=int(st.pop("acc_count")),
                        pending=int(st.pop("pending")))
@@ -210,6 +231,11 @@ class FSDP2(Sharding):
         state = {}
         for key, st in state_dict["state"].items():
             i = position[key]
+            # a frozen parameter's placeholders: global shape [0] (a rank holding none of a parameter's rows has an
+            # empty local shard of the real thing: the global shape tells them apart, the same on every rank)
+            if tuple(st["host_master"].shape) == (0,) and self.params[i].numel():
+                state[i] = dict(acc_count=0, pending=False)
+                continue
             st = {k: (v.to_local() if is_dtensor(v) else v) for k, v in st.items()}
             out = {k: st[k] for k in self._SHARDED}
             out.update(host_step=int(st["host_step"]), acc_count=int(st["acc_count"]), pending=bool(st["pending"]))
@@ -223,4 +249,6 @@ class FSDP2(Sharding):
                 else:
                     out.update({n: st[n].reshape(1, -1) for n in names}, step=int(st["step"]))
             state[i] = out
+        if zenflow.get("built"):
+            zenflow = dict(zenflow, host_params=[i for i, st in state.items() if "host_master" in st])
         return {"state": state, "param_groups": groups, "zenflow": zenflow}

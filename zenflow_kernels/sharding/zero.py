@@ -101,12 +101,14 @@ class Zero2(Zero1):
 
     def start(self, params, groups, device, chaos) -> None:
         super().start(params, groups, device, chaos)
-        order = [i for i in self.ctx.order if params[i].dim() == 2]
+        # frozen matrices stay out of the buckets (a bucket starts once all of its matrices have their gradient);
+        # one that gets a gradient anyway is reduced at step() (BucketReducer.finish)
+        order = [i for i in self.ctx.order if params[i].dim() == 2 and params[i].requires_grad]
         self.reducer = BucketReducer(self.ctx, params, order[::-1], self._bucket_numel, release=self.release)
 
     def grad_ready(self, i, check, final=True) -> None:
         p = self.params[i]
-        if p.dim() == 2:
+        if p.dim() == 2 and p.grad is not None:  # (None: a hook of the user's before ours took it)
             if self.release:  # checked now: step() will not see it
                 check(i, p.grad)
             elif not final:  # declared: a later micro-batch changes it; step() reduces what no hook started

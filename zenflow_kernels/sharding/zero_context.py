@@ -296,10 +296,13 @@ class BucketReducer:
 
     def finish(self, active: set[int]) -> dict[int, torch.Tensor]:
         """Reduce every active matrix's gradient to its owner; returns ``{i: averaged gradient}`` for
-        the matrices this rank owns."""
+        the matrices this rank owns (an active matrix in no bucket, frozen when the buckets were made, is
+        reduced alone, after the buckets)."""
         try:
+            bucketed = {i for bucket in self.buckets for i in bucket}
+            outside = sorted(i for i in active if self.params[i].dim() == 2 and i not in bucketed)
             if self.release:
-                return self._finish_released(active)
+                return self._finish_released(active) | self._reduce_alone(outside)
             for b, bucket in enumerate(self.buckets):
                 members = [i for i in bucket if i in active]
                 started = self._started.get(b)
@@ -323,9 +326,23 @@ class BucketReducer:
                     parts = flat.split([self.params[i].numel() for i in members])
                     for i, avg in zip(members, parts, strict=True):
                         averaged[i] = avg.view(self.params[i].shape)
-            return averaged
+            return averaged | self._reduce_alone(outside)
         finally:
             self._reset()
+
+    def _reduce_alone(self, matrices: list[int]) -> dict[int, torch.Tensor]:
+        """Each of these matrices' gradient reduced to its owner on its own (every rank, in the same order); the
+        owner's averaged ones. ``release``: their ``.grad`` let go, as a bucket's."""
+        averaged: dict[int, torch.Tensor] = {}
+        for i in matrices:
+            p = self.params[i]
+            flat = p.grad.reshape(-1).clone()
+            self.ctx.finish(self._reduce(flat, [i]))
+            if self.ctx.owner[i] == self.ctx.rank:
+                averaged[i] = flat.div_(self.ctx.world).view(p.shape)
+            if self.release:
+                p.grad = None
+        return averaged
 
     def _finish_released(self, active: set[int]) -> dict[int, torch.Tensor]:
         # what the hooks did not start: the rest of the current round, and a further round while some
