@@ -86,6 +86,19 @@ def param_groups(model, case: dict):
             dict(params=head, importance=scorer_weight_saliency, topk_ratio=0.4), dict(params=rest)]
 
 
+def freeze(model, case: dict, t: int) -> None:
+    """The case's ``frozen`` parameters (names): ``names`` frozen until step ``until``, ``again`` = ``[step,
+    names]`` frozen from that step on (a frozen backbone trained mid-run, a matrix frozen again)."""
+    spec = case.get("frozen")
+    if not spec:
+        return
+    frozen = set(spec["names"]) if t < spec["until"] else set()
+    step, again = spec.get("again", (None, ()))
+    frozen |= set(again) if step is not None and t >= step else set()
+    for name, p in model.named_parameters():
+        p.requires_grad_(not any(name.startswith(f) for f in frozen))
+
+
 def batches(steps: int, size: int = 12, seed: int = 7):
     """Global batches (tokens [size, 6], targets [size, 6] in [0, OUT)), fixed in advance."""
     g = torch.Generator().manual_seed(seed)
@@ -214,6 +227,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
                            max_grad_norm=case.get("max_grad_norm"), collective_timeout=case.get("timeout", 60.0))
     with opt:
         for t, batch in enumerate(data):
+            freeze(model, case, t)
             backward(model, batch, rank, world, micro=case.get("micro", 1), declare=case.get("declare", False))
             # the asynchronous link starts each gradient's copy from the hook FSDP2 calls after its
             # reduce-scatter: how many are staged before step() runs

@@ -49,6 +49,9 @@ CASES = {
     "mixed_precision": dict(zenflow=ZEN, mixed_precision=True),
     # per-group settings: the embedding host-only, the head chosen by a callable scorer (partial scores summed)
     "policy": dict(zenflow=ZEN, policy=True, chaos=1),
+    # the embedding and the first block frozen at construction (no host state), trained from step 8 (laid out then,
+    # on every rank at once), the gate frozen again from step 12
+    "frozen": dict(zenflow=ZEN, chaos=0, frozen=dict(names=["embed", "blocks.0"], until=8, again=[12, ["gate"]])),
 }
 WORLDS = [2, 3]
 # at 2 ranks also: device_accumulation under chaos with clipping, its host state in memory and on disk (where the
@@ -85,7 +88,8 @@ def one_process(case: dict, reference: bool = False):
     weights, selections = [], []
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case.get("mixed_precision") else contextlib.nullcontext()
     with use_backend("numba"):
-        for batch in W.batches(STEPS):
+        for t, batch in enumerate(W.batches(STEPS)):
+            W.freeze(model, case, t)
             with autocast:
                 W.backward(model, batch, 0, 1, micro=case.get("micro", 1))
             opt.step()

@@ -104,10 +104,17 @@ CASES = [
     dict(name="groups_vector_first", zenflow=ZEN, steps=20, groups=True, chaos=1),
     dict(name="s2_groups_first_missing", zenflow=dict(ZEN, overlap_step=True, update_interval=1, full_warm_up_rounds=3),
          steps=20, zero_stage=2, groups=True, missing=[0], chaos=0, reload_at=[10, 10, 14]),
+    # frozen parameters (a LoRA base, frozen embeddings): the first matrix and its bias frozen at construction and
+    # trained from step 8 (host state laid out then, on its owner; ZeRO-2 reduces the matrix outside the buckets
+    # made at the first step until the layout is made again), the second matrix frozen again from step 13
+    dict(name="frozen_overlap_chaos", zenflow=dict(ZEN, overlap_step=True), steps=20, chaos=1,
+         frozen=dict(params=[0, 1], until=8, again=[13, [2]])),
+    dict(name="s2_frozen_clip_chaos", zenflow=ZEN, steps=20, zero_stage=2, chaos=0, max_grad_norm=5.0,
+         frozen=dict(params=[0, 1], until=8, again=[13, [2]]), reload_at=[10]),
 ]
 # the same run without the reloads: a rank that loads its own checkpoint continues bit for bit
-CASES_NO_RELOAD = [dict({k: v for k, v in CASES[-1].items() if k != "reload_at"},
-                        name="s2_groups_first_missing_straight")]
+CASES_NO_RELOAD = [dict({k: v for k, v in next(c for c in CASES if c["name"] == "s2_groups_first_missing").items()
+                         if k != "reload_at"}, name="s2_groups_first_missing_straight")]
 # "save" and "s2_save" saving inside opt.flushed() at steps 10 and 13: resuming from each save (ZeRO-1), going
 # on (ZeRO-2, chaos)
 CASES_FLUSHED = [dict(next(c for c in CASES if c["name"] == name), name=f"{name}_flushed", flushed_at=[10, 13],
@@ -131,6 +138,9 @@ MODEL_CASES = [
     # declared with opt.no_sync(): kept gradients start no bucket until the last micro-batch
     dict(name="model_s2_micro_keep_declared", kind="model", zenflow=ZEN, steps=12, zero_stage=2, micro=2,
          release_gradients=False, declare=True),
+    # a frozen first layer trained from step 5: its hooks (and its bucket) from then on
+    dict(name="model_s2_frozen", kind="model", zenflow=dict(ZEN, overlap_step=True), steps=12, zero_stage=2,
+         frozen=dict(params=[0, 1], until=5)),
 ]
 
 
@@ -256,7 +266,7 @@ def test_two_ranks_on_half_batches_match_one_rank_on_the_whole_batch(two_ranks, 
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], other["params"], strict=True))
     model = zero_worker.make_model()
     with use_backend("numba"), ZenFlowAdamW(model.parameters(), **zero_worker.HYPER, zenflow=case["zenflow"]) as opt:
-        zero_worker.train_model(model, opt, zero_worker.batch(case["steps"]), slice(0, 8), 1)
+        zero_worker.train_model(model, opt, zero_worker.batch(case["steps"]), slice(0, 8), 1, case=case)
         opt.flush()
         one = [p.detach().clone() for p in model.parameters()]
     assert_as_stated(ranks[0]["params"], one, case, "2 ranks on half batches against 1 rank on the whole batch")
@@ -271,6 +281,9 @@ def test_two_ranks_on_half_batches_match_one_rank_on_the_whole_batch(two_ranks, 
         matrix_numel = sum(p.numel() for p in model.parameters() if p.dim() == 2)
         vector_numel = sum(p.numel() for p in model.parameters() if p.dim() != 2)
         for r in ranks:
+            if case.get("frozen"):  # (the buckets, made again with the layout when the first layer trains)
+                assert r["buckets"] == 2 and r["started_in_backward"] >= r["buckets"] * (case["steps"] - 6)
+                continue
             assert r["buckets"] == 2  # the two Linear weights: one per owner
             if release:
                 assert r["started_in_backward"] == r["buckets"] * (case["steps"] - 1) * micro

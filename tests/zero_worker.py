@@ -80,10 +80,29 @@ def param_groups(params, case: dict):
     return [{"params": params[:3]}, {"params": params[3:], "lr": 5e-3, "weight_decay": 0.0}]
 
 
+def frozen_at(case: dict, t: int) -> set[int]:
+    """The case's parameters frozen at step ``t`` (``frozen``: ``params`` until step ``until``, then ``again`` =
+    ``[step, params]`` from that step on): a frozen backbone unfrozen mid-run, a matrix frozen again."""
+    spec = case.get("frozen")
+    if not spec:
+        return set()
+    out = set(spec["params"]) if t < spec["until"] else set()
+    step, again = spec.get("again", (None, ()))
+    return out | (set(again) if step is not None and t >= step else set())
+
+
+def freeze(params, case: dict, t: int) -> None:
+    frozen = frozen_at(case, t)
+    for j, p in enumerate(params):
+        p.requires_grad_(j not in frozen)
+
+
 def set_grads(params, step, t: int, case: dict, dtype) -> None:
-    """The step's gradients; ``missing`` parameters have none every third step (on every rank)."""
+    """The step's gradients; ``missing`` parameters have none every third step (on every rank); ``frozen`` ones
+    (:func:`frozen_at`) do not require one and have none."""
+    freeze(params, case, t)
     for j, (p, g) in enumerate(zip(params, step, strict=True)):
-        p.grad = None if j in case.get("missing", ()) and t % 3 == 1 else g.to(dtype)
+        p.grad = None if (j in case.get("missing", ()) and t % 3 == 1) or not p.requires_grad else g.to(dtype)
 
 
 def make_model():
@@ -97,12 +116,14 @@ def batch(steps: int, size: int = 8):
     return [(torch.randn(size, 16, generator=g), torch.randn(size, 8, generator=g)) for _ in range(steps)]
 
 
-def train_model(model, opt, batches, part: slice, micro: int, held: list | None = None, declare: bool = False) -> None:
+def train_model(model, opt, batches, part: slice, micro: int, held: list | None = None, declare: bool = False,
+                case: dict | None = None) -> None:
     """Backward on ``part`` of each batch in ``micro`` micro-batches (mean loss over the part), then step
-    (``declare``: all but the last inside ``opt.no_sync()``). ``held``: gets, after each step's backward, the
-    gradient elements the rank then holds: in ``.grad`` (matrices, vectors) and in ZeRO-2's reductions (its
-    own sums, inputs still in flight)."""
-    for x, y in batches:
+    (``declare``: all but the last inside ``opt.no_sync()``; ``case``'s ``frozen`` parameters frozen first).
+    ``held``: gets, after each step's backward, the gradient elements the rank then holds: in ``.grad``
+    (matrices, vectors) and in ZeRO-2's reductions (its own sums, inputs still in flight)."""
+    for t, (x, y) in enumerate(batches):
+        freeze(list(model.parameters()), case or {}, t)
         xs, ys = x[part].chunk(micro), y[part].chunk(micro)
         for k, (xm, ym) in enumerate(zip(xs, ys, strict=True)):
             with opt.no_sync() if declare and k < micro - 1 else contextlib.nullcontext():
@@ -128,7 +149,8 @@ def run_model_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     size = 8
     part = slice(rank * size // world, (rank + 1) * size // world)
     held: list[dict] = []
-    train_model(model, opt, batch(case["steps"], size), part, case.get("micro", 1), held, case.get("declare", False))
+    train_model(model, opt, batch(case["steps"], size), part, case.get("micro", 1), held, case.get("declare", False),
+                case)
     opt.flush()
     reducer = opt.sharding.reducer
     params = list(model.parameters())

@@ -162,6 +162,7 @@ def make_run(params, group_of, param_groups, state, config, shard, telemetry, *,
     device = device_of(params)
     cores = split_cores(config, device)
     shard.start(params, group_of, device, chaos)
+    shard.hold(host_params)
     local = [shard.local(p) for p in params]  # the parameters, or (FSDP2) this rank's rows
     for p in params:  # a built optimizer has state: torch.distributed.checkpoint would otherwise
         state.setdefault(p, {})  # run a (learning rate 0) step to create it

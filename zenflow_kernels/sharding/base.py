@@ -103,6 +103,10 @@ class Sharding:
         self.params = params
         self.device = device
 
+    def hold(self, host_params: set[int]) -> None:
+        """The parameters with host state (frozen ones have none: ``build.trained``), on the rank that owns each;
+        called at every build, before the host shard is laid out (one process: nothing to do)."""
+
     def close(self) -> None:
         """Let collectives already started complete (a reload or close while an exchange is in flight)."""
 

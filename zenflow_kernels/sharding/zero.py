@@ -37,6 +37,9 @@ class Zero1(Sharding):
             self.bytes = self.ctx.bytes
         self.owned = self.ctx.owned
 
+    def hold(self, host_params) -> None:
+        self.ctx.hold(host_params)
+
     def use_host_memory(self, alloc) -> None:
         self.ctx.use_host_memory(alloc)
 

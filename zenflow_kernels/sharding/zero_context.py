@@ -102,11 +102,19 @@ class ZeroContext(Collectives):
         order = self.order = layout(params, groups)[0]  # every parameter, host layout order
         self.owner = owners(params, groups, self.world)
         self.owned = [i for i in order if self.owner[i] == self.rank]  # this rank's shard, layout order
-        # each rank's shard layout (offsets within its flat buffers), for the write-back broadcasts
-        self.layouts = [layout(params, groups, [i for i in order if self.owner[i] == r])[1] for r in range(self.world)]
+        self._params, self._groups = params, groups
+        self.hold(set(range(len(params))))
         # the other ranks' copy-out buffers as this rank receives them, one per rank and dtype (made at first use)
         self._receive: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._alloc: Callable[[int, torch.dtype], torch.Tensor] = lambda n, dtype: torch.zeros(n, dtype=dtype)
+
+    def hold(self, host_params: set[int]) -> None:
+        """Each rank's shard layout (offsets within its flat buffers, for the write-back broadcasts): its own
+        parameters of ``host_params`` (the others are frozen: no host state anywhere)."""
+        order, params, groups = self.order, self._params, self._groups
+        self.layouts = [layout(params, groups, [i for i in order if self.owner[i] == r and i in host_params])[1]
+                        for r in range(self.world)]
+        self._receive = {}
 
     def use_host_memory(self, alloc: Callable[[int, torch.dtype], torch.Tensor]) -> None:
         """The write-back's receive buffers come from ``alloc`` (the link's: page-locked on a GPU, so the
