@@ -46,14 +46,19 @@ def fingerprints(tensors, key, backend):
         return ops.multi_fingerprint(tensors, key).tolist()
 
 
-SHAPES = [(0,), (1,), (2,), (3,), (17,), (33, 5), (5, 33), (128, 1), (40000,), (3, 4, 5)]
+# 32771 and 65539: odd counts past the first and second work item of a 2-byte tensor (cpu_ops' FINGERPRINT_CHUNK
+# words of two elements: 32768 elements an item), so an item after the first ends in half a word
+SHAPES = [(0,), (1,), (2,), (3,), (17,), (33, 5), (5, 33), (128, 1), (40000,), (3, 4, 5), (32771,), (65539,)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_backend_gives_the_reference_value(backend, dtype):
-    """Every shape (empty, odd counts that leave a half word, tall, wide, 3-D, large) in one call and one by one,
-    every key: the reference's value, the same on every backend."""
+    """Every shape (empty, odd counts that leave a half word, also past the first work item, tall, wide, 3-D,
+    large) in one call and one by one, every key: the reference's value, the same on every backend."""
+    from zenflow_kernels.cpu_ops.fingerprint import FINGERPRINT_CHUNK
+
+    assert 2 * FINGERPRINT_CHUNK < 32771 < 4 * FINGERPRINT_CHUNK < 65539  # (the shapes' reason)
     g = torch.Generator().manual_seed(0)
     tensors = [(torch.randn(s, generator=g) * 3).to(dtype) for s in SHAPES]
     for key in KEYS:

@@ -36,7 +36,15 @@ Decisions this implementation pins down where docs/design.md leaves room (the fa
   always need one, matrices with ``k == C`` do not vote; with no voter only the bound triggers.
 * clipping multiplies by ``min(1, max_grad_norm / (norm + 1e-6))`` like ``clip_grad_norm_``: the
   fast path by the norm of the step's whole gradient, the host by the norm of the interval's mean
-  gradients (of the parameters it updates).
+  gradients (of the parameters it updates). The norm in force at a step is the smaller of ``max_grad_norm``
+  and the requests made with ``clip_grad_norm_()`` since the last ``step()`` (``zero_grad()`` drops them:
+  a dropped batch's request does not apply; a loop that zeroes with ``model.zero_grad()`` instead keeps it
+  for the next step); each tensor a request returned is filled at ``step()`` with the step's gradient norm
+  (NaN until then);
+* under a ``torch.amp.GradScaler`` (the fused-optimizer protocol: the scaler sets ``grad_scale`` and
+  ``found_inf`` for the length of ``step()`` instead of unscaling in place) the step reads every gradient
+  times the float32 reciprocal of the scale, as the scaler's own unscale would compute it (exact for its
+  powers of two); a step with ``found_inf`` set is skipped like a non-finite one.
 """
 
 from __future__ import annotations
@@ -155,6 +163,9 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         self.config = ZenFlowConfig.coerce(zenflow)
         self.schedule: Schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch, dataloader=dataloader)
         self.max_grad_norm = max_grad_norm
+        self._clip_request: float | None = None  # clip_grad_norm_() since the last step: the smallest norm asked
+        self._clip_norms: list[torch.Tensor] = []  # ... and the tensors it returned
+        self._grad: dict = {}  # this step's gradients (unscaled under a GradScaler), by parameter
         self.t = 0
         self.skipped_steps = 0
         self.host_updates = 0
@@ -227,6 +238,26 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 if state and state["kind"] == "matrix" and state["pending"]:
                     self._write_back(p, state)
 
+    # -- GradScaler and clipping requests ----------------------------------------------------------
+
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler sets grad_scale and found_inf for step()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Ask the coming ``step()`` to clip by the global L2 norm at most ``max_norm`` (inf: no clipping, the norm
+        only); returns a 0-dim float32 tensor that ``step()`` fills with that norm."""
+        if norm_type != 2 or not max_norm > 0:
+            raise ValueError(f"ReferenceZenFlow.clip_grad_norm_: max_norm={max_norm!r}, norm_type={norm_type!r} "
+                             "is invalid: allowed max_norm > 0 and norm_type 2")
+        if math.isfinite(max_norm):
+            self._clip_request = min(float(max_norm), self._clip_request or math.inf)
+        norm = torch.full((), math.nan, dtype=torch.float32)
+        self._clip_norms.append(norm)
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clip_request, self._clip_norms = None, []  # a batch dropped before step(): no request applies
+        super().zero_grad(set_to_none=set_to_none)
+
     # -- the algorithm -----------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -235,19 +266,30 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        request, norms = self._clip_request, self._clip_norms
+        self._clip_request, self._clip_norms = None, []
+        limits = [x for x in (self.max_grad_norm, request) if x is not None]
+        max_norm = min(limits) if limits else None
+        scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        inv = None if scale is None else float(torch.tensor(1.0 / float(scale), dtype=torch.float32))
         active = self._params_with_grad()
-        if not all(bool(torch.isfinite(p.grad).all()) for p, _ in active):
+        self._grad = {p: p.grad if inv is None else p.grad * inv for p, _ in active}
+        total = math.sqrt(float(sum(g.double().pow(2).sum() for g in self._grad.values()))) if active else 0.0
+        for out in norms:
+            out.fill_(total)
+        overflow = found_inf is not None and float(found_inf) != 0.0
+        if overflow or not all(bool(torch.isfinite(g).all()) for g in self._grad.values()):
             self.skipped_steps += 1  # nothing else changes, t included
             return loss
         for p, _ in active:
             self._init_state(p)
 
         t = self.t
-        coef = _clip_coefficient([p.grad for p, _ in active], self.max_grad_norm)
+        coef = _clip_coefficient(self._grad.values(), max_norm)
         if self.schedule.is_warmup(t):
             self._warmup_step(active, coef)
         else:
-            self._zenflow_step(t, active, coef)
+            self._zenflow_step(t, active, coef, max_norm)
         self.t += 1
         return loss
 
@@ -255,7 +297,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         """Plain synchronous AdamW on the host master of every parameter (ZeRO-Offload)."""
         for p, group in active:
             state = self.state[p]
-            grad = _scaled(p.grad, coef)
+            grad = _scaled(self._grad[p], coef)
             if state["kind"] == "matrix":
                 state["host_step"] += 1
                 adamw_step_(
@@ -272,7 +314,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 adamw_step_(p, grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"], **self._hyper(group))
         self.host_updates += 1
 
-    def _zenflow_step(self, t: int, active, coef) -> None:
+    def _zenflow_step(self, t: int, active, coef, max_norm) -> None:
         matrices = [(p, g) for p, g in active if self.state[p]["kind"] == "matrix"]
         boundary = self.schedule.is_select_boundary(t)
         if boundary:
@@ -284,7 +326,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
 
         for p, group in active:  # fast path
             state = self.state[p]
-            grad = _scaled(p.grad, coef)
+            grad = _scaled(self._grad[p], coef)
             if state["kind"] == "vector":
                 state["step"] += 1
                 adamw_step_(p, grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"], **self._hyper(group))
@@ -304,13 +346,13 @@ class ReferenceZenFlow(torch.optim.Optimizer):
 
         for p, _ in matrices:  # slow path: accumulate the raw gradient
             state = self.state[p]
-            state["acc"].add_(p.grad)
+            state["acc"].add_(self._grad[p])
             state["acc_count"] += 1
         self.steps_accumulated += 1
 
         trigger = self._auto_vote(matrices) if self.schedule.is_auto else False
         if self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger):
-            self._host_update()
+            self._host_update(max_norm)
 
     def _setting(self, group: dict, name: str):
         """A param group's own ``topk_ratio``/``importance``, else the config's."""
@@ -324,9 +366,9 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             rng = np.random.default_rng([self.config.selection_seed, t, self._index[id(p)]])
             new = torch.from_numpy(np.sort(rng.choice(C, size=k, replace=False)).astype(np.int64)).to(p.device)
         elif callable(importance):  # a researcher's scorer: top-k of what it returns
-            new = top_columns(importance(p.grad, p).detach().to(p.device, torch.float64), k)
+            new = top_columns(importance(self._grad[p], p).detach().to(p.device, torch.float64), k)
         else:
-            new = top_columns(column_scores(p.grad, importance), k)
+            new = top_columns(column_scores(self._grad[p], importance), k)
         old = state["selected"] if state["selected"] is not None else new.new_zeros(0)
 
         leaving = old[~torch.isin(old, new)]
@@ -358,7 +400,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             if k == 0:
                 needing += 1
                 continue
-            mags = column_magnitudes(p.grad, "l1" if self._setting(group, "importance") == "l1" else "l2")
+            mags = column_magnitudes(self._grad[p], "l1" if self._setting(group, "importance") == "l1" else "l2")
             unselected = self._unselected(p, state)
             state["auto_selected"] += float(mags[~unselected].mean())
             state["auto_unselected"] += float(mags[unselected].mean())
@@ -367,8 +409,9 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 needing += 1
         return voters > 0 and needing >= self.config.auto_ratio * voters
 
-    def _host_update(self) -> None:
-        """AdamW on every host master with the interval's mean gradient; write back (now or later)."""
+    def _host_update(self, max_norm: float | None) -> None:
+        """AdamW on every host master with the interval's mean gradient (clipped by ``max_norm``, the norm in force
+        at this step); write back (now or later)."""
         if self.config.overlap_step:
             self._write_back_pending()  # the previous interval's result lands now: one interval stale
         todo = []
@@ -379,7 +422,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                     state.update(auto_selected=0.0, auto_unselected=0.0, auto_count=0)
                     if state["acc_count"] > 0:
                         todo.append((p, group, state, state["acc"] / state["acc_count"]))
-        coef = _clip_coefficient([mean for *_, mean in todo], self.max_grad_norm)
+        coef = _clip_coefficient([mean for *_, mean in todo], max_norm)
         for p, group, state, mean in todo:
             state["host_step"] += 1
             adamw_step_(
