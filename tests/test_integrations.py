@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from tolerance import assert_within_stated_bound
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.ops import use_backend
@@ -293,6 +294,54 @@ def test_hf_gradient_accumulation_is_declared_and_exact(tmp_path, small_folds):
     assert opt.handover.sync_source is None  # let go at the end of training
 
 
+def lora_gpt2(seed=0):
+    """A PEFT LoRA model (rank 4 on the attention and MLP projections) over the tiny GPT-2: the base frozen."""
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(tiny_gpt2(seed), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                target_modules=["c_attn", "c_fc"], fan_in_fan_out=True))
+
+
+def test_peft_lora_under_the_trainer_matches_the_reference_on_both_links(tmp_path):
+    """``peft.get_peft_model`` under the Trainer with the callback and ``optimizers=(ZenFlowAdamW(
+    model.parameters()), None)``: most parameters frozen. Both links give the same bits (gradients crossing during
+    backward on the asynchronous one), the reference run through the same Trainer the same weights within the
+    stated bound, the frozen base never moves, and only the adapters have host state (``host_bytes()``)."""
+    from zenflow_kernels.integrations.transformers import ZenFlowCallback
+    from zenflow_kernels.reference import ReferenceZenFlow
+
+    zen = dict(ZEN, update_interval=2)
+    runs, base = {}, None
+    for name in ("reference", "sync", "chaos"):
+        model = lora_gpt2()
+        base = base or {k: v.detach().clone() for k, v in model.named_parameters() if not v.requires_grad}
+        params = list(model.parameters())
+        with chaos(seed=0) if name == "chaos" else contextlib.nullcontext():
+            opt = (ReferenceZenFlow if name == "reference" else ZenFlowAdamW)(params, lr=1e-2, zenflow=zen)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=8, save_strategy="no",
+            eval_strategy="no", logging_steps=100, report_to=[], use_cpu=True, seed=0, data_seed=0,
+            dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=0.0)
+        callbacks = [] if name == "reference" else [ZenFlowCallback()]
+        transformers.Trainer(model=model, args=args, train_dataset=Tokens(40), optimizers=(opt, None),
+                             callbacks=callbacks).train()
+        if name == "reference":
+            opt.flush()  # (the callback flushes ZenFlowAdamW at the last step)
+        else:
+            trainable = [p for p in params if p.requires_grad]
+            padded = sum(-(-p.numel() // 16) * 16 for p in trainable)
+            assert opt.host_bytes()["master"] == 4 * padded and padded < sum(p.numel() for p in params) / 10
+            runs[name + "_stats"] = opt.stats()
+        runs[name] = {k: v.detach().clone() for k, v in model.named_parameters()}
+    assert base and all(torch.equal(runs["chaos"][k], v) for k, v in base.items())
+    assert all(torch.equal(runs["sync"][k], v) for k, v in runs["chaos"].items())
+    for k, v in runs["sync"].items():
+        assert_within_stated_bound(v, runs["reference"][k], lr=1e-2, steps=8, what=k)
+    lora = [k for k in runs["sync"] if "lora_" in k]
+    assert lora and all(not torch.equal(runs["sync"][k], lora_gpt2().state_dict()[k]) for k in lora if "lora_B" in k)
+    stats = runs["chaos_stats"]
+    assert stats["handover"] == "on" and stats["d2h_bytes_in_backward"] > 0
+
+
 # -- Lightning ----------------------------------------------------------------------------------------------
 
 L = pytest.importorskip("lightning.pytorch")
@@ -560,3 +609,77 @@ def test_lightning_clipping_is_routed_and_keeps_the_hand_over(tmp_path, small_fo
         assert torch.equal(v, weights["chaos"][k]), k
     assert stats["handover"] == "on" and stats["d2h_bytes_in_backward"] > 0
     assert clips == [0.05, 0.05]
+
+
+class FrozenBackbone(L.LightningModule):
+    """A backbone frozen in ``__init__`` (a pretrained feature extractor) and a head; the optimizer built from
+    ``self.parameters()``, frozen ones included (the setup that failed the first step on a GPU)."""
+
+    def __init__(self, factory):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.LayerNorm(24))
+        self.head = torch.nn.Linear(24, 6)
+        self.backbone.requires_grad_(False)
+        self.factory = factory
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        return self.factory(self.parameters())
+
+
+def test_lightning_with_a_frozen_backbone_unfrozen_at_epoch_1_matches_the_reference(tmp_path):
+    """Lightning's fine-tuning callback API (``BaseFinetuning``: frozen before training, ``make_trainable`` at
+    epoch 1): both links give the same bits, a plain loop into the reference with the same schedule the same
+    weights within the stated bound; the backbone did not move in epoch 0 and got host state when it trained."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    from zenflow_kernels.integrations.lightning import ZenFlowCallback
+    from zenflow_kernels.reference import ReferenceZenFlow
+
+    class UnfreezeAtEpoch1(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.backbone, train_bn=False)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.make_trainable(pl_module.backbone)
+
+    zen = dict(ZEN, update_interval=2)
+    weights, after_epoch0, stats, memory = {}, {}, {}, {}
+
+    class Watch(L.Callback):
+        def on_train_epoch_end(self, trainer, module):
+            if trainer.current_epoch == 0:
+                after_epoch0[name] = [p.detach().clone() for p in module.backbone.parameters()]
+                memory[name] = trainer.optimizers[0].host_bytes()["master"]
+
+    for name in ("sync", "chaos"):
+        module = FrozenBackbone(lambda ps: ZenFlowAdamW(ps, lr=1e-2, zenflow=zen))
+        initial = [p.detach().clone() for p in module.backbone.parameters()]
+        trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                            callbacks=[ZenFlowCallback(), UnfreezeAtEpoch1(), Watch()])
+        with chaos(seed=2) if name == "chaos" else contextlib.nullcontext():
+            trainer.fit(module, loader(16))
+        weights[name] = flat_weights(module)
+        stats[name] = trainer.optimizers[0].stats(), trainer.optimizers[0].host_bytes()["master"]
+        assert all(torch.equal(a, b) for a, b in zip(after_epoch0[name], initial, strict=True))
+    assert all(torch.equal(v, weights["chaos"][k]) for k, v in weights["sync"].items())
+    assert stats["chaos"][0]["handover"] == "on" and stats["chaos"][0]["d2h_bytes_in_backward"] > 0
+    head = 4 * sum(-(-p.numel() // 16) * 16 for p in FrozenBackbone(None).head.parameters())
+    assert memory["sync"] == head < stats["sync"][1]  # the backbone's host state came with its training
+    module = FrozenBackbone(None)
+    ref = ReferenceZenFlow(module.parameters(), lr=1e-2, zenflow=zen)
+    for epoch in range(3):
+        module.backbone.requires_grad_(epoch >= 1)
+        for x, y in loader(16):
+            module.training_step((x, y), 0).backward()
+            ref.step()
+            ref.zero_grad()
+    ref.flush()
+    for k, v in flat_weights(module).items():
+        assert_within_stated_bound(weights["sync"][k], v, lr=1e-2, steps=12, what=k)

@@ -40,6 +40,8 @@ FAST_K = "not chaos1 and not chaos2 and not interpreter_exits and not every_back
 INTEGRATIONS = ("tests/test_integrations.py",)
 ZERO = ("tests/test_zero.py",)
 HANDOVER = ("tests/test_handover.py",)
+ORACLE = ("tests/test_oracle_sweep.py",)
+FINETUNING = ("tests/test_finetuning.py",)
 # the spawned two-rank cases against one rank and the reference, ZeRO-2's hooks and reloads
 ZERO_K = "two_ranks_match or stage2_keeps or spans_start_past"
 
@@ -285,6 +287,228 @@ BUGS = [
         "            if True:\n",
         "every step, each vector takes its Adam state from the host again: the fast path's updates of the "
         "vectors are thrown away",
+    ),
+    # -- issue 40: the combinations both links share (checked against the reference), fine-tuning setups ----------
+    Bug(
+        "strided-gradients-not-unscaled",
+        "zenflow_kernels/link/cpu.py",
+        "                           [g for g, f in zip(grads, flat, strict=True) if not f], scale)\n",
+        "                           [g for g, f in zip(grads, flat, strict=True) if not f], 1.0)\n",
+        "a strided (transposed) gradient is added into the host sums without GradScaler's unscale (the CPU link's "
+        "torch path for non-contiguous gradients)",
+        tests=ORACLE, k="strided",
+    ),
+    Bug(
+        "norm-skips-strided-gradients",
+        "zenflow_kernels/sharding/base.py",
+        "        total = sum_squares_unchecked([g if g.is_contiguous() else g.contiguous() for g in grads])\n",
+        "        total = sum_squares_unchecked([g for g in grads if g.is_contiguous()])\n",
+        "the global gradient norm (clipping, the skip check) leaves strided gradients out: both links clip by too "
+        "small a norm",
+        tests=ORACLE, k="strided",
+    ),
+    Bug(
+        "device-sums-not-unscaled",
+        "zenflow_kernels/optim/sums.py",
+        "            accumulate_unchecked(sums, grads, scale=scale)\n        elif scale == 1.0:",
+        "            accumulate_unchecked(sums, grads, scale=1.0)\n        elif scale == 1.0:",
+        "device_accumulation adds the scaled gradients into the device sums (GradScaler's scale left in the host's "
+        "interval mean)",
+        tests=ORACLE, k="devacc",
+    ),
+    Bug(
+        "fused-host-update-under-a-scale",
+        "zenflow_kernels/optim/optimizer.py",
+        "fuse = self.FUSE_MIN_NUMEL if inputs.max_norm is None and inputs.inv_amp == 1.0 else None",
+        "fuse = self.FUSE_MIN_NUMEL if inputs.max_norm is None else None",
+        "a synchronous update folds a large matrix's last gradient into its AdamW pass under a GradScaler too: that "
+        "gradient enters the mean still scaled",
+        tests=ORACLE, k="fuse",
+    ),
+    Bug(
+        "scorer-sees-scaled-gradients",
+        "zenflow_kernels/optim/selection.py",
+        "            importances = [_unscaled(f, inv_scale) if callable(f) else f for f in importances]\n",
+        "            importances = list(importances)\n",
+        "a callable importance is handed the gradient still scaled by the GradScaler (a scorer not homogeneous in the "
+        "gradient ranks other columns)",
+        tests=ORACLE, k="scorer or groups",
+    ),
+    Bug(
+        "group-topk-ignored",
+        "zenflow_kernels/optim/run.py",
+        "        return self.param_groups[self.group_of[i]].get(name, getattr(self.config, name))\n",
+        "        return getattr(self.config, name)\n",
+        "a param group's own topk_ratio and importance are ignored: every matrix takes the optimizer's",
+        tests=ORACLE, k="groups",
+    ),
+    Bug(
+        "clip-request-last-wins",
+        "zenflow_kernels/optim/step_inputs.py",
+        "            self.request = min(float(max_norm), self.request or math.inf)\n",
+        "            self.request = float(max_norm)\n",
+        "two clip_grad_norm_() requests in one step: the last applies, not the smallest",
+        tests=ORACLE, k="requests",
+    ),
+    Bug(
+        "clip-request-kept-after-zero-grad",
+        "zenflow_kernels/optim/optimizer.py",
+        "        self._clips.drop()\n        super().zero_grad(set_to_none=set_to_none)\n",
+        "        super().zero_grad(set_to_none=set_to_none)\n",
+        "the request of a batch dropped with opt.zero_grad() clips the next step",
+        tests=ORACLE, k="requests",
+    ),
+    Bug(
+        "clip-request-never-used-up",
+        "zenflow_kernels/optim/step_inputs.py",
+        "        request, norms = self.request, self.norms\n        self.drop()\n",
+        "        request, norms = self.request, self.norms\n        self.norms = []\n",
+        "a request stays in force after its step (until a zero_grad()): a loop that zeroes with model.zero_grad() "
+        "clips every later step by it",
+        tests=ORACLE, k="requests",
+    ),
+    Bug(
+        "clip-norm-returned-scaled",
+        "zenflow_kernels/optim/step_inputs.py",
+        "    norm = shard.grad_norm(active) / amp  # (a power-of-two scale divides exactly)\n",
+        "    norm = shard.grad_norm(active)\n",
+        "under a GradScaler the norm of the scaled gradients is returned and clips (the unscaled norm times the "
+        "scale)",
+        tests=ORACLE, k="requests",
+    ),
+    Bug(
+        "lightning-routes-value-clipping",
+        "zenflow_kernels/integrations/lightning.py",
+        'algorithm in (None, "norm") and _zenflow_optimizers(trainer)',
+        'algorithm in (None, "norm", "value") and _zenflow_optimizers(trainer)',
+        "Lightning's gradient_clip_algorithm='value' is routed into the optimizer's clipping by norm",
+        tests=ORACLE, k="lightning",
+    ),
+    Bug(
+        "fingerprint-odd-tail-weight",
+        "zenflow_kernels/cpu_ops/_kernels.py",
+        "                s += np.uint64(x[x.size - 1]) * fingerprint_weight(lo + full, key)\n",
+        "                s += np.uint64(x[x.size - 1]) * fingerprint_weight(full, key)\n",
+        "a 2-byte tensor's odd last element is weighted as if its work item were the first: past the first item the "
+        "numba fingerprint differs from the other backends'",
+        tests=("tests/test_fingerprint.py",), k=None,
+    ),
+    Bug(
+        "hook-on-a-frozen-parameter",
+        "zenflow_kernels/handover.py",
+        "            if not p.requires_grad:\n                continue",
+        "            if False:\n                continue",
+        "backward hooks are registered on frozen parameters too: torch refuses, the first step of any frozen model "
+        "fails on the asynchronous link",
+        tests=FINETUNING, k=None,
+    ),
+    Bug(
+        "unfrozen-parameter-not-laid-out",
+        "zenflow_kernels/optim/optimizer.py",
+        "        if not self.run.host_params.issuperset(active):\n",
+        "        if False:\n",
+        "a parameter frozen when the host shard was laid out and trained later never gets host state",
+        tests=FINETUNING, k=None,
+    ),
+    Bug(
+        "frozen-parameters-get-host-state",
+        "zenflow_kernels/optim/build.py",
+        "    return {i for i, p in enumerate(params) if p.requires_grad or p.grad is not None} | set(kept)\n",
+        "    return set(range(len(params)))\n",
+        "frozen parameters get host state (16 B/param and more of host memory for a frozen backbone)",
+        tests=FINETUNING, k="host_memory",
+    ),
+    Bug(
+        "restore-assumes-host-state",
+        "zenflow_kernels/optim/checkpoint.py",
+        '        if i in host.slots and "host_master" in st:',
+        "        if i in host.slots:",
+        "a checkpoint entry without host state (a frozen parameter's) is read as if it had some",
+        tests=FINETUNING, k="checkpoint",
+    ),
+    Bug(
+        "checkpoint-host-set-forgotten",
+        "zenflow_kernels/optim/optimizer.py",
+        "        self._held = loaded.host_params\n",
+        "        self._held = set()\n",
+        "a loaded checkpoint's parameters with host state that are frozen now lose it (the loaded state is dropped)",
+        tests=FINETUNING, k="checkpoint",
+    ),
+    Bug(
+        "zero-write-back-layout-of-all",
+        "zenflow_kernels/sharding/zero_context.py",
+        "if self.owner[i] == r and i in host_params])[1]",
+        "if self.owner[i] == r])[1]",
+        "ZeRO's write-back broadcasts assume every owned parameter has host state: with frozen ones the spans are "
+        "shifted and replicas receive other parameters' weights",
+        tests=ZERO, k="frozen",
+    ),
+    Bug(
+        "zero2-unbucketed-matrix-not-reduced",
+        "zenflow_kernels/sharding/zero_context.py",
+        "            outside = sorted(i for i in active if self.params[i].dim() == 2 and i not in bucketed)\n",
+        "            outside = []\n",
+        "ZeRO-2: a matrix frozen when the buckets were made and trained now is never reduced to its owner",
+        tests=ZERO, k="frozen",
+    ),
+    Bug(
+        "fsdp2-placeholder-by-local-size",
+        "zenflow_kernels/sharding/fsdp2.py",
+        '            if tuple(st["host_master"].shape) == (0,) and self.params[i].numel():',
+        '            if st["host_master"].to_local().numel() == 0 and self.params[i].numel():',
+        "FSDP2: a rank holding none of a parameter's rows takes its empty shard for a frozen parameter's placeholder "
+        "and the ranks diverge after a load at another world size",
+        tests=("tests/test_fsdp2.py",), k="resumes or continue",
+    ),
+    Bug(
+        "version-not-checked-at-backward-end",
+        "zenflow_kernels/link/asynchronous.py",
+        "        self._ordered = False\n        self._check_versions()\n",
+        "        self._ordered = False\n",
+        "a gradient written in place during its backward is checked only at step(), where a loop's legitimate "
+        "post-backward write (clipping that leaves the bits) also moved its version",
+        tests=FINETUNING, k="changed or data_edit or keeps_the_bits",
+    ),
+    Bug(
+        "landed-bytes-trusted",
+        "zenflow_kernels/link/asynchronous.py",
+        "        return {i for (i, want), got in zip(suspects, landed, strict=True) if got != want}\n",
+        "        return set()\n",
+        "a gradient changed during backward and changed back: its copy, which read it mid-change, is folded in",
+        tests=FINETUNING, k="changed_in_place",
+    ),
+    Bug(
+        "overwritten-copies-are-rewrites",
+        "zenflow_kernels/link/asynchronous.py",
+        "        self._step_bytes = (sum(staged.values()), sum(staged[i] for i in changed))\n",
+        "        self._step_bytes = (hook_bytes, hook_bytes - used)\n",
+        "copies a later backward copied over count as rewrites: undeclared micro-batches of varying number turn the "
+        "hand-over off",
+        tests=FINETUNING, k="micro_batches",
+    ),
+    Bug(
+        "replaced-optimizer-keeps-its-hooks",
+        "zenflow_kernels/optim/build.py",
+        "    check_params(params)\n    release_hooks(params)\n",
+        "    check_params(params)\n",
+        "a new optimizer over the same parameters leaves the old one's hooks copying until its own first step",
+        tests=FINETUNING, k="replaced",
+    ),
+    Bug(
+        "failed-build-leaves-threads",
+        "zenflow_kernels/optim/build.py",
+        "    except BaseException:\n        shutdown(link, run.torch_threads, hooks)\n        raise\n",
+        "    except BaseException:\n        raise\n",
+        "a first step whose parts fail to build leaves the link's threads running",
+        tests=FINETUNING, k="first_step_that_fails",
+    ),
+    Bug(
+        "worker-joins-itself",
+        "zenflow_kernels/host.py",
+        "            if threading.current_thread() is not self._thread:\n                self._thread.join(timeout)",
+        "            self._thread.join(timeout)",
+        "an optimizer collected on its own worker thread fails in its finalizer (cannot join current thread)",
+        tests=FINETUNING, k="own_worker",
     ),
 ]
 
