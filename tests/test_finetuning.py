@@ -37,6 +37,7 @@ STEPS = 14
 FROZEN_AT_BUILD = {0, 1}  # the first layer, as frozen embeddings
 UNFREEZE_AT = 7  # ... trained from this step on
 REFREEZE = (10, {4})  # a matrix with a selection and host results, frozen again at step 10
+THAW_AT = 12  # ... and, in the "cycle" schedule, trained again from step 12
 
 
 def model():
@@ -56,14 +57,16 @@ def snapshot(m):
 
 def frozen_at(t: int, schedule: str) -> set[int]:
     """The parameters frozen at step ``t``: ``"none"`` none; ``"build"`` the first layer throughout; ``"unfreeze"``
-    the first layer until ``UNFREEZE_AT``, and W2 again from ``REFREEZE``."""
-    assert schedule in ("none", "build", "unfreeze"), schedule
+    the first layer until ``UNFREEZE_AT``, and W2 again from ``REFREEZE``; ``"cycle"`` the same with W2 trained
+    again from ``THAW_AT``."""
+    assert schedule in ("none", "build", "unfreeze", "cycle"), schedule
     if schedule == "none":
         return set()
     if schedule == "build":
         return set(FROZEN_AT_BUILD)
     frozen = set(FROZEN_AT_BUILD) if t < UNFREEZE_AT else set()
-    return frozen | (REFREEZE[1] if t >= REFREEZE[0] else set())
+    refrozen = t >= REFREEZE[0] and (schedule == "unfreeze" or t < THAW_AT)
+    return frozen | (REFREEZE[1] if refrozen else set())
 
 
 def freeze(m, frozen: set[int]) -> None:
@@ -197,31 +200,35 @@ def test_frozen_parameters_take_no_host_memory():
 
 @pytest.mark.parametrize("mode", ["sync", "chaos1"])
 def test_frozen_parameters_through_a_checkpoint_and_on_disk(tmp_path, mode):
-    """Saved while the first layer is frozen (with a host update in flight), loaded into a fresh optimizer over the
-    same frozen model: the run continues bit for bit through the unfreezing, as the uninterrupted one; the host
-    state on disk (offload_device="nvme") gives the same bits, its layout grown when the layer is unfrozen."""
+    """The "cycle" schedule saved twice: at step 5, while the first layer is frozen (no host state for it), and at
+    step 11, while W2 is frozen again (its host state kept, a host update in flight); each loaded into a fresh
+    optimizer over the model frozen as it was: the run continues bit for bit through the unfreezings, as the
+    uninterrupted one. The host state on disk (offload_device="nvme") gives the same bits, its layout grown when
+    the layer is unfrozen."""
     zen = dict(ZEN, overlap_step=True)
     data, m0 = batches(), model()
     freeze(m0, FROZEN_AT_BUILD)
     m = copy.deepcopy(m0)
     with make(m, zen, mode) as opt:
-        want = train(m, opt, data, "unfreeze")
-    m = copy.deepcopy(m0)
-    with make(m, zen, mode) as opt:
-        got = train(m, opt, data[:5], "unfreeze")
-        saved = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
-    assert saved["opt"]["zenflow"]["host_params"] == [2, 3, 4, 5, 6, 7]
-    assert "host_master" not in saved["opt"]["state"][0] and "host_master" in saved["opt"]["state"][4]
-    m = model()
-    freeze(m, FROZEN_AT_BUILD)
-    m.load_state_dict(saved["model"])
-    with make(m, zen, mode) as opt:
-        opt.load_state_dict(saved["opt"])
-        got += train(m, opt, data, "unfreeze", start=5)
-    assert_same(want, got, "resumed")
+        want = train(m, opt, data, "cycle")
+    for at, held in ((5, [2, 3, 4, 5, 6, 7]), (11, list(range(8)))):
+        m = copy.deepcopy(m0)
+        with make(m, zen, mode) as opt:
+            got = train(m, opt, data[:at], "cycle")
+            saved = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
+        assert saved["opt"]["zenflow"]["host_params"] == held
+        assert ("host_master" in saved["opt"]["state"][0]) == (at > UNFREEZE_AT)
+        assert "host_master" in saved["opt"]["state"][4]  # (frozen at step 11: its state kept)
+        m = model()
+        freeze(m, frozen_at(at, "cycle"))
+        m.load_state_dict(saved["model"])
+        with make(m, zen, mode) as opt:
+            opt.load_state_dict(saved["opt"])
+            got += train(m, opt, data, "cycle", start=at)
+        assert_same(want, got, f"resumed at {at}")
     m = copy.deepcopy(m0)
     with make(m, dict(zen, offload_device="nvme", nvme_path=str(tmp_path)), mode) as opt:
-        assert_same(want, train(m, opt, data, "unfreeze"), "nvme")
+        assert_same(want, train(m, opt, data, "cycle"), "nvme")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -257,10 +264,12 @@ def test_a_hook_that_takes_the_gradient_sits_out_the_step(overlap):
 
 
 def test_undeclared_micro_batches_of_varying_number_are_exact_and_keep_the_hand_over():
-    """Batches split by length: 1, 3, 1, 3, ... and then 2, 1, 3 backward passes per step, none declared. A later
-    backward's copies over an earlier one's are not rewrites: the hand-over stays on; both links alike."""
+    """Batches split by length: 1, 3, 1, 3, ..., then counts growing by two each step (3, 5, 7: hooks copy from the
+    last step's count on, so two of each gradient's three copies are overwritten by later backward passes, step
+    after step) and a few more, none declared. A later backward's copies over an earlier one's are not rewrites:
+    the hand-over stays on; both links alike."""
     data, m0 = batches(), model()
-    micro = [1, 3] * 5 + [2, 1, 3, 2]
+    micro = [1, 3, 1, 3, 1, 3, 5, 7, 1, 3, 1, 2, 1, 3]
     results = {}
     for mode in ("sync", "chaos0", "chaos1"):
         m = copy.deepcopy(m0)
