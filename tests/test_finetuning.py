@@ -26,9 +26,19 @@ import torch.nn.functional as F
 from tolerance import assert_within_stated_bound
 
 from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.ops import use_backend
 from zenflow_kernels.optim.fast_path import FastPath
 from zenflow_kernels.reference import ReferenceZenFlow
 from zenflow_kernels.testing import chaos
+
+
+@pytest.fixture(autouse=True)
+def numba_backend():
+    """The host's kernels for the device's too (as tests/test_handover.py): the Triton kernels have their own tests
+    against torch (tests/test_triton_*.py); under TRITON_INTERPRET=1 they would run in numpy here."""
+    with use_backend("numba"):
+        yield
+
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 ZEN = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2)
@@ -157,6 +167,26 @@ def test_frozen_parameters_match_the_reference_on_both_links(schedule, overlap, 
     assert stats["handover"] == "on" and stats["d2h_bytes_in_backward"] > 0
     # hooks on what can receive a gradient: at the end the first layer too once it trained
     assert results["chaos0_hooked"] == ([2, 3, 4, 5, 6, 7] if schedule == "build" else list(range(8)))
+
+
+def test_frozen_parameters_on_the_triton_kernels_match_the_reference():
+    """The same unfreezing schedule with the device's kernels from Triton (interpreted here): both links alike, the
+    reference's weights within the stated bound (Triton's bias corrections come from exp/log: not numba's bits)."""
+    zen = dict(ZEN, overlap_step=True)
+    data, m0 = batches(8), model()
+    freeze(m0, frozen_at(0, "unfreeze"))
+    results = {}
+    for mode in ("reference", "sync", "chaos0"):
+        m = copy.deepcopy(m0)
+        with use_backend("triton"):
+            opt = make(m, zen, mode)
+            results[mode] = train(m, opt, data, "unfreeze")
+            if mode != "reference":
+                opt.close()
+    assert_same(results["sync"], results["chaos0"], "chaos0")
+    for t, (a, b) in enumerate(zip(results["sync"], results["reference"], strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_within_stated_bound(x, y, lr=HYPER["lr"], steps=t + 1, what=f"step {t} param {i}")
 
 
 @pytest.mark.parametrize("topk, interval", [(1.0, 2), (0.0, 1)])

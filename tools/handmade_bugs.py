@@ -446,7 +446,7 @@ BUGS = [
     Bug(
         "zero2-unbucketed-matrix-not-reduced",
         "zenflow_kernels/sharding/zero_context.py",
-        "            outside = sorted(i for i in active if self.params[i].dim() == 2 and i not in bucketed)\n",
+        "            outside = sorted(i for i in active if self.params[i].dim() == 2 and i not in self.bucketed)\n",
         "            outside = []\n",
         "ZeRO-2: a matrix frozen when the buckets were made and trained now is never reduced to its owner",
         tests=ZERO, k="frozen",

@@ -146,6 +146,7 @@ class GradHooks:
     def __init__(self, params, ready: weakref.WeakMethod):
         self.params, self.ready = params, ready
         self.handles: dict = {}  # index -> torch's RemovableHandle
+        self._index = {id(p): i for i, p in enumerate(params)}
 
     def ensure(self, indices) -> None:
         """Hook these parameters where not yet hooked and able to receive a gradient."""
@@ -162,9 +163,9 @@ class GradHooks:
 
     def release(self, p) -> None:
         """Take this optimizer's hook off parameter ``p`` (another optimizer hooks it now)."""
-        for i, q in enumerate(self.params):
-            if q is p and i in self.handles:
-                self.handles.pop(i).remove()
+        i = self._index.get(id(p))
+        if i is not None and i in self.handles:
+            self.handles.pop(i).remove()
 
     def remove(self) -> None:
         for handle in self.handles.values():

@@ -25,7 +25,7 @@ from ..schedule import Schedule
 from .interval import HostInterval
 from .run import Run
 
-__all__ = ["FORMAT", "COUNTERS", "header", "pack", "carried", "Loaded", "read", "unpack", "restore", "unpack_adam",
+__all__ = ["FORMAT", "COUNTERS", "header", "pack", "before_pack", "Loaded", "read", "unpack", "restore", "unpack_adam",
            "restore_adam"]
 
 FORMAT = 2
@@ -91,7 +91,7 @@ def pack(run: Run | None, interval: HostInterval | None, *, groups: list[dict], 
     return {"state": state, "param_groups": groups, "zenflow": zenflow}
 
 
-def carried(run: Run, interval: HostInterval) -> None:
+def before_pack(run: Run, interval: HostInterval) -> None:
     """Before :func:`pack`: a failed host update refused (it may have left half its result: no torn state handed
     out), the in-flight one drained (its result stays pending), the accumulation, write-backs and offloaded state
     landed."""

@@ -207,7 +207,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """This step's parameters all have host state (one frozen at the layout and trained now gets it: the shard is
         laid out again, the rest carried over as a checkpoint carries it) and a hook wherever one can go."""
         if not self.run.host_params.issuperset(active):
-            checkpoint.carried(self.run, self.interval)
+            checkpoint.before_pack(self.run, self.interval)
             saved = checkpoint.pack(self.run, self.interval, groups=[], zenflow={}, consolidated=False)["state"]
             self._held = set(self.run.host_params).union(active)
             self._reset()
@@ -488,7 +488,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                     seed_from_host=self._seed_from_host, zero_stage=self.zero_stage,
                                     shard=self._shard, consolidated=consolidated)
         if self._built:
-            checkpoint.carried(self.run, self.interval)
+            checkpoint.before_pack(self.run, self.interval)
         packed = checkpoint.pack(self.run if self._built else None, self.interval, consolidated=consolidated,
                                  groups=checkpoint.pack_groups(self.param_groups, self._group_of), zenflow=zenflow)
         out = self._shard.export_state_dict(packed, self.run.local if self._built else None,

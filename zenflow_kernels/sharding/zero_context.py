@@ -221,6 +221,7 @@ class BucketReducer:
                 size = 0
             self.buckets[-1].append(i)
             size += p.numel()
+        self.bucketed = {i for bucket in self.buckets for i in bucket}
         self.grad_dtype: dict[int, torch.dtype] = {}  # release: each matrix's gradient dtype, as last seen
         self.started_in_backward = 0  # buckets the hooks started (overlapping backward)
         self.restarted = 0  # buckets started again because a gradient changed after its start
@@ -307,8 +308,7 @@ class BucketReducer:
         the matrices this rank owns (an active matrix in no bucket, frozen when the buckets were made, is
         reduced alone, after the buckets)."""
         try:
-            bucketed = {i for bucket in self.buckets for i in bucket}
-            outside = sorted(i for i in active if self.params[i].dim() == 2 and i not in bucketed)
+            outside = sorted(i for i in active if self.params[i].dim() == 2 and i not in self.bucketed)
             if self.release:
                 return self._finish_released(active) | self._reduce_alone(outside)
             for b, bucket in enumerate(self.buckets):
