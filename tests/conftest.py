@@ -35,6 +35,17 @@ def pytest_configure(config):
 
 
 @pytest.fixture
+def numba_backend():
+    """The host's numba kernels for the device's too (a module uses it with ``pytestmark``): optimizer-level tests
+    that run many steps; the Triton kernels have their own tests against torch (tests/test_triton_*.py), and under
+    TRITON_INTERPRET=1 they would run in numpy here."""
+    from zenflow_kernels.ops import use_backend
+
+    with use_backend("numba"):
+        yield
+
+
+@pytest.fixture
 def host_workers_made(monkeypatch):
     """The keyword arguments of every HostWorker the link package creates from here on (threads, cores,
     timeout, name), in creation order (every module of it starts its workers through ``completions.new_worker``)."""

@@ -17,7 +17,6 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402  (after the 
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from zenflow_kernels import ZenFlowAdamW  # noqa: E402
-from zenflow_kernels.ops import use_backend  # noqa: E402
 from zenflow_kernels.testing import chaos  # noqa: E402
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -34,10 +33,7 @@ X, Y = torch.randn(BATCH * BATCHES, 16, generator=_g), torch.randn(BATCH * BATCH
 MATRIX_BYTES = 4 * (16 * 32 + 32 * 32 + 32 * 8)  # one step's matrix gradients (vectors stay on the fast path)
 
 
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 @pytest.fixture(autouse=True)

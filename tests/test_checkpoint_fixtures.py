@@ -19,16 +19,12 @@ from checkpoint_fixture_ranks import CASES as ZERO_CASES
 from checkpoint_fixture_ranks import FSDP2_CASES, launch
 
 from zenflow_kernels import ZenFlowAdamW
-from zenflow_kernels.ops import use_backend
 
 HERE = Path(__file__).resolve().parent / "fixtures" / "checkpoints"
 FIXTURES = sorted(p for p in HERE.glob("*.pt") if not p.name.startswith("zero"))  # one process
 
 
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 def test_the_fixtures_are_there():

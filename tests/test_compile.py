@@ -9,13 +9,8 @@ import pytest
 import torch
 
 import zenflow_kernels as zk
-from zenflow_kernels.ops import use_backend
 
-
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):  # the CPU fast path, not the Triton interpreter the suite enables
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py: the CPU fast path, not Triton's interpreter)
 
 
 def _inputs(dtype, R=6, C=11, k=4, seed=0):

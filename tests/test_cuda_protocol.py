@@ -27,17 +27,13 @@ from worker_clock import accumulate_worker_times  # noqa: E402
 
 from zenflow_kernels import ZenFlowAdamW, link
 from zenflow_kernels.host import HostWorkerError
-from zenflow_kernels.ops import use_backend
 from zenflow_kernels.sharding import zero_context
 from zenflow_kernels.testing import chaos
 
 ZEN = dict(overlap_step=True, update_interval=1, select_strategy="step", select_interval=4)
 
 
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 class _FakeEvent:

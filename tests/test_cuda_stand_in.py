@@ -22,7 +22,6 @@ from fake_cuda import PAGE, FakeCuda
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels import link as link_module
 from zenflow_kernels.host import HostShard
-from zenflow_kernels.ops import use_backend
 from zenflow_kernels.optim import sums as sums_module
 from zenflow_kernels.optim.interval import HostInterval
 
@@ -32,10 +31,7 @@ ZEN = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_in
            overlap_step=True)
 
 
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 @pytest.fixture

@@ -31,13 +31,7 @@ from zenflow_kernels.optim.fast_path import FastPath
 from zenflow_kernels.reference import ReferenceZenFlow
 from zenflow_kernels.testing import chaos
 
-
-@pytest.fixture(autouse=True)
-def numba_backend():
-    """The host's kernels for the device's too (as tests/test_handover.py): the Triton kernels have their own tests
-    against torch (tests/test_triton_*.py); under TRITON_INTERPRET=1 they would run in numpy here."""
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)

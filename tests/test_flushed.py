@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from support import HYPER, snapshot
 
 from zenflow_kernels import ZenFlowAdamW, ZenFlowWarning
-from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import chaos
 
 WIDTH, STEPS, SAVES = 24, 14, (5, 9)  # saves mid-interval, with a host update in flight and one pending
@@ -24,10 +23,7 @@ ZENFLOW = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, updat
                overlap_step=True)
 
 
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 def mlp(dtype, seed=0):

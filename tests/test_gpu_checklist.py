@@ -18,16 +18,12 @@ import torch
 
 from bench import gpu_checklist as checklist
 from zenflow_kernels import ZenFlowAdamW, link
-from zenflow_kernels.ops import use_backend
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as gpu_suite.sh: the default backend
 
 
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from zenflow_kernels import ZenFlowAdamW
-from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import chaos
 
 ZENFLOW = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2,
@@ -29,10 +28,7 @@ HYPER = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 LINKS = ["cpu", "chaos0", "chaos1", "chaos2"]
 
 
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 def _model(seed=0):

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.handover import HandOver
 from zenflow_kernels.link import AsyncLink
-from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import Timeline, chaos
 
 HYPER = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -30,10 +29,7 @@ WIDTH, LAYERS = 32, 6  # 4 KiB of fp32 gradient per matrix: 6 matrices, 48x a fo
 ZENFLOW = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2, full_warm_up_rounds=1)
 
 
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 @pytest.fixture(autouse=True)

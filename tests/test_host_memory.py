@@ -25,16 +25,12 @@ import torch
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.host import ALIGN
-from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import chaos
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 def _params(matrix_dtype, vector_dtype, d=64, layers=2, seed=0):

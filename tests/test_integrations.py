@@ -13,14 +13,9 @@ import torch
 from tolerance import assert_within_stated_bound
 
 from zenflow_kernels import ZenFlowAdamW
-from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import chaos
 
-
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 def test_importing_the_package_imports_no_framework():

@@ -20,14 +20,9 @@ from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.device_model import Chaos, Delays, current_chaos
 from zenflow_kernels.host import ALIGN, HostShard, out_sizes
 from zenflow_kernels.link import AsyncLink, CpuLink, host_alloc, make_engine, make_link
-from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import chaos
 
-
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 def zenflow_threads():

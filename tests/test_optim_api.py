@@ -13,14 +13,9 @@ from support import HYPER, drive, grad_sequence, make_params, snapshot
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.config import ZenFlowWarning
-from zenflow_kernels.ops import use_backend
 from zenflow_kernels.testing import chaos
 
-
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 ZEN = dict(topk_ratio=0.2, select_strategy="step", select_interval=6, update_interval=3, overlap_step=True)

@@ -21,17 +21,10 @@ import torch.nn.functional as F
 from tolerance import assert_all_within_stated_bound
 
 from zenflow_kernels import ZenFlowAdamW
-from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
 from zenflow_kernels.testing import chaos
 
-
-@pytest.fixture(autouse=True)
-def numba_backend():
-    """The host's kernels for the device's too (as tests/test_handover.py): the Triton kernels have their own tests
-    against torch (tests/test_triton_*.py); under TRITON_INTERPRET=1 they would run in numpy here."""
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)

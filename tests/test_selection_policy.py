@@ -13,7 +13,6 @@ from support import HYPER, adamw_history, adamw_tol, drive, grad_sequence, make_
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.config import ZenFlowConfigError
-from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
 from zenflow_kernels.testing import chaos
 
@@ -22,10 +21,7 @@ ZEN = dict(topk_ratio=0.25, select_strategy="step", select_interval=5, update_in
 LINKS = ["cpu", "chaos0"]
 
 
-@pytest.fixture(autouse=True)
-def numba_backend():
-    with use_backend("numba"):
-        yield
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 
 def _optimizer(link, params, **kwargs):
