@@ -377,19 +377,26 @@ def test_scale_rejects_bad_options(tmp_path, args, fragment):
 
 
 def test_step_overhead_quick(tmp_path):
-    """Every candidate at both quick counts, in one run: the JSON's structure only (timings are the machine's)."""
+    """Every candidate at both quick counts, both clocks, each repeat, in one run: the JSON's structure and its plot
+    (timings are the machine's)."""
     proc = run_module("bench.step_overhead", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "step_overhead_cpu.json").read_text())
-    candidates = ("zenflow_cpu_link", "zenflow_async_link", "torch_adamw_foreach")
-    assert result["machine"]["python"] and result["config"]["quick"] is True
-    assert result["config"]["clock"] == "time.thread_time" and result["config"]["tensors"] == [8, 16]
-    assert {(r["candidate"], r["tensors"]) for r in result["rows"]} == {(c, n) for c in candidates for n in (8, 16)}
+    assert (tmp_path / "step_overhead_cpu.png").read_bytes()[:8] == PNG_MAGIC
+    candidates = ("zenflow_cpu_link", "zenflow_async_link", "zenflow_async_link_hooks", "torch_adamw_foreach",
+                  "torch_adamw_fused")
+    config = result["config"]
+    assert result["machine"]["python"] and config["quick"] is True and config["repeats"] == 2
+    assert config["clocks"] == {"cpu": "time.thread_time", "wall": "time.perf_counter"}
+    assert config["tensors"] == [8, 16]
+    assert {(r["candidate"], r["tensors"], r["clock"], r["repeat"]) for r in result["rows"]} == {
+        (c, n, clock, k) for c in candidates for n in (8, 16) for clock in ("cpu", "wall") for k in (0, 1)}
     for r in result["rows"]:
         assert r["steps"] > 0 and 0 < r["min_ms"] <= r["median_ms"] and math.isfinite(r["median_ms"]), r
-    assert set(result["summary"]) == set(candidates)
-    summary = result["summary"]["zenflow_async_link"]
-    assert {"ms_at_8", "ms_at_16", "us_per_tensor", "vs_torch_adamw_at_16"} <= set(summary)
+    assert set(result["summary"]) == set(candidates)  # (no goal at counts other than 150 and 600)
+    for clock in ("cpu", "wall"):
+        summary = result["summary"]["zenflow_async_link"][clock]
+        assert {"ms_at_8", "ms_at_16", "us_per_tensor", "vs_torch_adamw_foreach_at_16"} <= set(summary)
 
 
 # -- bench.host_multi --------------------------------------------------------------------------------------

@@ -68,6 +68,19 @@ def test_every_backend_gives_the_reference_value(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_the_unchecked_entry_gives_the_reference_value(backend):
+    """``ops.multi_fingerprint_unchecked`` (the asynchronous link's at every step): the reference's values for every
+    shape and dtype at once, empty tensors among them (0), a strided view read in row-major order."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [(torch.randn(s, generator=g) * 3).to(dt) for dt in DTYPES for s in SHAPES]
+    tensors.append(torch.randn(9, 7, generator=g).t())
+    with ops.use_backend(backend):
+        got = ops.multi_fingerprint_unchecked(tensors, KEYS[2]).tolist()
+    assert got == [reference(t.contiguous(), KEYS[2]) for t in tensors]
+    assert got[0] == 0  # (shape (0,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_mixed_dtypes_strided_views_and_out(backend):
     """A list mixing dtypes and strided views (a transposed matrix, a column slice, an expanded row): each is
     fingerprinted in its logical row-major order, as its contiguous copy is; ``out`` receives the values."""

@@ -274,8 +274,8 @@ BUGS = [
     Bug(
         "norm-of-scaled-gradients",
         "zenflow_kernels/optim/step_inputs.py",
-        "    norm = shard.grad_norm(active) / amp  # (a power-of-two scale divides exactly)\n",
-        "    norm = shard.grad_norm(active)\n",
+        "if len(own) == len(active) else None) / amp\n",
+        "if len(own) == len(active) else None)\n",
         "under a GradScaler the clipping norm (and the norm clip_grad_norm_() returns) is the scaled gradients': "
         "clipping cuts by the scale too",
         tests=HANDOVER, k=None,
@@ -283,6 +283,7 @@ BUGS = [
     Bug(
         "vector-state-reset-every-step",
         "zenflow_kernels/optim/fast_path.py",
+        "            if i in self._joined:\n                continue\n"
         "            if \"exp_avg\" not in self.run.fast_state(i):\n",
         "            if True:\n",
         "every step, each vector takes its Adam state from the host again: the fast path's updates of the "
@@ -365,15 +366,6 @@ BUGS = [
         "        request, norms = self.request, self.norms\n        self.norms = []\n",
         "a request stays in force after its step (until a zero_grad()): a loop that zeroes with model.zero_grad() "
         "clips every later step by it",
-        tests=ORACLE, k="requests",
-    ),
-    Bug(
-        "clip-norm-returned-scaled",
-        "zenflow_kernels/optim/step_inputs.py",
-        "    norm = shard.grad_norm(active) / amp  # (a power-of-two scale divides exactly)\n",
-        "    norm = shard.grad_norm(active)\n",
-        "under a GradScaler the norm of the scaled gradients is returned and clips (the unscaled norm times the "
-        "scale)",
         tests=ORACLE, k="requests",
     ),
     Bug(

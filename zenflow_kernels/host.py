@@ -154,6 +154,10 @@ class HostShard:
         self.acc = [alloc(offset, torch.float32) for _ in range(num_acc)]
         self.out = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()}
         self.landing = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()} if landing else {}
+        # views into the buffers above, made at first use and kept (a step reads every parameter's: no view per
+        # parameter per step); the buffers live as long as the shard
+        self._landing_views: dict[int, torch.Tensor] = {}
+        self._acc_views: list[dict[int, torch.Tensor]] = [{} for _ in self.acc]
         self.host_step = [0] * len(params)  # owned like the master: by the host update in flight
         try:
             with torch.no_grad():
@@ -224,9 +228,20 @@ class HostShard:
         return self.out[s.dtype][s.out_offset : s.out_offset + s.numel].view(s.shape)
 
     def landing_view(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s view (its shape) into the landing buffer of its dtype."""
-        s = self.slots[index]
-        return self.landing[s.dtype][s.out_offset : s.out_offset + s.numel].view(s.shape)
+        """Parameter ``index``'s view (its shape) into the landing buffer of its dtype (made once)."""
+        view = self._landing_views.get(index)
+        if view is None:
+            s = self.slots[index]
+            view = self._landing_views[index] = self.landing[s.dtype][s.out_offset : s.out_offset + s.numel].view(
+                s.shape)
+        return view
+
+    def acc_view(self, buf: int, index: int) -> torch.Tensor:
+        """Parameter ``index``'s view (its shape) into accumulation buffer ``buf`` (made once)."""
+        view = self._acc_views[buf].get(index)
+        if view is None:
+            view = self._acc_views[buf][index] = self.view(self.acc[buf], index)
+        return view
 
     def fold(self, buf: int, indices: Sequence[int], scale: float = 1.0) -> None:
         """acc[buf] += landing * ``scale`` for these parameters (one multi-tensor launch per dtype, the calling

@@ -124,6 +124,7 @@ def _implementation(scores, topk, adamw, fingerprint) -> SimpleNamespace:
     """The ops of one backend, taken from the modules that implement its scores, top-k, AdamW and fingerprints."""
     return SimpleNamespace(
         multi_fingerprint=fingerprint.multi_fingerprint,
+        multi_fingerprint_unchecked=fingerprint.multi_fingerprint_unchecked,
         column_scores=scores.column_scores,
         multi_column_scores=scores.multi_column_scores,
         topk_columns=topk.topk_columns,
@@ -330,6 +331,13 @@ def multi_fingerprint(tensors, key: int, *, out: torch.Tensor | None = None) -> 
         element width on a GPU (Triton), one numba pass on CPU; every backend gives the same values.
     """
     return _impl(tensors).multi_fingerprint(tensors, key, out=out)
+
+
+def multi_fingerprint_unchecked(tensors, key: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`multi_fingerprint` without validation, for a caller that checked the tensors (a non-empty list of
+    fp32/bf16/fp16 tensors on one device, ``key`` in range, ``out`` None or int64 ``[n]`` contiguous there): the
+    asynchronous link at every ``step()``, whose gradients the step checked. Wrong input is undefined behaviour."""
+    return _impl(tensors).multi_fingerprint_unchecked(tensors, key, out=out)
 
 
 def multi_selective_adamw_items_(items, *, beta1: float, beta2: float, eps: float, grad_scale: float) -> None:

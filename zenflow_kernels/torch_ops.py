@@ -21,6 +21,7 @@ __all__ = [
     "multi_topk_columns",
     "multi_selective_adamw_",
     "multi_fingerprint",
+    "multi_fingerprint_unchecked",
 ]
 
 
@@ -260,6 +261,13 @@ def _fingerprint(x: torch.Tensor, key: int) -> torch.Tensor:
 
 def multi_fingerprint(tensors, key: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     tensors, key, out = V.fingerprint_args("multi_fingerprint", tensors, key, out)
+    return multi_fingerprint_unchecked(tensors, key, out=out)
+
+
+def multi_fingerprint_unchecked(tensors, key: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`multi_fingerprint` for a caller that checked its arguments (a non-empty list when ``out`` is None)."""
+    if out is None:
+        out = torch.zeros(len(tensors), dtype=torch.int64, device=tensors[0].device)
     for n, x in enumerate(tensors):
         out[n] = _fingerprint(x, key)
     return out

@@ -28,8 +28,16 @@ def multi_fingerprint(tensors, key: int, *, out: torch.Tensor | None = None) -> 
     tensors, key, out = V.fingerprint_args("multi_fingerprint", tensors, key, out)
     if tensors and out.device.type != "cpu":
         raise ValueError(f"multi_fingerprint: the numba backend runs on CPU tensors, got {out.device}")
-    flat = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
-    out.copy_(fingerprint_unchecked(flat, key))
+    return multi_fingerprint_unchecked(tensors, key, out=out)
+
+
+def multi_fingerprint_unchecked(tensors, key: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`multi_fingerprint` for a caller that checked its arguments (CPU tensors of the allowed dtypes)."""
+    flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    got = fingerprint_unchecked(flat, key)
+    if out is None:
+        return got
+    out.copy_(got)
     return out
 
 
@@ -49,7 +57,9 @@ def fingerprint_unchecked(tensors, key: int, nthreads: int = 0) -> torch.Tensor:
         C.launch(multi_fingerprint_kernel, int(numels.sum()), nthreads,
                  np.array([tensors[n].data_ptr() for n in chosen], dtype=np.int64), numels, chunk_starts,
                  FINGERPRINT_CHUNK, _WORDS[width], np.uint64(key), partials)
-        for row, n in enumerate(chosen):
-            lo, hi = chunk_starts[row], chunk_starts[row + 1]
-            out[n] = partials[lo:hi].sum(dtype=np.uint64)  # modulo 2**64: the order does not matter
+        # each tensor's items summed in one pass, modulo 2**64 (the order does not matter); a tensor without items
+        # (empty) is 0, which reduceat (that would take the next item) does not give
+        sums = np.add.reduceat(partials, np.minimum(chunk_starts[:-1], partials.size - 1), dtype=np.uint64)
+        sums[chunk_starts[1:] == chunk_starts[:-1]] = 0
+        out[np.array(chosen)] = sums
     return torch.from_numpy(out.view(np.int64))

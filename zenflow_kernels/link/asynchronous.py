@@ -130,7 +130,8 @@ class AsyncLink(_Link):
         checked = [(i, wanted[i]) for i in staged if i in wanted]
         changed: set[int] = set()
         if checked:
-            now = ops.multi_fingerprint([g.detach() for _, g in checked], self.key)
+            # (the gradients were checked by step(): dense, of an allowed dtype, on the device)
+            now = ops.multi_fingerprint_unchecked([g.detach() if g.requires_grad else g for _, g in checked], self.key)
             where = torch.tensor([i for i, _ in checked], device=now.device)
             differ = (now != self._fingerprints.index_select(0, where)).tolist()  # (one device sync)
             changed = {i for (i, _), d in zip(checked, differ, strict=True) if d}
@@ -146,7 +147,7 @@ class AsyncLink(_Link):
             if i in staged and i not in changed:
                 continue
             self._free(i)
-            copies.append((self.host.landing_view(i), grad.detach()))
+            copies.append((self.host.landing_view(i), grad.detach() if grad.requires_grad else grad))
         if copies:
             self.engine.d2h(copies)
             self.d2h_bytes += sum(src.numel() * src.element_size() for _, src in copies)
@@ -214,7 +215,7 @@ class AsyncLink(_Link):
         """acc[buf] <- a device-side sum for each ``(index, sum)``, copied straight into the (pinned)
         accumulation buffer, which holds nothing of this interval; the copies' completion is the
         accumulation's. The device zeroes the sums once the copies have read them."""
-        self.engine.d2h([(self.host.view(self.host.acc[buf], i), total) for i, total in items])
+        self.engine.d2h([(self.host.acc_view(buf, i), total) for i, total in items])
         self._last_accumulate = self.engine.d2h_marker()
         sums = [total for _, total in items]
         # the next interval starts from zero, zeroed behind the copies: the device's next work (the next

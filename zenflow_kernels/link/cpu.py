@@ -34,7 +34,7 @@ class CpuLink(_Link):
             if fuse_min_numel is not None and grad.numel() >= fuse_min_numel:
                 last[i] = grad
             else:
-                sums.append(self.host.view(self.host.acc[buf], i))
+                sums.append(self.host.acc_view(buf, i))
                 grads.append(grad)
         if sums:
             # one numba launch per gradient dtype (fp32 additions, bf16/fp16 read and widened in the same
@@ -55,7 +55,7 @@ class CpuLink(_Link):
         interval), then the sums are zeroed for the next interval (``device_accumulation``)."""
         t0 = time.perf_counter()
         for i, total in items:
-            self.host.view(self.host.acc[buf], i).copy_(total)
+            self.host.acc_view(buf, i).copy_(total)
             total.zero_()
             self.d2h_bytes += total.numel() * total.element_size()
         self.accumulate_s += time.perf_counter() - t0

@@ -21,6 +21,7 @@ class FastPath:
         self.run, self.offload, self.bucket_numel = run, offload, bucket_numel
         self._plan = None  # the per-selection lists (plan())
         self._split: tuple[list[int], list[int], list[int]] | None = None  # (active, its matrices, its vectors)
+        self._joined: set[int] = set()  # vectors known to have fast-path state (it is never taken away)
 
     def invalidate(self) -> None:
         """The fast path's state changed shape (a selection, a vector joining): lay the plan out again."""
@@ -39,10 +40,14 @@ class FastPath:
         return self.run.link.new_host_state(t) if self.offload else t.to(self.run.device)
 
     def join(self, vectors: list[int]) -> None:
-        """Of ``vectors``, the ones without fast-path state yet join the fast path (:meth:`init_vector`)."""
+        """Of ``vectors``, the ones without fast-path state yet join the fast path (:meth:`init_vector`); those seen
+        with state are remembered, so a step looks at no state when none is new (a restored checkpoint's is seen)."""
         for i in vectors:
+            if i in self._joined:
+                continue
             if "exp_avg" not in self.run.fast_state(i):
                 self.init_vector(i)
+            self._joined.add(i)
 
     def init_vector(self, i: int) -> None:
         """A vector joins the fast path with the Adam state the host gave it during warm-up."""

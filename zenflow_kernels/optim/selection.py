@@ -24,6 +24,7 @@ class Selection:
 
     def __init__(self, run: Run, fast: FastPath, *, seed_from_host: bool = False):
         self.run, self.fast, self.seed_from_host = run, fast, seed_from_host
+        self._selected: set[int] = set()  # matrices known to have a selection (unselected())
 
     def scores(self, indices: list[int], scale: float, inv_scale: float) -> tuple[list, list[torch.Tensor]]:
         """Each matrix's importance rule and its per-column scores (a scorer of one's own sees the gradient
@@ -51,8 +52,20 @@ class Selection:
 
     def unselected(self, matrices: list[int]) -> list[int]:
         """The matrices among ``matrices`` with no selection yet (their first step after warm-up, or a matrix whose
-        gradient first appears now): they are selected at this step, between selection boundaries."""
-        return [i for i in matrices if "selected" not in self.run.fast_state(i)]
+        gradient first appears now): they are selected at this step, between selection boundaries. Those seen with
+        a selection are remembered (one is never taken away), so a step looks at no state when none is new."""
+        seen = self._selected
+        if seen.issuperset(matrices):
+            return []
+        out = []
+        for i in matrices:
+            if i in seen:
+                continue
+            if "selected" in self.run.fast_state(i):
+                seen.add(i)
+            else:
+                out.append(i)
+        return out
 
     def compact_gradients(self, matrices: list[int]) -> dict | None:
         """The selected columns' gradients of these matrices as every replica's fast step reads them (ZeRO-2's

@@ -137,9 +137,11 @@ def read_step(opt, shard, clips: ClipRequests, checks: GradChecks) -> StepInputs
     amp, inv_amp, overflow = grad_scaler(opt)
     max_norm, norms_out = clips.take(opt.max_grad_norm)
     active = shard.active()
-    checks.all([(i, g) for i in active if (g := shard.own_grad(i)) is not None])
+    own = [(i, g) for i in active if (g := shard.own_grad(i)) is not None]
+    checks.all(own)
     shard.gather(active)
-    norm = shard.grad_norm(active) / amp  # (a power-of-two scale divides exactly)
+    # (every active parameter's gradient read once; ZeRO-2's released matrices are not among them: it uses its own)
+    norm = shard.grad_norm(active, [g for _, g in own] if len(own) == len(active) else None) / amp
     for out in norms_out:
         out.fill_(norm)
     return StepInputs(amp, inv_amp, max_norm, active, norm, overflow or not math.isfinite(norm))

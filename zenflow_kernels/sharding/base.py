@@ -144,11 +144,14 @@ class Sharding:
         """The step's gradient of parameter ``i`` as the host path and the selection read it."""
         return self.own_grad(i)
 
-    def grad_norm(self, active: list[int]) -> float:
-        """The global L2 norm of the step's gradient (inf/NaN if any is non-finite), one device sync."""
+    def grad_norm(self, active: list[int], own: list[torch.Tensor] | None = None) -> float:
+        """The global L2 norm of the step's gradient (inf/NaN if any is non-finite), one device sync. ``own``: the
+        step's own gradients of ``active`` as :meth:`own_grad` gives them, read already (after :meth:`gather`,
+        which averages in place), or None."""
         if not active:
             return 0.0
-        return float(sum_of_squares([self.own_grad(i) for i in active], self.device).sqrt())
+        grads = own if own is not None else [self.own_grad(i) for i in active]
+        return float(sum_of_squares(grads, self.device).sqrt())
 
     def scores(self, indices: list[int], importances: list) -> list[torch.Tensor]:
         """Column scores of these matrices' step gradients, each by its importance (:func:`column_scores`);

@@ -107,7 +107,7 @@ class FSDP2(Sharding):
         g = self.params[i].grad
         return None if g is None else g.to_local()
 
-    def grad_norm(self, active: list[int]) -> float:
+    def grad_norm(self, active: list[int], own=None) -> float:
         grads = [g for g in (self.own_grad(i) for i in active) if g.numel()]
         return float(self.ctx.all_reduce_(sum_of_squares(grads, self.device), "gradient norm").sqrt())
 

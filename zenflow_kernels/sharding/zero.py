@@ -132,7 +132,7 @@ class Zero2(Zero1):
         averaged = self._averaged.get(i)
         return averaged if averaged is not None else self.params[i].grad
 
-    def grad_norm(self, active: list[int]) -> float:
+    def grad_norm(self, active: list[int], own=None) -> float:
         # owners' matrices, and the vectors once (rank 0), summed over the ranks
         grads = [self._averaged[i] for i in active if i in self._averaged]
         if self.rank == 0:

@@ -80,8 +80,14 @@ def _consts(key: int, device: torch.device) -> torch.Tensor:
 def multi_fingerprint(tensors, key: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Launcher: the fingerprint of each tensor as int64 ``[n]`` on their device (``out``, zeroed first, when
     given); one launch per element width present."""
-    op = "multi_fingerprint"
-    tensors, key, out = V.fingerprint_args(op, tensors, key, out)
+    tensors, key, out = V.fingerprint_args("multi_fingerprint", tensors, key, out)
+    return multi_fingerprint_unchecked(tensors, key, out=out)
+
+
+def multi_fingerprint_unchecked(tensors, key: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`multi_fingerprint` for a caller that checked its arguments (a non-empty list when ``out`` is None)."""
+    if out is None:
+        out = torch.empty(len(tensors), dtype=torch.int64, device=tensors[0].device)
     if not tensors:
         return out
     device = out.device
