@@ -61,12 +61,12 @@ class FastPath:
             st["master"] = self.to_state(run.from_host(i, "master").reshape(1, n))
         self._plan = None
 
-    def plan(self) -> tuple[list, torch.Tensor | None, dict]:
+    def plan(self) -> tuple[list, torch.Tensor | None, dict, list]:
         """What the fast step needs of each parameter on the fast path, built once per selection (not per step):
         ``(index, param [R, C] or [1, n], is_matrix, state, group)`` for every parameter with fast-path state, one
         int64 tensor holding the per-column step counts of all those matrices (each matrix's ``state["step"]``
         becomes a view of it, so one ``add_`` advances them all), and the launch caches of the fast step's
-        multi-tensor calls (``LaunchItems``: laid out once per selection)."""
+        multi-tensor calls (``LaunchItems``: laid out once per selection), and each entry's state tensors."""
         if self._plan is not None:
             return self._plan
         run = self.run
@@ -88,7 +88,11 @@ class FastPath:
                 k = st["step"].numel()
                 st["step"] = flat[offset : offset + k]
                 offset += k
-        self._plan = (entries, flat, {})
+        # what the fused launch takes of each entry that stays put for the plan's life: (selected columns or None,
+        # exp_avg, exp_avg_sq, master or None); the step counts are read at each step (a vector's is an int)
+        fixed = [(st["selected"] if is_matrix else None, st["exp_avg"], st["exp_avg_sq"], st.get("master"))
+                 for _, _, is_matrix, st, _ in entries]
+        self._plan = (entries, flat, {}, fixed)
         return self._plan
 
     def step(self, active: set[int], hyper: list[dict], *, grad_scale: float,
@@ -98,9 +102,10 @@ class FastPath:
         active, each launch is laid out once per selection (``LaunchItems``). ``grad_scale`` divides the gradients
         (GradScaler's scale, clipping); ``compact``: released gradients, only the selected columns' ``[R, k]``."""
         run = self.run
-        entries, flat_steps, launches = self.plan()
+        entries, flat_steps, launches, fixed = self.plan()
         if len(active) < len(run.params):
-            entries = [e for e in entries if e[0] in active]
+            kept = [n for n, e in enumerate(entries) if e[0] in active]
+            entries, fixed = [entries[n] for n in kept], [fixed[n] for n in kept]
             for _, _, is_matrix, st, _ in entries:
                 if is_matrix:
                     st["step"].add_(1)
@@ -112,25 +117,26 @@ class FastPath:
         own_grad = run.shard.own_grad
         numbers = [(h["lr"], h["weight_decay"]) for h in hyper]
         group_keys = [(h["beta1"], h["beta2"], h["eps"]) for h in hyper]
-        items, keys, gathered = [], [], []
-        for i, pv, is_matrix, st, gi in entries:
+        items, gathered = [], []
+        for (i, pv, is_matrix, st, gi), (idx, m, v, w) in zip(entries, fixed, strict=True):
             if is_matrix and compact is not None:
                 # released gradients: only the selected columns' [R, k] exist; a dense update of the gathered
                 # columns, scattered back after (the same arithmetic as the indexed update)
-                idx = st["selected"]
                 grad, cols = compact[i], pv.detach().index_select(1, idx)
                 gathered.append((pv, idx, cols))
                 pv, idx = cols, None
             elif is_matrix:
-                grad, idx = own_grad(i), st["selected"]
+                grad = own_grad(i)
             else:
                 st["step"] += 1
-                grad, idx = own_grad(i)[None], None  # [1, n], as the parameter's view
-            items.append((pv, grad, idx, st["exp_avg"], st["exp_avg_sq"], st.get("master"), st["step"], *numbers[gi]))
-            keys.append(group_keys[gi])
-        distinct = dict.fromkeys(keys)
+                grad = own_grad(i)[None]  # [1, n], as the parameter's view
+            items.append((pv, grad, idx, m, v, w, st["step"], *numbers[gi]))
+        distinct = dict.fromkeys(group_keys)
+        keys = [group_keys[e[4]] for e in entries] if len(distinct) > 1 else None
         for key in distinct:
-            chosen = items if len(distinct) == 1 else [item for item, kk in zip(items, keys, strict=True) if kk == key]
+            chosen = items if keys is None else [item for item, kk in zip(items, keys, strict=True) if kk == key]
+            if not chosen:
+                continue
             if launches is not None:
                 chosen = LaunchItems(chosen, launches.setdefault(key, {}), same_tensors=True)
             for bucket in self.buckets(chosen):
