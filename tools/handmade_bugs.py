@@ -502,6 +502,33 @@ BUGS = [
         "an optimizer collected on its own worker thread fails in its finalizer (cannot join current thread)",
         tests=FINETUNING, k="own_worker",
     ),
+    # -- issue 44: a step's work does not grow with the tensor count ---------------------------------------------
+    Bug(
+        "landing-views-made-every-step",
+        "zenflow_kernels/host.py",
+        "        view = self._landing_views.get(index)\n",
+        "        view = None\n",
+        "each gradient's view into the landing area is made again at every step (two torch operators a matrix)",
+        tests=("tests/test_step_work.py",), k=None,
+    ),
+    Bug(
+        "every-copy-detached",
+        "zenflow_kernels/link/asynchronous.py",
+        "grad.detach() if grad.requires_grad else grad))",
+        "grad.detach()))",
+        "every gradient step() copies is detached first (a torch operator a matrix), needed only for one that "
+        "requires a gradient",
+        tests=("tests/test_step_work.py",), k=None,
+    ),
+    Bug(
+        "unselected-shortcut-too-eager",
+        "zenflow_kernels/optim/selection.py",
+        "        if seen.issuperset(matrices):\n",
+        "        if seen:\n",
+        "once any matrix has a selection, a matrix whose gradient first appears between selection boundaries is not "
+        "selected: the host alone updates it until the next boundary",
+        tests=FAST, k=FAST_K,
+    ),
 ]
 
 
