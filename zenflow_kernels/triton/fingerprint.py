@@ -87,7 +87,7 @@ def multi_fingerprint(tensors, key: int, *, out: torch.Tensor | None = None) -> 
 def multi_fingerprint_unchecked(tensors, key: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`multi_fingerprint` for a caller that checked its arguments (a non-empty list when ``out`` is None)."""
     if out is None:
-        out = torch.empty(len(tensors), dtype=torch.int64, device=tensors[0].device)
+        out = torch.zeros(len(tensors), dtype=torch.int64, device=tensors[0].device)
     if not tensors:
         return out
     device = out.device
