@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from zero_worker import zenflow_settings  # noqa: E402
 
-from zenflow_kernels import ZenFlowAdamW  # noqa: E402
+from zenflow_kernels import ZenFlow, ZenFlowAdamW, rules  # noqa: E402
 from zenflow_kernels.testing import chaos  # noqa: E402
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -148,6 +148,17 @@ def wrap(model, case):
     return model
 
 
+def make_rule(case: dict):
+    """``case["rule"]`` (``[name, arguments]`` of ``zenflow_kernels.rules``) made, or None (AdamW at ``HYPER``)."""
+    return getattr(rules, case["rule"][0])(**case["rule"][1]) if case.get("rule") else None
+
+
+def optimizer(groups, case: dict, **kwargs):
+    """ZenFlowAdamW at ``HYPER``, or ZenFlow with ``case["rule"]`` at ``HYPER``'s lr."""
+    rule = make_rule(case)
+    return ZenFlowAdamW(groups, **HYPER, **kwargs) if rule is None else ZenFlow(groups, rule, lr=HYPER["lr"], **kwargs)
+
+
 def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     """``save``: train ``save_at`` steps, save model and optimizer with torch.distributed.checkpoint, train on
     to ``steps``; ``load``: a fresh model and optimizer load that checkpoint (at this world size) and train
@@ -165,8 +176,8 @@ def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> Non
     data = batches(case["steps"])
     ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else contextlib.nullcontext()
     with ctx:
-        opt = ZenFlowAdamW(param_groups(model, case), **HYPER, zenflow=zenflow_settings(case, out_dir),
-                           max_grad_norm=case.get("max_grad_norm"))
+        opt = optimizer(param_groups(model, case), case, zenflow=zenflow_settings(case, out_dir),
+                        max_grad_norm=case.get("max_grad_norm"))
     checkpoint = Path(case["checkpoint"])
     result: dict = {"weights": {}}
     start = 0
@@ -223,8 +234,8 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else contextlib.nullcontext()
     result: dict = {"weights": [], "selections": []}
     with ctx:
-        opt = ZenFlowAdamW(param_groups(model, case), **HYPER, zenflow=zenflow_settings(case, out_dir),
-                           max_grad_norm=case.get("max_grad_norm"), collective_timeout=case.get("timeout", 60.0))
+        opt = optimizer(param_groups(model, case), case, zenflow=zenflow_settings(case, out_dir),
+                        max_grad_norm=case.get("max_grad_norm"), collective_timeout=case.get("timeout", 60.0))
     with opt:
         for t, batch in enumerate(data):
             freeze(model, case, t)

@@ -94,7 +94,7 @@ def split(record: dict[str, list], parts: int) -> list[list[str]]:
 def optimizer_paths() -> None:
     import torch
 
-    from zenflow_kernels import ZenFlowAdamW, cpu_ops
+    from zenflow_kernels import ZenFlow, ZenFlowAdamW, cpu_ops, rules
     from zenflow_kernels.config import ZenFlowWarning
     from zenflow_kernels.ops import use_backend
     from zenflow_kernels.testing import chaos
@@ -128,6 +128,17 @@ def optimizer_paths() -> None:
                         opt.step()
             x = torch.randn(1000).to(dtype)
             cpu_ops.sum_squares(x)
+            # the other update rules' host kernels, with fp32 and bf16 state
+            for rule in (rules.Adam(), rules.Lion(), rules.SGD(momentum=0.9), rules.SGD(),
+                         rules.AdamW(state_dtype=torch.bfloat16), rules.Lion(state_dtype=torch.bfloat16),
+                         rules.SGD(momentum=0.9, state_dtype=torch.bfloat16)):
+                params = [torch.nn.Parameter(torch.randn(64, 1100).to(dtype))]
+                zen = dict(topk_ratio=0.25, select_strategy="step", select_interval=2, update_interval=1,
+                           overlap_step=False)
+                with ZenFlow(params, rule, zenflow=zen) as opt:
+                    for _ in range(2):
+                        params[0].grad = torch.randn_like(params[0])
+                        opt.step()
 
 
 def warm() -> None:

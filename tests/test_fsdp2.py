@@ -52,6 +52,8 @@ CASES = {
     # the embedding and the first block frozen at construction (no host state), trained from step 8 (laid out then,
     # on every rank at once), the gate frozen again from step 12
     "frozen": dict(zenflow=ZEN, chaos=0, frozen=dict(names=["embed", "blocks.0"], until=8, again=[12, ["gate"]])),
+    # another update rule: its state by name in the rows each rank holds, the fast path, the exchange
+    "lion": dict(zenflow=ZEN, chaos=1, rule=["Lion", dict(betas=[0.9, 0.99], weight_decay=0.1)]),
 }
 WORLDS = [2, 3]
 # at 2 ranks also: device_accumulation under chaos with clipping, its host state in memory and on disk (where the
@@ -82,9 +84,12 @@ def one_process(case: dict, reference: bool = False):
     dtype = getattr(torch, case.get("dtype", "float32"))
     model = W.make_model(dtype=dtype)
     params = list(model.parameters())
-    factory = ReferenceZenFlow if reference else ZenFlowAdamW
-    opt = factory(W.param_groups(model, case), **W.HYPER, zenflow=case["zenflow"],
-                  max_grad_norm=case.get("max_grad_norm"))
+    if reference:
+        opt = ReferenceZenFlow(W.param_groups(model, case), **W.HYPER, zenflow=case["zenflow"],
+                               max_grad_norm=case.get("max_grad_norm"), rule=W.make_rule(case))
+    else:
+        opt = W.optimizer(W.param_groups(model, case), case, zenflow=case["zenflow"],
+                          max_grad_norm=case.get("max_grad_norm"))
     weights, selections = [], []
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case.get("mixed_precision") else contextlib.nullcontext()
     with use_backend("numba"):
@@ -285,12 +290,16 @@ def checkpoint_runs(tmp_path_factory, hsdp_runs):
     save_groups = dict(save, name="save_groups", policy=True, flushed=True, save_at=7,
                        checkpoint=str(tmp / "checkpoint_groups"))
     load_groups = dict(save_groups, name="load_groups", kind="load")
+    # another update rule's DCP form (its own state keys and the rule's record), resumed at the same world size
+    save_sgd = dict(save, name="save_sgd", rule=["SGD", dict(momentum=0.9, weight_decay=0.01)],
+                    checkpoint=str(tmp / "checkpoint_sgd"))
+    load_sgd = dict(save_sgd, name="load_sgd", kind="load")
     out = {}
     for world in (2, 1, 3):
         where = tmp / f"w{world}"
         where.mkdir()
         cases = {2: [save, save_flushed, flush, load, load_flushed, from_hsdp, save_nvme, load_nvme, save_groups,
-                     load_groups],
+                     load_groups, save_sgd, load_sgd],
                  1: [load, load_flushed, from_hsdp],
                  3: [load, load_flushed]}[world]
         results, done = launch(cases, where, world=world, timeout=300.0, worker=WORKER)
@@ -334,6 +343,18 @@ def test_a_dcp_checkpoint_with_per_group_topk_ratios_resumes_bit_identical(check
         for t, weights in result["weights"].items():
             for i, (a, b) in enumerate(zip(weights, base["weights"][t], strict=True)):
                 assert torch.equal(a, b), f"step {t} param {i} differs after the reload"
+        assert all(torch.equal(a, b) for a, b in zip(result["flushed"], base["flushed"], strict=True))
+
+
+def test_a_dcp_checkpoint_of_another_rule_resumes_bit_identical(checkpoint_runs):
+    """SGD with momentum (one state tensor, ``momentum_buffer``, in each rank's rows): saved with
+    torch.distributed.checkpoint mid-interval and resumed at 2 ranks bit for bit."""
+    base, loaded = checkpoint_runs[2]["save_sgd"][0], checkpoint_runs[2]["load_sgd"]
+    assert base["pending_at_save"]
+    for result in loaded:
+        assert result["loaded_t"] == 5 and sorted(result["weights"]) == list(range(5, 14))
+        for t, weights in result["weights"].items():
+            assert all(torch.equal(a, b) for a, b in zip(weights, base["weights"][t], strict=True)), t
         assert all(torch.equal(a, b) for a, b in zip(result["flushed"], base["flushed"], strict=True))
 
 

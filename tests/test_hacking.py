@@ -11,6 +11,7 @@ from support import HYPER, adamw_tol, drive, grad_sequence, make_params, snapsho
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.optim.selection import Selection
+from zenflow_kernels.schedule import Schedule
 
 _spec = importlib.util.spec_from_file_location("ablations", __import__("support").ROOT / "examples" / "ablations.py")
 ablations = importlib.util.module_from_spec(_spec)
@@ -119,9 +120,50 @@ def test_lr_times_interval_is_adamw_on_the_interval_means_with_the_scaled_rate(c
             torch.testing.assert_close(x, y, **adamw_tol(torch.device("cpu")))
 
 
-def test_the_ablations_script_trains_all_three_and_reports_churn(capsys):
+def test_the_ablations_script_trains_each_and_reports_churn(capsys):
     ablations.main()
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0].strip() for line in lines] == ["ZenFlowAdamW", "StickyColumns", "LrTimesInterval"]
+    names = ["ZenFlowAdamW", "StickyColumns", "LrTimesInterval", "Signum"]
+    assert [line.split(":")[0].strip() for line in lines] == names
     churn = {line.split(":")[0].strip(): float(line.rsplit(" ", 1)[1]) for line in lines}
     assert churn["StickyColumns"] < churn["ZenFlowAdamW"]
+
+
+class OddStepsToo(Schedule):
+    """A researcher's schedule: the stock boundaries, and a re-selection at every step ``t % 5 == 1`` too."""
+
+    def is_select_boundary(self, t):
+        return super().is_select_boundary(t) or (t >= self.warmup and t % 5 == 1)
+
+
+class OddStepsOptimizer(ZenFlowAdamW):
+    schedule_class = OddStepsToo
+
+
+def test_a_subclass_schedule_is_made_once_and_survives_a_load():
+    """``schedule_class``: the schedule the optimizer makes at construction, at ``set_steps_per_epoch`` and at
+    ``load_state_dict`` is the subclass's, so a run saved and loaded continues with it, bit for bit."""
+    zen = dict(ZEN, select_interval=6)
+    grads = grad_sequence(14)
+    params = make_params()
+    with OddStepsOptimizer(params, **HYPER, zenflow=zen) as opt:
+        want = drive(opt, params, grads)
+        assert type(opt.schedule) is OddStepsToo
+        assert opt.selections == len(OddStepsToo.from_dict(opt.schedule.to_dict()).select_steps(14)) > len(
+            Schedule.from_dict(opt.schedule.to_dict()).select_steps(14))
+        opt.set_steps_per_epoch(5)
+        assert type(opt.schedule) is OddStepsToo
+    params = make_params()
+    with OddStepsOptimizer(params, **HYPER, zenflow=zen) as opt:
+        drive(opt, params, grads[:6])
+        saved, weights = opt.state_dict(), snapshot(params)
+    params = make_params()
+    with torch.no_grad():
+        for p, w in zip(params, weights, strict=True):
+            p.copy_(w)
+    with OddStepsOptimizer(params, **HYPER, zenflow=zen) as opt:
+        opt.load_state_dict(saved)
+        assert type(opt.schedule) is OddStepsToo
+        got = drive(opt, params, grads[6:])
+    for a, b in zip(got, want[6:], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

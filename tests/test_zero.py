@@ -15,7 +15,7 @@ import zero_worker  # noqa: E402
 from support import assert_same_state, launch  # noqa: E402
 from tolerance import assert_all_within_stated_bound  # noqa: E402
 
-from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels import ZenFlowAdamW, rules
 from zenflow_kernels.config import ZenFlowConfig
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
@@ -33,8 +33,9 @@ def single_rank(case: dict, world: int, steps: int | None = None, state=None):
     dtype = getattr(torch, case.get("dtype", "float32"))
     params = zero_worker.make_params(dtype)
     grads = zero_worker.mean_grads(case["steps"], world, dtype)
-    with use_backend("numba"), ZenFlowAdamW(zero_worker.param_groups(params, case), **zero_worker.HYPER,
-                                            zenflow=case["zenflow"], max_grad_norm=case.get("max_grad_norm")) as opt:
+    with use_backend("numba"), zero_worker.optimizer(zero_worker.param_groups(params, case), case,
+                                                     zenflow=case["zenflow"],
+                                                     max_grad_norm=case.get("max_grad_norm")) as opt:
         start = 0
         if state is not None:
             params_at, sd, start = state
@@ -51,8 +52,9 @@ def single_rank(case: dict, world: int, steps: int | None = None, state=None):
 
 def reference(case: dict, world: int):
     params = [torch.nn.Parameter(p.detach().float()) for p in zero_worker.make_params()]
+    rule = getattr(rules, case["rule"][0])(**case["rule"][1]) if case.get("rule") else None
     ref = ReferenceZenFlow(zero_worker.param_groups(params, case), **zero_worker.HYPER, zenflow=case["zenflow"],
-                           max_grad_norm=case.get("max_grad_norm"))
+                           max_grad_norm=case.get("max_grad_norm"), rule=rule)
     for t, step in enumerate(zero_worker.mean_grads(case["steps"], world)):
         zero_worker.set_grads(params, step, t, case, torch.float32)
         ref.step()
@@ -111,6 +113,11 @@ CASES = [
          frozen=dict(params=[0, 1], until=8, again=[13, [2]])),
     dict(name="s2_frozen_clip_chaos", zenflow=ZEN, steps=20, zero_stage=2, chaos=0, max_grad_norm=5.0,
          frozen=dict(params=[0, 1], until=8, again=[13, [2]]), reload_at=[10]),
+    # another update rule (its state by name through the owners, the exchange and the checkpoints)
+    dict(name="s2_lion_overlap_chaos", zenflow=dict(ZEN, overlap_step=True), steps=20, zero_stage=2, chaos=1,
+         rule=["Lion", dict(betas=[0.9, 0.99], weight_decay=0.1)], reload_at=[10]),
+    dict(name="sgd_clip_save", zenflow=ZEN, steps=20, max_grad_norm=5.0, save_at=10,
+         rule=["SGD", dict(momentum=0.9, nesterov=True, weight_decay=0.01)]),
 ]
 # the same run without the reloads: a rank that loads its own checkpoint continues bit for bit
 CASES_NO_RELOAD = [dict({k: v for k, v in next(c for c in CASES if c["name"] == "s2_groups_first_missing").items()
@@ -383,7 +390,7 @@ def test_saving_inside_flushed_and_resuming_from_it_leave_zero_runs_bit_identica
                                                      strict=True))
 
 
-@pytest.mark.parametrize("name", ["save", "s2_save"])
+@pytest.mark.parametrize("name", ["save", "s2_save", "sgd_clip_save"])
 def test_a_consolidated_checkpoint_continues_on_one_rank(two_ranks, name):
     case = next(c for c in CASES if c["name"] == name)
     ranks = two_ranks[name]
@@ -397,7 +404,7 @@ def test_a_consolidated_checkpoint_continues_on_one_rank(two_ranks, name):
     held = {i for i, st in per_rank["state"].items() if "host_master" in st}
     assert held == set(ranks[1]["owned"])
     params = zero_worker.make_params()
-    with ZenFlowAdamW(params, **zero_worker.HYPER, zenflow=case["zenflow"]) as opt:
+    with zero_worker.optimizer(params, case, zenflow=case["zenflow"]) as opt:
         with pytest.raises(ValueError, match=r"saved by rank 1 of 2\) holds no host state for parameters .*"
                                              r"consolidated_state_dict"):
             opt.load_state_dict(per_rank)

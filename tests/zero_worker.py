@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from support import HYPER, SHAPES, grad_sequence, make_params  # noqa: E402,F401  (the optimizer tests' model)
 
-from zenflow_kernels import ZenFlowAdamW  # noqa: E402
+from zenflow_kernels import ZenFlow, ZenFlowAdamW, rules  # noqa: E402
 from zenflow_kernels.ops import use_backend  # noqa: E402
 from zenflow_kernels.testing import chaos  # noqa: E402
 
@@ -200,6 +200,15 @@ def zenflow_settings(case: dict, out_dir: Path) -> dict:
     return dict(case["zenflow"], offload_device="nvme", nvme_path=str(where))
 
 
+def optimizer(groups, case: dict, **kwargs):
+    """ZenFlowAdamW at ``HYPER``, or with ``case["rule"]`` (``[name, arguments]`` of ``zenflow_kernels.rules``)
+    ZenFlow with that rule at ``HYPER``'s lr (``opt_kwargs`` as for ZenFlowAdamW: zenflow=, max_grad_norm=, ...)."""
+    if not case.get("rule"):
+        return ZenFlowAdamW(groups, **HYPER, **kwargs)
+    name, arguments = case["rule"]
+    return ZenFlow(groups, getattr(rules, name)(**arguments), lr=HYPER["lr"], **kwargs)
+
+
 def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     if case.get("kind") == "model":
         return run_model_case(case, rank, world, out_dir)
@@ -208,7 +217,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     dtype = getattr(torch, case.get("dtype", "float32"))
     params = make_params(dtype)
     grads = rank_grads(case["steps"], rank, world)
-    kwargs = dict(HYPER, zenflow=zenflow_settings(case, out_dir), max_grad_norm=case.get("max_grad_norm"),
+    kwargs = dict(zenflow=zenflow_settings(case, out_dir), max_grad_norm=case.get("max_grad_norm"),
                   zero_stage=case.get("zero_stage", 1), collective_timeout=case.get("timeout", 60.0),
                   release_gradients=case.get("release_gradients"))
     ctx = chaos(seed=case["chaos"]) if case.get("chaos") is not None else contextlib.nullcontext()
@@ -219,7 +228,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
         hooks.setdefault(when, []).append([len(p._post_accumulate_grad_hooks or {}) for p in params])
 
     with ctx:
-        opt = ZenFlowAdamW(param_groups(params, case), **kwargs)
+        opt = optimizer(param_groups(params, case), case, **kwargs)
         save_at = case.get("save_at")
         for t, step in enumerate(grads):
             if case.get("fail_rank") == rank and t == case.get("fail_at"):
@@ -257,7 +266,7 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
             stats=opt.stats(),
             host_numel=host.numel,
             host_bytes=sum(t.numel() * t.element_size()
-                           for t in [host.master, host.exp_avg, host.exp_avg_sq, *host.acc] if t is not None),
+                           for t in [*host.fields.values(), *host.acc] if t is not None),
             owned=sorted(host.slots),
         )
         folder = host.disk.folder if host.disk is not None else None  # the ranks share nvme_path, not a folder

@@ -142,8 +142,8 @@ BUGS = [
     Bug(
         "entering-columns-keep-old-moments",
         "zenflow_kernels/optim/selection.py",
-        "            m[:, stay] = old_m[:, pos[stay]]\n            v[:, stay] = old_v[:, pos[stay]]\n",
-        "            m.copy_(old_m[:, pos])\n            v.copy_(old_v[:, pos])\n",
+        "            for name, t in state.items():\n                t[:, stay] = st[name].to(device)[:, pos[stay]]\n",
+        "            for name, t in state.items():\n                t.copy_(st[name].to(device)[:, pos])\n",
         "a re-selection's entering columns take the moments of the old column at their sorted position "
         "instead of starting from zero (spec 2.3)",
     ),
@@ -219,8 +219,8 @@ BUGS = [
     Bug(
         "every-group-gets-group-0-hyper",
         "zenflow_kernels/optim/fast_path.py",
-        "        numbers = [(h[\"lr\"], h[\"weight_decay\"]) for h in hyper]\n",
-        "        numbers = [(hyper[0][\"lr\"], hyper[0][\"weight_decay\"]) for h in hyper]\n",
+        "        numbers = [tuple(h[k] for k in rule.per_tensor) for h in hyper]\n",
+        "        numbers = [tuple(hyper[0][k] for k in rule.per_tensor) for h in hyper]\n",
         "the fast path uses the first param group's lr and weight decay for every parameter",
     ),
     # -- the hand-over's bookkeeping (handover.py: one owner since the optimizer became a facade) ----------------
@@ -284,7 +284,7 @@ BUGS = [
         "vector-state-reset-every-step",
         "zenflow_kernels/optim/fast_path.py",
         "            if i in self._joined:\n                continue\n"
-        "            if \"exp_avg\" not in self.run.fast_state(i):\n",
+        "            if \"step\" not in self.run.fast_state(i):\n",
         "            if True:\n",
         "every step, each vector takes its Adam state from the host again: the fast path's updates of the "
         "vectors are thrown away",

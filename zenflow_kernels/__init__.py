@@ -11,6 +11,8 @@ The algorithm
     ReferenceZenFlow   -- the slow, readable oracle of docs/design.md sections 2-3
     ZenFlowAdamW       -- the drop-in torch.optim optimizer (fast path on device, host update behind;
                           ZeRO-1/2 over torch.distributed with zero_stage=1|2, docs/torchrun.md)
+    ZenFlow            -- the same for any update rule: ZenFlow(params, rules.Lion(), lr=1e-4)
+    rules              -- the update rules: AdamW, Adam, Lion, SGD, and UpdateRule for one's own
     ZeroCollectiveError -- a collective failed or timed out (another rank failed or stopped stepping)
 
 Device kernels (CUDA -> Triton; CPU -> torch; TRITON_INTERPRET=1 -> Triton on CPU), see ``ops``
@@ -20,7 +22,8 @@ Device kernels (CUDA -> Triton; CPU -> torch; TRITON_INTERPRET=1 -> Triton on CP
     use_backend        -- force "torch" or "triton" for a block of code
 
 Host kernels (numba, multithreaded, release the GIL), see ``cpu_ops``
-    cpu_adam_, accumulate_, multi_accumulate_, accumulate_adam_, sum_squares, multi_sum_squares, split_cores
+    cpu_adam_, cpu_lion_, cpu_sgd_, accumulate_, multi_accumulate_, accumulate_adam_, sum_squares,
+    multi_sum_squares, split_cores
 
 Testing (``zenflow_kernels.testing``)
     chaos(seed, max_delay, d2h_bytes_per_s=, h2d_bytes_per_s=, timeline=)
@@ -44,6 +47,8 @@ _EXPORTS = {
     "resolve_schedule": "zenflow_kernels.schedule",
     "ReferenceZenFlow": "zenflow_kernels.reference",
     "ZenFlowAdamW": "zenflow_kernels.optim",
+    "ZenFlow": "zenflow_kernels.optim",
+    "rules": None,  # the module zenflow_kernels.rules
     "ZeroCollectiveError": "zenflow_kernels.sharding",
     "column_scores": "zenflow_kernels.ops",
     "topk_columns": "zenflow_kernels.ops",
@@ -54,6 +59,8 @@ _EXPORTS = {
     "multi_fingerprint": "zenflow_kernels.ops",
     "use_backend": "zenflow_kernels.ops",
     "cpu_adam_": "zenflow_kernels.cpu_ops",
+    "cpu_lion_": "zenflow_kernels.cpu_ops",
+    "cpu_sgd_": "zenflow_kernels.cpu_ops",
     "accumulate_": "zenflow_kernels.cpu_ops",
     "multi_accumulate_": "zenflow_kernels.cpu_ops",
     "accumulate_adam_": "zenflow_kernels.cpu_ops",
@@ -66,10 +73,11 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'zenflow_kernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    module = _EXPORTS[name]
+    value = importlib.import_module(f"zenflow_kernels.{name}") if module is None else getattr(
+        importlib.import_module(module), name)
     globals()[name] = value  # cache: later lookups skip __getattr__
     return value
 

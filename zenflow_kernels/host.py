@@ -1,8 +1,8 @@
 """The host side of ZenFlow: flat, aligned fp32 buffers for one shard, and the background worker.
 
-``HostShard`` lays the parameters of one shard out in flat fp32 buffers (master weights, both Adam
-moments, one or two gradient-accumulation buffers, none where ``device_accumulation``'s sums stay on the
-device with the state on disk) plus one flat copy-out buffer per parameter
+``HostShard`` lays the parameters of one shard out in flat fp32 buffers (master weights, the update rule's
+state (AdamW: both moments; ``rules``), one or two gradient-accumulation buffers, none where
+``device_accumulation``'s sums stay on the device with the state on disk) plus one flat copy-out buffer per parameter
 dtype (the updated weights, rounded, ready for the host-to-device copy) and, for an asynchronous link, one
 landing buffer per parameter dtype laid out like it (a step's gradients, copied in their own dtype, until
 ``step()`` has checked them and folds them into the sums: docs/design.md section 5.1). Within each param group the
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import cpu_ops
 from .cpu_ops.accumulate import SUM_CHUNK, accumulate_unchecked, sum_squares_chunks_unchecked, sum_squares_unchecked
+from .rules import AdamW, UpdateRule
 from .streamed_adam import DeviceSums, Run, streamed_adam_
 
 __all__ = ["HostShard", "HostWorker", "HostWorkerError", "Slot", "layout"]
@@ -123,6 +123,8 @@ class HostShard:
         landing: allocate the landing buffers (an asynchronous link's), one per parameter dtype.
         indices: the parameters this shard holds (ZeRO: this rank's run; default all of them).
             ``slots``, the views and every buffer cover these only; indices stay the optimizer's.
+        rule: the update rule (default ``rules.AdamW()``): its ``state_names`` are the fields beside ``master``
+            (``fields``), and :meth:`update` runs its host kernel.
 
     The shard holds data only. Which parameters were accumulated how often in an interval is the
     training thread's bookkeeping, handed to :meth:`update` as ``counts``.
@@ -138,7 +140,10 @@ class HostShard:
         indices: Sequence[int] | None = None,
         disk: Callable[[int], Any] | None = None,
         landing: bool = False,
+        rule: UpdateRule | None = None,
     ):
+        self.rule = rule = rule if rule is not None else AdamW()
+        self.names = ("master", *rule.state_names)  # the fp32 fields, in the state file's order
         order, slots, offset = layout(params, groups, indices)
         self.numel = offset
         self.slots = slots  # by parameter index
@@ -146,11 +151,14 @@ class HostShard:
         # disk (offload_device="nvme"): the master and moments in a file (state_files.StateFiles), never whole
         # in memory; every access goes through field() / set_field()
         self.disk = disk(offset) if disk is not None else None
-        self.master = self.exp_avg = self.exp_avg_sq = None
-        if self.disk is None:
-            self.master = alloc(offset, torch.float32)
-            self.exp_avg = alloc(offset, torch.float32)
-            self.exp_avg_sq = alloc(offset, torch.float32)
+        if self.disk is not None and tuple(self.disk.fields) != self.names:
+            self.disk.close()
+            raise ValueError(f"HostShard: the state file holds the fields {tuple(self.disk.fields)}, the rule "
+                             f"{rule.name} needs {self.names}")
+        # the storage chosen once: each field a flat buffer in memory, or (None) a row of the state file
+        self.fields: dict[str, torch.Tensor | None] = {
+            name: None if self.disk is not None else alloc(offset, torch.float32 if name == "master" else
+                                                          rule.state_dtype) for name in self.names}
         self.acc = [alloc(offset, torch.float32) for _ in range(num_acc)]
         self.out = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()}
         self.landing = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()} if landing else {}
@@ -170,18 +178,26 @@ class HostShard:
             self.close()  # (a state file made above is removed)
             raise
 
+    def __getattr__(self, name: str):
+        # host.master, host.exp_avg, ...: the flat buffer of a field (None on disk)
+        fields = self.__dict__.get("fields")
+        if fields is not None and name in fields:
+            return fields[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def field(self, name: str, index: int) -> torch.Tensor:
-        """Parameter ``index``'s ``master``/``exp_avg``/``exp_avg_sq`` (its shape, fp32): a view of the buffer in
-        memory, or a copy read from the disk."""
+        """Parameter ``index``'s field ``name`` (``master`` or one of the rule's ``state_names``; its shape, fp32):
+        a view of the buffer in memory (a copy where the rule keeps its state in bf16), or a copy read from the
+        disk."""
         if self.disk is None:
-            return self.view(getattr(self, name), index)
+            return self.view(self.fields[name], index).float()
         s = self.slots[index]
         return self.disk.read(name, s.offset, s.offset + s.numel).view(s.shape)
 
     def set_field(self, name: str, index: int, value: torch.Tensor) -> None:
-        """Parameter ``index``'s ``master``/``exp_avg``/``exp_avg_sq`` <- ``value`` (its shape, any float dtype)."""
+        """Parameter ``index``'s field ``name`` <- ``value`` (its shape, any float dtype)."""
         if self.disk is None:
-            self.view(getattr(self, name), index).copy_(value)
+            self.view(self.fields[name], index).copy_(value)
             return
         self.set_fields([(name, index, value)])  # converted a block's piece at a time, no whole fp32 copy
 
@@ -195,8 +211,8 @@ class HostShard:
         self.disk.write_many([(name, self.slots[index].offset, value) for name, index, value in items])
 
     def snapshot(self, extra: torch.Tensor | None = None) -> torch.Tensor | None:
-        """On disk: every field as it is now, ``[3, numel]`` (master, exp_avg, exp_avg_sq; ``extra``, a flat buffer
-        of the shard's size such as the gradient sums, as a fourth row), backed by a file (``StateFiles.snapshot``);
+        """On disk: every field as it is now, ``[len(names), numel]`` (``names`` order; ``extra``, a flat buffer
+        of the shard's size such as the gradient sums, as a last row), backed by a file (``StateFiles.snapshot``);
         in memory: None (the buffers themselves are the state)."""
         return None if self.disk is None else self.disk.snapshot(extra)
 
@@ -205,7 +221,7 @@ class HostShard:
         len(cols)]). On disk, one pass over the blocks they touch, each read and written once (re-selection)."""
         if self.disk is None:
             for name, index, cols, value in items:
-                self.view(getattr(self, name), index)[:, cols] = value
+                self.view(self.fields[name], index)[:, cols] = value
             return
         self.disk.fill_many([(name, self.slots[index].offset, self.slots[index].numel,
                               _column_fill(self.slots[index].shape[1], cols, value))
@@ -275,19 +291,21 @@ class HostShard:
         sum_over_ranks: Callable[[float], float] | None = None,
         sums: DeviceSums | None = None,
     ) -> dict:
-        """AdamW on the host master of the parameters in ``counts`` with the mean of acc[buf].
+        """The rule's step (AdamW by default) on the host master of the parameters in ``counts`` with the mean of
+        acc[buf].
 
         ``counts[i]`` (>= 1) is the number of gradients parameter ``i`` received in this interval, the one
         in ``last`` included (the training thread's count, taken when it requested the update). Clips by
         the global norm of those mean gradients when ``max_grad_norm`` is set, writes the updated weights
-        into the copy-out buffers, zeroes the accumulation and returns timings. ``hyper[g]`` holds lr,
-        beta1, beta2, eps, weight_decay of param group g (captured when the update was requested).
+        into the copy-out buffers, zeroes the accumulation and returns timings. ``hyper[g]`` holds the numbers of
+        param group g (``rule.numbers``, captured when the update was requested).
         ``wait_before_write`` (a completion with ``wait()``: the last write-back's) guards the copy-out
         buffers while a previous write-back copy may still read them.
 
         ``last`` maps parameters to the interval's last gradient (CPU tensors) not yet accumulated, added
         in the same pass as the step, which also zeroes the buffer (``accumulate_adam_``: one pass instead
-        of three). Only without clipping: the clipping norm needs the whole sum first.
+        of three; a rule without such a kernel adds it first). Only without clipping: the clipping norm needs the
+        whole sum first.
 
         ``sum_over_ranks`` (ZeRO: every rank's shard holds part of the model) turns this shard's sum of
         squares into the model's for the clipping norm; every rank calls ``update`` at each boundary.
@@ -316,18 +334,19 @@ class HostShard:
             coef = min(1.0, max_grad_norm / (math.sqrt(total) + 1e-6))
         if wait_before_write is not None:
             wait_before_write.wait()
-        if self.disk is not None and last:  # streamed: the last gradient joins the sums first (the same fp32 add)
+        rule, state_names = self.rule, self.rule.state_names
+        if last and (self.disk is not None or not rule.fuses_last):
+            # streamed, or a rule without a fused kernel: the last gradient joins the sums first (the same fp32 add)
             accumulate_unchecked([self.view(acc, i).view(-1) for i in last], [g.reshape(-1) for g in last.values()])
             last = {}
         for i, grad in last.items():  # fused: acc + last gradient, step, copy-out, acc = 0
             s = self.slots[i]
             self.host_step[i] += 1
-            cpu_ops.accumulate_adam_(
+            rule.host_accumulate_step_(
                 self.view(self.master, i).view(-1),
                 self.view(acc, i).view(-1),
                 grad.reshape(-1),
-                self.view(self.exp_avg, i).view(-1),
-                self.view(self.exp_avg_sq, i).view(-1),
+                [self.view(self.fields[name], i).view(-1) for name in state_names],
                 step=self.host_step[i],
                 grad_scale=counts[i],
                 out=self.out_view(i).view(-1),
@@ -356,11 +375,10 @@ class HostShard:
                 streamed.append(Run(lo, hi, self.out[run[0].dtype][out_lo : out_lo + hi - lo],
                                     dict(step=step, grad_scale=counts[first] / coef, **hyper[run[0].group])))
             else:
-                cpu_ops.cpu_adam_(
+                rule.host_step_(
                     self.master[lo:hi],
                     acc[lo:hi],
-                    self.exp_avg[lo:hi],
-                    self.exp_avg_sq[lo:hi],
+                    [self.fields[name][lo:hi] for name in state_names],
                     step=step,
                     grad_scale=counts[first] / coef,
                     out=self.out[run[0].dtype][out_lo : out_lo + hi - lo],
@@ -370,7 +388,7 @@ class HostShard:
             for s in run:
                 self.host_step[s.index] = step
         if streamed:
-            streamed_adam_(self.disk, acc, streamed, sums=sums)
+            streamed_adam_(self.disk, acc, streamed, sums=sums, rule=rule)
         return {"seconds": time.perf_counter() - t0, "params": len(todo), "runs": len(runs), "fused": len(last)}
 
     def _sum_squares(self, acc: torch.Tensor | None, sums: DeviceSums | None, index: int) -> float:

@@ -8,15 +8,19 @@ It shares nothing with the fast implementation except ``config`` and ``schedule`
 
 Per matrix parameter ``W [R, C]`` (state in ``self.state[W]``):
 
-* host side: ``master`` (fp32/fp64 copy of W), ``exp_avg``/``exp_avg_sq`` ``[R, C]``, ``host_step``
-  (one count: the host updates every column of the master), ``acc`` (sum of the interval's
-  gradients), ``acc_count`` and ``pending`` (a computed update not yet written back);
-* fast side: ``selected`` (sorted column indices), compact ``fast_exp_avg``/``fast_exp_avg_sq``
-  ``[R, k]`` and ``fast_step`` ``[k]`` (a step count per column);
+* host side: ``master`` (fp32/fp64 copy of W), the update rule's state ``[R, C]`` by its names (AdamW:
+  ``exp_avg``/``exp_avg_sq``), ``host_step`` (one count: the host updates every column of the master), ``acc``
+  (sum of the interval's gradients), ``acc_count`` and ``pending`` (a computed update not yet written back);
+* fast side: ``selected`` (sorted column indices), compact ``fast_<name>`` of each state name (AdamW:
+  ``fast_exp_avg``/``fast_exp_avg_sq``) ``[R, k]`` and ``fast_step`` ``[k]`` (a step count per column);
 * Zen-auto trackers: ``auto_selected``/``auto_unselected`` sums and ``auto_count``.
 
-Vector parameters (anything not 2-D) keep one plain AdamW state (``exp_avg``, ``exp_avg_sq``,
-``step``): host-updated during warm-up, on the fast path after, without a break.
+Vector parameters (anything not 2-D) keep one plain state of the rule (its names and ``step``): host-updated
+during warm-up, on the fast path after, without a break.
+
+The update rule (``rule=``, default AdamW) is applied through its plain-torch ``step_`` only, at an int step count
+(columns at different counts are stepped in groups); the rules' steps are checked against torch's own optimizers
+(tests/test_rules.py).
 
 Decisions this implementation pins down where docs/design.md leaves room (the fast path must agree):
 
@@ -57,6 +61,7 @@ import numpy as np
 import torch
 
 from .config import ZenFlowConfig, check_adamw_hyperparameters, check_group_settings, num_selected
+from .rules import AdamW, UpdateRule, adamw_step_
 from .schedule import Schedule, resolve_schedule
 
 __all__ = ["ReferenceZenFlow", "adamw_step_"]
@@ -64,39 +69,17 @@ __all__ = ["ReferenceZenFlow", "adamw_step_"]
 _REFERENCE_DTYPES = (torch.float32, torch.float64)
 
 
-def adamw_step_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One AdamW step in place, the op sequence of ``torch.optim.AdamW(foreach=False)``."""
-    if weight_decay != 0:
-        param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
-
-
-def _adamw_columns_(block, grad, exp_avg, exp_avg_sq, steps, **hyper) -> None:
-    """AdamW on the columns of ``block [R, k]`` where column i is at its own step ``steps[i]``:
-    columns sharing a step count are updated together by :func:`adamw_step_`."""
+def _columns_step_(rule: UpdateRule, block, grad, state: dict, steps, numbers: dict) -> None:
+    """The rule's step on the columns of ``block [R, k]`` where column i is at its own step ``steps[i]``:
+    columns sharing a step count are stepped together by ``rule.step_``."""
     for s in torch.unique(steps).tolist():
         cols = (steps == s).nonzero().flatten()
-        p, m, v = block[:, cols], exp_avg[:, cols], exp_avg_sq[:, cols]
-        adamw_step_(p, grad[:, cols], m, v, step=int(s), **hyper)
-        block[:, cols], exp_avg[:, cols], exp_avg_sq[:, cols] = p, m, v
+        p = block[:, cols]
+        held = {name: t[:, cols] for name, t in state.items()}
+        rule.step_(p, grad[:, cols], held, step=int(s), **numbers)
+        block[:, cols] = p
+        for name, t in held.items():
+            state[name][:, cols] = t
 
 
 def _clip_coefficient(tensors: Iterable[torch.Tensor], max_norm: float | None) -> float | None:
@@ -131,7 +114,9 @@ def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
 class ReferenceZenFlow(torch.optim.Optimizer):
     """The ZenFlow algorithm, step by step, for float32/float64 parameters (the test oracle).
 
-    Same constructor as :class:`zenflow_kernels.ZenFlowAdamW`. ``step()`` reads ``p.grad``.
+    Same constructor as :class:`zenflow_kernels.ZenFlowAdamW`; ``rule=`` (an update rule, ``zenflow_kernels.rules``)
+    runs ZenFlow with that rule instead (its hyper-parameters replace ``betas``, ``eps``, ``weight_decay``), as
+    :class:`zenflow_kernels.ZenFlow` does. ``step()`` reads ``p.grad``.
     Counters: ``t`` (steps taken), ``skipped_steps``, ``host_updates``, ``selections``.
     """
 
@@ -147,13 +132,20 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         steps_per_epoch: int | None = None,
         dataloader: Any = None,
+        rule: UpdateRule | None = None,
     ):
-        check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm, where="ReferenceZenFlow")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        if rule is None:
+            check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm, where="ReferenceZenFlow")
+            rule = AdamW(betas, eps, weight_decay)
+        elif not isinstance(rule, UpdateRule):
+            raise TypeError(f"ReferenceZenFlow: rule={rule!r} is invalid: allowed an update rule "
+                            "(zenflow_kernels.rules)")
+        else:
+            check_adamw_hyperparameters(lr, (0.9, 0.999), 0.0, 0.0, max_grad_norm, where="ReferenceZenFlow")
+        self.rule = rule
+        super().__init__(params, dict(lr=lr, **rule.group_defaults()))
         for group in self.param_groups:
-            check_adamw_hyperparameters(
-                group["lr"], group["betas"], group["eps"], group["weight_decay"], where="ReferenceZenFlow group"
-            )
+            rule.check_group(group, "ReferenceZenFlow group")
             check_group_settings(group, "ReferenceZenFlow param group")
             for p in group["params"]:
                 if p.dtype not in _REFERENCE_DTYPES:
@@ -175,8 +167,13 @@ class ReferenceZenFlow(torch.optim.Optimizer):
     # -- helpers ---------------------------------------------------------------------------------
 
     def _hyper(self, group: dict) -> dict:
-        beta1, beta2 = group["betas"]
-        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        return self.rule.numbers(group)
+
+    def _step(self, p: torch.Tensor, grad: torch.Tensor, state: dict, step: int, group: dict,
+              prefix: str = "") -> None:
+        """The rule's step of ``p`` with its state held in ``state`` under ``prefix + name``."""
+        held = {name: state[prefix + name] for name in self.rule.state_names}
+        self.rule.step_(p, grad, held, step=step, **self._hyper(group))
 
     def _params_with_grad(self) -> list[tuple[torch.Tensor, dict]]:
         out = []
@@ -196,27 +193,26 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         state = self.state[p]
         if state:
             return state
+        names = self.rule.state_names
         if p.dim() == 2:
             R, _ = p.shape
             state.update(
                 kind="matrix",
                 master=p.detach().clone(),
-                exp_avg=torch.zeros_like(p),
-                exp_avg_sq=torch.zeros_like(p),
+                **{name: torch.zeros_like(p) for name in names},
                 host_step=0,
                 acc=torch.zeros_like(p),
                 acc_count=0,
                 pending=False,
                 selected=None,
-                fast_exp_avg=p.new_zeros(R, 0),
-                fast_exp_avg_sq=p.new_zeros(R, 0),
+                **{f"fast_{name}": p.new_zeros(R, 0) for name in names},
                 fast_step=torch.zeros(0, dtype=torch.int64, device=p.device),
                 auto_selected=0.0,
                 auto_unselected=0.0,
                 auto_count=0,
             )
         else:
-            state.update(kind="vector", exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=0)
+            state.update(kind="vector", **{name: torch.zeros_like(p) for name in names}, step=0)
         return state
 
     def _unselected(self, p: torch.Tensor, state: dict) -> torch.Tensor:
@@ -294,24 +290,17 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         return loss
 
     def _warmup_step(self, active, coef) -> None:
-        """Plain synchronous AdamW on the host master of every parameter (ZeRO-Offload)."""
+        """The plain synchronous rule (AdamW) on the host master of every parameter (ZeRO-Offload)."""
         for p, group in active:
             state = self.state[p]
             grad = _scaled(self._grad[p], coef)
             if state["kind"] == "matrix":
                 state["host_step"] += 1
-                adamw_step_(
-                    state["master"],
-                    grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    step=state["host_step"],
-                    **self._hyper(group),
-                )
+                self._step(state["master"], grad, state, state["host_step"], group)
                 p.copy_(state["master"])
             else:
                 state["step"] += 1
-                adamw_step_(p, grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"], **self._hyper(group))
+                self._step(p, grad, state, state["step"], group)
         self.host_updates += 1
 
     def _zenflow_step(self, t: int, active, coef, max_norm) -> None:
@@ -329,19 +318,13 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             grad = _scaled(self._grad[p], coef)
             if state["kind"] == "vector":
                 state["step"] += 1
-                adamw_step_(p, grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"], **self._hyper(group))
+                self._step(p, grad, state, state["step"], group)
             elif state["selected"].numel():
                 cols = state["selected"]
                 state["fast_step"] += 1
                 block = p[:, cols]
-                _adamw_columns_(
-                    block,
-                    grad[:, cols],
-                    state["fast_exp_avg"],
-                    state["fast_exp_avg_sq"],
-                    state["fast_step"],
-                    **self._hyper(group),
-                )
+                fast = {name: state[f"fast_{name}"] for name in self.rule.state_names}
+                _columns_step_(self.rule, block, grad[:, cols], fast, state["fast_step"], self._hyper(group))
                 p[:, cols] = block
 
         for p, _ in matrices:  # slow path: accumulate the raw gradient
@@ -375,18 +358,16 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         state["master"][:, leaving] = p[:, leaving]  # ownership returns to the host, value included
 
         R = p.shape[0]
-        m, v = p.new_zeros(R, k), p.new_zeros(R, k)
+        fast = {f"fast_{name}": p.new_zeros(R, k) for name in self.rule.state_names}
         steps = torch.zeros(k, dtype=torch.int64, device=p.device)
         for i, j in enumerate(new.tolist()):  # columns that stay keep their state; new ones start at 0
             hit = (old == j).nonzero()
             if hit.numel():
                 o = int(hit[0, 0])
-                m[:, i], v[:, i], steps[i] = (
-                    state["fast_exp_avg"][:, o],
-                    state["fast_exp_avg_sq"][:, o],
-                    state["fast_step"][o],
-                )
-        state.update(selected=new, fast_exp_avg=m, fast_exp_avg_sq=v, fast_step=steps)
+                for key, t in fast.items():
+                    t[:, i] = state[key][:, o]
+                steps[i] = state["fast_step"][o]
+        state.update(selected=new, fast_step=steps, **fast)
 
     def _auto_vote(self, matrices) -> bool:
         """Zen-auto: do at least ``auto_ratio`` of the matrices need a host update now?"""
@@ -410,7 +391,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         return voters > 0 and needing >= self.config.auto_ratio * voters
 
     def _host_update(self, max_norm: float | None) -> None:
-        """AdamW on every host master with the interval's mean gradient (clipped by ``max_norm``, the norm in force
+        """The rule on every host master with the interval's mean gradient (clipped by ``max_norm``, the norm in force
         at this step); write back (now or later)."""
         if self.config.overlap_step:
             self._write_back_pending()  # the previous interval's result lands now: one interval stale
@@ -425,14 +406,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         coef = _clip_coefficient([mean for *_, mean in todo], max_norm)
         for p, group, state, mean in todo:
             state["host_step"] += 1
-            adamw_step_(
-                state["master"],
-                _scaled(mean, coef),
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                step=state["host_step"],
-                **self._hyper(group),
-            )
+            self._step(state["master"], _scaled(mean, coef), state, state["host_step"], group)
             state["acc"].zero_()
             state["acc_count"] = 0
             state["pending"] = True
@@ -482,7 +456,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         loaded = {}
         for idx, saved in state_dict["state"].items():
             p = params[int(idx)]
-            for key in ("master", "exp_avg", "exp_avg_sq", "acc"):
+            for key in ("master", *self.rule.state_names, "acc"):
                 if key in saved and tuple(saved[key].shape) != tuple(p.shape):
                     raise ValueError(
                         f"ReferenceZenFlow.load_state_dict: state {key!r} of parameter {idx} has shape "

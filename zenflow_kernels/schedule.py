@@ -26,7 +26,7 @@ from typing import Any
 
 from .config import ZenFlowConfig, ZenFlowConfigError, ZenFlowWarning, interval_order_error, is_int
 
-__all__ = ["Schedule", "resolve_schedule"]
+__all__ = ["Schedule", "make_schedule", "resolve_schedule"]
 
 NEVER_RESELECTED = (
     "zenflow: select_strategy={strategy!r} measures select_interval in epochs, but the epoch length is "
@@ -214,3 +214,13 @@ def resolve_schedule(
         steps_per_epoch_source=source,
         warnings=tuple(notes),
     )
+
+
+def make_schedule(cls: type[Schedule], config: ZenFlowConfig, steps_per_epoch: int | None = None,
+                  dataloader: Any = None, saved: dict[str, Any] | None = None) -> Schedule:
+    """A schedule as ``cls`` (a subclass of :class:`Schedule`): resolved from ``config`` (:func:`resolve_schedule`),
+    or from a checkpoint's record ``saved`` (``Schedule.to_dict``). The optimizer makes its schedule only here."""
+    if saved is not None:
+        return cls.from_dict(saved)
+    resolved = resolve_schedule(config, steps_per_epoch=steps_per_epoch, dataloader=dataloader)
+    return resolved if type(resolved) is cls else cls.from_dict(resolved.to_dict())

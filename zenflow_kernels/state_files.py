@@ -2,8 +2,9 @@
 
 The fp32 master and both moments of a shard of ``numel`` elements live in one file, cut into blocks of
 ``block_numel`` elements; block ``j`` holds ``master[jB:(j+1)B]``, ``exp_avg[...]`` and ``exp_avg_sq[...]``
-one after the other (12 B per element), so streaming the shard is one sequential read and one sequential
-write of whole blocks, each a single ``os.preadv``/``os.pwritev`` of three buffers (both release the GIL).
+one after the other (12 B per element; an update rule other than AdamW has its own fields, ``fields``), so
+streaming the shard is one sequential read and one sequential write of whole blocks, each a single
+``os.preadv``/``os.pwritev`` of one buffer per field (both release the GIL).
 
 Files never touch anyone else's: each :class:`StateFiles` creates a private folder under ``nvme_path``
 (``tempfile.mkdtemp``: a fresh name, mode 0700) and its file with ``O_EXCL`` (mode 0600); the space is
@@ -70,10 +71,12 @@ class StateFiles:
         direct: open with ``O_DIRECT`` (the page cache does not hold the file; block buffers are page-aligned
             and blocks 4 KiB multiples, as it requires); a filesystem without it (tmpfs) raises at creation.
         io: the system calls (tests pass a faulty one).
+        fields: the fp32 fields of each block, in order (default ``FIELDS``, AdamW's: an update rule's ``master``
+            and ``state_names``).
     """
 
     def __init__(self, nvme_path, numel: int, *, block_numel: int = 1 << 20, rank: int = 0, direct: bool = False,
-                 io=None):
+                 io=None, fields: tuple[str, ...] = FIELDS):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"StateFiles: numel={numel!r} is invalid: allowed an int >= 0")
         if isinstance(block_numel, bool) or not isinstance(block_numel, int) or block_numel <= 0 or \
@@ -82,11 +85,14 @@ class StateFiles:
         path = os.fspath(nvme_path)
         if not os.path.isdir(path):
             raise ValueError(f"StateFiles: nvme_path={path!r} is not an existing directory")
+        if not fields or len(set(fields)) != len(fields) or not all(isinstance(f, str) for f in fields):
+            raise ValueError(f"StateFiles: fields={fields!r} is invalid: allowed distinct names, at least one")
+        self.fields = tuple(fields)
         self.numel, self.block_numel, self._io = numel, block_numel, io or _PosixIO()
         self.nvme_path = path
         self._removed = False
         self.blocks = -(-numel // block_numel)
-        self.nbytes = self.blocks * block_numel * _ITEM * len(FIELDS)
+        self.nbytes = self.blocks * block_numel * _ITEM * len(self.fields)
         self.folder = tempfile.mkdtemp(prefix="zenflow-state-", dir=path)  # 0700, a name nobody else has
         self.path = os.path.join(self.folder, f"rank{rank}.state")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -161,17 +167,17 @@ class StateFiles:
             yield j, a, max(a, lo), min(b, hi)
 
     def new_block(self) -> list[torch.Tensor]:
-        """Three fp32 buffers of one block (master, exp_avg, exp_avg_sq), page-aligned (a private anonymous
+        """One fp32 buffer per field of one block (``fields`` order), page-aligned (a private anonymous
         mapping, given back to the system when the tensors go; a shared one would count as page cache)."""
-        mapped = mmap.mmap(-1, self.block_numel * _ITEM * len(FIELDS), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapped = mmap.mmap(-1, self.block_numel * _ITEM * len(self.fields), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         flat = torch.from_numpy(np.frombuffer(mapped, dtype=np.float32))
-        return list(flat.view(len(FIELDS), self.block_numel).unbind(0))
+        return list(flat.view(len(self.fields), self.block_numel).unbind(0))
 
     def _transfer(self, op: str, j: int, bufs: list[torch.Tensor]) -> None:
         if self.released or (op == "write" and self.closed):
             raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: {op} of block {j} after "
                                  f"{'release' if self.released else 'close'} ({self.path})")
-        self._move(op, self._fd, self.path, j * self.block_numel * _ITEM * len(FIELDS), [_bytes(b) for b in bufs])
+        self._move(op, self._fd, self.path, j * self.block_numel * _ITEM * len(self.fields), [_bytes(b) for b in bufs])
 
     def _move(self, op: str, fd: int, path: str, offset: int, views: list[memoryview]) -> None:
         """One vectored read or write of ``views`` at ``offset`` of ``fd`` (a short transfer continues where it
@@ -203,13 +209,13 @@ class StateFiles:
         block's bytes."""
         if self.released:
             raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: read after release ({self.path})")
-        k = FIELDS.index(field)
+        k = self.fields.index(field)
         out = torch.empty(hi - lo, dtype=torch.float32)
         buf = self.new_block()[0]
         for j, a, s, e in self.pieces(lo, hi):
             first = (s - a) // _PAGE * _PAGE
             stop = min(-(-(e - a) // _PAGE) * _PAGE, self.block_numel)
-            offset = ((j * len(FIELDS) + k) * self.block_numel + first) * _ITEM
+            offset = ((j * len(self.fields) + k) * self.block_numel + first) * _ITEM
             self._move("read", self._fd, self.path, offset, [_bytes(buf[: stop - first])])
             out[s - lo : e - lo] = buf[s - a - first : e - a - first]
         return out
@@ -246,7 +252,7 @@ class StateFiles:
         item's last piece."""
         plan: dict[int, list] = {}
         for n, (field, lo, numel, _) in enumerate(items):
-            k = FIELDS.index(field)
+            k = self.fields.index(field)
             for j, a, s, e in self.pieces(lo, lo + numel):
                 plan.setdefault(j, []).append((n, k, a, s, e, lo))
         last_block = {n: j for j in sorted(plan) for n, *_ in plan[j]}
@@ -265,8 +271,8 @@ class StateFiles:
         return {"read": reads, "written": len(plan)}
 
     def snapshot(self, extra: torch.Tensor | None = None) -> torch.Tensor:
-        """The three fields as they are now, ``[3, numel]`` fp32 (``FIELDS`` order; ``[4, numel]`` with ``extra``,
-        a flat tensor of ``numel`` elements anywhere, e.g. the gradient sums, copied as a fourth), held by a new
+        """The fields as they are now, ``[len(fields), numel]`` fp32 (``fields`` order; one row more with ``extra``,
+        a flat tensor of ``numel`` elements anywhere, e.g. the gradient sums, copied as the last), held by a new
         file, mapped shared and unlinked at once: none of it sits in the process's anonymous memory (the
         kernel pages it in as it is read, e.g. by ``torch.save`` or ``torch.distributed.checkpoint``, and may drop
         those pages again; what is written into it, e.g. a DCP load into the state dict, goes to the file, which
@@ -274,7 +280,7 @@ class StateFiles:
         tensor viewing it goes. Written through the page cache and dropped from it as it goes
         (``fdatasync`` + ``POSIX_FADV_DONTNEED`` every few blocks). Made directly under ``nvme_path`` (a fresh
         name, mode 0600, visible only while it is written), so that it works after :meth:`close` too."""
-        n, rows = self.numel, len(FIELDS) + (extra is not None)
+        n, rows = self.numel, len(self.fields) + (extra is not None)
         if self.released:
             raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: a snapshot after release ({self.path})")
         if extra is not None and tuple(extra.shape) != (n,):
@@ -289,11 +295,11 @@ class StateFiles:
             for j in range(self.blocks):
                 self.read_block(j, bufs)
                 a, b = self.block_range(j)
-                for k in range(len(FIELDS)):
+                for k in range(len(self.fields)):
                     self._move("write", fd, path, (k * n + a) * _ITEM, [_bytes(bufs[k][: b - a])])
                 if extra is not None:
                     piece = extra[a:b].to("cpu", torch.float32).contiguous()
-                    self._move("write", fd, path, (len(FIELDS) * n + a) * _ITEM, [_bytes(piece)])
+                    self._move("write", fd, path, (len(self.fields) * n + a) * _ITEM, [_bytes(piece)])
                 if j % 8 == 7 or j == self.blocks - 1:  # keep the page cache from holding the copy
                     os.fdatasync(fd)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

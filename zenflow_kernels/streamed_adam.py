@@ -1,6 +1,7 @@
 """AdamW over host state that lives in a file (:class:`~zenflow_kernels.state_files.StateFiles`), streamed
 through a bounded pipeline: a reader thread reads block ``j + 1`` while the calling thread runs the fused
-numba Adam (``cpu_ops.cpu_adam_``, the in-memory host's kernel) on block ``j`` and a writer thread writes
+numba Adam (``cpu_ops.cpu_adam_``, the in-memory host's kernel; another update rule's ``host_step_``) on block
+``j`` and a writer thread writes
 block ``j - 1`` back. Adam is elementwise, so a block-by-block pass gives the bits of one pass over the whole
 range. Memory: ``depth`` blocks of buffers (12 B per element each), whatever the shard's size.
 
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_ops
 from .ablations import ablations
+from .rules import AdamW, UpdateRule
 from .state_files import StateFiles
 
 __all__ = ["DeviceSums", "Run", "streamed_adam_"]
@@ -35,8 +36,9 @@ __all__ = ["DeviceSums", "Run", "streamed_adam_"]
 
 @dataclass(frozen=True)
 class Run:
-    """Flat elements ``[lo, hi)`` of the shard stepped with one set of ``cpu_adam_`` arguments (``adam``: step,
-    grad_scale, lr, beta1, beta2, eps, weight_decay), their weights rounded into ``out`` (``hi - lo`` elements)."""
+    """Flat elements ``[lo, hi)`` of the shard stepped with one set of ``host_step_`` arguments (``adam``: step,
+    grad_scale and the rule's numbers: AdamW's lr, beta1, beta2, eps, weight_decay), their weights rounded into
+    ``out`` (``hi - lo`` elements)."""
 
     lo: int
     hi: int
@@ -79,11 +81,15 @@ def _settle(waits: list[Callable[[], None]]) -> None:
 _STOP = object()
 
 def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[Run], *, depth: int = 3,
-                   sums: DeviceSums | None = None) -> dict:
-    """One AdamW step of ``runs`` (disjoint, ascending) over the state in ``files``, with the gradient sums
-    in ``acc`` (flat fp32, the shard's size; zeroed where used, as the in-memory update does) or, with ``acc``
-    None, fetched block by block from ``sums`` (left as they are: their owner zeroes them). Returns the blocks
-    and bytes moved."""
+                   sums: DeviceSums | None = None, rule: UpdateRule | None = None) -> dict:
+    """One step of ``rule`` (default AdamW; the file holds ``master`` and its ``state_names``) over ``runs`` (disjoint,
+    ascending) of the state in ``files``, with the gradient sums in ``acc`` (flat fp32, the shard's size; zeroed where
+    used, as the in-memory update does) or, with ``acc`` None, fetched block by block from ``sums`` (left as they are:
+    their owner zeroes them). Returns the blocks and bytes moved."""
+    rule = rule if rule is not None else AdamW()
+    if tuple(files.fields) != ("master", *rule.state_names):
+        raise ValueError(f"streamed_adam_: the file holds {tuple(files.fields)}, the rule {rule.name} steps "
+                         f"{('master', *rule.state_names)}")
     if depth < 2:
         raise ValueError(f"streamed_adam_: depth={depth!r} is invalid: allowed >= 2 (one block read ahead)")
     if (acc is None) == (sums is None):
@@ -160,13 +166,13 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[R
             if errors or item is _STOP:
                 raise errors[0]
             j, pair = item
-            (master, exp_avg, exp_avg_sq), fetched = pair
+            (master, *state), fetched = pair
             a, _ = files.block_range(j)
             for run, s, e in plan[j]:
                 grads = acc[s:e] if fetched is None else fetched[s - a : e - a]
-                cpu_ops.cpu_adam_(master[s - a : e - a], grads, exp_avg[s - a : e - a], exp_avg_sq[s - a : e - a],
-                                  out=None if run.out is None else run.out[s - run.lo : e - run.lo],
-                                  zero_grad=fetched is None, **run.adam)
+                rule.host_step_(master[s - a : e - a], grads, [t[s - a : e - a] for t in state],
+                                out=None if run.out is None else run.out[s - run.lo : e - run.lo],
+                                zero_grad=fetched is None, **run.adam)
             written.put((j, pair))
     finally:
         stop.set()
@@ -176,4 +182,4 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[R
         reader.join()
     if errors:
         raise errors[0]
-    return {"blocks": len(blocks), "bytes": 2 * len(blocks) * files.block_numel * 12}
+    return {"blocks": len(blocks), "bytes": 2 * len(blocks) * files.block_numel * 4 * len(files.fields)}

@@ -4,6 +4,10 @@ Public API
     cpu_adam_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
               adamw=True, bias_correction=True, grad_scale=1.0, out=None, zero_grad=False,
               num_threads=None)
+    cpu_lion_(param, grad, exp_avg, *, lr, beta1, beta2, weight_decay, grad_scale=1.0, out=None,
+              zero_grad=False, num_threads=None)
+    cpu_sgd_(param, grad, momentum_buffer, *, step, lr, momentum=0.0, dampening=0.0, nesterov=False,
+             weight_decay=0.0, grad_scale=1.0, out=None, zero_grad=False, num_threads=None)
     accumulate_(acc, grad, *, num_threads=None)
     multi_accumulate_(accs, grads, *, num_threads=None)
     accumulate_adam_(param, acc, grad, exp_avg, exp_avg_sq, *, step, lr, ..., grad_scale=1.0,
@@ -14,7 +18,7 @@ Public API
     rank_cores(affinity=None) -> (cores, why)       this local rank's CPUs on a node shared by several ranks
     physical_cores(cpus) -> cpus                      one logical CPU per physical core
 
-All tensors are contiguous CPU tensors; state (param, moments, accumulation buffer) is fp32;
+All tensors are contiguous CPU tensors; param and accumulation buffer are fp32, the moments fp32 or bf16;
 gradients may be fp32, bf16 or fp16; ``out`` may be fp32, bf16 or fp16. Each op is one pass over
 memory, validated completely before anything is written.
 
@@ -48,6 +52,8 @@ First call of each dtype combination compiles (about 1-2 s); compiled code is ca
 from .accumulate import accumulate_, multi_accumulate_, multi_sum_squares, sum_squares
 from .adam import accumulate_adam_, cpu_adam_
 from .cores import physical_cores, rank_cores, split_cores
+from .lion import cpu_lion_
+from .sgd import cpu_sgd_
 
-__all__ = ["accumulate_", "accumulate_adam_", "cpu_adam_", "multi_accumulate_", "multi_sum_squares", "physical_cores",
-           "rank_cores", "split_cores", "sum_squares"]
+__all__ = ["accumulate_", "accumulate_adam_", "cpu_adam_", "cpu_lion_", "cpu_sgd_", "multi_accumulate_",
+           "multi_sum_squares", "physical_cores", "rank_cores", "split_cores", "sum_squares"]

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 STATE_DTYPES = (torch.float32,)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # optimizer state: bf16 stored rounded to nearest even
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,7 +1,7 @@
-"""numba kernels for the host (CPU) side: Adam, gradient accumulation, sum of squares.
+"""numba kernels for the host (CPU) side: Adam, Lion, SGD, gradient accumulation, sum of squares.
 
 Design. Every kernel is one ``prange`` pass over flat, contiguous 1-D numpy views of torch CPU
-tensors (no copies). Parameter and optimizer state are fp32; gradients may be fp32, bf16 or fp16
+tensors (no copies). Parameters are fp32, optimizer state fp32 or bf16; gradients may be fp32, bf16 or fp16
 and the optional copy-out may be fp32, bf16 or fp16. numba has no 16-bit float type, so 16-bit
 tensors arrive as their bit patterns: **bf16 as ``int16``, fp16 as ``uint16``** (the launchers make
 those views), and the conversions below work on bits. The element type picks the conversion at
@@ -314,11 +314,11 @@ def adam_kernel(
         g = take_grad(acc, grad, i, zero_acc) * inv_scale
         # l2 == 0 (AdamW, or no decay) must leave g untouched even when p is inf/NaN
         g = g if l2 == np.float32(0.0) else fma(p, l2, g)
-        m = exp_avg[i]
+        m = load_f32(exp_avg, i)
         m = fma(lerp_coeff, g - m, m if lerp_small else g)
-        v = fma(one_minus_beta2 * g, g, exp_avg_sq[i] * beta2)
-        exp_avg[i] = m
-        exp_avg_sq[i] = v
+        v = fma(one_minus_beta2 * g, g, load_f32(exp_avg_sq, i) * beta2)
+        store_f32(exp_avg, i, m)  # (bf16 moments: stored rounded to nearest even; p below uses m and v)
+        store_f32(exp_avg_sq, i, v)
         p = p * decay + (neg_step_size * m) / (np.sqrt(v) * inv_bc2_sqrt + eps)
         param[i] = p
         store_f32(out, i, p)
@@ -665,3 +665,121 @@ def multi_selective_adam_kernel(
                                   one_minus_beta2, eps)
             c = end
             t += 1
+
+# ---------------------------------------------------------------------------------------------
+# Lion and SGD (launchers: lion.py, sgd.py). Measured on torch 2.13 with its AVX512 and AVX2 kernels (random
+# fp32 data, sizes 1 to 10^6 + 3, so the scalar tail loops too): ``x.add(y, alpha=a)`` and ``x.add_(y,
+# alpha=a)`` equal ``fma(y, float32(a), x)`` bit for bit and differ from ``x + float32(a) * y`` in up to 28% of
+# elements; ``x.mul(s)`` is one rounded multiply; ``lerp`` with a scalar weight is the two-form fma of
+# ``adam_constants``. So every ``add`` with ``alpha`` below is an ``fma``, which makes the results bit-identical
+# to the torch op sequences lion.py and sgd.py state, wherever torch runs those kernels (x86 with AVX2); torch's
+# scalar DEFAULT kernels (``ATEN_CPU_CAPABILITY=default``) round product and sum separately (the last bit or two;
+# tests/test_cpu_rules.py measures it). ``torch.sign`` on CPU is ``(0 < x) - (x < 0)``: +0.0 for +-0.0 *and NaN*
+# (pytorch/pytorch#41245); ``torch_sign`` does the same, so a NaN momentum moves nothing through the sign, as
+# torch's Lion does (the NaN still shows in ``exp_avg``). State may be fp32 or bf16 (``load_f32``/``store_f32``).
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def lerp_constants(weight64):
+    """torch's scalar-weight lerp as ``fma(coeff, end - start, start if small else end)``: (coeff, small),
+    with the weight rounded to float32 once (as ``_kernels.adam_constants`` does for Adam's first moment)."""
+    w = np.float32(weight64)
+    small = abs(w) < np.float32(0.5)
+    return (w if small else w - np.float32(1.0)), small
+
+
+@njit(inline="always")
+def lerp(start, end, coeff, small):
+    """``torch.lerp(start, end, w)`` for the constants of ``lerp_constants(w)``: ATen's vectorised form."""
+    return fma(coeff, end - start, start if small else end)
+
+
+@njit(inline="always")
+def torch_sign(x):
+    """``torch.sign`` of a float32: 1, -1, or +0.0 for +-0.0 and NaN (ATen's ``(0 < x) - (x < 0)``)."""
+    return np.float32(1.0) if x > np.float32(0.0) else (np.float32(-1.0) if x < np.float32(0.0) else np.float32(0.0))
+
+
+def momentum_step(buf, i, d, first, momentum, one_minus_dampening, nesterov):
+    """SGD's momentum for element i (numba only): the direction to step along; ``buf[i]`` updated.
+
+    * ``buf`` None (momentum == 0): ``d`` unchanged;
+    * else ``b = d`` on the buffer's first step, ``fma(d, 1 - dampening, buf[i] * momentum)`` after it;
+      ``buf[i] = b``; returns ``fma(b, momentum, d)`` with Nesterov, ``b`` without.
+    """
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(momentum_step, inline="always")
+def _ov_momentum_step(buf, i, d, first, momentum, one_minus_dampening, nesterov):
+    if isinstance(buf, (types.NoneType, types.Omitted)):
+        return lambda buf, i, d, first, momentum, one_minus_dampening, nesterov: d
+    if not (isinstance(buf, types.Array) and buf.dtype in (types.float32, types.int16)):
+        return None
+
+    def impl(buf, i, d, first, momentum, one_minus_dampening, nesterov):
+        # torch.optim.SGD's first step clones d (its buffer is None): no dampening, the old buffer unread
+        b = d if first else fma(d, one_minus_dampening, load_f32(buf, i) * momentum)
+        store_f32(buf, i, b)  # (a bf16 buffer keeps b rounded; the step below uses b itself)
+        return fma(b, momentum, d) if nesterov else b
+
+    return impl
+
+
+@njit(**_JIT)
+def lion_kernel(param, grad, exp_avg, acc, out, zero_acc, inv_scale64, decay64, neg_lr64, one_minus_beta1_64,
+                one_minus_beta2_64):
+    """One fused pass of Lion over n elements (all arrays 1-D, length n, contiguous):
+
+    g = take_grad(acc, grad, i, zero_acc) * inv_scale   (grad[i], acc[i] + grad[i], or acc[i] when grad is None)
+    u = torch_sign(lerp(m, g, 1 - beta1))
+    p = p * decay                                        (decay = 1 - lr*wd; skipped when it is 1)
+    p = fma(u, -lr, p)                                   (u is +-1 or 0: the product is exact)
+    m = lerp(m, g, 1 - beta2)                            (stored in exp_avg's dtype: fp32, or bf16 rounded)
+    out[i] = p (converted), when out is not None.
+    """
+    inv_scale = np.float32(inv_scale64)
+    decay = np.float32(decay64)
+    neg_lr = np.float32(neg_lr64)
+    coeff1, small1 = lerp_constants(one_minus_beta1_64)
+    coeff2, small2 = lerp_constants(one_minus_beta2_64)
+    for i in prange(param.size):
+        g = take_grad(acc, grad, i, zero_acc) * inv_scale
+        m = load_f32(exp_avg, i)
+        u = torch_sign(lerp(m, g, coeff1, small1))
+        p = param[i]
+        # weight_decay == 0 skips torch's mul_ (a multiply by exactly 1 would only quiet a signalling NaN)
+        p = p if decay == np.float32(1.0) else p * decay
+        p = fma(u, neg_lr, p)
+        param[i] = p
+        store_f32(exp_avg, i, lerp(m, g, coeff2, small2))
+        store_f32(out, i, p)
+
+
+@njit(**_JIT)
+def sgd_kernel(param, grad, momentum_buffer, acc, out, zero_acc, inv_scale64, weight_decay64, momentum64,
+               one_minus_dampening64, neg_lr64, first, nesterov):
+    """One fused pass of SGD over n elements, ``torch.optim.SGD``'s single-tensor step:
+
+    d = take_grad(acc, grad, i, zero_acc) * inv_scale
+    d = fma(p, weight_decay, d)                          if weight_decay != 0   (d.add(p, alpha=wd))
+    b = d if first else fma(d, 1 - dampening, b * momentum)   momentum_buffer[i] = b   (buffer not None)
+    d = fma(b, momentum, d) if nesterov else b           (buffer not None)
+    p = fma(d, -lr, p)                                   (p.add_(d, alpha=-lr))
+    out[i] = p (converted), when out is not None.
+    """
+    inv_scale = np.float32(inv_scale64)
+    weight_decay = np.float32(weight_decay64)
+    momentum = np.float32(momentum64)
+    one_minus_dampening = np.float32(one_minus_dampening64)
+    neg_lr = np.float32(neg_lr64)
+    for i in prange(param.size):
+        p = param[i]
+        d = take_grad(acc, grad, i, zero_acc) * inv_scale
+        # weight_decay == 0 must leave d untouched even when p is inf/NaN (fma(inf, 0, d) is NaN)
+        d = d if weight_decay == np.float32(0.0) else fma(p, weight_decay, d)
+        d = momentum_step(momentum_buffer, i, d, first, momentum, one_minus_dampening, nesterov)
+        p = fma(d, neg_lr, p)
+        param[i] = p
+        store_f32(out, i, p)

@@ -93,8 +93,8 @@ def _check_state(param, grad, exp_avg, exp_avg_sq, out, acc=None) -> None:
     if acc is not None:
         C.check_tensor("acc", acc, C.STATE_DTYPES, n)
     C.check_tensor("grad", grad, C.GRAD_DTYPES, n)
-    C.check_tensor("exp_avg", exp_avg, C.STATE_DTYPES, n)
-    C.check_tensor("exp_avg_sq", exp_avg_sq, C.STATE_DTYPES, n)
+    C.check_tensor("exp_avg", exp_avg, C.MOMENT_DTYPES, n)
+    C.check_tensor("exp_avg_sq", exp_avg_sq, C.MOMENT_DTYPES, n)
     if out is not None:
         C.check_tensor("out", out, C.OUT_DTYPES, n)
     C.check_disjoint(
@@ -126,7 +126,8 @@ def cpu_adam_(
     Args:
         param: fp32, contiguous, any shape with n elements; updated in place.
         grad: fp32, bf16 or fp16, contiguous, n elements; read only. Divided by ``grad_scale``.
-        exp_avg, exp_avg_sq: fp32, contiguous, n elements; the moments, updated in place.
+        exp_avg, exp_avg_sq: fp32 or bf16, contiguous, n elements; the moments, updated in place (bf16: read
+            exactly, stored rounded to nearest even; the parameter's update uses the unrounded new values).
         step: this step's number (1 for the first step); must be >= 1 when ``bias_correction``.
         lr, beta1, beta2, eps, weight_decay: as ``torch.optim.AdamW`` (0 <= beta < 1, others >= 0).
         adamw: True: decoupled decay ``p *= 1 - lr*wd`` (``torch.optim.AdamW``); False: L2 decay

@@ -49,11 +49,11 @@ class RandomState:
 def find_zenflow(optimizer):
     """The ``ZenFlowAdamW`` inside ``optimizer`` (itself, or wrapped by accelerate's ``AcceleratedOptimizer``
     or Lightning's ``LightningOptimizer``), or None."""
-    from ..optim import ZenFlowAdamW
+    from ..optim import ZenFlow
 
     seen = 0
     while optimizer is not None and seen < 8:
-        if isinstance(optimizer, ZenFlowAdamW):
+        if isinstance(optimizer, ZenFlow):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
         seen += 1

@@ -116,11 +116,11 @@ class _Link:
         def size(*ts):
             return sum(t.untyped_storage().nbytes() for t in ts if t is not None)
 
-        out = {"master": size(host.master), "exp_avg": size(host.exp_avg), "exp_avg_sq": size(host.exp_avg_sq),
-               "accumulation": size(*host.acc), "copy_out": size(*host.out.values()), "landing": self.landing_bytes}
+        out = {name: size(t) for name, t in host.fields.items()}  # master and the update rule's state
+        out.update(accumulation=size(*host.acc), copy_out=size(*host.out.values()), landing=self.landing_bytes)
         if self._sums_blocks is not None:  # device_accumulation on disk: the blocks its sums are fetched into
             out["sums_blocks"] = size(*self._sums_blocks)
-        if host.disk is not None:  # the master and moments are on disk: their bytes there, not in memory
+        if host.disk is not None:  # the master and rule state are on disk: their bytes there, not in memory
             out["disk"] = host.disk.nbytes
         return out
 

@@ -1,8 +1,9 @@
-"""ZenFlowAdamW and its parts (docs/hacking.md): ``optimizer.py`` the torch ``Optimizer`` facade; ``selection.py``,
-``fast_path.py``, ``interval.py`` with ``sums.py``, ``checkpoint.py``, ``telemetry.py`` the parts; ``run.py`` what
-they share; ``build.py`` and ``step_inputs.py`` the set-up and a step's inputs."""
+"""ZenFlow, ZenFlowAdamW and their parts (docs/hacking.md): ``optimizer.py`` the torch ``Optimizer`` facade;
+``selection.py``, ``fast_path.py``, ``interval.py`` with ``sums.py``, ``checkpoint.py``, ``telemetry.py`` the parts;
+``run.py`` what they share; ``build.py`` and ``step_inputs.py`` the set-up and a step's inputs."""
 
 from ..host import HostWorkerError
-from .optimizer import ZenFlowAdamW
+from .optimizer import ZenFlow
+from .zenflow_adamw import ZenFlowAdamW
 
-__all__ = ["ZenFlowAdamW", "HostWorkerError"]
+__all__ = ["ZenFlow", "ZenFlowAdamW", "HostWorkerError"]

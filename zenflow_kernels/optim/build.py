@@ -11,21 +11,49 @@ import torch
 from .. import cpu_ops
 from .. import link as link_module
 from ..ablations import ablations
+from ..config import check_adamw_hyperparameters
 from ..handover import GradHooks, handover_mode, release_hooks
 from ..host import HostShard
+from ..rules import UpdateRule
 from ..sharding import FSDP2, Sharding, Zero1, Zero2, fsdp2_mesh
 from .run import Run
 from .sums import host_buffers, make_sums
 
-__all__ = ["PARAM_DTYPES", "check_arguments", "check_nvme_path", "take_params", "device_of", "check_params",
+__all__ = ["Tunables", "PARAM_DTYPES", "check_arguments", "check_nvme_path", "take_params", "device_of", "check_params",
            "choose_sharding", "rank_cores", "trained", "make_host_and_link", "make_run", "make_parts", "grad_hooks",
            "shutdown", "training_threads"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_arguments(zero_stage, collective_timeout, release_gradients) -> None:
-    """ZenFlowAdamW's ZeRO arguments, or an error naming the argument, its value and what is allowed."""
+class Tunables:
+    """The optimizer's sizes and switches, as class attributes (a subclass or an instance may set them before the
+    first step)."""
+
+    NVME_BLOCK_NUMEL = 1 << 20
+    """offload_device="nvme": elements per block of the state file (12 MiB a block for AdamW; the update streams
+    three blocks at a time)."""
+    NVME_DIRECT = True
+    """offload_device="nvme" opens the state file with O_DIRECT (the page cache does not hold it; bench.nvme).
+    False uses the page cache."""
+    ZERO_BUCKET_NUMEL = 1 << 23
+    """ZeRO-2 reduces matrices' gradients in buckets of at most this many elements (one owner, one dtype)."""
+    FUSE_MIN_NUMEL = 1 << 16
+    """A synchronous CPU update folds a parameter's last gradient into its host pass (saving a pass over the
+    accumulation buffer) when it has at least this many elements; below, one merged call per run of parameters
+    costs less than a fused call per parameter."""
+    OFFLOAD_BUCKET_NUMEL = 1 << 26
+    """With ``offload``, the fast-path state moves to the device in buckets of at most this many elements."""
+
+
+def check_arguments(rule, lr, max_grad_norm, zero_stage, collective_timeout, release_gradients) -> None:
+    """ZenFlow's update rule (its defaults with ``lr``), ``max_grad_norm`` and ZeRO arguments, or an error naming the
+    argument, its value and what is allowed."""
+    if not isinstance(rule, UpdateRule):
+        raise TypeError(f"ZenFlow: rule={rule!r} is invalid: allowed an update rule (zenflow_kernels.rules.AdamW, "
+                        "Adam, Lion, SGD, or a subclass of rules.UpdateRule)")
+    rule.check_group(dict(rule.group_defaults(), lr=lr), "ZenFlow")
+    check_adamw_hyperparameters(lr, (0.9, 0.999), 0.0, 0.0, max_grad_norm, where="ZenFlow")  # (lr, max_grad_norm)
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
         raise ValueError(f"ZenFlowAdamW: zero_stage={zero_stage!r} is invalid: allowed 0, 1 or 2")
     if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or not (
@@ -39,11 +67,15 @@ def check_arguments(zero_stage, collective_timeout, release_gradients) -> None:
                          "gradient to one owner)")
 
 
-def check_nvme_path(config) -> None:
+def check_nvme_path(config, rule=None) -> None:
     """``offload_device="nvme"``: ``nvme_path`` is an existing folder this process may write, or an error naming it
-    (at construction: before any thread, hook or file exists)."""
+    (at construction: before any thread, hook or file exists); the state file holds fp32 fields only."""
     if config.offload_device != "nvme":
         return
+    if rule is not None and rule.state_dtype != torch.float32:
+        raise ValueError(f"ZenFlow: {rule!r} keeps its state in {rule.state_dtype} with zenflow.offload_device="
+                         "'nvme': allowed float32 state on disk (bf16 state is for host memory: "
+                         "offload_device='cpu')")
     path = config.nvme_path
     problem = ("does not exist" if not os.path.exists(path) else "is not a folder" if not os.path.isdir(path) else
                "is not writable by this process" if not os.access(path, os.W_OK | os.X_OK) else None)
@@ -155,7 +187,7 @@ def trained(params, kept=()) -> set[int]:
 
 
 def make_run(params, group_of, param_groups, state, config, shard, telemetry, *, timeout, chaos, nvme_block: int,
-             nvme_direct: bool, host_params: set[int]) -> Run:
+             nvme_direct: bool, host_params: set[int], rule) -> Run:
     """The first step's setup: the CPUs of training and of the host worker, the sharding started, the host shard
     of ``host_params`` (those of them this rank holds) laid out, the link and the context the parts share
     (:class:`Run`). A failure leaves nothing running: training's thread count restored, no worker started."""
@@ -172,18 +204,19 @@ def make_run(params, group_of, param_groups, state, config, shard, telemetry, *,
         if config.offload_device == "nvme":
             from ..state_files import StateFiles
 
-            path, rank = config.nvme_path, shard.rank
-            disk = lambda numel: StateFiles(path, numel, block_numel=nvme_block, rank=rank, direct=nvme_direct)  # noqa: E731
+            path, rank, fields = config.nvme_path, shard.rank, ("master", *rule.state_names)
+            disk = lambda numel: StateFiles(path, numel, block_numel=nvme_block, rank=rank, direct=nvme_direct,  # noqa: E731
+                                            fields=fields)
         owned = sorted(host_params if shard.owned is None else host_params.intersection(shard.owned))
         host, link = make_host_and_link(local, group_of, device, config=config, cores=cores, timeout=timeout,
-                                        chaos=chaos, owned=owned, num_acc=host_buffers(config), disk=disk)
+                                        chaos=chaos, owned=owned, num_acc=host_buffers(config), disk=disk, rule=rule)
     except BaseException:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         raise
     shard.use_host_memory(link.alloc)  # ZeRO: the write-back's receive buffers (pinned on a GPU)
     return Run(params, local, group_of, param_groups, state, config, device, shard, link, host, telemetry, cores,
-               torch_threads, frozenset(host_params))
+               torch_threads, frozenset(host_params), rule)
 
 
 def make_parts(run: Run, classes, handover, *, seed_from_host: bool, hyper, grad_ready) -> tuple:
@@ -210,7 +243,8 @@ def make_parts(run: Run, classes, handover, *, seed_from_host: bool, hyper, grad
     return fast_path, selection, interval, hooks
 
 
-def make_host_and_link(local, group_of, device, *, config, cores: dict, timeout, chaos, owned, num_acc: int, disk):
+def make_host_and_link(local, group_of, device, *, config, cores: dict, timeout, chaos, owned, num_acc: int, disk,
+                       rule=None):
     """The host shard of this rank's parameters ``owned`` (laid out by the optimizer) and the link that moves data
     between it and the device: CUDA streams and pinned memory, plain CPU copies, or (``chaos``) the asynchronous
     CPU link. A failure stops the engine's threads and removes the state file made so far."""
@@ -218,7 +252,7 @@ def make_host_and_link(local, group_of, device, *, config, cores: dict, timeout,
     host = None
     try:
         # an asynchronous link's gradients cross through a landing area, except where the sums are on the device
-        host = HostShard(local, group_of, num_acc=num_acc, indices=owned, disk=disk,
+        host = HostShard(local, group_of, num_acc=num_acc, indices=owned, disk=disk, rule=rule,
                          landing=engine is not None and not config.device_accumulation,
                          **link_module.host_alloc(engine))
         link = link_module.make_link(host, engine, overlap=config.overlap_step,

@@ -2,14 +2,16 @@
 ``load_state_dict()`` reads, as functions over the parts of a built optimizer.
 
 Format ``FORMAT`` (``state_dict()["zenflow"]["format"]``; dicts written before the key existed are format 1, the
-same layout): ``state`` by parameter position, each entry holding the fast path's state (``selected``, ``exp_avg``,
-``exp_avg_sq``, ``master``, ``step``, Zen-auto's running means) and, for the parameters whose host state this rank
-holds, ``host_master``, ``host_exp_avg``, ``host_exp_avg_sq``, ``host_step`` and the interval's sums ``acc``; every
+same layout): ``state`` by parameter position, each entry holding the fast path's state (``selected``, the update
+rule's ``state_names`` (AdamW: ``exp_avg``, ``exp_avg_sq``), ``master``, ``step``, Zen-auto's running means) and, for
+the parameters whose host state this rank holds, ``host_master``, ``host_<name>`` of each state name, ``host_step``
+and the interval's sums ``acc``; every
 entry has ``acc_count`` and ``pending`` (a host result awaiting its write-back) and, inside ``flushed()``,
 ``unflushed`` (the weights training continues from). ``param_groups`` as torch writes them; ``zenflow`` the
 counters, the config, the schedule, ``max_grad_norm``, ``seed_from_host``, ``built``, ``zero`` (stage, world,
-rank, consolidated) and ``host_params``, the parameters with host state (a frozen one has none; a dict without the
-key: all of them).
+rank, consolidated), ``host_params``, the parameters with host state (a frozen one has none; a dict without the
+key: all of them) and ``rule`` (the update rule's ``to_dict()``; a dict without it: AdamW's). A checkpoint of one rule
+is refused by an optimizer of another.
 """
 
 from __future__ import annotations
@@ -33,17 +35,20 @@ FORMAT = 2
 
 COUNTERS = ("t", "skipped_steps", "host_updates", "selections", "steps_accumulated")
 
-_FAST_STATE_KEYS = frozenset({"exp_avg", "exp_avg_sq", "master"})
-_HOST_KEYS = frozenset({"host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "acc", "acc_count", "pending",
-                        "unflushed"})
+_HOST_KEYS = frozenset({"host_step", "acc", "acc_count", "pending", "unflushed"})
+
+
+def host_keys(rule) -> frozenset:
+    """The keys of a state entry that hold host state (the rest is the fast path's)."""
+    return _HOST_KEYS | {f"host_{name}" for name in ("master", *rule.state_names)}
 
 
 def header(counters: dict, *, config: ZenFlowConfig, schedule: Schedule, max_grad_norm, seed_from_host: bool,
-           zero_stage: int, shard, consolidated: bool) -> dict:
+           zero_stage: int, shard, consolidated: bool, rule) -> dict:
     """The ``zenflow`` entry but ``format`` and ``built`` (:func:`pack` adds them): the optimizer's ``counters``
-    (:data:`COUNTERS`), its settings and how the ranks held the state."""
+    (:data:`COUNTERS`), its settings, its update rule and how the ranks held the state."""
     return dict(counters, config=config.to_dict(), schedule=schedule.to_dict(), max_grad_norm=max_grad_norm,
-                seed_from_host=seed_from_host,
+                seed_from_host=seed_from_host, rule=rule.to_dict(),
                 zero=dict(stage=zero_stage, world=shard.world, rank=shard.rank, consolidated=consolidated))
 
 
@@ -67,7 +72,7 @@ def pack(run: Run | None, interval: HostInterval | None, *, groups: list[dict], 
     if run is None:
         return {"state": state, "param_groups": groups, "zenflow": zenflow}
     zenflow["host_params"] = sorted(run.host_params)
-    host = run.host
+    host, names = run.host, run.host.names  # ("master", *the rule's state names)
     # on disk: the host state and the interval's sums handed out as views of one file-backed copy, never whole in
     # memory
     snap = None if consolidated else host.snapshot(interval.sums_flat())
@@ -77,16 +82,14 @@ def pack(run: Run | None, interval: HostInterval | None, *, groups: list[dict], 
         if interval.unflushed is not None and i in interval.unflushed:  # inside flushed(): what training holds
             st["unflushed"] = interval.unflushed[i]
         if consolidated and i in run.host_params:  # every parameter's host state, from the rank holding it
-            fields = {name: run.from_host(i, name).to("cpu") for name in ("master", "exp_avg", "exp_avg_sq")}
-            st.update(host_master=fields["master"], host_exp_avg=fields["exp_avg"],
-                      host_exp_avg_sq=fields["exp_avg_sq"], host_step=run.host_step(i),
+            st.update({f"host_{name}": run.from_host(i, name).to("cpu") for name in names})
+            st.update(host_step=run.host_step(i),
                       acc=run.shard.checkpoint_tensor(i, lambda i=i: interval.sums_of(i), tuple(run.local[i].shape)))
         elif i in host.slots:
-            fields = ([host.view(snap[k], i) for k in range(3)] if snap is not None else
-                      [host.field(name, i).clone() for name in ("master", "exp_avg", "exp_avg_sq")])
-            st.update(host_master=fields[0], host_exp_avg=fields[1], host_exp_avg_sq=fields[2],
-                      host_step=host.host_step[i],
-                      acc=host.view(snap[3], i) if snap is not None else interval.sums_of(i))
+            st.update({f"host_{name}": host.view(snap[k], i) if snap is not None else host.field(name, i).clone()
+                       for k, name in enumerate(names)})
+            st.update(host_step=host.host_step[i],
+                      acc=host.view(snap[len(names)], i) if snap is not None else interval.sums_of(i))
         state[i] = st
     return {"state": state, "param_groups": groups, "zenflow": zenflow}
 
@@ -107,7 +110,7 @@ class Loaded:
     rebuilt one."""
 
     config: ZenFlowConfig
-    schedule: Schedule
+    schedule: Schedule | dict  # the loading optimizer's own, or the checkpoint's record to make one from
     max_grad_norm: float | None
     seed_from_host: bool
     groups: list[dict]
@@ -139,14 +142,22 @@ def check_form(state_dict, n_groups: int, group_sizes: list[int]) -> None:
 
 
 def read(state_dict, *, params: list[torch.Tensor], group_of: list[int], group_sizes: list[int], shard,
-         config: ZenFlowConfig, schedule: Schedule, max_grad_norm) -> Loaded:
+         config: ZenFlowConfig, schedule: Schedule, max_grad_norm, rule) -> Loaded:
     """Check a state dict for the loading optimizer (its ``params``, their param groups, its ``shard``ing and
     settings): a ZenFlowAdamW one (:func:`unpack`), a torch AdamW/Adam one (:func:`unpack_adam`), or an error.
     FSDP2: the dict is in torch.distributed.checkpoint's form first."""
     state_dict = shard.import_state_dict(state_dict)
     check_form(state_dict, len(group_sizes), group_sizes)
     if "zenflow" not in state_dict:  # a torch AdamW/Adam run to continue
+        if rule.name != "AdamW":
+            raise ValueError(f"ZenFlow({rule.name}).load_state_dict: the state dict has no 'zenflow' entry (a torch "
+                             "optimizer's): continuing a torch optimizer's run is supported for rules.AdamW only")
         return unpack_adam(state_dict, params, config, schedule, max_grad_norm)
+    saved_rule = state_dict["zenflow"].get("rule", {"name": "AdamW", "state_names": ["exp_avg", "exp_avg_sq"]})
+    if saved_rule.get("name") != rule.name or tuple(saved_rule.get("state_names", ())) != rule.state_names:
+        raise ValueError(f"ZenFlow({rule.name}).load_state_dict: the state dict was saved by an optimizer with the "
+                         f"update rule {saved_rule.get('name')!r} ({saved_rule}); this one's is {rule!r}: its "
+                         "state (the host and fast-path fields) cannot continue another rule's run")
     return unpack(state_dict, config=config, max_grad_norm=max_grad_norm, local=[shard.local(p) for p in params],
                   will_hold=shard.will_hold(params, group_of), rank=shard.rank, world=shard.world)
 
@@ -164,7 +175,7 @@ def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: lis
     # both ways; another machine)
     saved_config = ZenFlowConfig.from_dict({**zenflow["config"], "offload_device": config.offload_device,
                                             "nvme_path": config.nvme_path, "cores": config.cores})
-    schedule = Schedule.from_dict(zenflow["schedule"])
+    schedule = dict(zenflow["schedule"])  # the optimizer makes it (make_schedule: its schedule_class)
     saved_state = state_dict["state"]
     held = set(zenflow.get("host_params", range(len(local))))
     for idx, st in saved_state.items():
@@ -204,13 +215,14 @@ def restore(saved_state: dict, run: Run, interval: HostInterval, to_state: Calla
     parameters, the interval's sums, counts and pending results, the fast path's state (``to_state`` places it),
     and inside-``flushed()`` weights into the parameters. A parameter the state holds no host state of (frozen when
     it was saved, trained now) keeps the fresh shard's: its live weights, zero moments."""
-    host = run.host
+    host, names = run.host, run.host.names
+    held_keys, fast_keys = host_keys(run.rule), {*run.rule.state_names, "master"}
     writes = []  # the host fields, written in one pass (on disk: each block of the file once)
     for idx, st in saved_state.items():
         i = int(idx)
         p = run.params[i]
         if i in host.slots and "host_master" in st:  # ZeRO: the host state of this rank's parameters only
-            writes += [(name, i, st[f"host_{name}"]) for name in ("master", "exp_avg", "exp_avg_sq")]
+            writes += [(name, i, st[f"host_{name}"]) for name in names]
             host.view(interval.sums_flat(), i).copy_(st["acc"])
             host.host_step[i] = int(st["host_step"])
             if st["pending"]:
@@ -220,10 +232,10 @@ def restore(saved_state: dict, run: Run, interval: HostInterval, to_state: Calla
             interval.pending.append(i)
         if "unflushed" in st:  # saved inside flushed(): the model holds the flushed weights, training these
             run.local[i].copy_(st["unflushed"])
-        fast = {k: v for k, v in st.items() if k not in _HOST_KEYS}
+        fast = {k: v for k, v in st.items() if k not in held_keys}
         run.state[p] = {
             # copies: the optimizer must not share storage with the caller's state dict
-            k: (to_state(v.clone()) if k in _FAST_STATE_KEYS else v.to(run.device, copy=True))
+            k: (to_state(v.clone()) if k in fast_keys else v.to(run.device, copy=True))
             if torch.is_tensor(v) else v
             for k, v in fast.items()
         }

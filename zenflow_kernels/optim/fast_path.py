@@ -1,12 +1,11 @@
-"""The device fast path (docs/design.md section 2): one fused multi-tensor AdamW over the selected columns of every
-matrix and every vector, laid out once per selection; with ``offload`` its Adam state lives in host memory and
-visits the device bucket by bucket."""
+"""The device fast path (docs/design.md section 2): the update rule's multi-tensor step (AdamW: one fused launch) over
+the selected columns of every matrix and every vector, laid out once per selection; with ``offload`` its state lives
+in host memory and visits the device bucket by bucket."""
 
 from __future__ import annotations
 
 import torch
 
-from .. import ops
 from ..launch_plan import LaunchItems
 from .run import Run
 
@@ -45,17 +44,17 @@ class FastPath:
         for i in vectors:
             if i in self._joined:
                 continue
-            if "exp_avg" not in self.run.fast_state(i):
+            if "step" not in self.run.fast_state(i):
                 self.init_vector(i)
             self._joined.add(i)
 
     def init_vector(self, i: int) -> None:
-        """A vector joins the fast path with the Adam state the host gave it during warm-up."""
+        """A vector joins the fast path with the rule state the host gave it during warm-up."""
         run = self.run
         p, st = run.local[i], run.fast_state(i)
         n = p.numel()
-        st["exp_avg"] = self.to_state(run.from_host(i, "exp_avg").reshape(1, n))
-        st["exp_avg_sq"] = self.to_state(run.from_host(i, "exp_avg_sq").reshape(1, n))
+        for name in run.rule.state_names:
+            st[name] = self.to_state(run.from_host(i, name).reshape(1, n))
         st["step"] = run.host_step(i)
         if p.dtype != torch.float32:
             st["master"] = self.to_state(run.from_host(i, "master").reshape(1, n))
@@ -73,7 +72,7 @@ class FastPath:
         entries, steps = [], []
         for i, (key, p) in enumerate(zip(run.params, run.local, strict=True)):
             st = run.state.get(key)
-            if not st or "exp_avg" not in st:
+            if not st or "step" not in st:
                 continue
             if p.dim() != 2:
                 entries.append((i, p.view(1, -1), False, st, run.group_of[i]))
@@ -89,16 +88,18 @@ class FastPath:
                 st["step"] = flat[offset : offset + k]
                 offset += k
         # what the fused launch takes of each entry that stays put for the plan's life: (selected columns or None,
-        # exp_avg, exp_avg_sq, master or None); the step counts are read at each step (a vector's is an int)
-        fixed = [(st["selected"] if is_matrix else None, st["exp_avg"], st["exp_avg_sq"], st.get("master"))
+        # the rule's state tensors, master or None); the step counts are read at each step (a vector's is an int)
+        names = run.rule.state_names
+        fixed = [(st["selected"] if is_matrix else None, *(st[n] for n in names), st.get("master"))
                  for _, _, is_matrix, st, _ in entries]
         self._plan = (entries, flat, {}, fixed)
         return self._plan
 
     def step(self, active: set[int], hyper: list[dict], *, grad_scale: float,
              compact: dict[int, torch.Tensor] | None = None) -> None:
-        """One fused multi-tensor AdamW over the selected columns of every active matrix and every active vector
-        (one launch set per distinct (beta1, beta2, eps) of the param groups: usually one). With every parameter
+        """The rule's multi-tensor step over the selected columns of every active matrix and every active vector
+        (one launch set per distinct ``rule.shared`` numbers of the param groups, AdamW's (beta1, beta2, eps):
+        usually one). With every parameter
         active, each launch is laid out once per selection (``LaunchItems``). ``grad_scale`` divides the gradients
         (GradScaler's scale, clipping); ``compact``: released gradients, only the selected columns' ``[R, k]``."""
         run = self.run
@@ -114,11 +115,11 @@ class FastPath:
             flat_steps.add_(1)
         if compact is not None or self.offload:
             launches = None  # tensors made at this step (gathered columns, state visiting the device)
-        own_grad = run.shard.own_grad
-        numbers = [(h["lr"], h["weight_decay"]) for h in hyper]
-        group_keys = [(h["beta1"], h["beta2"], h["eps"]) for h in hyper]
+        own_grad, rule = run.shard.own_grad, run.rule
+        numbers = [tuple(h[k] for k in rule.per_tensor) for h in hyper]
+        group_keys = [tuple(h[k] for k in rule.shared) for h in hyper]
         items, gathered = [], []
-        for (i, pv, is_matrix, st, gi), (idx, m, v, w) in zip(entries, fixed, strict=True):
+        for (i, pv, is_matrix, st, gi), (idx, *state, w) in zip(entries, fixed, strict=True):
             if is_matrix and compact is not None:
                 # released gradients: only the selected columns' [R, k] exist; a dense update of the gathered
                 # columns, scattered back after (the same arithmetic as the indexed update)
@@ -130,7 +131,7 @@ class FastPath:
             else:
                 st["step"] += 1
                 grad = own_grad(i)[None]  # [1, n], as the parameter's view
-            items.append((pv, grad, idx, m, v, w, st["step"], *numbers[gi]))
+            items.append((pv, grad, idx, *state, w, st["step"], *numbers[gi]))
         distinct = dict.fromkeys(group_keys)
         keys = [group_keys[e[4]] for e in entries] if len(distinct) > 1 else None
         for key in distinct:
@@ -146,16 +147,17 @@ class FastPath:
                 p.index_copy_(1, idx, cols)
 
     def _update(self, bucket, key: tuple, grad_scale: float) -> None:
-        link = self.run.link
+        link, rule = self.run.link, self.run.rule
+        held = slice(3, 4 + len(rule.state_names))  # an item's state tensors and master
         if self.offload:  # stream this bucket's state in; it goes back out after the update
-            moved = [(p, g, idx, *(None if t is None else link.to_device(t) for t in (m, v, w)), *rest)
-                     for p, g, idx, m, v, w, *rest in bucket]
+            moved = [(*item[:3], *(None if t is None else link.to_device(t) for t in item[held]), *item[held.stop:])
+                     for item in bucket]
         else:
             moved = bucket
-        ops.multi_selective_adamw_items_(moved, beta1=key[0], beta2=key[1], eps=key[2], grad_scale=grad_scale)
+        rule.fast_step_(moved, grad_scale=grad_scale, **dict(zip(rule.shared, key, strict=True)))
         if self.offload:
             for home, there in zip(bucket, moved, strict=True):
-                for dst, src in zip(home[3:6], there[3:6], strict=True):
+                for dst, src in zip(home[held], there[held], strict=True):
                     if dst is not None:
                         link.to_host_(dst, src)
 
@@ -164,8 +166,11 @@ class FastPath:
         if not self.offload:
             return [items]
         buckets, size = [[]], 0
+        stateless = not self.run.rule.state_names
         for item in items:
-            numel = item[3].numel()
+            # a state tensor's elements (the columns', R x k); a rule without state: the columns' too
+            numel = item[0].shape[0] * item[2].numel() if stateless and item[2] is not None else (
+                item[0].numel() if stateless else item[3].numel())
             if buckets[-1] and size + numel > self.bucket_numel:
                 buckets.append([])
                 size = 0

@@ -1,10 +1,13 @@
-"""ZenFlowAdamW: the drop-in ``torch.optim`` optimizer (docs/design.md sections 2-3, oracle: reference.py).
+"""ZenFlow and ZenFlowAdamW: the drop-in ``torch.optim`` optimizers (docs/design.md sections 2-3, oracle: reference.py).
+``ZenFlow`` takes an update rule (``zenflow_kernels.rules``: AdamW, Adam, Lion, SGD or one's own); ``ZenFlowAdamW`` is
+``ZenFlow`` with ``rules.AdamW``, with torch's AdamW signature.
 
-A facade over parts that each own their state (docs/hacking.md): ``selection.py`` (which columns are on the fast
-path), ``fast_path.py`` (the fused device AdamW), ``interval.py`` with ``sums.py`` (the host interval: sums, counts,
-the host update, the write-back), ``handover.py`` (gradients crossing during backward), ``flushed.py`` (who holds
-the flushed weights), ``step_inputs.py`` (a step's scale, clipping norm and gradient checks), ``checkpoint.py``
-(the format) and ``telemetry.py``. This class holds the torch ``Optimizer`` surface and ``step()``'s order of calls.
+A facade over parts that each own their state (docs/hacking.md): ``selection.py`` (which columns are on the fast path),
+``fast_path.py`` (the device's multi-tensor step of the rule), ``interval.py`` with ``sums.py`` (the host interval:
+sums, counts, the host update, the write-back), ``handover.py`` (gradients crossing during backward), ``flushed.py``
+(who holds the flushed weights), ``step_inputs.py`` (a step's scale, clipping norm and gradient checks),
+``checkpoint.py`` (the format) and ``telemetry.py``. This class holds the torch ``Optimizer`` surface and ``step()``'s
+order of calls.
 Moving data is the link's (``zenflow_kernels.link``); this package holds no stream, event or pinned buffer.
 """
 
@@ -19,10 +22,11 @@ from typing import Any
 
 import torch
 
-from ..config import ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters
+from ..config import ZenFlowConfig, ZenFlowWarning
 from ..device_model import current_chaos
 from ..handover import HandOver
-from ..schedule import Schedule, resolve_schedule
+from ..rules import UpdateRule
+from ..schedule import Schedule, make_schedule
 from ..sharding import Sharding, world_of
 from . import build, checkpoint
 from .fast_path import FastPath
@@ -32,7 +36,7 @@ from .selection import Selection
 from .step_inputs import ClipRequests, GradChecks, check_group, hyper, read_step
 from .telemetry import Telemetry, host_bytes
 
-__all__ = ["ZenFlowAdamW"]
+__all__ = ["ZenFlow"]
 
 
 def compile_disabled(fn):
@@ -50,15 +54,17 @@ def compile_disabled(fn):
     return eager
 
 
-class ZenFlowAdamW(torch.optim.Optimizer):
-    """AdamW with ZenFlow's split: top-k columns on the device every step, the rest on the host.
+class ZenFlow(build.Tunables, torch.optim.Optimizer):
+    """An update rule with ZenFlow's split: top-k columns on the device every step, the rest on the host.
 
     Args:
-        params: parameters or param groups (each group may set ``lr``, ``betas``, ``eps``,
-            ``weight_decay``, and its own ZenFlow ``topk_ratio`` and ``importance``: see
+        params: parameters or param groups (each group may set ``lr`` and the rule's hyper-parameters (AdamW:
+            ``betas``, ``eps``, ``weight_decay``), and its own ZenFlow ``topk_ratio`` and ``importance``: see
             docs/custom-loop.md). fp32, bf16 or fp16, all on one device (CPU or one CUDA device); or the
             parameters of a model sharded with FSDP2 (docs/fsdp2.md).
-        lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
+        rule: the update rule (``zenflow_kernels.rules``: ``AdamW``, ``Adam``, ``Lion``, ``SGD`` or a subclass of
+            ``UpdateRule``); its hyper-parameters are the param groups' defaults.
+        lr: the learning rate.
         zenflow: a :class:`ZenFlowConfig`, a ``zenflow`` dict, or a DeepSpeed JSON (dict or path).
         max_grad_norm: clip by global norm (fast path: the step's gradient; host: the mean
             accumulated gradient), or None.
@@ -89,35 +95,25 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     :meth:`close` (or ``with ZenFlowAdamW(...) as opt:``) to stop the background worker.
 
     The parts (docs/hacking.md) are made at the first step from the classes ``selection_class``,
-    ``fast_path_class`` and ``interval_class``: a subclass that sets one changes that part only.
+    ``fast_path_class`` and ``interval_class``: a subclass that sets one changes that part only. The schedule is
+    made as ``schedule_class``, only by :meth:`make_schedule` (so a subclass's schedule survives a load).
     """
 
     selection_class = Selection
     fast_path_class = FastPath
     interval_class = HostInterval
+    schedule_class = Schedule
 
-    NVME_BLOCK_NUMEL = 1 << 20
-    """offload_device="nvme": elements per block of the state file (12 MiB a block; the update streams three
-    blocks at a time)."""
-    NVME_DIRECT = True
-    """offload_device="nvme" opens the state file with O_DIRECT (the page cache does not hold it; bench.nvme).
-    False (on the class or an instance, before the first step) uses the page cache."""
-    ZERO_BUCKET_NUMEL = 1 << 23
-    """ZeRO-2 reduces matrices' gradients in buckets of at most this many elements (one owner, one dtype)."""
-    FUSE_MIN_NUMEL = 1 << 16
-    """A synchronous CPU update folds a parameter's last gradient into its AdamW pass (saving a pass over the
-    accumulation buffer) when it has at least this many elements; below, one merged AdamW call per run of
-    parameters costs less than a fused call per parameter."""
-    OFFLOAD_BUCKET_NUMEL = 1 << 26
-    """With ``offload``, the fast-path state moves to the device in buckets of at most this many elements."""
+    def make_schedule(self, *, steps_per_epoch: int | None = None, dataloader: Any = None,
+                      saved: dict | None = None) -> Schedule:
+        """The schedule, as ``schedule_class``: from ``self.config`` (and the epoch length), or a checkpoint's."""
+        return make_schedule(self.schedule_class, self.config, steps_per_epoch, dataloader, saved)
 
     def __init__(
         self,
         params,
+        rule: UpdateRule,
         lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
         *,
         zenflow: ZenFlowConfig | dict | str | None = None,
         max_grad_norm: float | None = None,
@@ -129,15 +125,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         collective_timeout: float = 300.0,
         release_gradients: bool | None = None,
     ):
-        check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm)
-        build.check_arguments(zero_stage, collective_timeout, release_gradients)
+        build.check_arguments(rule, lr, max_grad_norm, zero_stage, collective_timeout, release_gradients)
         world = world_of(process_group)
         self._built = False
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.rule = rule  # (before torch's __init__: add_param_group checks each group with it)
+        super().__init__(params, dict(lr=lr, **rule.group_defaults()))
         self.config = ZenFlowConfig.coerce(zenflow)
         build.rank_cores(self.config)  # a cores list outside this process's CPUs is an error now, not at a step
-        build.check_nvme_path(self.config)  # (so is an nvme_path that cannot hold the state files)
-        self.schedule: Schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch, dataloader=dataloader)
+        build.check_nvme_path(self.config, rule)  # (so is an nvme_path that cannot hold the state files)
+        self.schedule: Schedule = self.make_schedule(steps_per_epoch=steps_per_epoch, dataloader=dataloader)
         self.max_grad_norm = max_grad_norm
         self.host_timeout = host_timeout
         self.zero_stage = zero_stage
@@ -174,7 +170,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
         try:
-            check_group(self.param_groups[-1], len(self.param_groups) - 1)
+            check_group(self.param_groups[-1], len(self.param_groups) - 1, self.rule)
             if hasattr(self, "_params"):  # a group added after __init__ but before the first step
                 params, group_of = build.take_params(self.param_groups)
                 self._shard.accept(params)
@@ -189,11 +185,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.run = run = build.make_run(self._params, self._group_of, self.param_groups, self.state, self.config,
                                         self._shard, self._stats, timeout=self.host_timeout, chaos=self._chaos,
                                         nvme_block=self.NVME_BLOCK_NUMEL, nvme_direct=self.NVME_DIRECT,
-                                        host_params=build.trained(self._params, self._held))
+                                        host_params=build.trained(self._params, self._held), rule=self.rule)
         self.device, self._grad_checks = run.device, GradChecks(run.local, run.device)
         try:  # (the parts hold the param groups and state, never the optimizer: no cycle delays its finalizer)
             parts = build.make_parts(run, type(self), self.handover, seed_from_host=self._seed_from_host,
-                                     hyper=functools.partial(hyper, self.param_groups),
+                                     hyper=functools.partial(hyper, self.param_groups, self.rule),
                                      grad_ready=weakref.WeakMethod(self._grad_ready))
         except BaseException:
             self.run = None
@@ -232,7 +228,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # -- the public surface ------------------------------------------------------------------------
 
-    def __enter__(self) -> ZenFlowAdamW:
+    def __enter__(self) -> ZenFlow:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -248,7 +244,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def __repr__(self) -> str:
         base = super().__repr__()  # "ZenFlowAdamW (\nParameter Group 0\n    ...\n)"
         zen = "".join(f"    {k}: {v!r}\n" for k, v in self.config.to_dict().items())
-        return f"{base[:-1]}ZenFlow\n{zen}    max_grad_norm: {self.max_grad_norm!r}\n)"
+        return f"{base[:-1]}ZenFlow\n    rule: {self.rule!r}\n{zen}    max_grad_norm: {self.max_grad_norm!r}\n)"
 
     # what tools and benchmarks may look at (read-only): built (the first step laid out the host state, made the
     # parts, started the workers), closed, the link and the host shard (None before the first step), the sharding
@@ -288,7 +284,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         rounded up), when it was not known at construction: ``select_strategy="epoch"``/``"auto"`` then
         re-selects columns every ``select_interval`` epochs instead of never. The schedule is resolved again
         (boundaries count from step 0); the ``ZenFlowCallback`` integrations call this for you."""
-        self.schedule = resolve_schedule(self.config, steps_per_epoch=steps_per_epoch)
+        self.schedule = self.make_schedule(steps_per_epoch=steps_per_epoch)
 
     def close(self) -> None:
         """Land any in-flight host update and stop the background workers (idempotent)."""
@@ -314,7 +310,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self.interval.flush()
 
     @contextlib.contextmanager
-    def flushed(self) -> Iterator[ZenFlowAdamW]:
+    def flushed(self) -> Iterator[ZenFlow]:
         """A context in which the parameters hold the flushed weights (what :meth:`flush` gives: every host
         update computed so far applied) and after which they hold again, bit for bit, the weights training
         continues from: save and evaluate inside it, and the run ends as it would without them
@@ -426,7 +422,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         compact = self.selection.compact_gradients(matrices)  # (ZeRO-2's released gradients)
         grad_scale = self._amp if coef is None else self._amp / coef  # GradScaler's scale, clipping
         with self._stats.timed_fast_step():
-            self.fast_path.step(set(active), hyper(self.param_groups), grad_scale=grad_scale, compact=compact)
+            self.fast_path.step(set(active), hyper(self.param_groups, self.rule), grad_scale=grad_scale,
+                                compact=compact)
         self.steps_accumulated += 1
         trigger = self.selection.auto_vote(matrices, self._amp) if self.schedule.is_auto else False
         boundary = self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger)
@@ -486,7 +483,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         zenflow = checkpoint.header({name: getattr(self, name) for name in checkpoint.COUNTERS}, config=self.config,
                                     schedule=self.schedule, max_grad_norm=self.max_grad_norm,
                                     seed_from_host=self._seed_from_host, zero_stage=self.zero_stage,
-                                    shard=self._shard, consolidated=consolidated)
+                                    shard=self._shard, consolidated=consolidated, rule=self.rule)
         if self._built:
             checkpoint.before_pack(self.run, self.interval)
         packed = checkpoint.pack(self.run if self._built else None, self.interval, consolidated=consolidated,
@@ -521,13 +518,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             state_dict = hook(self, state_dict) or state_dict
         loaded = checkpoint.read(state_dict, params=self._params, group_of=self._group_of,
                                  group_sizes=[len(g["params"]) for g in self.param_groups], shard=self._shard,
-                                 config=self.config, schedule=self.schedule, max_grad_norm=self.max_grad_norm)
+                                 config=self.config, schedule=self.schedule, max_grad_norm=self.max_grad_norm,
+                                 rule=self.rule)
         if loaded.changed:
             warnings.warn("ZenFlowAdamW.load_state_dict: the checkpoint's settings replace this optimizer's: "
                           + "; ".join(loaded.changed) + ". The saved run continues as it was configured",
                           ZenFlowWarning, stacklevel=2)
         self._reset()
-        self.config, self.schedule, self.max_grad_norm = loaded.config, loaded.schedule, loaded.max_grad_norm
+        self.config, self.max_grad_norm = loaded.config, loaded.max_grad_norm
+        if isinstance(loaded.schedule, dict):  # a ZenFlow checkpoint's record, made as this optimizer makes one
+            self.schedule = self.make_schedule(saved=loaded.schedule)
         self._seed_from_host = loaded.seed_from_host
         for saved, g in zip(loaded.groups, self.param_groups, strict=True):
             g.update(saved)
@@ -550,4 +550,5 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self.run = self.selection = self.fast_path = self.interval = None
             self._built = False
         self.state.clear()
+
 

@@ -11,6 +11,7 @@ import torch
 from .._memory import gather_columns
 from ..config import ZenFlowConfig, num_selected
 from ..host import HostShard
+from ..rules import UpdateRule
 from ..sharding import Sharding
 from .telemetry import Telemetry
 
@@ -37,6 +38,7 @@ class Run:
     cores: dict  # {"train": CPUs, "host": CPUs, "why": ...}: training's and the host worker's (build.split_cores)
     torch_threads: int | None  # training's torch thread count before the build changed it (None: unchanged)
     host_params: frozenset  # the parameters with host state, on some rank (build.trained): the others are frozen
+    rule: UpdateRule  # the update rule (rules): the names of its per-element state, its step and kernels
 
     def setting(self, i: int, name: str):
         """Parameter ``i``'s ``topk_ratio`` or ``importance``: its param group's, else the optimizer's."""
@@ -47,11 +49,11 @@ class Run:
         return num_selected(self.setting(i, "topk_ratio"), self.params[i].shape[1])
 
     def fast_state(self, i: int) -> dict:
-        """Parameter ``i``'s ``state`` entry (the fast path's Adam state, its selected columns, the auto vote)."""
+        """Parameter ``i``'s ``state`` entry (the fast path's rule state, its selected columns, the auto vote)."""
         return self.state[self.params[i]]
 
     def from_host(self, i: int, name: str, cols: torch.Tensor | None = None, transient: bool = False) -> torch.Tensor:
-        """A copy of parameter ``i``'s host ``master``/``exp_avg``/``exp_avg_sq`` (fp32, parameter shape;
+        """A copy of parameter ``i``'s host ``master`` or rule state field ``name`` (fp32, parameter shape;
         ``cols``: those columns only), on the device. ZeRO: its owner broadcasts it. ``transient``: a
         temporary (the columns are gathered into transient memory where it is made: see _memory)."""
         host, p = self.host, self.local[i]

@@ -1,5 +1,5 @@
 """Column selection (docs/design.md section 2, reference.py): scoring the columns, choosing each matrix's top k (or
-a seeded random draw), moving the fast path's Adam state with the columns that stay and handing the departing ones'
+a seeded random draw), moving the fast path's rule state with the columns that stay and handing the departing ones'
 values back to the host master, and Zen-auto's vote on whether the host needs an update."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __all__ = ["Selection"]
 
 class Selection:
     """Which columns of each matrix are on the fast path. ``seed_from_host``: after loading a torch AdamW state
-    dict, a matrix's first selection takes its columns' Adam state from the host (the imported moments and step)
+    dict, a matrix's first selection takes its columns' rule state from the host (the imported moments and step)
     instead of starting them from zero."""
 
     def __init__(self, run: Run, fast: FastPath, *, seed_from_host: bool = False):
@@ -96,10 +96,10 @@ class Selection:
 
     def _move(self, i: int, new: torch.Tensor, returning: list) -> float | None:
         """Matrix ``i`` takes the columns ``new``: its fast-path state follows the columns that stay, entering
-        columns start from zero moments (a low-precision matrix: from the host master's value), departing columns'
-        values go back to the host master (``returning``). Returns the Jaccard overlap with the old columns."""
+        columns start from zero state and step 0 (a low-precision matrix: from the host master's value), departing
+        columns' values go back to the host master (``returning``). Returns the Jaccard overlap with the old columns."""
         run, fast = self.run, self.fast
-        host, device = run.host, run.device
+        host, device, names = run.host, run.device, run.rule.state_names
         p, st = run.local[i], run.fast_state(i)
         R, k = p.shape[0], new.numel()
         owned = i in host.slots  # ZeRO: this rank holds the matrix's host state
@@ -109,7 +109,8 @@ class Selection:
         # the same k, the state where the fast step reads it: the new state is written over the old through
         # transient [R, k] temporaries (a second fast-path state freed, or heap temporaries of this size, would
         # stay in the process's RSS: see _memory)
-        in_place = carry and not fast.offload and tuple(st["exp_avg"].shape) == (R, k)
+        in_place = carry and not fast.offload and old.numel() == k and all(
+            tuple(st[name].shape) == (R, k) for name in names)
         # a low-precision matrix keeps an fp32 master of its selected columns; entering columns take the host
         # master's value (the live weight is that value, rounded)
         master = run.from_host(i, "master", new, transient=in_place) if p.dtype != torch.float32 else None
@@ -128,27 +129,27 @@ class Selection:
                     returning.clear()
             jaccard = float(stay.sum()) / max(1, int(torch.unique(torch.cat([old, new])).numel()))
         if in_place:  # staying columns move to their new positions; entering ones start as below
-            for name in ("exp_avg", "exp_avg_sq"):
+            for name in names:
                 st[name].copy_(gather_columns(st[name], pos).masked_fill_(~stay, 0))
             if master is not None:
                 torch.where(stay, gather_columns(old_master, pos), master, out=st["master"])
             st["selected"], st["step"] = new, st["step"][pos].masked_fill_(~stay, 0)
             return jaccard
-        m = torch.zeros(R, k, dtype=torch.float32, device=device)
-        v = torch.zeros_like(m)
+        state = {name: torch.zeros(R, k, dtype=torch.float32, device=device) for name in names}
         steps = torch.zeros(k, dtype=torch.int64, device=device)
-        if old is None and self.seed_from_host:  # continuing an imported AdamW run
-            m.copy_(run.from_host(i, "exp_avg", new))
-            v.copy_(run.from_host(i, "exp_avg_sq", new))
+        if old is None and self.seed_from_host:  # continuing an imported torch run
+            for name, t in state.items():
+                t.copy_(run.from_host(i, name, new))
             steps.fill_(run.host_step(i))
         if carry:
-            old_m, old_v = st["exp_avg"].to(device), st["exp_avg_sq"].to(device)
-            m[:, stay] = old_m[:, pos[stay]]
-            v[:, stay] = old_v[:, pos[stay]]
+            for name, t in state.items():
+                t[:, stay] = st[name].to(device)[:, pos[stay]]
             steps[stay] = st["step"][pos[stay]]
             if master is not None:
                 master[:, stay] = old_master[:, pos[stay]]
-        st["selected"], st["exp_avg"], st["exp_avg_sq"], st["step"] = new, fast.to_state(m), fast.to_state(v), steps
+        st["selected"], st["step"] = new, steps
+        for name, t in state.items():
+            st[name] = fast.to_state(t)
         if master is not None:
             st["master"] = fast.to_state(master)
         return jaccard

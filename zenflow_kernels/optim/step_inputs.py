@@ -1,5 +1,5 @@
 """What a step reads besides the gradients: GradScaler's scale (the fused-optimizer protocol), the clipping norm in
-force, the param groups' AdamW numbers as they are now, and the one-pass check of every gradient."""
+force, the param groups' update-rule numbers as they are now, and the one-pass check of every gradient."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import torch
 
-from ..config import check_adamw_hyperparameters, check_group_settings
+from ..config import check_group_settings
 from .build import PARAM_DTYPES
 
 __all__ = ["ClipRequests", "grad_scaler", "check_group", "hyper", "GradChecks", "StepInputs", "read_step"]
@@ -62,21 +62,19 @@ class ClipRequests:
         self.request, self.norms = None, []
 
 
-def check_group(g: dict, gi: int) -> None:
-    """Param group ``gi``'s AdamW numbers and ZenFlow settings, or an error naming the group."""
-    check_adamw_hyperparameters(float(g["lr"]), g["betas"], g["eps"], g["weight_decay"],
-                                where=f"ZenFlowAdamW group {gi}")
+def check_group(g: dict, gi: int, rule) -> None:
+    """Param group ``gi``'s update-rule numbers and ZenFlow settings, or an error naming the group."""
+    rule.check_group(g, f"ZenFlowAdamW group {gi}" if rule.name == "AdamW" else f"ZenFlow({rule.name}) group {gi}")
     check_group_settings(g, f"ZenFlowAdamW param group {gi}")
 
 
-def hyper(param_groups: list[dict]) -> list[dict]:
-    """Each param group's AdamW numbers as they are now (a scheduler may have changed them), checked: the kernels
-    are called without per-tensor validation."""
+def hyper(param_groups: list[dict], rule) -> list[dict]:
+    """Each param group's update-rule numbers as they are now (a scheduler may have changed them; ``rule.numbers``),
+    checked: the kernels are called without per-tensor validation."""
     out = []
     for gi, g in enumerate(param_groups):
-        lr = float(g["lr"])
-        check_group(g, gi)
-        out.append(dict(lr=lr, beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"]))
+        check_group(g, gi, rule)
+        out.append(rule.numbers(g))
     return out
 
 

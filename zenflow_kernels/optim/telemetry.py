@@ -140,7 +140,8 @@ class Telemetry:
 
 def host_bytes(run, device_sums: list[torch.Tensor]) -> dict:
     """``ZenFlowAdamW.host_bytes()`` of a built optimizer: its host memory, by buffer, in bytes as allocated (each
-    buffer's storage): ``master``, ``exp_avg``, ``exp_avg_sq``, ``accumulation`` (one or two
+    buffer's storage): ``master`` and each of the update rule's state fields (AdamW: ``exp_avg``, ``exp_avg_sq``;
+    Lion: ``exp_avg``; SGD with momentum: ``momentum_buffer``), ``accumulation`` (one or two
     buffers), ``copy_out`` (one per parameter dtype, sized by that dtype's parameters), ``landing`` (an
     asynchronous link's landing area, laid out like the copy-out: a step's gradients in their dtype until
     ``step()`` folds them into the sums; 0 on the synchronous link and with ``device_accumulation``),
@@ -149,8 +150,8 @@ def host_bytes(run, device_sums: list[torch.Tensor]) -> dict:
     under ZeRO its own run). Beside them, not in ``total``:
     ``fast_state`` (the fast path's Adam state in host memory: on a CPU run, or offloaded) and
     ``device_sums`` (``device_accumulation``'s buffer when the device is the CPU), and with
-    ``offload_device="nvme"`` ``disk`` (the state file: master and moments, 12 bytes per parameter; then
-    ``master``, ``exp_avg`` and ``exp_avg_sq`` are 0 and the update's block buffers are not counted; with
+    ``offload_device="nvme"`` ``disk`` (the state file: master and rule state, 12 bytes per parameter for AdamW;
+    then the master's and the rule state's entries are 0 and the update's block buffers are not counted; with
     ``device_accumulation`` ``accumulation`` is 0 and ``sums_blocks``, in ``total``, the blocks the update
     fetches the device's sums into). On a GPU also
     ``pinned_requested`` and ``pinned_reserved`` (the page-locked bytes of those buffers: whole pages of

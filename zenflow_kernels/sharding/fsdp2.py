@@ -144,8 +144,12 @@ class FSDP2(Sharding):
     # shape [0] (no copy of a frozen backbone in the checkpoint): the loading optimizer's template has the same
     # where the same parameters are frozen.
 
-    _SHARDED = ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc")
-    _FAST = ("exp_avg", "exp_avg_sq", "master")
+    @staticmethod
+    def _keys(zenflow: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The row-sharded host keys and the fast path's tensor keys of the update rule the ``zenflow`` header
+        names (a header without one: AdamW's), ``master`` last."""
+        names = tuple(zenflow.get("rule", {}).get("state_names", ("exp_avg", "exp_avg_sq")))
+        return ("host_master", *(f"host_{n}" for n in names), "acc"), (*names, "master")
 
     def _sharded(self, local: torch.Tensor, like: torch.Tensor, columns: int | None = None) -> torch.Tensor:
         """``local`` (this rank's rows, on the host) as a DTensor sharded by rows like parameter ``like``, of
@@ -174,21 +178,26 @@ class FSDP2(Sharding):
         # a checkpoint that lacks one, so a key older checkpoints lack would make them unloadable (the DCP form's
         # format is its key set; load_state_dict reads a dict without the key as format 1)
         # (host_params likewise: the parameters with host state are those whose state is not a placeholder)
-        groups[0]["zenflow"] = {k: v for k, v in state_dict["zenflow"].items() if k not in ("format", "host_params")}
+        # (the rule likewise when it is AdamW, the rule of the checkpoints made before the key: a dict without it is
+        # AdamW's; another rule's dict has the key, and its state keys differ from AdamW's)
+        left_out = ("format", "host_params") + (("rule",) if state_dict["zenflow"].get("rule", {}).get(
+            "name") == "AdamW" else ())
+        groups[0]["zenflow"] = {k: v for k, v in state_dict["zenflow"].items() if k not in left_out}
         if not state_dict["zenflow"].get("built"):
             return {"state": {}, "param_groups": groups}
+        sharded, fast = self._keys(state_dict["zenflow"])
         state = {}
         for i, st in state_dict["state"].items():
             p, st = self.params[i], dict(st)
             if "host_master" not in st:  # frozen: no host state, and nothing of the fast path's either
-                out = {k: self._placeholder(p) for k in (*self._SHARDED, "unflushed", *self._FAST)}
+                out = {k: self._placeholder(p) for k in (*sharded, "unflushed", *fast)}
                 out.update(host_step=0, acc_count=0, pending=0, has_unflushed=0, has_fast=0, step=0)
                 if p.dim() == 2:
                     out.update(selected=torch.zeros(0, dtype=torch.int64), auto_selected=0.0, auto_unselected=0.0,
                                auto_count=0)
                 state[i] = out
                 continue
-            out = {k: self._sharded(st.pop(k), p) for k in self._SHARDED}
+            out = {k: self._sharded(st.pop(k), p) for k in sharded}
             out.update(host_step=int(st.pop("host_step")), acc_count=int(st.pop("acc_count")),
                        pending=int(st.pop("pending")))
             # always present (torch.distributed.checkpoint loads only the keys a fresh optimizer's dict has): the
@@ -196,22 +205,22 @@ class FSDP2(Sharding):
             unflushed = st.pop("unflushed", None)
             out["has_unflushed"] = int(unflushed is not None)
             out["unflushed"] = self._sharded(host_copy(local[i]) if unflushed is None else unflushed, p)
-            low = p.dtype != torch.float32
+            held = fast if p.dtype != torch.float32 else fast[:-1]  # (an fp32 parameter has no fast master)
             if p.dim() == 2:  # a placeholder of the k of this matrix's param group (its own topk_ratio, if set)
                 k = topk(i)
                 rows = local[i].shape[0]
                 out["has_fast"] = int("selected" in st)
                 out["selected"] = st.pop("selected", torch.full((k,), -1, dtype=torch.int64))
                 out["step"] = st.pop("step", torch.zeros(k, dtype=torch.int64))
-                for name in self._FAST[: 3 if low else 2]:
+                for name in held:
                     out[name] = self._sharded(st.pop(name, torch.zeros(rows, k)), p, columns=k)
                 for name, zero in (("auto_selected", 0.0), ("auto_unselected", 0.0), ("auto_count", 0)):
                     out[name] = st.pop(name, zero)
             else:
                 rows = local[i].numel()
-                out["has_fast"] = int("exp_avg" in st)
+                out["has_fast"] = int("step" in st)
                 out["step"] = int(st.pop("step", 0))
-                for name in self._FAST[: 3 if low else 2]:
+                for name in held:
                     out[name] = self._sharded(st.pop(name, torch.zeros(1, rows)).reshape(-1), p)
             state[i] = out
         return {"state": state, "param_groups": groups}
@@ -222,6 +231,7 @@ class FSDP2(Sharding):
             return state_dict  # not this form (an AdamW dict, or something load_state_dict will refuse)
         groups = [dict(g) for g in groups]
         zenflow = groups[0].pop("zenflow")
+        sharded, fast = self._keys(zenflow)
         # keys are positions (state_dict()) or FQNs (set_optimizer_state_dict): either way listed by the groups
         # in this optimizer's parameter order
         position = {key: n for n, key in enumerate(key for g in groups for key in g["params"])}
@@ -237,12 +247,12 @@ class FSDP2(Sharding):
                 state[i] = dict(acc_count=0, pending=False)
                 continue
             st = {k: (v.to_local() if is_dtensor(v) else v) for k, v in st.items()}
-            out = {k: st[k] for k in self._SHARDED}
+            out = {k: st[k] for k in sharded}
             out.update(host_step=int(st["host_step"]), acc_count=int(st["acc_count"]), pending=bool(st["pending"]))
             if int(st.get("has_unflushed", 0)):
                 out["unflushed"] = st["unflushed"]
             if int(st["has_fast"]):
-                names = [n for n in self._FAST if n in st]
+                names = [n for n in fast if n in st]
                 if self.params[i].dim() == 2:
                     out.update({n: st[n] for n in names}, selected=st["selected"], step=st["step"])
                     out.update({n: st[n] for n in ("auto_selected", "auto_unselected", "auto_count")})
