@@ -399,6 +399,25 @@ def test_step_overhead_quick(tmp_path):
         assert {"ms_at_8", "ms_at_16", "us_per_tensor", "vs_torch_adamw_foreach_at_16"} <= set(summary)
 
 
+# -- bench.seam_speed --------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs the repository's history (a git worktree of the base)")
+def test_seam_speed_quick(tmp_path):
+    """Both trees measured in one round (the base here HEAD itself: the machinery, not a change), the worktree
+    removed afterwards."""
+    proc = run_module("bench.seam_speed", "--quick", "--base", "HEAD", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "seam_speed.json").read_text())
+    keys = {"cpu_adam_ms_at_2^20", "cpu_adam_ms_at_2^24", "step_ms_at_8", "step_ms_at_16", "step_vs_foreach_at_8",
+            "step_vs_foreach_at_16"}
+    assert set(result["summary"]) == keys and len(result["runs"]["base"]) == len(result["runs"]["head"]) == 1
+    for row in result["summary"].values():
+        assert row["base"] > 0 and row["head"] > 0 and math.isfinite(row["head_over_base"])
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    assert len(worktrees.strip().splitlines()) == 1, worktrees
+
+
 # -- bench.host_multi --------------------------------------------------------------------------------------
 
 

@@ -42,6 +42,7 @@ ZERO = ("tests/test_zero.py",)
 HANDOVER = ("tests/test_handover.py",)
 ORACLE = ("tests/test_oracle_sweep.py",)
 FINETUNING = ("tests/test_finetuning.py",)
+RULES = ("tests/test_rules.py", "tests/test_cpu_rules.py")
 # the spawned two-rank cases against one rank and the reference, ZeRO-2's hooks and reloads
 ZERO_K = "two_ranks_match or stage2_keeps or spans_start_past"
 
@@ -528,6 +529,57 @@ BUGS = [
         "once any matrix has a selection, a matrix whose gradient first appears between selection boundaries is not "
         "selected: the host alone updates it until the next boundary",
         tests=FAST, k=FAST_K,
+    ),
+    # -- issue 41: the update rule as a seam ------------------------------------------------------------------------
+    Bug(
+        "lion-host-ignores-weight-decay",
+        "zenflow_kernels/cpu_ops/_kernels.py",
+        "        p = p if decay == np.float32(1.0) else p * decay\n",
+        "        p = p\n",
+        "the host's Lion kernel skips the decoupled weight decay (the device's torch step keeps it)",
+        tests=RULES, k=None,
+    ),
+    Bug(
+        "sgd-first-step-dampened",
+        "zenflow_kernels/cpu_ops/_kernels.py",
+        "        b = d if first else fma(d, one_minus_dampening, load_f32(buf, i) * momentum)\n",
+        "        b = fma(d, one_minus_dampening, load_f32(buf, i) * momentum)\n",
+        "SGD's momentum buffer takes dampening at its first step (torch's starts as the gradient itself)",
+        tests=RULES, k=None,
+    ),
+    Bug(
+        "bf16-state-option-ignored",
+        "zenflow_kernels/host.py",
+        "alloc(offset, torch.float32 if name == \"master\" else\n",
+        "alloc(offset, torch.float32 if name == \"master\" else torch.float32 if\n",
+        "a rule's state_dtype=torch.bfloat16 is silently ignored: the host keeps fp32 state",
+        tests=RULES, k="bf16",
+    ),
+    Bug(
+        "another-rules-checkpoint-accepted",
+        "zenflow_kernels/optim/checkpoint.py",
+        "    if saved_rule.get(\"name\") != rule.name or tuple(saved_rule.get(\"state_names\", ())) != "
+        "rule.state_names:\n",
+        "    if False:\n",
+        "a checkpoint of another update rule is loaded (its state names read as this rule's) instead of refused",
+        tests=RULES, k="refused",
+    ),
+    Bug(
+        "subclass-schedule-replaced-on-load",
+        "zenflow_kernels/optim/optimizer.py",
+        "            self.schedule = self.make_schedule(saved=loaded.schedule)\n",
+        "            self.schedule = Schedule.from_dict(loaded.schedule)\n",
+        "load_state_dict makes a stock Schedule: a subclass's schedule_class is lost at the first load",
+        tests=("tests/test_hacking.py",), k="schedule",
+    ),
+    Bug(
+        "columns-stepped-at-one-count",
+        "zenflow_kernels/rules/base.py",
+        "        if len(values) == 1:\n",
+        "        if True:\n",
+        "a rule without a fused kernel steps all of a matrix's selected columns at the first column's step count "
+        "(entering columns and staying ones share one bias correction)",
+        tests=RULES, k=None,
     ),
 ]
 
