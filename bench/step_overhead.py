@@ -1,7 +1,7 @@
 """Host time of ``step()`` per tensor: the training thread's time per step of the optimizer alone.
 
     python -m bench.step_overhead [--out DIR] [--quick] [--tensors 50 150 300 600] [--steps 300] [--block 10]
-                                  [--repeats 3]
+                                  [--repeats 3] [--rules]
 
 On a GPU the training thread's Python work in ``step()`` is on the critical path; here it is measured
 with tiny tensors, so that compute nearly vanishes: alternating fp32 [64, 64] matrices and [64] vectors
@@ -14,7 +14,11 @@ with tiny tensors, so that compute nearly vanishes: alternating fp32 [64, 64] ma
   step: no hook copies them, ``step()`` copies them all;
 * ``zenflow_async_link_hooks``: the same with each step's gradients made by a backward (untimed): its hooks copy
   them to the host during backward and ``step()`` checks their fingerprints (a training loop's case);
-* ``torch_adamw_foreach`` and ``torch_adamw_fused``: ``torch.optim.AdamW(foreach=True)`` and ``(fused=True)``.
+* ``torch_adamw_foreach`` and ``torch_adamw_fused``: ``torch.optim.AdamW(foreach=True)`` and ``(fused=True)``;
+* with ``--rules``, also ``zenflow_async_link_lion``, ``_sgd`` and ``_adam``: ``ZenFlow`` with ``rules.Lion()``,
+  ``rules.SGD(momentum=0.9)`` and ``rules.Adam()`` on the asynchronous link, whose device step is the rule's torch
+  step (AdamW's is the fused kernel): what a rule without a fused fast-path kernel costs a step (results then in
+  ``step_overhead_rules_cpu.json``).
 
 Two clocks around ``step()``: ``time.thread_time()`` of the training thread (CPU time: what a step costs the
 thread that drives the device; the workers' own work and the waits do not count) and ``time.perf_counter()``
@@ -47,6 +51,7 @@ ZENFLOW = dict(topk_ratio=0.1, select_strategy="step", select_interval=1000, upd
 LR = 1e-3
 CANDIDATES = ("zenflow_cpu_link", "zenflow_async_link", "zenflow_async_link_hooks", "torch_adamw_foreach",
               "torch_adamw_fused")
+RULE_CANDIDATES = ("zenflow_async_link_lion", "zenflow_async_link_sgd", "zenflow_async_link_adam")
 BASE = "torch_adamw_foreach"
 GOALS = {150: 0.5, 600: 0.6}  # the asynchronous link's CPU time per step over torch's foreach AdamW's, at most
 
@@ -68,7 +73,7 @@ class _Candidate:
     def __init__(self, name: str, count: int):
         import torch
 
-        from zenflow_kernels import ZenFlowAdamW
+        from zenflow_kernels import ZenFlow, ZenFlowAdamW, rules
         from zenflow_kernels.testing import chaos
 
         self.name, self.count = name, count
@@ -77,6 +82,10 @@ class _Candidate:
         if name.startswith("torch_adamw"):
             kind = name.rsplit("_", 1)[1]
             self.opt = torch.optim.AdamW(self.params, lr=LR, **{kind: True})
+        elif name in RULE_CANDIDATES:
+            rule = {"lion": rules.Lion(), "sgd": rules.SGD(momentum=0.9), "adam": rules.Adam()}[name.rsplit("_", 1)[1]]
+            with chaos(seed=0, max_delay=0):
+                self.opt = ZenFlow(self.params, rule, lr=LR, zenflow=ZENFLOW)
         elif name.startswith("zenflow_async_link"):
             with chaos(seed=0, max_delay=0):
                 self.opt = ZenFlowAdamW(self.params, lr=LR, zenflow=ZENFLOW)
@@ -135,14 +144,14 @@ def _slope_us(points: list[tuple[int, float]]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs) * 1e6
 
 
-def measure(counts: list[int], steps: int, warmup: int, block: int, repeats: int) -> dict:
+def measure(counts: list[int], steps: int, warmup: int, block: int, repeats: int, names=CANDIDATES) -> dict:
     import torch
 
     from zenflow_kernels.ops import use_backend
 
     torch.set_num_threads(1)
     with use_backend("numba"):
-        candidates = [_Candidate(name, count) for count in counts for name in CANDIDATES]
+        candidates = [_Candidate(name, count) for count in counts for name in names]
         try:
             for c in candidates:
                 for _ in range(warmup):
@@ -167,12 +176,12 @@ def measure(counts: list[int], steps: int, warmup: int, block: int, repeats: int
     return dict(rows=rows, torch_threads=torch.get_num_threads())
 
 
-def summarise(rows: list[dict], counts: list[int], repeats: int) -> dict:
+def summarise(rows: list[dict], counts: list[int], repeats: int, names=CANDIDATES) -> dict:
     """Per candidate and clock: the median over the repeats of each count's median, the slope over the counts,
     and (not for the base) the median over the repeats of the ratio to the base in the same repeat."""
     by = {(r["candidate"], r["clock"], r["tensors"], r["repeat"]): r["median_ms"] for r in rows}
     out = {}
-    for cand in CANDIDATES:
+    for cand in names:
         out[cand] = {}
         for clock in ("cpu", "wall"):
             ms = {n: statistics.median(by[cand, clock, n, k] for k in range(repeats)) for n in counts}
@@ -195,7 +204,7 @@ def plot(payload: dict, path) -> None:
     counts = payload["config"]["tensors"]
     fig, axes = pyplot.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, clock in zip(axes, ("cpu", "wall"), strict=True):
-        for cand in CANDIDATES:
+        for cand in payload["config"]["candidates"]:
             e = payload["summary"][cand][clock]
             ax.plot(counts, [e[f"ms_at_{n}"] for n in counts], marker="o", label=cand)
         ax.set_xscale("log")
@@ -222,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int_at_least(1), default=None,
                     help="steps of one candidate per turn (default 10)")
     ap.add_argument("--repeats", type=int_at_least(1), default=None, help="rounds of the schedule (default 3)")
+    ap.add_argument("--rules", action="store_true", help="also ZenFlow with Lion, SGD and Adam (their torch step)")
     args = ap.parse_args(argv)
+    names = CANDIDATES + (RULE_CANDIDATES if args.rules else ())
+    stem = "step_overhead_rules_cpu" if args.rules else "step_overhead_cpu"
     out_dir = output_dir(args.out)
     counts = sorted(set(args.tensors or (QUICK_COUNTS if args.quick else COUNTS)))
     steps = args.steps or (8 if args.quick else 100)
@@ -234,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
                  f"{ZENFLOW['update_interval']}")
 
     started, load_before = time.perf_counter(), _load()
-    result = measure(counts, steps, warmup, block, repeats)
-    summary = summarise(result["rows"], counts, repeats)
+    result = measure(counts, steps, warmup, block, repeats, names)
+    summary = summarise(result["rows"], counts, repeats, names)
     payload = dict(
-        config=dict(tensors=counts, steps=steps, warmup=warmup, block=block, repeats=repeats, quick=args.quick,
+        config=dict(candidates=list(names), tensors=counts, steps=steps, warmup=warmup, block=block, repeats=repeats,
+                    quick=args.quick,
                     zenflow=ZENFLOW, lr=LR, backend="numba", torch_threads=result["torch_threads"],
                     clocks=dict(cpu="time.thread_time", wall="time.perf_counter"),
                     shapes="alternating fp32 [64, 64] matrices and [64] vectors", goals={str(n): g for n, g in
@@ -245,14 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         rows=result["rows"], summary=summary, total_s=time.perf_counter() - started, machine=machine_info_light(),
         load_average=dict(before=load_before, after=_load()),  # the machine is shared: others' work slows ours
     )
-    path = write_json_light(out_dir / "step_overhead_cpu.json", payload)
-    plot(payload, out_dir / "step_overhead_cpu.png")
+    path = write_json_light(out_dir / f"{stem}.json", payload)
+    plot(payload, out_dir / f"{stem}.png")
 
     for clock in ("cpu", "wall"):
         print(f"{'training-thread CPU' if clock == 'cpu' else 'wall'} time per step() that is not a boundary, ms "
               f"(median of {repeats} repeats), and x torch's foreach AdamW in the same repeat")
         print(f"{'candidate':<26}" + "".join(f"{f'{n} tensors':>20}" for n in counts) + f"{'us/tensor':>11}")
-        for cand in CANDIDATES:
+        for cand in names:
             e = summary[cand][clock]
             cells = "".join(f"{e[f'ms_at_{n}']:>12.3f}" + (f" ({e[f'vs_{BASE}_at_{n}']:.2f}x)" if cand != BASE
                                                            else " " * 8) for n in counts)

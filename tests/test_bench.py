@@ -399,6 +399,25 @@ def test_step_overhead_quick(tmp_path):
         assert {"ms_at_8", "ms_at_16", "us_per_tensor", "vs_torch_adamw_foreach_at_16"} <= set(summary)
 
 
+# -- bench.cpu_rules ---------------------------------------------------------------------------------------
+
+
+def test_cpu_rules_quick(tmp_path):
+    """Every rule, the roofline passes, both thread counts: the JSON's structure and its plot (timings are the
+    machine's)."""
+    proc = run_module("bench.cpu_rules", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "cpu_rules.json").read_text())
+    assert (tmp_path / "cpu_rules.png").read_bytes()[:8] == PNG_MAGIC
+    assert result["config"]["quick"] is True and result["machine"]
+    assert result["command"] == f"python -m bench.cpu_rules --quick --out {tmp_path}"
+    candidates = {r["candidate"] for r in result["rows"]}
+    assert {"lion", "sgd", "adam"} <= candidates, candidates
+    for r in result["rows"]:
+        assert r["size"] == 2**16 and r["gbps"] > 0 and math.isfinite(r["gbps"]), r
+    assert all(r["fraction_of_roofline"] > 0 for r in result["rows"] if r["candidate"] in ("lion", "sgd", "adam"))
+
+
 # -- bench.seam_speed --------------------------------------------------------------------------------------
 
 
@@ -416,6 +435,18 @@ def test_seam_speed_quick(tmp_path):
         assert row["base"] > 0 and row["head"] > 0 and math.isfinite(row["head_over_base"])
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
     assert len(worktrees.strip().splitlines()) == 1, worktrees
+
+
+def test_step_overhead_rules_quick(tmp_path):
+    """``--rules``: ZenFlow with Lion, SGD and Adam beside the others, in their own JSON."""
+    proc = run_module("bench.step_overhead", "--quick", "--rules", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "step_overhead_rules_cpu.json").read_text())
+    assert (tmp_path / "step_overhead_rules_cpu.png").read_bytes()[:8] == PNG_MAGIC
+    rules = {"zenflow_async_link_lion", "zenflow_async_link_sgd", "zenflow_async_link_adam"}
+    assert rules <= set(result["summary"]) and rules <= set(result["config"]["candidates"])
+    for name in rules:
+        assert result["summary"][name]["cpu"]["vs_torch_adamw_foreach_at_16"] > 0
 
 
 # -- bench.host_multi --------------------------------------------------------------------------------------
