@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from .cpu_ops.accumulate import SUM_CHUNK, accumulate_unchecked, sum_squares_chunks_unchecked, sum_squares_unchecked
+from .host_fields import FieldsInMemory, FieldsOnDisk
 from .rules import AdamW, UpdateRule
-from .streamed_adam import DeviceSums, Run, streamed_adam_
+from .streamed_adam import DeviceSums, Run
 
 __all__ = ["HostShard", "HostWorker", "HostWorkerError", "Slot", "layout"]
 
@@ -96,20 +97,6 @@ def out_sizes(slots: dict[int, Slot]) -> dict[torch.dtype, int]:
     return sizes
 
 
-def _column_fill(width: int, cols: torch.Tensor, value: torch.Tensor):
-    """``StateFiles.fill_many``'s fill for columns ``cols`` of a row-major matrix ``width`` wide <- ``value`` ([R,
-    len(cols)]): each block's piece gets the elements of those columns that fall in it."""
-    cols, value = cols.reshape(-1).long(), value.detach().to("cpu", torch.float32)
-
-    def fill(dst: torch.Tensor, s: int, e: int, last: bool) -> None:
-        first, stop = s // width, -(-e // width)  # the rows this piece touches
-        where = (torch.arange(first, stop).unsqueeze(1) * width + cols.unsqueeze(0)).reshape(-1)
-        keep = (where >= s) & (where < e)
-        dst[where[keep] - s] = value[first:stop].reshape(-1)[keep]
-
-    return fill
-
-
 class HostShard:
     """Flat host buffers for the parameters of one shard (world size 1 and shard 0: all of them).
 
@@ -148,17 +135,12 @@ class HostShard:
         self.numel = offset
         self.slots = slots  # by parameter index
         self.order = [slots[i] for i in order]  # by flat offset
-        # disk (offload_device="nvme"): the master and moments in a file (state_files.StateFiles), never whole
-        # in memory; every access goes through field() / set_field()
-        self.disk = disk(offset) if disk is not None else None
-        if self.disk is not None and tuple(self.disk.fields) != self.names:
-            self.disk.close()
-            raise ValueError(f"HostShard: the state file holds the fields {tuple(self.disk.fields)}, the rule "
-                             f"{rule.name} needs {self.names}")
-        # the storage chosen once: each field a flat buffer in memory, or (None) a row of the state file
-        self.fields: dict[str, torch.Tensor | None] = {
-            name: None if self.disk is not None else alloc(offset, torch.float32 if name == "master" else
-                                                          rule.state_dtype) for name in self.names}
+        # where the fields live, chosen once (host_fields): flat buffers in memory, or (disk, offload_device="nvme")
+        # a state file, never whole in memory; every access goes through the store
+        self.store = (FieldsOnDisk(disk(offset), self.names) if disk is not None else
+                      FieldsInMemory(self.names, offset, alloc, rule.state_dtype))
+        self.disk = self.store.files  # the state file (StateFiles), or None in memory
+        self.fields: dict[str, torch.Tensor | None] = self.store.buffers  # in memory: each field's flat buffer
         self.acc = [alloc(offset, torch.float32) for _ in range(num_acc)]
         self.out = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()}
         self.landing = {dt: alloc(numel, dt) for dt, numel in out_sizes(slots).items()} if landing else {}
@@ -168,12 +150,8 @@ class HostShard:
         self._acc_views: list[dict[int, torch.Tensor]] = [{} for _ in self.acc]
         self.host_step = [0] * len(params)  # owned like the master: by the host update in flight
         try:
-            with torch.no_grad():
-                if self.disk is not None:  # one pass over the new file, whatever the number of tensors
-                    self.disk.write_many([("master", slots[i].offset, params[i]) for i in order], fresh=True)
-                else:
-                    for i in order:
-                        self.set_field("master", i, params[i].detach())
+            with torch.no_grad():  # (on disk: one pass over the new file, whatever the number of tensors)
+                self.store.write_many([("master", slots[i].offset, params[i]) for i in order], fresh=True)
         except BaseException:
             self.close()  # (a state file made above is removed)
             raise
@@ -189,49 +167,34 @@ class HostShard:
         """Parameter ``index``'s field ``name`` (``master`` or one of the rule's ``state_names``; its shape, fp32):
         a view of the buffer in memory (a copy where the rule keeps its state in bf16), or a copy read from the
         disk."""
-        if self.disk is None:
-            return self.view(self.fields[name], index).float()
         s = self.slots[index]
-        return self.disk.read(name, s.offset, s.offset + s.numel).view(s.shape)
+        return self.store.read(name, s.offset, s.numel).view(s.shape)
 
     def set_field(self, name: str, index: int, value: torch.Tensor) -> None:
         """Parameter ``index``'s field ``name`` <- ``value`` (its shape, any float dtype)."""
-        if self.disk is None:
-            self.view(self.fields[name], index).copy_(value)
-            return
-        self.set_fields([(name, index, value)])  # converted a block's piece at a time, no whole fp32 copy
+        self.set_fields([(name, index, value)])
 
     def set_fields(self, items) -> None:
         """Several ``(name, index, value)`` of :meth:`set_field` at once: on disk, one pass over the blocks they
-        touch (loading a checkpoint)."""
-        if self.disk is None:
-            for name, index, value in items:
-                self.set_field(name, index, value)
-            return
-        self.disk.write_many([(name, self.slots[index].offset, value) for name, index, value in items])
+        touch (loading a checkpoint), each block's piece converted at a time (no whole fp32 copy)."""
+        self.store.write_many([(name, self.slots[index].offset, value) for name, index, value in items])
 
     def snapshot(self, extra: torch.Tensor | None = None) -> torch.Tensor | None:
         """On disk: every field as it is now, ``[len(names), numel]`` (``names`` order; ``extra``, a flat buffer
         of the shard's size such as the gradient sums, as a last row), backed by a file (``StateFiles.snapshot``);
         in memory: None (the buffers themselves are the state)."""
-        return None if self.disk is None else self.disk.snapshot(extra)
+        return self.store.snapshot(extra)
 
     def set_columns(self, items) -> None:
         """Several ``(name, index, cols, value)``: columns ``cols`` of matrix ``index``'s field <- ``value`` ([R,
         len(cols)]). On disk, one pass over the blocks they touch, each read and written once (re-selection)."""
-        if self.disk is None:
-            for name, index, cols, value in items:
-                self.view(self.fields[name], index)[:, cols] = value
-            return
-        self.disk.fill_many([(name, self.slots[index].offset, self.slots[index].numel,
-                              _column_fill(self.slots[index].shape[1], cols, value))
-                             for name, index, cols, value in items])
+        self.store.set_columns([(name, self.slots[index].offset, self.slots[index].shape, cols, value)
+                                for name, index, cols, value in items])
 
     def close(self) -> None:
         """Remove the state file from ``nvme_path`` (offload_device="nvme"; still readable, e.g. by
         ``state_dict()``, until this shard is collected, which gives its space back); in memory, nothing to do."""
-        if self.disk is not None:
-            self.disk.close()
+        self.store.close()
 
     def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s view (its shape) into one of the flat buffers."""
@@ -320,7 +283,7 @@ class HostShard:
         last = last or {}
         if last and max_grad_norm is not None:
             raise ValueError("HostShard.update: last= cannot be combined with max_grad_norm (accumulate it first)")
-        if sums is not None and (self.disk is None or last):
+        if sums is not None and (not self.store.on_disk or last):
             raise ValueError("HostShard.update: sums= (fetched from the device) needs the state on disk and no last=")
         todo = list(counts)
         todo_set = set(todo)
@@ -335,7 +298,7 @@ class HostShard:
         if wait_before_write is not None:
             wait_before_write.wait()
         rule, state_names = self.rule, self.rule.state_names
-        if last and (self.disk is not None or not rule.fuses_last):
+        if last and (self.store.on_disk or not rule.fuses_last):
             # streamed, or a rule without a fused kernel: the last gradient joins the sums first (the same fp32 add)
             accumulate_unchecked([self.view(acc, i).view(-1) for i in last], [g.reshape(-1) for g in last.values()])
             last = {}
@@ -365,30 +328,17 @@ class HostShard:
             else:
                 runs.append([s])
             prev = s
-        streamed = []
+        steps = []  # the rule's host kernel over each run (zero_grad: never a torch op here, see cpu_adam_'s)
         for run in runs:
             lo, hi = run[0].offset, run[-1].offset + run[-1].numel
             out_lo = run[0].out_offset  # flat neighbours of one dtype are neighbours in its copy-out buffer too
             first = run[0].index
             step = self.host_step[first] + 1
-            if self.disk is not None:  # streamed below, every run in one pass over the file
-                streamed.append(Run(lo, hi, self.out[run[0].dtype][out_lo : out_lo + hi - lo],
-                                    dict(step=step, grad_scale=counts[first] / coef, **hyper[run[0].group])))
-            else:
-                rule.host_step_(
-                    self.master[lo:hi],
-                    acc[lo:hi],
-                    [self.fields[name][lo:hi] for name in state_names],
-                    step=step,
-                    grad_scale=counts[first] / coef,
-                    out=self.out[run[0].dtype][out_lo : out_lo + hi - lo],
-                    zero_grad=True,  # never a torch op here: see cpu_adam_'s zero_grad
-                    **hyper[run[0].group],
-                )
+            steps.append(Run(lo, hi, self.out[run[0].dtype][out_lo : out_lo + hi - lo],
+                             dict(step=step, grad_scale=counts[first] / coef, **hyper[run[0].group])))
             for s in run:
                 self.host_step[s.index] = step
-        if streamed:
-            streamed_adam_(self.disk, acc, streamed, sums=sums, rule=rule)
+        self.store.step_runs(rule, acc, steps, sums)  # (on disk: every run in one pass over the file)
         return {"seconds": time.perf_counter() - t0, "params": len(todo), "runs": len(runs), "fused": len(last)}
 
     def _sum_squares(self, acc: torch.Tensor | None, sums: DeviceSums | None, index: int) -> float:
