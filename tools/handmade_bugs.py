@@ -549,9 +549,9 @@ BUGS = [
     ),
     Bug(
         "bf16-state-option-ignored",
-        "zenflow_kernels/host.py",
-        "alloc(offset, torch.float32 if name == \"master\" else\n",
-        "alloc(offset, torch.float32 if name == \"master\" else torch.float32 if\n",
+        "zenflow_kernels/host_fields.py",
+        "alloc(numel, torch.float32 if name == \"master\" else state_dtype)",
+        "alloc(numel, torch.float32)",
         "a rule's state_dtype=torch.bfloat16 is silently ignored: the host keeps fp32 state",
         tests=RULES, k="bf16",
     ),
