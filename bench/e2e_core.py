@@ -23,7 +23,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -101,13 +101,19 @@ class E2EConfig:
 @dataclass
 class RunSpec:
     """One fine-tuning run: ``kind`` is "adamw", "offload" (synchronous ZeRO-Offload through ZenFlowAdamW),
-    "zenflow", or "deepspeed" (a DeepSpeed engine, ``zenflow`` then holds its whole config; bench.gpu_e2e)."""
+    "zenflow", or "deepspeed" (a DeepSpeed engine, ``zenflow`` then holds its whole config; bench.gpu_e2e).
+
+    ``optimizer`` (optional): a factory ``optimizer(params)`` that builds the run's optimizer instead of the
+    kind's own (another update rule, another torch optimizer: the update-rules notebook). ``kind`` still says how
+    the run treats what it builds: "zenflow" or "offload" for a ZenFlow optimizer (flushed at the end, its
+    ``stats()`` read, closed), any other kind (e.g. "torch") for a plain ``torch.optim`` one."""
 
     name: str
     kind: str
     zenflow: dict = field(default_factory=dict)
     label: str = ""
     threads: int | None = None  # torch threads for this run (None: the prepared count)
+    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
 
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, "label": self.label or self.name, "zenflow": dict(self.zenflow)}
@@ -260,6 +266,8 @@ def make_model(prep: Prepared, state: dict | None = None) -> CharGPT:
 
 def make_optimizer(spec: RunSpec, model: torch.nn.Module, prep: Prepared):
     cfg = prep.cfg
+    if spec.optimizer is not None:
+        return spec.optimizer(model.parameters())
     if spec.kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                  fused=fused_supported(prep.device))

@@ -17,7 +17,8 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from bench import notebooks as runner
 
-NOTEBOOK_NAMES = ["topk_ratio", "update_interval", "selection_dynamics", "selection_policy", "timeline_model"]
+NOTEBOOK_NAMES = ["topk_ratio", "update_interval", "selection_dynamics", "selection_policy", "timeline_model",
+                  "update_rules"]
 
 
 def test_every_notebook_is_listed():
