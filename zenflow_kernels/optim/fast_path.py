@@ -119,19 +119,22 @@ class FastPath:
         numbers = [tuple(h[k] for k in rule.per_tensor) for h in hyper]
         group_keys = [tuple(h[k] for k in rule.shared) for h in hyper]
         items, gathered = [], []
-        for (i, pv, is_matrix, st, gi), (idx, *state, w) in zip(entries, fixed, strict=True):
+        # (the entry's fixed part spliced in whole: unpacking it into names would build a list per entry)
+        for (i, pv, is_matrix, st, gi), head in zip(entries, fixed, strict=True):
             if is_matrix and compact is not None:
                 # released gradients: only the selected columns' [R, k] exist; a dense update of the gathered
                 # columns, scattered back after (the same arithmetic as the indexed update)
+                idx = head[0]
                 grad, cols = compact[i], pv.detach().index_select(1, idx)
                 gathered.append((pv, idx, cols))
-                pv, idx = cols, None
-            elif is_matrix:
+                items.append((cols, grad, None, *head[1:], st["step"], *numbers[gi]))
+                continue
+            if is_matrix:
                 grad = own_grad(i)
             else:
                 st["step"] += 1
                 grad = own_grad(i)[None]  # [1, n], as the parameter's view
-            items.append((pv, grad, idx, *state, w, st["step"], *numbers[gi]))
+            items.append((pv, grad, *head, st["step"], *numbers[gi]))
         distinct = dict.fromkeys(group_keys)
         keys = [group_keys[e[4]] for e in entries] if len(distinct) > 1 else None
         for key in distinct:
