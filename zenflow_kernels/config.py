@@ -406,5 +406,12 @@ def check_adamw_hyperparameters(
         raise bad("eps", eps, "a finite number >= 0")
     if not real(weight_decay) or weight_decay < 0:
         raise bad("weight_decay", weight_decay, "a finite number >= 0")
-    if max_grad_norm is not None and (not real(max_grad_norm) or max_grad_norm <= 0):
-        raise bad("max_grad_norm", max_grad_norm, "None or a finite number > 0")
+    check_max_grad_norm(max_grad_norm, where)
+
+
+def check_max_grad_norm(max_grad_norm: Any, where: str) -> None:
+    """``max_grad_norm`` None or a finite number > 0, or a ValueError naming it (for any update rule)."""
+    ok = max_grad_norm is None or (isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
+                                   and math.isfinite(max_grad_norm) and max_grad_norm > 0)
+    if not ok:
+        raise ValueError(f"{where}: max_grad_norm={max_grad_norm!r} is invalid: allowed None or a finite number > 0")

@@ -63,7 +63,6 @@ class FieldsOnDisk:
     access is a pass over the blocks it touches; the host update streams the file (``streamed_adam_``)."""
 
     on_disk = True
-    buffers: dict = {}
 
     def __init__(self, files, names: Sequence[str]):
         if tuple(files.fields) != tuple(names):

@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ZenFlowConfig, check_adamw_hyperparameters, check_group_settings, num_selected
+from .config import ZenFlowConfig, check_adamw_hyperparameters, check_group_settings, check_max_grad_norm, num_selected
 from .rules import AdamW, UpdateRule, adamw_step_
 from .schedule import Schedule, resolve_schedule
 
@@ -141,7 +141,8 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             raise TypeError(f"ReferenceZenFlow: rule={rule!r} is invalid: allowed an update rule "
                             "(zenflow_kernels.rules)")
         else:
-            check_adamw_hyperparameters(lr, (0.9, 0.999), 0.0, 0.0, max_grad_norm, where="ReferenceZenFlow")
+            rule.check_group(dict(rule.group_defaults(), lr=lr), "ReferenceZenFlow")
+            check_max_grad_norm(max_grad_norm, "ReferenceZenFlow")
         self.rule = rule
         super().__init__(params, dict(lr=lr, **rule.group_defaults()))
         for group in self.param_groups:

@@ -82,6 +82,33 @@ def check_disjoint(tensors: dict) -> None:
             reach, owner = end, name
 
 
+def check_host_pass(param, grad, state: dict, out, acc=None) -> int:
+    """The tensors of one host update (``cpu_adam_``, ``cpu_lion_``, ``cpu_sgd_``): ``param`` fp32, ``acc`` (if
+    given) fp32, ``grad`` fp32/bf16/fp16, each of ``state`` (name -> tensor; None entries skipped) fp32 or bf16,
+    ``out`` (if given) fp32/bf16/fp16, all with param's element count and no two sharing memory. Returns it."""
+    check_tensor("param", param, STATE_DTYPES)
+    n = param.numel()
+    if acc is not None:
+        check_tensor("acc", acc, STATE_DTYPES, n)
+    check_tensor("grad", grad, GRAD_DTYPES, n)
+    for name, t in state.items():
+        if t is not None:
+            check_tensor(name, t, MOMENT_DTYPES, n)
+    if out is not None:
+        check_tensor("out", out, OUT_DTYPES, n)
+    check_disjoint({"param": param, "acc": acc, "grad": grad, **state, "out": out})
+    return n
+
+
+def check_zero_grad(zero_grad, grad) -> bool:
+    """``zero_grad`` a bool, and then ``grad`` fp32 (it is an accumulation buffer the pass zeroes)."""
+    zero_grad = check_bool("zero_grad", zero_grad)
+    if zero_grad and grad.dtype != torch.float32:
+        raise TypeError(f"grad must have dtype float32 when zero_grad=True (it is zeroed in place), got "
+                        f"{str(grad.dtype).replace('torch.', '')}")
+    return zero_grad
+
+
 def check_real(
     name: str, value, *, lo: float | None = None, hi: float | None = None, hi_open: bool = False, lo_open: bool = False
 ) -> float:

@@ -88,18 +88,7 @@ def _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, 
 
 
 def _check_state(param, grad, exp_avg, exp_avg_sq, out, acc=None) -> None:
-    C.check_tensor("param", param, C.STATE_DTYPES)
-    n = param.numel()
-    if acc is not None:
-        C.check_tensor("acc", acc, C.STATE_DTYPES, n)
-    C.check_tensor("grad", grad, C.GRAD_DTYPES, n)
-    C.check_tensor("exp_avg", exp_avg, C.MOMENT_DTYPES, n)
-    C.check_tensor("exp_avg_sq", exp_avg_sq, C.MOMENT_DTYPES, n)
-    if out is not None:
-        C.check_tensor("out", out, C.OUT_DTYPES, n)
-    C.check_disjoint(
-        {"param": param, "acc": acc, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "out": out}
-    )
+    C.check_host_pass(param, grad, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, out, acc=acc)
 
 
 def cpu_adam_(
@@ -149,10 +138,7 @@ def cpu_adam_(
     leaves all tensors unchanged. n = 0 is a no-op. Returns None.
     """
     _check_state(param, grad, exp_avg, exp_avg_sq, out)
-    zero_grad = C.check_bool("zero_grad", zero_grad)
-    if zero_grad and grad.dtype != torch.float32:
-        raise TypeError(f"grad must have dtype float32 when zero_grad=True (it is zeroed in place), got "
-                        f"{str(grad.dtype).replace('torch.', '')}")
+    zero_grad = C.check_zero_grad(zero_grad, grad)
     scalars = _adam_scalars(
         step=step,
         lr=lr,

@@ -76,17 +76,8 @@ def cpu_lion_(
     Tensors must not overlap in memory. Every argument is checked before anything is written: a
     ``TypeError``/``ValueError`` leaves all tensors unchanged. n = 0 is a no-op. Returns None.
     """
-    C.check_tensor("param", param, C.STATE_DTYPES)
-    n = param.numel()
-    C.check_tensor("grad", grad, C.GRAD_DTYPES, n)
-    C.check_tensor("exp_avg", exp_avg, C.MOMENT_DTYPES, n)
-    if out is not None:
-        C.check_tensor("out", out, C.OUT_DTYPES, n)
-    C.check_disjoint({"param": param, "grad": grad, "exp_avg": exp_avg, "out": out})
-    zero_grad = C.check_bool("zero_grad", zero_grad)
-    if zero_grad and grad.dtype != torch.float32:
-        raise TypeError(f"grad must have dtype float32 when zero_grad=True (it is zeroed in place), got "
-                        f"{str(grad.dtype).replace('torch.', '')}")
+    n = C.check_host_pass(param, grad, {"exp_avg": exp_avg}, out)
+    zero_grad = C.check_zero_grad(zero_grad, grad)
     scalars = _lion_scalars(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, grad_scale=grad_scale)
     num_threads = C.check_num_threads(num_threads)
     if n == 0:

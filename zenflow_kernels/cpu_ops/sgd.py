@@ -91,18 +91,8 @@ def cpu_sgd_(
     Tensors must not overlap in memory. Every argument is checked before anything is written: a
     ``TypeError``/``ValueError`` leaves all tensors unchanged. n = 0 is a no-op. Returns None.
     """
-    C.check_tensor("param", param, C.STATE_DTYPES)
-    n = param.numel()
-    C.check_tensor("grad", grad, C.GRAD_DTYPES, n)
-    if momentum_buffer is not None:
-        C.check_tensor("momentum_buffer", momentum_buffer, C.MOMENT_DTYPES, n)
-    if out is not None:
-        C.check_tensor("out", out, C.OUT_DTYPES, n)
-    C.check_disjoint({"param": param, "grad": grad, "momentum_buffer": momentum_buffer, "out": out})
-    zero_grad = C.check_bool("zero_grad", zero_grad)
-    if zero_grad and grad.dtype != torch.float32:
-        raise TypeError(f"grad must have dtype float32 when zero_grad=True (it is zeroed in place), got "
-                        f"{str(grad.dtype).replace('torch.', '')}")
+    n = C.check_host_pass(param, grad, {"momentum_buffer": momentum_buffer}, out)
+    zero_grad = C.check_zero_grad(zero_grad, grad)
     first, nesterov, scalars = _sgd_scalars(step=step, lr=lr, momentum=momentum, dampening=dampening,
                                             nesterov=nesterov, weight_decay=weight_decay, grad_scale=grad_scale)
     has_momentum = scalars[2] != 0.0

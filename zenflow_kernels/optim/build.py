@@ -11,7 +11,7 @@ import torch
 from .. import cpu_ops
 from .. import link as link_module
 from ..ablations import ablations
-from ..config import check_adamw_hyperparameters
+from ..config import check_max_grad_norm
 from ..handover import GradHooks, handover_mode, release_hooks
 from ..host import HostShard
 from ..rules import UpdateRule
@@ -52,8 +52,8 @@ def check_arguments(rule, lr, max_grad_norm, zero_stage, collective_timeout, rel
     if not isinstance(rule, UpdateRule):
         raise TypeError(f"ZenFlow: rule={rule!r} is invalid: allowed an update rule (zenflow_kernels.rules.AdamW, "
                         "Adam, Lion, SGD, or a subclass of rules.UpdateRule)")
-    rule.check_group(dict(rule.group_defaults(), lr=lr), "ZenFlow")
-    check_adamw_hyperparameters(lr, (0.9, 0.999), 0.0, 0.0, max_grad_norm, where="ZenFlow")  # (lr, max_grad_norm)
+    rule.check_group(dict(rule.group_defaults(), lr=lr), "ZenFlow")  # (lr with the rule's own)
+    check_max_grad_norm(max_grad_norm, "ZenFlow")
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
         raise ValueError(f"ZenFlowAdamW: zero_stage={zero_stage!r} is invalid: allowed 0, 1 or 2")
     if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or not (
