@@ -70,3 +70,38 @@ def test_no_test_module_imports_another_and_only_workers_touch_sys_path():
         touches = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "path" and
                    isinstance(n.value, ast.Name) and n.value.id == "sys"]
         assert touches == [], f"{path.name} edits sys.path at lines {touches} (worker scripts may; test modules not)"
+
+
+def test_the_per_parameter_state_has_one_writer(tmp_path, monkeypatch):
+    """``optimizer.state[p]`` is written only by ``Run.set_state`` / ``Run.replace_state`` (optim/run.py): selection's
+    column moves and votes, the fast path's vectors and step counts and a checkpoint's restore all go through them,
+    and ``Run.fast_state`` hands the parts a read-only view. The scan is shown to find planted writes."""
+    assert layout.state_writers() == []
+    fake = tmp_path / "zenflow_kernels"
+    (fake / "optim").mkdir(parents=True)
+    (fake / "optim" / "peek.py").write_text(
+        "def a(run, i):\n    st = run.fast_state(i)\n    st['step'] = 0\n"
+        "def b(run, p):\n    run.state[p]['selected'] = None\n"
+        "def c(run):\n    for st in run.state.values():\n        st.update(x=1)\n"
+        "def d(run, p):\n    copy = {k: v for k, v in run.state[p].items()}\n    copy['x'] = 1\n")
+    monkeypatch.setattr(layout, "ROOT", tmp_path)
+    monkeypatch.setattr(layout, "PACKAGE", fake)
+    assert layout.state_writers() == ["zenflow_kernels.optim.peek:3", "zenflow_kernels.optim.peek:5",
+                                      "zenflow_kernels.optim.peek:8"]
+
+
+def test_fast_state_is_read_only():
+    import pytest
+    import torch
+
+    from zenflow_kernels import ZenFlowAdamW
+
+    w = torch.nn.Parameter(torch.randn(4, 6))
+    with ZenFlowAdamW([w], lr=1e-2, zenflow=dict(topk_ratio=0.5, full_warm_up_rounds=0, update_interval=2,
+                                                     select_strategy="step", select_interval=4)) as opt:
+        w.grad = torch.randn(4, 6)
+        opt.step()
+        view = opt.run.fast_state(0)
+        assert "selected" in view
+        with pytest.raises(TypeError):
+            view["selected"] = None

@@ -126,3 +126,45 @@ if __name__ == "__main__":
         print("reach-through:", line)
     for name, n in sorted(sizes().items(), key=lambda kv: -kv[1])[:5]:
         print(f"{n:5d} {name}")
+
+
+def _touches_state(node: ast.AST) -> bool:
+    """Whether an expression reads an optimizer's per-parameter state: ``x.state[...]``, ``x.state.get(...)``,
+    ``x.fast_state(...)``."""
+    return any(isinstance(n, ast.Attribute) and n.attr in ("state", "fast_state") for n in ast.walk(node))
+
+
+def state_writers(owner: str = "zenflow_kernels.optim.run") -> list[str]:
+    """``module:line`` of every write into an optimizer's per-parameter ``state`` entries outside ``owner``: an
+    assignment or augmented assignment to ``<state>[...]`` or to ``name[...]`` where ``name`` was bound to a state
+    entry in the same function (or loop), and ``.update(...)`` / ``.setdefault(...)`` / ``.pop(...)`` on one."""
+    found = []
+    for name, path in modules().items():
+        if name == owner or not name.startswith(("zenflow_kernels.optim", "zenflow_kernels.sharding")):
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            bound = set()
+            for n in ast.walk(fn):
+                # (a comprehension over an entry makes a copy: writing that is no write into the state)
+                if isinstance(n, ast.Assign) and not isinstance(n.value, (ast.DictComp, ast.Dict)) and _touches_state(
+                        n.value):
+                    for t in n.targets:
+                        bound |= {e.id for e in ast.walk(t) if isinstance(e, ast.Name)}
+                elif isinstance(n, (ast.For, ast.comprehension)) and _touches_state(n.iter):
+                    bound |= {e.id for e in ast.walk(n.target) if isinstance(e, ast.Name)}
+
+            def entry(target: ast.AST, bound: set = bound) -> bool:
+                return isinstance(target, ast.Subscript) and (
+                    _touches_state(target.value) or isinstance(target.value, ast.Name) and target.value.id in bound)
+
+            for n in ast.walk(fn):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AugAssign) else []
+                if any(entry(t) for t in targets):
+                    found.append(f"{name}:{n.lineno}")
+                if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                        and n.func.attr in ("update", "setdefault", "pop")
+                        and isinstance(n.func.value, ast.Name) and n.func.value.id in bound):
+                    found.append(f"{name}:{n.lineno}")
+    return found

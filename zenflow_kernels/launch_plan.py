@@ -47,13 +47,15 @@ class PlannedFor:
     """The tensors a layout was made for, and the check that later items are still those (``fits``).
 
     ``grad_layout(grad)`` is what of a gradient the layout depends on (its dtype and contiguity for the
-    numba tables, its dtype and strides for Triton's): the gradients themselves may be new tensors."""
+    numba tables, its dtype and strides for Triton's): the gradients themselves may be new tensors.
+    ``n_state``: the state tensors per item (the rule's ``state_names``: AdamW 2, Lion 1, SGD 0 or 1)."""
 
-    def __init__(self, items, grad_layout: Callable[[torch.Tensor], tuple]):
-        self.n = len(items)
+    def __init__(self, items, grad_layout: Callable[[torch.Tensor], tuple], *, n_state: int = 2):
+        # an item is (param, grad, indices, *state (n_state tensors), master, step, *numbers)
+        self.n, self.n_state = len(items), n_state
         # kept alive: the tables hold their addresses
-        self.static = [(p, idx, m, v, w, s if isinstance(s, torch.Tensor) else None)
-                       for p, _, idx, m, v, w, s, *_ in items]
+        self.static = [(it[0], it[2], *it[3 : 4 + n_state],
+                        it[4 + n_state] if isinstance(it[4 + n_state], torch.Tensor) else None) for it in items]
         self.param_ptrs = [it[0].data_ptr() for it in items]
         self.grad_layout = grad_layout
         self.grad_sig = [grad_layout(it[1]) for it in items]
@@ -62,11 +64,12 @@ class PlannedFor:
         """Whether ``items`` are the tensors the layout was made for."""
         if len(items) != self.n:
             return False
-        for it, (p, idx, m, v, w, s) in ([] if getattr(items, "same_tensors", False) else
-                                         zip(items, self.static, strict=True)):
-            if it[0] is not p or it[2] is not idx or it[3] is not m or it[4] is not v or it[5] is not w:
+        held = 4 + self.n_state  # the fixed tensors: param, indices, state, master (then the step)
+        for it, fixed in ([] if getattr(items, "same_tensors", False) else zip(items, self.static, strict=True)):
+            if it[0] is not fixed[0] or any(a is not b for a, b in zip(it[2:held], fixed[1:-1], strict=True)):
                 return False
-            if (it[6] is not s) if s is not None else isinstance(it[6], torch.Tensor):
+            s = fixed[-1]
+            if (it[held] is not s) if s is not None else isinstance(it[held], torch.Tensor):
                 return False
         layout = self.grad_layout
         return ([it[0].data_ptr() for it in items] == self.param_ptrs

@@ -101,11 +101,13 @@ def _load_triton() -> SimpleNamespace | None:
             from .triton import column_scores as cs
             from .triton import fingerprint as fp
             from .triton import selective_adamw as sa
+            from .triton import selective_lion as sl
+            from .triton import selective_sgd as ss
             from .triton import topk_columns as tk
         except ImportError as exc:  # triton missing or broken on this machine
             _triton_error = exc
         else:
-            _triton_impl = _implementation(cs, tk, sa, fp)
+            _triton_impl = _implementation(cs, tk, sa, fp, sl, ss)
     return _triton_impl
 
 
@@ -115,13 +117,16 @@ def _load_numba() -> SimpleNamespace:
     if _numba_impl is None:
         from .cpu_ops import fingerprint as fp
         from .cpu_ops import selective_adamw as sa
+        from .cpu_ops import selective_lion as sl
+        from .cpu_ops import selective_sgd as ss
 
-        _numba_impl = _implementation(torch_ops, torch_ops, sa, fp)
+        _numba_impl = _implementation(torch_ops, torch_ops, sa, fp, sl, ss)
     return _numba_impl
 
 
-def _implementation(scores, topk, adamw, fingerprint) -> SimpleNamespace:
-    """The ops of one backend, taken from the modules that implement its scores, top-k, AdamW and fingerprints."""
+def _implementation(scores, topk, adamw, fingerprint, lion, sgd) -> SimpleNamespace:
+    """The ops of one backend, taken from the modules that implement its scores, top-k, AdamW, fingerprints and the
+    other rules' fast paths."""
     return SimpleNamespace(
         multi_fingerprint=fingerprint.multi_fingerprint,
         multi_fingerprint_unchecked=fingerprint.multi_fingerprint_unchecked,
@@ -132,6 +137,8 @@ def _implementation(scores, topk, adamw, fingerprint) -> SimpleNamespace:
         selective_adamw_=adamw.selective_adamw_,
         multi_selective_adamw_=adamw.multi_selective_adamw_,
         multi_selective_adamw_items_=adamw.multi_selective_adamw_items_,
+        multi_selective_lion_items_=lion.multi_selective_lion_items_,
+        multi_selective_sgd_items_=sgd.multi_selective_sgd_items_,
     )
 
 
@@ -348,6 +355,18 @@ def multi_selective_adamw_items_(items, *, beta1: float, beta2: float, eps: floa
     checks (about 60 us a tensor) on every step; wrong input here is undefined behaviour."""
     if items:
         _impl(items[0][0]).multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
+
+
+def fused_kernels(sample: torch.Tensor) -> SimpleNamespace | None:
+    """The fused fast-path kernels for tensors like ``sample`` under the backend in effect (numba on CPU, Triton on
+    CUDA or interpreted), or None where the backend is "torch" (or the device has no kernels). The update rules
+    (``zenflow_kernels.rules``) launch their multi-tensor steps from it and take their plain torch step where it
+    is None: ``multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale, decoupled)`` (``decoupled=False``:
+    Adam's L2 decay), ``multi_selective_lion_items_(items, beta1, beta2, grad_scale)`` and
+    ``multi_selective_sgd_items_(items, momentum, dampening, nesterov, grad_scale)``, items as
+    ``UpdateRule.fast_step_`` documents them, unchecked."""
+    impl = _impl(sample)
+    return None if impl is torch_ops else impl
 
 
 # -- torch.library custom ops ----------------------------------------------------------------------------

@@ -525,9 +525,10 @@ def _ov_array_at(addr, n, proto):
 
 @njit(inline="always")
 def _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, base, sbase, j0, j1, neg_step_size, bc2_sqrt,
-                  coef_base, grad_scale, decay, lerp_coeff, lerp_small, beta2, one_minus_beta2, eps):
+                  coef_base, grad_scale, decay, l2, lerp_coeff, lerp_small, beta2, one_minus_beta2, eps):
     """AdamW on selected columns j0..j1-1 of one row: ``base`` is the row's offset in param/grad,
     ``sbase`` in the compact state, ``coef_base`` the tensor's offset in the per-column coefficients.
+    ``l2`` != 0: Adam's coupled decay, ``g = fma(w, l2, g)`` (``grad.add(param, alpha=wd)``; decay is then 1).
     Everything is indexed from 0 in slices (a loop index numba knows to be non-negative needs no
     wraparound check, and a dense row then vectorises)."""
     p = row_of(param, base, j0, idx)
@@ -542,6 +543,8 @@ def _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, base, sbase, j0
         c = column_of(cols, j)
         g = load_f32(g_row, c) / grad_scale
         w = load_master(w_row, j, p, c) * decay
+        # (l2 == 0 must leave g untouched even when w is inf/NaN)
+        g = g if l2 == np.float32(0.0) else fma(w, l2, g)
         m = m_row[j]
         m = fma(lerp_coeff, g - m, m if lerp_small else g)
         v = fma(one_minus_beta2 * g, g, v_row[j] * beta2)
@@ -589,7 +592,7 @@ def selective_adam_kernel(
     )
     for r in prange(rows):
         _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, r * cols, r * k, 0, k, neg_step_size, bc2_sqrt,
-                      0, grad_scale, decay, lerp_coeff, lerp_small, beta2, one_minus_beta2, eps)
+                      0, grad_scale, decay, np.float32(0.0), lerp_coeff, lerp_small, beta2, one_minus_beta2, eps)
 
 
 # Columns of the address table of ``multi_selective_adam_kernel``.
@@ -602,6 +605,7 @@ def multi_selective_adam_kernel(
     chunk_starts,
     parts,
     decay64,
+    l2_64,
     neg_step_size,
     bc2_sqrt,
     param_proto,
@@ -619,7 +623,8 @@ def multi_selective_adam_kernel(
     ``table`` is int64 ``[n, 10]``, one row per tensor (columns ``T_*``): the addresses of param,
     grad, indices (0: dense, every column), exp_avg, exp_avg_sq and master (ignored when
     ``master_proto`` is None), then rows, cols, k and the tensor's offset into the float32 per-column
-    coefficients ``neg_step_size`` / ``bc2_sqrt``; ``decay64[t]`` is 1 - lr*wd of tensor t. Every tensor
+    coefficients ``neg_step_size`` / ``bc2_sqrt``; ``decay64[t]`` is 1 - lr*wd of tensor t (AdamW; 1 for Adam),
+    ``l2_64[t]`` its coupled decay (Adam's weight_decay; 0 for AdamW). Every tensor
     of a launch has param_proto's, grad_proto's and master_proto's element types (the launcher groups
     them), and all memory is contiguous. The work items are (tensor, row, block of ``block`` selected
     columns); tensor t owns items ``chunk_starts[t]`` to ``chunk_starts[t + 1] - 1``, so one long
@@ -648,6 +653,7 @@ def multi_selective_adam_kernel(
             exp_avg_sq = carray(pointer_at(table[t, T_EXP_AVG_SQ], state_proto), rows * k)
             master = array_at(table[t, T_MASTER], rows * k, master_proto)
             decay = np.float32(decay64[t])
+            l2 = np.float32(l2_64[t])
             coef = table[t, T_COEF]
             dense = table[t, T_IDX] == 0
             idx = carray(pointer_at(table[t, T_IDX], idx_proto), 0 if dense else k)
@@ -657,11 +663,11 @@ def multi_selective_adam_kernel(
                 j1 = min(k, j0 + block)
                 if dense:
                     _adam_columns(param, grad, None, exp_avg, exp_avg_sq, master, r * cols, r * k, j0, j1,
-                                  neg_step_size, bc2_sqrt, coef, grad_scale, decay, lerp_coeff, lerp_small, beta2,
+                                  neg_step_size, bc2_sqrt, coef, grad_scale, decay, l2, lerp_coeff, lerp_small, beta2,
                                   one_minus_beta2, eps)
                 else:
                     _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, r * cols, r * k, j0, j1,
-                                  neg_step_size, bc2_sqrt, coef, grad_scale, decay, lerp_coeff, lerp_small, beta2,
+                                  neg_step_size, bc2_sqrt, coef, grad_scale, decay, l2, lerp_coeff, lerp_small, beta2,
                                   one_minus_beta2, eps)
             c = end
             t += 1
@@ -727,6 +733,15 @@ def _ov_momentum_step(buf, i, d, first, momentum, one_minus_dampening, nesterov)
     return impl
 
 
+def column_momentum(buf, i, d, first, momentum, one_minus_dampening, nesterov):
+    """``momentum_step`` for the fast path's kernel (numba only), inlined by LLVM rather than numba's IR inliner,
+    whose SSA pass warns (NumbaIRAssumptionWarning) on the helper inlined into that kernel's branches."""
+    raise NotImplementedError("numba-only helper")
+
+
+overload(column_momentum)(_ov_momentum_step)
+
+
 @njit(**_JIT)
 def lion_kernel(param, grad, exp_avg, acc, out, zero_acc, inv_scale64, decay64, neg_lr64, one_minus_beta1_64,
                 one_minus_beta2_64):
@@ -783,3 +798,148 @@ def sgd_kernel(param, grad, momentum_buffer, acc, out, zero_acc, inv_scale64, we
         p = fma(d, neg_lr, p)
         param[i] = p
         store_f32(out, i, p)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU fast path of Lion and SGD: the rule's step on selected columns (launchers: selective_lion.py,
+# selective_sgd.py, laid out by _rule_plan.py). The per-element arithmetic is the host kernels' above, so the
+# results equal ``rules.Lion.step_`` / ``rules.SGD.step_`` on the gathered columns as those do; the work walk is
+# ``multi_selective_adam_kernel``'s (work items (tensor, row, block of columns), dealt out in ``parts`` ranges).
+# ---------------------------------------------------------------------------------------------
+
+# Columns of the address table of the rules' multi-tensor kernels: the addresses of param, grad, indices (0: dense,
+# every column), the state tensor (0: none), master (0: none), then rows, cols, k, the address of the tensor's
+# per-column int64 step counts (0: an int step for the whole tensor) and whether that int step is its first (1/0).
+R_PARAM, R_GRAD, R_IDX, R_STATE, R_MASTER, R_ROWS, R_COLS, R_K, R_STEPS, R_FIRST = range(10)
+
+
+@njit(inline="always")
+def _lion_columns(param, grad, idx, exp_avg, master, base, sbase, j0, j1, inv_scale, decay, neg_lr, coeff1, small1,
+                  coeff2, small2):
+    """Lion (``lion_kernel``'s element step) on selected columns j0..j1-1 of one row (``_adam_columns``' layout)."""
+    p = row_of(param, base, j0, idx)
+    g_row = row_of(grad, base, j0, idx)
+    cols = part_of(idx, j0, j1)
+    m_row = exp_avg[sbase + j0 : sbase + j1]
+    w_row = part_of(master, sbase + j0, sbase + j1)
+    for j in range(j1 - j0):
+        c = column_of(cols, j)
+        g = load_f32(g_row, c) * inv_scale
+        m = m_row[j]
+        u = torch_sign(lerp(m, g, coeff1, small1))
+        w = load_master(w_row, j, p, c)
+        w = w if decay == np.float32(1.0) else w * decay
+        w = fma(u, neg_lr, w)
+        m_row[j] = lerp(m, g, coeff2, small2)
+        store_f32(w_row, j, w)
+        store_f32(p, c, w)
+
+
+@njit(**_JIT)
+def multi_selective_lion_kernel(table, chunk_starts, parts, lr64, wd64, param_proto, grad_proto, master_proto, block,
+                                inv_scale64, one_minus_beta1_64, one_minus_beta2_64):
+    """Lion on the selected columns of many tensors in one launch: ``table`` int64 ``[n, 10]`` (columns ``R_*``),
+    ``lr64[t]``, ``wd64[t]`` tensor t's numbers (decay ``1 - lr * wd`` in float64, rounded once, as torch's
+    ``mul_`` of a Python float); the walk of ``multi_selective_adam_kernel``."""
+    inv_scale = np.float32(inv_scale64)
+    coeff1, small1 = lerp_constants(one_minus_beta1_64)
+    coeff2, small2 = lerp_constants(one_minus_beta2_64)
+    state_proto = np.empty(0, dtype=np.float32)
+    idx_proto = np.empty(0, dtype=np.int64)
+    total = chunk_starts[chunk_starts.size - 1]
+    for q in prange(parts):
+        c = q * total // parts
+        stop = (q + 1) * total // parts
+        t = np.searchsorted(chunk_starts, c, side="right") - 1
+        while c < stop:
+            end = min(stop, chunk_starts[t + 1])
+            rows, cols, k = table[t, R_ROWS], table[t, R_COLS], table[t, R_K]
+            blocks = (k + block - 1) // block
+            param = carray(pointer_at(table[t, R_PARAM], param_proto), rows * cols)
+            grad = carray(pointer_at(table[t, R_GRAD], grad_proto), rows * cols)
+            exp_avg = carray(pointer_at(table[t, R_STATE], state_proto), rows * k)
+            master = array_at(table[t, R_MASTER], rows * k, master_proto)
+            decay = np.float32(1.0 - lr64[t] * wd64[t])
+            neg_lr = np.float32(-lr64[t])
+            dense = table[t, R_IDX] == 0
+            idx = carray(pointer_at(table[t, R_IDX], idx_proto), 0 if dense else k)
+            for local in range(c - chunk_starts[t], end - chunk_starts[t]):
+                r = local // blocks
+                j0 = (local - r * blocks) * block
+                j1 = min(k, j0 + block)
+                if dense:
+                    _lion_columns(param, grad, None, exp_avg, master, r * cols, r * k, j0, j1, inv_scale, decay,
+                                  neg_lr, coeff1, small1, coeff2, small2)
+                else:
+                    _lion_columns(param, grad, idx, exp_avg, master, r * cols, r * k, j0, j1, inv_scale, decay,
+                                  neg_lr, coeff1, small1, coeff2, small2)
+            c = end
+            t += 1
+
+
+@njit(inline="always")
+def _sgd_columns(param, grad, idx, buf, master, steps, per_column, first, base, sbase, j0, j1, inv_scale,
+                 weight_decay, neg_lr, momentum, one_minus_dampening, nesterov):
+    """SGD (``sgd_kernel``'s element step) on selected columns j0..j1-1 of one row; ``steps`` the tensor's
+    per-column step counts when ``per_column`` (else ``first`` for every column)."""
+    p = row_of(param, base, j0, idx)
+    g_row = row_of(grad, base, j0, idx)
+    cols = part_of(idx, j0, j1)
+    b_row = part_of(buf, sbase + j0, sbase + j1)
+    w_row = part_of(master, sbase + j0, sbase + j1)
+    s_row = steps[j0:j1] if per_column else steps
+    for j in range(j1 - j0):
+        c = column_of(cols, j)
+        w = load_master(w_row, j, p, c)
+        d = load_f32(g_row, c) * inv_scale
+        d = d if weight_decay == np.float32(0.0) else fma(w, weight_decay, d)
+        starts = s_row[j] == 1 if per_column else first
+        d = column_momentum(b_row, j, d, starts, momentum, one_minus_dampening, nesterov)
+        w = fma(d, neg_lr, w)
+        store_f32(w_row, j, w)
+        store_f32(p, c, w)
+
+
+@njit(**_JIT)
+def multi_selective_sgd_kernel(table, chunk_starts, parts, lr64, wd64, param_proto, grad_proto, master_proto,
+                               buf_proto, block, inv_scale64, momentum64, one_minus_dampening64, nesterov):
+    """SGD on the selected columns of many tensors in one launch (``multi_selective_lion_kernel``'s table and walk);
+    ``buf_proto`` None: no momentum buffer (momentum 0). A column's first step (its count 1, or ``R_FIRST``) starts
+    its buffer as torch's does."""
+    inv_scale = np.float32(inv_scale64)
+    momentum = np.float32(momentum64)
+    one_minus_dampening = np.float32(one_minus_dampening64)
+    idx_proto = np.empty(0, dtype=np.int64)
+    step_proto = np.empty(0, dtype=np.int64)
+    total = chunk_starts[chunk_starts.size - 1]
+    for q in prange(parts):
+        c = q * total // parts
+        stop = (q + 1) * total // parts
+        t = np.searchsorted(chunk_starts, c, side="right") - 1
+        while c < stop:
+            end = min(stop, chunk_starts[t + 1])
+            rows, cols, k = table[t, R_ROWS], table[t, R_COLS], table[t, R_K]
+            blocks = (k + block - 1) // block
+            param = carray(pointer_at(table[t, R_PARAM], param_proto), rows * cols)
+            grad = carray(pointer_at(table[t, R_GRAD], grad_proto), rows * cols)
+            buf = array_at(table[t, R_STATE], rows * k, buf_proto)
+            master = array_at(table[t, R_MASTER], rows * k, master_proto)
+            weight_decay = np.float32(wd64[t])
+            neg_lr = np.float32(-lr64[t])
+            dense = table[t, R_IDX] == 0
+            idx = carray(pointer_at(table[t, R_IDX], idx_proto), 0 if dense else k)
+            per_column = table[t, R_STEPS] != 0
+            steps = carray(pointer_at(table[t, R_STEPS], step_proto), k if per_column else 0)
+            first = table[t, R_FIRST] != 0
+            for local in range(c - chunk_starts[t], end - chunk_starts[t]):
+                r = local // blocks
+                j0 = (local - r * blocks) * block
+                j1 = min(k, j0 + block)
+                if dense:
+                    _sgd_columns(param, grad, None, buf, master, steps, per_column, first, r * cols, r * k, j0, j1,
+                                 inv_scale, weight_decay, neg_lr, momentum, one_minus_dampening, nesterov)
+                else:
+                    _sgd_columns(param, grad, idx, buf, master, steps, per_column, first, r * cols, r * k, j0, j1,
+                                 inv_scale, weight_decay, neg_lr, momentum, one_minus_dampening, nesterov)
+            c = end
+            t += 1

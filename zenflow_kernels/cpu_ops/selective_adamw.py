@@ -112,16 +112,29 @@ def multi_selective_adamw_(params, grads, indices_list, exp_avgs, exp_avg_sqs, *
     multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
 
 
-def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale) -> None:
+def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale, decoupled: bool = True) -> None:
     """The launches of ``multi_selective_adamw_`` for items as ``torch_ops.multi_adamw_args`` returns them
-    (or as :class:`LaunchItems`: planned once, see there)."""
+    (or as :class:`LaunchItems`: planned once, see there). ``decoupled=False``: Adam (``torch.optim.Adam``'s
+    coupled L2 decay, the fast path of ``rules.Adam``) instead of AdamW."""
     cache = getattr(items, "launch_cache", None)
     plan = None if cache is None else cache.get("numba")
     if plan is None or not plan.fits(items):
         plan = _Plan(items)  # laid out for this call (kept when the caller keeps a cache)
         if cache is not None:
             cache["numba"] = plan
-    plan.run(items, beta1, beta2, eps, grad_scale)
+    plan.run(items, beta1, beta2, eps, grad_scale, decoupled)
+
+
+def run_contiguous(items, launch) -> None:
+    """``launch`` on copies of ``items`` whose parameter, gradient and step counts are contiguous, the parameters
+    copied back after (the rules' few strided tensors; the AdamW path has ``_launch``'s torch fallback)."""
+    copies = [(it[0].contiguous(), it[1].contiguous(), *it[2:]) for it in items]
+    copies = [(*it[:-3], it[-3].contiguous() if isinstance(it[-3], torch.Tensor) else it[-3], *it[-2:])
+              for it in copies]
+    launch(copies)
+    for it, copy in zip(items, copies, strict=True):
+        if copy[0] is not it[0]:
+            it[0].copy_(copy[0])
 
 
 def _parts(work: int, chunks: int) -> int:
@@ -149,24 +162,27 @@ class _Plan:
                 continue
             by_key.setdefault((p.dtype, g.dtype, w is None), []).append(t)
         self.groups = [_Group(items, positions) for positions in by_key.values()]
-        self.lrs = self.wds = None
+        self.lrs = self.wds = self.decoupled = None
 
     def fits(self, items) -> bool:
         """Whether ``items`` are the tensors this plan was laid out for."""
         return self.made_for.fits(items)
 
-    def run(self, items, beta1, beta2, eps, grad_scale) -> None:
-        for t in self.slow:
+    def run(self, items, beta1, beta2, eps, grad_scale, decoupled=True) -> None:
+        if self.slow and not decoupled:  # Adam's strided tensors: the kernel on contiguous copies
+            run_contiguous([items[t] for t in self.slow], lambda copies: _Plan(copies).run(
+                copies, beta1, beta2, eps, grad_scale, decoupled))
+        for t in self.slow if decoupled else ():
             p, g, idx, m, v, w, s, lr, wd = items[t]
             _launch(p, g, idx, m, v, w, s, lr, beta1, beta2, eps, wd, grad_scale)
         if not self.groups:
             return
         grad_ptrs = np.array([it[1].data_ptr() for it in items], dtype=np.int64)
         lrs, wds = [it[7] for it in items], [it[8] for it in items]
-        if lrs != self.lrs or wds != self.wds:  # a scheduler changes lr at every step
-            self.lrs, self.wds = lrs, wds
+        if lrs != self.lrs or wds != self.wds or decoupled != self.decoupled:  # a scheduler changes lr every step
+            self.lrs, self.wds, self.decoupled = lrs, wds, decoupled
             for group in self.groups:
-                group.set_hyper(lrs, wds)
+                group.set_hyper(lrs, wds, decoupled)
         for group in self.groups:
             group.run(items, grad_ptrs, beta1, beta2, eps, grad_scale)
 
@@ -211,14 +227,19 @@ class _Group:
         self.protos = (_PROTO[p0.dtype], _PROTO[g0.dtype], None if w0 is None else _PROTO[torch.float32])
         self.live = [t for p, _, _, m, v, w, *_ in chosen for t in (p, m, v, w)
                      if t is not None and not t.is_inference()]
-        self.decay = self.lr_columns = self.scalar_lrs = None
+        self.decay = self.l2 = self.lr_columns = self.scalar_lrs = None
 
-    def set_hyper(self, lrs: list, wds: list) -> None:
-        """Per-tensor decay (1 - lr * wd) and the per-column lr of the per-column tensors (float64)."""
+    def set_hyper(self, lrs: list, wds: list, decoupled: bool = True) -> None:
+        """Per-tensor decay (AdamW: 1 - lr * wd; Adam: 1), coupled decay (Adam: wd; AdamW: 0) and the
+        per-column lr of the per-column tensors (float64)."""
         if self.take is not None:
             lrs, wds = [lrs[t] for t in self.positions], [wds[t] for t in self.positions]
         self.scalar_lrs = [lrs[j] for j in self.scalar]
-        self.decay = 1.0 - np.array(lrs, dtype=np.float64) * np.array(wds, dtype=np.float64)
+        wd = np.array(wds, dtype=np.float64)
+        if decoupled:
+            self.decay, self.l2 = 1.0 - np.array(lrs, dtype=np.float64) * wd, np.zeros_like(wd)
+        else:
+            self.decay, self.l2 = np.ones_like(wd), wd
         pc = np.array([lrs[j] for j in self.per_column], dtype=np.float64)
         self.lr_columns = pc[0] if pc.size and (pc == pc[0]).all() else np.repeat(pc, self.pc_ks)
 
@@ -243,6 +264,7 @@ class _Group:
             self.chunk_starts,
             self.parts,
             self.decay,
+            self.l2,
             self.neg_step_size,
             self.bc2_sqrt,
             *self.protos,

@@ -220,7 +220,6 @@ def restore(saved_state: dict, run: Run, interval: HostInterval, to_state: Calla
     writes = []  # the host fields, written in one pass (on disk: each block of the file once)
     for idx, st in saved_state.items():
         i = int(idx)
-        p = run.params[i]
         if i in host.slots and "host_master" in st:  # ZeRO: the host state of this rank's parameters only
             writes += [(name, i, st[f"host_{name}"]) for name in names]
             host.view(interval.sums_flat(), i).copy_(st["acc"])
@@ -233,12 +232,12 @@ def restore(saved_state: dict, run: Run, interval: HostInterval, to_state: Calla
         if "unflushed" in st:  # saved inside flushed(): the model holds the flushed weights, training these
             run.local[i].copy_(st["unflushed"])
         fast = {k: v for k, v in st.items() if k not in held_keys}
-        run.state[p] = {
+        run.replace_state(i, {
             # copies: the optimizer must not share storage with the caller's state dict
             k: (to_state(v.clone()) if k in fast_keys else v.to(run.device, copy=True))
             if torch.is_tensor(v) else v
             for k, v in fast.items()
-        }
+        })
     host.set_fields(writes)
 
 

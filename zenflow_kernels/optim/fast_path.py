@@ -51,13 +51,12 @@ class FastPath:
     def init_vector(self, i: int) -> None:
         """A vector joins the fast path with the rule state the host gave it during warm-up."""
         run = self.run
-        p, st = run.local[i], run.fast_state(i)
+        p = run.local[i]
         n = p.numel()
-        for name in run.rule.state_names:
-            st[name] = self.to_state(run.from_host(i, name).reshape(1, n))
-        st["step"] = run.host_step(i)
+        entries = {name: self.to_state(run.from_host(i, name).reshape(1, n)) for name in run.rule.state_names}
         if p.dtype != torch.float32:
-            st["master"] = self.to_state(run.from_host(i, "master").reshape(1, n))
+            entries["master"] = self.to_state(run.from_host(i, "master").reshape(1, n))
+        run.set_state(i, step=run.host_step(i), **entries)
         self._plan = None
 
     def plan(self) -> tuple[list, torch.Tensor | None, dict, list]:
@@ -78,15 +77,14 @@ class FastPath:
                 entries.append((i, p.view(1, -1), False, st, run.group_of[i]))
             elif st["selected"].numel():
                 entries.append((i, p, True, st, run.group_of[i]))
-                steps.append(st)
+                steps.append((i, st["step"]))
         flat = None
         if steps:
-            flat = torch.cat([st["step"] for st in steps])
+            flat = torch.cat([s for _, s in steps])
             offset = 0
-            for st in steps:
-                k = st["step"].numel()
-                st["step"] = flat[offset : offset + k]
-                offset += k
+            for i, s in steps:
+                run.set_state(i, step=flat[offset : offset + s.numel()])
+                offset += s.numel()
         # what the fused launch takes of each entry that stays put for the plan's life: (selected columns or None,
         # the rule's state tensors, master or None); the step counts are read at each step (a vector's is an int)
         names = run.rule.state_names
@@ -132,7 +130,7 @@ class FastPath:
             if is_matrix:
                 grad = own_grad(i)
             else:
-                st["step"] += 1
+                run.set_state(i, step=st["step"] + 1)
                 grad = own_grad(i)[None]  # [1, n], as the parameter's view
             items.append((pv, grad, *head, st["step"], *numbers[gi]))
         distinct = dict.fromkeys(group_keys)

@@ -4,6 +4,7 @@ shard), and reads of the host state every part may make."""
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -48,9 +49,19 @@ class Run:
         """Matrix ``i``'s number of selected columns (its ``topk_ratio`` of its columns)."""
         return num_selected(self.setting(i, "topk_ratio"), self.params[i].shape[1])
 
-    def fast_state(self, i: int) -> dict:
-        """Parameter ``i``'s ``state`` entry (the fast path's rule state, its selected columns, the auto vote)."""
-        return self.state[self.params[i]]
+    def fast_state(self, i: int) -> MappingProxyType:
+        """Parameter ``i``'s ``state`` entry (the fast path's rule state, its selected columns, the auto vote), read
+        only: :meth:`set_state` and :meth:`replace_state` are its only writers."""
+        return MappingProxyType(self.state[self.params[i]])
+
+    def set_state(self, i: int, **entries) -> None:
+        """Write ``entries`` into parameter ``i``'s ``state`` entry: the one way the parts (selection's column moves
+        and votes, the fast path's vectors and step counts) change it, so that what it holds is said here."""
+        self.state[self.params[i]].update(entries)
+
+    def replace_state(self, i: int, entries: dict) -> None:
+        """Parameter ``i``'s ``state`` entry becomes ``entries`` (a checkpoint's, restored)."""
+        self.state[self.params[i]] = entries
 
     def from_host(self, i: int, name: str, cols: torch.Tensor | None = None, transient: bool = False) -> torch.Tensor:
         """A copy of parameter ``i``'s host ``master`` or rule state field ``name`` (fp32, parameter shape;

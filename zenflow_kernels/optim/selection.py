@@ -133,7 +133,7 @@ class Selection:
                 st[name].copy_(gather_columns(st[name], pos).masked_fill_(~stay, 0))
             if master is not None:
                 torch.where(stay, gather_columns(old_master, pos), master, out=st["master"])
-            st["selected"], st["step"] = new, st["step"][pos].masked_fill_(~stay, 0)
+            run.set_state(i, selected=new, step=st["step"][pos].masked_fill_(~stay, 0))
             return jaccard
         state = {name: torch.zeros(R, k, dtype=torch.float32, device=device) for name in names}
         steps = torch.zeros(k, dtype=torch.int64, device=device)
@@ -147,11 +147,10 @@ class Selection:
             steps[stay] = st["step"][pos[stay]]
             if master is not None:
                 master[:, stay] = old_master[:, pos[stay]]
-        st["selected"], st["step"] = new, steps
-        for name, t in state.items():
-            st[name] = fast.to_state(t)
+        moved = {name: fast.to_state(t) for name, t in state.items()}
         if master is not None:
-            st["master"] = fast.to_state(master)
+            moved["master"] = fast.to_state(master)
+        run.set_state(i, selected=new, step=steps, **moved)
         return jaccard
 
     def auto_vote(self, matrices: list[int], scale: float) -> bool:
@@ -162,7 +161,7 @@ class Selection:
         eligible = []
         for i in matrices:
             p = run.params[i]
-            k = run.state[p]["selected"].numel()
+            k = run.fast_state(i)["selected"].numel()
             if k == p.shape[1]:
                 continue
             voters += 1
@@ -177,27 +176,28 @@ class Selection:
             norms = ["l1" if run.setting(i, "importance") == "l1" else "l2" for i in eligible]
             scores = run.shard.scores(eligible, norms)
             pairs = []
-            for p, s, norm in zip(params, scores, norms, strict=True):
+            for i, p, s, norm in zip(eligible, params, scores, norms, strict=True):
                 mags = s.sqrt() if norm == "l2" else s
-                sel = run.state[p]["selected"]
+                sel = run.fast_state(i)["selected"]
                 sel_sum = mags[sel].sum()
                 pairs.append(torch.stack([sel_sum / sel.numel(), (mags.sum() - sel_sum) / (p.shape[1] - sel.numel())]))
             # (under a GradScaler the gradients are scaled: its power-of-two scale divides the magnitudes exactly)
             means = (torch.stack(pairs).double() / scale).tolist()  # one device sync for all matrices
-            for p, (sel_mean, unsel_mean) in zip(params, means, strict=True):
-                st = run.state[p]
-                st["auto_selected"] = st.get("auto_selected", 0.0) + sel_mean
-                st["auto_unselected"] = st.get("auto_unselected", 0.0) + unsel_mean
-                st["auto_count"] = st.get("auto_count", 0) + 1
+            for i, (sel_mean, unsel_mean) in zip(eligible, means, strict=True):
+                st = run.fast_state(i)
+                run.set_state(i, auto_selected=st.get("auto_selected", 0.0) + sel_mean,
+                              auto_unselected=st.get("auto_unselected", 0.0) + unsel_mean,
+                              auto_count=st.get("auto_count", 0) + 1)
                 if st["auto_unselected"] >= st["auto_selected"] / st["auto_count"]:
                     needing += 1
         return voters > 0 and needing >= run.config.auto_ratio * voters
 
     def reset_votes(self) -> None:
         """A host update ran: Zen-auto's running means start again."""
-        for st in self.run.state.values():
-            if st and "auto_count" in st:
-                st.update(auto_selected=0.0, auto_unselected=0.0, auto_count=0)
+        run = self.run
+        for i, p in enumerate(run.params):
+            if "auto_count" in run.state.get(p, ()):
+                run.set_state(i, auto_selected=0.0, auto_unselected=0.0, auto_count=0)
 
 
 def _unscaled(scorer, inv_scale: float):

@@ -1,6 +1,6 @@
 """AdamW (``torch.optim.AdamW``, decoupled weight decay) and Adam (``torch.optim.Adam``, L2 decay in the gradient):
-the step in plain torch, torch's own op sequence, and the fused kernels (numba on the host for both; the Triton /
-numba selective AdamW on the device for AdamW)."""
+the step in plain torch, torch's own op sequence, and the fused kernels (numba on the host, the Triton / numba
+selective AdamW on the device, for both)."""
 
 from __future__ import annotations
 
@@ -84,13 +84,21 @@ class AdamW(UpdateRule):
     def fast_step_(self, items, *, grad_scale, **shared) -> None:
         from .. import ops
 
-        ops.multi_selective_adamw_items_(items, grad_scale=grad_scale, **shared)
+        if self.decoupled:
+            ops.multi_selective_adamw_items_(items, grad_scale=grad_scale, **shared)
+            return
+        kernels = ops.fused_kernels(items[0][0]) if items else None
+        if kernels is None:  # the "torch" backend
+            self.reference_fast_step_(items, grad_scale=grad_scale, **shared)
+        else:
+            kernels.multi_selective_adamw_items_(items, shared["beta1"], shared["beta2"], shared["eps"], grad_scale,
+                                                 False)
 
 
 class Adam(AdamW):
     """Adam as ``torch.optim.Adam``: ``weight_decay`` adds ``weight_decay * param`` to the gradient (L2, coupled).
-    The host pass is the numba Adam kernel; the device's update of the selected columns is :meth:`step_` in torch
-    (the fused selective kernels are AdamW's)."""
+    Both kernels are AdamW's with the coupled decay: the numba host pass (``cpu_adam_(adamw=False)``) and the fused
+    selective update of the device (``ops.multi_selective_adamw_items_(decoupled=False)``)."""
 
     name = "Adam"
     decoupled = False
@@ -98,5 +106,3 @@ class Adam(AdamW):
     def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *,
                  state_dtype: torch.dtype = torch.float32):
         super().__init__(betas, eps, weight_decay, state_dtype=state_dtype)
-
-    fast_step_ = UpdateRule.fast_step_

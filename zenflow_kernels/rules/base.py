@@ -164,8 +164,14 @@ class UpdateRule:
         """The device's update of every item of one launch: ``(param [R, C], grad [R, C], columns [k] or None,
         *state ([R, k] each, in state_names order), master [R, k] fp32 or None, step, *per_tensor)``. ``columns``
         None: every column (a vector as [1, n]). ``master``: the fp32 values of a low-precision parameter's
-        columns, stepped and rounded into it. ``step``: an int, or the columns' int64 counts [k]. The default steps
-        each item with :meth:`columns_step_`."""
+        columns, stepped and rounded into it. ``step``: an int, or the columns' int64 counts [k]. The default is
+        :meth:`reference_fast_step_`; the built-in rules launch fused kernels (``zenflow_kernels.ops``)."""
+        self.reference_fast_step_(items, grad_scale=grad_scale, **shared)
+
+    def reference_fast_step_(self, items: list[tuple], *, grad_scale: float, **shared) -> None:
+        """:meth:`fast_step_` in plain torch: each item's gradient columns gathered, multiplied by
+        ``1 / grad_scale``, and stepped with :meth:`columns_step_`; the reference the fused kernels are tested
+        against, and the torch backend's implementation (``ops.use_backend("torch")``)."""
         n = len(self.state_names)
         inv = 1.0 / grad_scale
         for item in items:
@@ -178,7 +184,7 @@ class UpdateRule:
             if master is not None:
                 work = master
             elif idx is None:
-                work = p
+                work = p if p.dtype == torch.float32 else p.float()  # fp32 arithmetic, one rounding (the kernels')
             else:
                 work = p.index_select(1, idx).float()
             self.columns_step_(work, grad, dict(zip(self.state_names, state, strict=True)), step, **numbers)

@@ -1,7 +1,7 @@
 """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2): the sign of an
 interpolated momentum, one moment. The step in plain torch; the host pass the fused numba kernel
-(``cpu_ops.cpu_lion_``, bit-identical to the torch step on x86 with AVX2); the device's update of the selected columns
-is the torch step."""
+(``cpu_ops.cpu_lion_``, bit-identical to the torch step on x86 with AVX2); the device's update of the selected
+columns one fused multi-tensor launch (``ops.fused_kernels``: numba on CPU, Triton on GPU)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,12 @@ class Lion(UpdateRule):
         from .. import cpu_ops
 
         cpu_ops.cpu_lion_(param, grad, state[0], grad_scale=grad_scale, out=out, zero_grad=zero_grad, **numbers)
+
+    def fast_step_(self, items, *, grad_scale, beta1, beta2) -> None:
+        from .. import ops
+
+        kernels = ops.fused_kernels(items[0][0]) if items else None
+        if kernels is None:  # the "torch" backend
+            self.reference_fast_step_(items, grad_scale=grad_scale, beta1=beta1, beta2=beta2)
+        else:
+            kernels.multi_selective_lion_items_(items, beta1, beta2, grad_scale)

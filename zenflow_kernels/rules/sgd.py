@@ -1,6 +1,7 @@
 """SGD as ``torch.optim.SGD``: momentum, dampening, Nesterov, L2 weight decay. The step in plain torch (torch's
 single-tensor op sequence); the host pass the fused numba kernel (``cpu_ops.cpu_sgd_``, bit-identical to torch's step
-on x86 with AVX2); the device's update of the selected columns is the torch step."""
+on x86 with AVX2); the device's update of the selected columns one fused multi-tensor launch (``ops.fused_kernels``:
+numba on CPU, Triton on GPU)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,13 @@ class SGD(UpdateRule):
 
         cpu_ops.cpu_sgd_(param, grad, state[0] if state else None, step=step, grad_scale=grad_scale, out=out,
                          zero_grad=zero_grad, **numbers)
+
+    def fast_step_(self, items, *, grad_scale, momentum, dampening, nesterov) -> None:
+        from .. import ops
+
+        kernels = ops.fused_kernels(items[0][0]) if items else None
+        if kernels is None:  # the "torch" backend
+            self.reference_fast_step_(items, grad_scale=grad_scale, momentum=momentum, dampening=dampening,
+                                      nesterov=nesterov)
+        else:
+            kernels.multi_selective_sgd_items_(items, momentum, dampening, nesterov, grad_scale)

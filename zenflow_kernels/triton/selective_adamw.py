@@ -1,5 +1,6 @@
 # Fused selective AdamW: AdamW (torch.optim.AdamW(foreach=False) math) on param[:, indices], in place,
-# with compact fp32 state m, v (and optional fp32 master) of shape [R, k].
+# with compact fp32 state m, v (and optional fp32 master) of shape [R, k]; with decoupled=False (the
+# constexpr L2) Adam as torch.optim.Adam(foreach=False): g + weight_decay * w, no decay multiply.
 #
 # Design: one pass. A program owns a [BLOCK_R, BLOCK_K] tile of the compact [R, k] space: it loads the
 # BLOCK_K column numbers once, gathers param and grad at (row, indices[j]) through their strides, loads
@@ -16,6 +17,8 @@
 # weight decay and bias corrections) and a 1-D grid over (tensor, tile); one launch per group of
 # tensors sharing (param dtype, grad dtype, master?, dense?, per-column steps?, tile shape).
 # Limits: R, k < 2^31; offsets int64; step counts exact up to 2^24 in the per-column form.
+# The tile addressing (`tile_offsets`, `table_tile`) and the plan helpers (`plan_groups`, `cached_plan`)
+# are shared with the Lion and SGD kernels (selective_lion.py, selective_sgd.py).
 from __future__ import annotations
 
 import math
@@ -86,12 +89,10 @@ def _round_to(w, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr,
-                R, K, stride_pr, stride_pc, stride_gr, stride_gc, r0, j0,
-                lr, decay, step_size, bc2_sqrt, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2,
-                eps, grad_scale,
-                HAS_IDX: tl.constexpr, HAS_MASTER: tl.constexpr, PER_COL_STEP: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def tile_offsets(idx_ptr, R, K, stride_pr, stride_pc, stride_gr, stride_gc, r0, j0,
+                 HAS_IDX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_R, BLOCK_K] tile at (r0, j0) of the compact [R, K] space: its compact column numbers
+    ``js`` and their mask, the tile's mask, and the int64 offsets into param, grad and the compact state."""
     rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
     js = j0 + tl.arange(0, BLOCK_K).to(tl.int64)
     kmask = js < K
@@ -103,7 +104,36 @@ def _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr,
     p_off = rows[:, None] * stride_pr + cols[None, :] * stride_pc
     g_off = rows[:, None] * stride_gr + cols[None, :] * stride_gc
     s_off = rows[:, None] * K + js[None, :]
+    return js, kmask, mask, p_off, g_off, s_off
 
+
+@triton.jit
+def table_tile(itab, WIDTH: tl.constexpr, n_tensors, pid, n_steps, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's tensor and tile in a multi-tensor launch whose int table rows (WIDTH columns) end with
+    (R, K, stride_pr, stride_pc, stride_gr, stride_gc, first unit): (table row index, row pointer, R, K, the
+    four strides, first row, first column)."""
+    t = find_segment(itab + WIDTH - 1, WIDTH, n_tensors, pid, n_steps)
+    row = itab + t.to(tl.int64) * WIDTH
+    R = tl.load(row + WIDTH - 7)
+    K = tl.load(row + WIDTH - 6)
+    local = pid - tl.load(row + WIDTH - 1)
+    n_k = tl.cdiv(K, BLOCK_K)
+    r0 = (local // n_k) * BLOCK_R
+    j0 = (local % n_k) * BLOCK_K
+    return (t, row, R, K, tl.load(row + WIDTH - 5), tl.load(row + WIDTH - 4), tl.load(row + WIDTH - 3),
+            tl.load(row + WIDTH - 2), r0, j0)
+
+
+@triton.jit
+def _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr,
+                R, K, stride_pr, stride_pc, stride_gr, stride_gc, r0, j0,
+                lr, decay, step_size, bc2_sqrt, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2,
+                eps, grad_scale,
+                HAS_IDX: tl.constexpr, HAS_MASTER: tl.constexpr, PER_COL_STEP: tl.constexpr, L2: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``decay``: 1 - lr * weight_decay (AdamW), or the weight decay itself with ``L2`` (Adam)."""
+    js, kmask, mask, p_off, g_off, s_off = tile_offsets(idx_ptr, R, K, stride_pr, stride_pc, stride_gr, stride_gc,
+                                                        r0, j0, HAS_IDX, BLOCK_R, BLOCK_K)
     g = tl.math.div_rn(tl.load(g_ptr + g_off, mask=mask, other=0.0).to(tl.float32), grad_scale)
     if HAS_MASTER:
         w = tl.load(w_ptr + s_off, mask=mask, other=0.0)
@@ -120,7 +150,11 @@ def _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr,
         ss = step_size
         b2s = bc2_sqrt
 
-    w = w * decay
+    if L2:
+        # grad.add(param, alpha=weight_decay): a fused multiply-add in torch; skipped at 0 (0 * inf is NaN)
+        g = tl.where(decay != 0.0, tl.fma(w, decay, g), g)
+    else:
+        w = w * decay
     # exp_avg.lerp_(g, 1 - beta1), with torch's two-sided lerp formula
     m = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * (g - m), g - (g - m) * (1.0 - one_minus_beta1))
     v = v * beta2 + one_minus_beta2 * g * g
@@ -148,23 +182,23 @@ def _selective_adamw_kernel(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr
     j0 = (pid % n_k).to(tl.int64) * BLOCK_K
     _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr, R, K, stride_pr, stride_pc, stride_gr,
                 stride_gc, r0, j0, lr, decay, step_size, bc2_sqrt, one_minus_beta1, beta2, one_minus_beta2,
-                log_beta1, log_beta2, eps, grad_scale, HAS_IDX, HAS_MASTER, PER_COL_STEP, BLOCK_R, BLOCK_K)
+                log_beta1, log_beta2, eps, grad_scale, HAS_IDX, HAS_MASTER, PER_COL_STEP, False, BLOCK_R, BLOCK_K)
 
 
 # Multi-tensor table, int64, one row per tensor:
 #   0 param ptr, 1 grad ptr, 2 indices ptr, 3 exp_avg ptr, 4 exp_avg_sq ptr, 5 master ptr, 6 step ptr,
 #   7 R, 8 K, 9 stride_pr, 10 stride_pc, 11 stride_gr, 12 stride_gc, 13 first unit
-# and float32, one row per tensor: 0 lr, 1 decay, 2 step_size, 3 bc2_sqrt (the last two for int steps).
+# and float32, one row per tensor: 0 lr, 1 decay (Adam: the weight decay), 2 step_size, 3 bc2_sqrt (the last
+# two for int steps).
 @triton.jit
 def _multi_selective_adamw_kernel(itab, ftab, n_tensors, n_steps,
                                   one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, grad_scale,
                                   P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                                   HAS_IDX: tl.constexpr, HAS_MASTER: tl.constexpr, PER_COL_STEP: tl.constexpr,
-                                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                                  L2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid (total tiles,): unit = (tensor, row tile, column tile)."""
     pid = tl.program_id(0)
-    t = find_segment(itab + 13, 14, n_tensors, pid, n_steps)
-    row = itab + t.to(tl.int64) * 14
+    t, row, R, K, spr, spc, sgr, sgc, r0, j0 = table_tile(itab, 14, n_tensors, pid, n_steps, BLOCK_R, BLOCK_K)
     frow = ftab + t.to(tl.int64) * 4
     p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
@@ -173,25 +207,18 @@ def _multi_selective_adamw_kernel(itab, ftab, n_tensors, n_steps,
     v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     w_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
     step_ptr = tl.load(row + 6).to(tl.pointer_type(tl.int64))
-    R = tl.load(row + 7)
-    K = tl.load(row + 8)
-    local = pid - tl.load(row + 13)
-    n_k = tl.cdiv(K, BLOCK_K)
-    r0 = (local // n_k) * BLOCK_R
-    j0 = (local % n_k) * BLOCK_K
-    _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr, R, K,
-                tl.load(row + 9), tl.load(row + 10), tl.load(row + 11), tl.load(row + 12), r0, j0,
+    _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr, R, K, spr, spc, sgr, sgc, r0, j0,
                 tl.load(frow + 0), tl.load(frow + 1), tl.load(frow + 2), tl.load(frow + 3),
                 one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, grad_scale,
-                HAS_IDX, HAS_MASTER, PER_COL_STEP, BLOCK_R, BLOCK_K)
+                HAS_IDX, HAS_MASTER, PER_COL_STEP, L2, BLOCK_R, BLOCK_K)
 
 
 def _log(beta: float) -> float:
     return math.log(beta) if beta > 0 else float("-inf")
 
 
-def _coeffs(lr, wd, step, beta1, beta2):
-    decay = 1 - lr * wd
+def _coeffs(lr, wd, step, beta1, beta2, decoupled=True):
+    decay = 1 - lr * wd if decoupled else wd
     if isinstance(step, torch.Tensor):
         return decay, 0.0, 1.0
     return decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5
@@ -230,22 +257,58 @@ def multi_selective_adamw_(params, grads, indices_list, exp_avgs, exp_avg_sqs, *
     multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
 
 
-def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale) -> None:
+def multi_selective_adamw_items_(items, beta1: float, beta2: float, eps: float, grad_scale: float,
+                                 decoupled: bool = True) -> None:
     """The launches of ``multi_selective_adamw_`` for items as ``multi_adamw_args`` returns them (or as
-    ``LaunchItems``: the tables laid out once, see :class:`_Plan`)."""
-    if not items:
-        return
-    cache = getattr(items, "launch_cache", None)
-    plan = None if cache is None else cache.get("triton")
-    if plan is None or not plan.made_for.fits(items):
-        plan = _Plan(items)
-        if cache is not None:
-            cache["triton"] = plan
-    plan.run(items, beta1, beta2, eps, grad_scale)
+    ``LaunchItems``: the tables laid out once, see :class:`_Plan`). ``decoupled=False``: Adam, the L2 decay of
+    ``torch.optim.Adam(foreach=False)`` (``g + weight_decay * w``) instead of AdamW's decoupled one."""
+    if items:
+        cached_plan(items, _Plan).run(items, beta1, beta2, eps, grad_scale, decoupled)
 
 
 def _triton_grad_layout(g: torch.Tensor) -> tuple:
     return g.dtype, g.stride()
+
+
+def cached_plan(items, plan_type):
+    """The ``plan_type`` plan of ``items``: the one kept in ``items.launch_cache["triton"]`` (``LaunchItems``) if
+    it is of that type and was made for these items, else a new one, kept there."""
+    cache = getattr(items, "launch_cache", None)
+    plan = None if cache is None else cache.get("triton")
+    if not isinstance(plan, plan_type) or not plan.made_for.fits(items):
+        plan = plan_type(items)
+        if cache is not None:
+            cache["triton"] = plan
+    return plan
+
+
+def planned_for(items, n_state: int) -> PlannedFor:
+    """What a Triton plan of items with ``n_state`` state tensors each was made for (gradients: dtype, strides)."""
+    return PlannedFor(items, _triton_grad_layout, n_state=n_state)
+
+
+def plan_groups(items, key_of, row_of) -> list[tuple]:
+    """The launch groups of ``items`` (``(param, grad, columns, ...)`` tuples): items with the same
+    ``(*key_of(item), tile shape)`` share a launch; items with no work (R * k == 0) are left out. Per group:
+    (key, positions in ``items``, int64 table (rows ``row_of(item, R, K)`` with the group's first unit of
+    the item appended), units). Column 1 of each row is left for the gradient's address (written by a run)."""
+    by_key: dict[tuple, list[int]] = {}
+    shapes = []
+    for t, it in enumerate(items):
+        R, K = it[0].shape[0], it[0].shape[1] if it[2] is None else it[2].shape[0]
+        shapes.append((R, K))
+        if R and K:
+            by_key.setdefault((*key_of(it), tile_for(R, K)), []).append(t)
+    groups = []
+    for key, positions in by_key.items():
+        br, bk = key[-1]
+        irows, unit = [], 0
+        for t in positions:
+            R, K = shapes[t]
+            irows.append([*row_of(items[t], R, K), unit])
+            unit += triton.cdiv(R, br) * triton.cdiv(K, bk)
+        groups.append((key, positions, np.array(irows, dtype=np.int64), unit))
+    return groups
 
 
 class _Plan:
@@ -257,28 +320,21 @@ class _Plan:
     once the plan exists."""
 
     def __init__(self, items):
-        self.made_for = PlannedFor(items, _triton_grad_layout)
-        by_key: dict[tuple, list[int]] = {}
-        for t, (p, g, idx, m, _, w, step, *_) in enumerate(items):
-            R, K = m.shape
-            if R == 0 or K == 0:
-                continue
-            key = (p.dtype, g.dtype, idx is not None, w is not None, isinstance(step, torch.Tensor), tile_for(R, K))
-            by_key.setdefault(key, []).append(t)
-        self.groups = []
-        for key, positions in by_key.items():
-            br, bk = key[5]
-            irows, unit = [], 0
-            for t in positions:
-                p, g, idx, m, v, w, step, *_ = items[t]
-                R, K = m.shape
-                irows.append([p.data_ptr(), 0, 0 if idx is None else idx.data_ptr(), m.data_ptr(), v.data_ptr(),
-                              0 if w is None else w.data_ptr(), step.data_ptr() if key[4] else 0,
-                              R, K, p.stride(0), p.stride(1), g.stride(0), g.stride(1), unit])
-                unit += triton.cdiv(R, br) * triton.cdiv(K, bk)
-            self.groups.append((key, positions, np.array(irows, dtype=np.int64), unit))
+        self.made_for = planned_for(items, 2)
 
-    def run(self, items, beta1, beta2, eps, grad_scale) -> None:
+        def key_of(it):
+            p, g, idx, _, _, w, step, *_ = it
+            return p.dtype, g.dtype, idx is not None, w is not None, isinstance(step, torch.Tensor)
+
+        def row_of(it, R, K):
+            p, g, idx, m, v, w, step, *_ = it
+            return [p.data_ptr(), 0, 0 if idx is None else idx.data_ptr(), m.data_ptr(), v.data_ptr(),
+                    0 if w is None else w.data_ptr(), step.data_ptr() if isinstance(step, torch.Tensor) else 0,
+                    R, K, p.stride(0), p.stride(1), g.stride(0), g.stride(1)]
+
+        self.groups = plan_groups(items, key_of, row_of)
+
+    def run(self, items, beta1, beta2, eps, grad_scale, decoupled=True) -> None:
         dev = items[0][0].device
         coefficients: dict[tuple, list[float]] = {}
         for (p_dtype, g_dtype, has_idx, has_master, per_col, (br, bk)), positions, irows, unit in self.groups:
@@ -289,10 +345,10 @@ class _Plan:
                 key = (None if per_col else step, lr, wd)
                 row = coefficients.get(key)
                 if row is None:
-                    row = coefficients[key] = [lr, *_coeffs(lr, wd, step, beta1, beta2)]
+                    row = coefficients[key] = [lr, *_coeffs(lr, wd, step, beta1, beta2, decoupled)]
                 frows.append(row)
             launch(_multi_selective_adamw_kernel, (unit,), device_table(irows, dev),
                    device_table(frows, dev, torch.float32), len(irows), search_steps(len(irows)),
                    1 - beta1, beta2, 1 - beta2, _log(beta1), _log(beta2), eps, grad_scale,
                    P_DTYPE=TL_DTYPE[p_dtype], G_DTYPE=TL_DTYPE[g_dtype], HAS_IDX=has_idx, HAS_MASTER=has_master,
-                   PER_COL_STEP=per_col, BLOCK_R=br, BLOCK_K=bk, num_warps=_WARPS)
+                   PER_COL_STEP=per_col, L2=not decoupled, BLOCK_R=br, BLOCK_K=bk, num_warps=_WARPS)
