@@ -16,9 +16,10 @@ with tiny tensors, so that compute nearly vanishes: alternating fp32 [64, 64] ma
   them to the host during backward and ``step()`` checks their fingerprints (a training loop's case);
 * ``torch_adamw_foreach`` and ``torch_adamw_fused``: ``torch.optim.AdamW(foreach=True)`` and ``(fused=True)``;
 * with ``--rules``, also ``zenflow_async_link_lion``, ``_sgd`` and ``_adam``: ``ZenFlow`` with ``rules.Lion()``,
-  ``rules.SGD(momentum=0.9)`` and ``rules.Adam()`` on the asynchronous link, whose device step is the rule's torch
-  step (AdamW's is the fused kernel): what a rule without a fused fast-path kernel costs a step (results then in
-  ``step_overhead_rules_cpu.json``).
+  ``rules.SGD(momentum=0.9)`` and ``rules.Adam()`` on the asynchronous link, their device step the fused multi-tensor
+  kernel (``ops.fused_kernels``), and each again with ``_torch``: the same rule with its device step in plain torch
+  (``UpdateRule.reference_fast_step_``, what a rule without a fused kernel costs a step); results then in
+  ``step_overhead_rules_cpu.json``.
 
 Two clocks around ``step()``: ``time.thread_time()`` of the training thread (CPU time: what a step costs the
 thread that drives the device; the workers' own work and the waits do not count) and ``time.perf_counter()``
@@ -51,7 +52,8 @@ ZENFLOW = dict(topk_ratio=0.1, select_strategy="step", select_interval=1000, upd
 LR = 1e-3
 CANDIDATES = ("zenflow_cpu_link", "zenflow_async_link", "zenflow_async_link_hooks", "torch_adamw_foreach",
               "torch_adamw_fused")
-RULE_CANDIDATES = ("zenflow_async_link_lion", "zenflow_async_link_sgd", "zenflow_async_link_adam")
+RULE_CANDIDATES = ("zenflow_async_link_lion", "zenflow_async_link_sgd", "zenflow_async_link_adam",
+                   "zenflow_async_link_lion_torch", "zenflow_async_link_sgd_torch", "zenflow_async_link_adam_torch")
 BASE = "torch_adamw_foreach"
 GOALS = {150: 0.5, 600: 0.6}  # the asynchronous link's CPU time per step over torch's foreach AdamW's, at most
 
@@ -83,7 +85,10 @@ class _Candidate:
             kind = name.rsplit("_", 1)[1]
             self.opt = torch.optim.AdamW(self.params, lr=LR, **{kind: True})
         elif name in RULE_CANDIDATES:
-            rule = {"lion": rules.Lion(), "sgd": rules.SGD(momentum=0.9), "adam": rules.Adam()}[name.rsplit("_", 1)[1]]
+            kind = name.removesuffix("_torch").rsplit("_", 1)[1]
+            rule = {"lion": rules.Lion(), "sgd": rules.SGD(momentum=0.9), "adam": rules.Adam()}[kind]
+            if name.endswith("_torch"):  # the device step in plain torch, as a rule without a fused kernel has it
+                rule.fast_step_ = rule.reference_fast_step_
             with chaos(seed=0, max_delay=0):
                 self.opt = ZenFlow(self.params, rule, lr=LR, zenflow=ZENFLOW)
         elif name.startswith("zenflow_async_link"):
@@ -231,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int_at_least(1), default=None,
                     help="steps of one candidate per turn (default 10)")
     ap.add_argument("--repeats", type=int_at_least(1), default=None, help="rounds of the schedule (default 3)")
-    ap.add_argument("--rules", action="store_true", help="also ZenFlow with Lion, SGD and Adam (their torch step)")
+    ap.add_argument("--rules", action="store_true",
+                    help="also ZenFlow with Lion, SGD and Adam (their fused device step, and their torch step)")
     args = ap.parse_args(argv)
     names = CANDIDATES + (RULE_CANDIDATES if args.rules else ())
     stem = "step_overhead_rules_cpu" if args.rules else "step_overhead_cpu"

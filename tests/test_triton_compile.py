@@ -36,6 +36,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from zenflow_kernels.triton import column_scores as cs, fingerprint as fp, selective_adamw as sa, topk_columns as tk
+    from zenflow_kernels.triton import selective_lion as sl, selective_sgd as ss
 
     target = GPUTarget("cuda", 90, 32)
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -97,10 +98,20 @@ SCRIPT = textwrap.dedent(
         compile_(sa._selective_adamw_kernel, sig, dict(HAS_IDX=idx, HAS_MASTER=master, PER_COL_STEP=per_col,
                  BLOCK_R=br, BLOCK_K=bk, stride_pc=1), sa._WARPS, f"{pd} idx={idx} master={master} "
                  f"per_col={per_col} tile={br}x{bk}")
-    compile_(sa._multi_selective_adamw_kernel, dict(itab="*i64", ftab="*fp32", n_tensors="i32", n_steps="i32",
-             one_minus_beta1=f32, beta2=f32, one_minus_beta2=f32, log_beta1=f32, log_beta2=f32, eps=f32,
-             grad_scale=f32), dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, HAS_IDX=True, HAS_MASTER=True,
-             PER_COL_STEP=True, BLOCK_R=8, BLOCK_K=128), sa._WARPS, "bf16 + master + per-column steps")
+    for l2 in (False, True):  # AdamW, and Adam's coupled decay
+        compile_(sa._multi_selective_adamw_kernel, dict(itab="*i64", ftab="*fp32", n_tensors="i32", n_steps="i32",
+                 one_minus_beta1=f32, beta2=f32, one_minus_beta2=f32, log_beta1=f32, log_beta2=f32, eps=f32,
+                 grad_scale=f32), dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, HAS_IDX=True, HAS_MASTER=True,
+                 PER_COL_STEP=True, L2=l2, BLOCK_R=8, BLOCK_K=128), sa._WARPS,
+                 f"bf16 + master + per-column steps, L2={l2}")
+    compile_(sl._multi_selective_lion_kernel, dict(itab="*i64", ftab="*fp32", n_tensors="i32", n_steps="i32",
+             one_minus_beta1=f32, one_minus_beta2=f32, inv_scale=f32), dict(P_DTYPE=tl.bfloat16,
+             G_DTYPE=tl.bfloat16, HAS_IDX=True, HAS_MASTER=True, BLOCK_R=8, BLOCK_K=128), sl._WARPS, "bf16 + master")
+    for buf, nesterov in ((True, True), (False, False)):
+        compile_(ss._multi_selective_sgd_kernel, dict(itab="*i64", ftab="*fp32", n_tensors="i32", n_steps="i32",
+                 momentum=f32, one_minus_dampening=f32, inv_scale=f32), dict(P_DTYPE=tl.bfloat16,
+                 G_DTYPE=tl.bfloat16, HAS_IDX=True, HAS_MASTER=True, HAS_BUF=buf, PER_COL_STEP=True,
+                 NESTEROV=nesterov, BLOCK_R=8, BLOCK_K=128), ss._WARPS, f"bf16 + master, buffer={buf}")
     for bits, half in ((tl.uint32, False), (tl.uint16, True)):
         compile_(fp._multi_fingerprint_kernel, dict(table_ptr="*i64", consts_ptr="*i64", out_ptr="*i64",
                  n_tensors="i32", n_steps="i32"), dict(BITS=bits, HALF=half, BLOCK=fp.BLOCK_WORDS), 4,
@@ -132,7 +143,8 @@ def test_kernels_compile_for_sm90_without_spills():
             warnings.warn(f"register spills with the floor triton: {spills}", stacklevel=1)
     else:
         assert not spills, spills
-    assert len(results) == 22  # 10 scores configs + 3 other scores kernels + 3 top-k + 4 AdamW + 2 fingerprints
+    # 10 scores configs + 3 other scores kernels + 3 top-k + 5 AdamW (one with L2) + 1 Lion + 2 SGD + 2 fingerprints
+    assert len(results) == 26
 
 
 def _jit_function(obj):

@@ -64,9 +64,8 @@ BUGS = [
     Bug(
         "plan-stale-after-load",
         "zenflow_kernels/optim/fast_path.py",
-        "            st[\"master\"] = self.to_state(run.from_host(i, \"master\").reshape(1, n))\n"
-        "        self._plan = None\n",
-        "            st[\"master\"] = self.to_state(run.from_host(i, \"master\").reshape(1, n))\n",
+        "        run.set_state(i, step=run.host_step(i), **entries)\n        self._plan = None\n",
+        "        run.set_state(i, step=run.host_step(i), **entries)\n",
         "(a) a vector joining the fast path (after warm-up, or after a load) keeps the fast step's per-selection "
         "plan: the plan laid out before it joined leaves it out, so its fast-path state never moves",
     ),
@@ -205,8 +204,8 @@ BUGS = [
     Bug(
         "vectors-join-fast-path-at-step-zero",
         "zenflow_kernels/optim/fast_path.py",
-        "        st[\"step\"] = run.host_step(i)\n",
-        "        st[\"step\"] = 0\n",
+        "        run.set_state(i, step=run.host_step(i), **entries)\n",
+        "        run.set_state(i, step=0, **entries)\n",
         "a vector joins the fast path with the host's moments but restarts bias correction at step 0",
     ),
     Bug(
