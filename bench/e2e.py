@@ -70,6 +70,7 @@ from bench.e2e_core import (
     zenflow_block,
 )
 from bench.model import SIZES, num_params
+from zenflow_kernels.concentration import PREMISE_TOP10, concentration_report
 
 # this module's own names, and the core's it re-exports (the notebooks use them as ``e2e.prepare`` and so on)
 __all__ = [
@@ -122,9 +123,10 @@ def _smooth(xs: list[float], k: int) -> list[float]:
 
 
 def plot(result: dict, path: Path) -> Path:
-    """Loss against wall time and against step: smoothed train loss (thin) and held-out loss (markers)."""
+    """Loss against wall time and against step: smoothed train loss (thin) and held-out loss (markers); and the
+    gradient's concentration at each selection of the ZenFlow runs (ZenFlow's premise)."""
     plt = harness.plt()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for j, r in enumerate(result["runs"]):
         c = colors[j % len(colors)]
@@ -137,11 +139,20 @@ def plot(result: dict, path: Path) -> Path:
         axes[0].plot([e["wall_s"] for e in ev], [e["heldout_loss"] for e in ev], "o-", color=c, lw=1.8,
                      label=f"{r['label']} ({r['steps_per_s_median']:.2f} steps/s)")
         axes[1].plot([e["step"] for e in ev], [e["heldout_loss"] for e in ev], "o-", color=c, lw=1.8, label=r["label"])
+        conc = r.get("concentration")
+        if conc and conc["top10"]:
+            at = r["selection_steps"]
+            axes[2].plot(at, conc["top10"], "o-", color=c, lw=1.2, label=f"{r['label']}: top 10% of columns")
+            axes[2].plot(at, conc["top1"], "^--", color=c, lw=0.9, label="top 1%")
+            axes[2].plot(at, conc["selected"], "s:", color=c, lw=0.9, label="selected")
     m = result["machine"]
     where = m.get("gpu") or f"{m.get('cpu')}, {result['config']['threads']} threads"
     axes[0].set(xlabel="wall time (s, training steps only)", ylabel="loss (nats/byte)",
                 title="loss against wall time")
     axes[1].set(xlabel="step", ylabel="loss (nats/byte)", title="loss against step")
+    axes[2].axhline(PREMISE_TOP10, color="grey", lw=0.8, ls="--")
+    axes[2].set(xlabel="step (selections)", ylabel="share of the gradient's energy", ylim=(0, 1.02),
+                title=f"gradient concentration (premise: top 10% >= {PREMISE_TOP10:.0%})")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -173,6 +184,9 @@ def table(result: dict) -> str:
                 f" {row['heldout_at_equal_wall']:.4f}"
                 f" vs sync offload {row['offload_heldout_at_equal_wall']:.4f}; at equal steps"
                 f" {row['heldout_gap_vs_adamw_equal_steps']:+.4f} vs AdamW")
+    zen = next((r for r in result["runs"] if r.get("concentration", {}).get("top10")), None)
+    if zen is not None:
+        lines.append(f"{zen['name']}: " + concentration_report({"concentration": zen["concentration"]}))
     return "\n".join(lines)
 
 

@@ -428,6 +428,9 @@ def train_run(
             optimizer_stall_fraction=stats["stall_fraction"],
             overlap_fraction=stats["overlap_fraction"],
             score_mass_captured=stats["score_mass_captured"],
+            # the gradient's energy in the top 1% / 10% of each matrix's columns and in the selected ones, at each
+            # selection (zenflow_kernels.concentration: ZenFlow's premise)
+            concentration={k: stats["concentration"][k] for k in ("top1", "top10", "selected")},
             selection_jaccard=[None if math.isnan(j) else j for j in stats["selection_jaccard"]],
             selection_steps=stats["selection_steps"],
             d2h_bytes_per_step=stats["d2h_bytes_per_step"],

@@ -137,6 +137,11 @@ def test_e2e_writes_json_png_and_table(e2e_result):
     header = proc.stdout.splitlines()[0]
     for column in ("steps/s", "stall %", "host upd", "train loss", "held-out"):
         assert column in header
+    # the gradient's concentration at each selection, and what it implies, printed with the table
+    conc = next(r for r in result["runs"] if r["name"] == "zenflow")["concentration"]
+    assert len(conc["top10"]) == len(conc["top1"]) == len(conc["selected"]) >= 1
+    assert all(0 < a <= b <= 1 + 1e-9 for a, b in zip(conc["top1"], conc["top10"], strict=True))
+    assert "zenflow: gradient concentration at the last of" in proc.stdout and "  -> " in proc.stdout
 
 
 def test_e2e_runs_have_sane_figures(e2e_result):

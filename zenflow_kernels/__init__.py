@@ -14,6 +14,9 @@ The algorithm
     ZenFlow            -- the same for any update rule: ZenFlow(params, rules.Lion(), lr=1e-4)
     rules              -- the update rules: AdamW, Adam, Lion, SGD, and UpdateRule for one's own
     ZeroCollectiveError -- a collective failed or timed out (another rank failed or stopped stepping)
+    gradient_concentration, concentration_report
+                       -- ZenFlow's premise measured: the gradient energy in the top 1% / 10% of each matrix's
+                          columns and in the selected ones (recorded at every selection: stats()["concentration"])
 
 Device kernels (CUDA -> Triton; CPU -> torch; TRITON_INTERPRET=1 -> Triton on CPU), see ``ops``
     column_scores, topk_columns, selective_adamw_
@@ -50,6 +53,8 @@ _EXPORTS = {
     "ZenFlow": "zenflow_kernels.optim",
     "rules": None,  # the module zenflow_kernels.rules
     "ZeroCollectiveError": "zenflow_kernels.sharding",
+    "gradient_concentration": "zenflow_kernels.concentration",
+    "concentration_report": "zenflow_kernels.concentration",
     "column_scores": "zenflow_kernels.ops",
     "topk_columns": "zenflow_kernels.ops",
     "selective_adamw_": "zenflow_kernels.ops",

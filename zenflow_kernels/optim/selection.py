@@ -11,6 +11,7 @@ import torch
 
 from .. import ops
 from .._memory import gather_columns
+from ..concentration import gradient_concentration
 from .fast_path import FastPath
 from .run import Run
 
@@ -91,8 +92,20 @@ class Selection:
             captured += float(s[new].sum()) if new.numel() else 0.0
             total += float(s.sum())
         run.host.set_columns(returning)
-        run.telemetry.record_selection(t, jaccards, captured / total if total > 0 else float("nan"))
+        run.telemetry.record_selection(t, jaccards, captured / total if total > 0 else float("nan"),
+                                       self.concentration(indices, importances, scores, chosen))
         self.fast.invalidate()
+
+    def concentration(self, indices: list[int], importances: list, scores: list, chosen: list) -> dict:
+        """The gradient's concentration at this selection (zenflow_kernels.concentration): from the l2 scores
+        (squared column norms: "l2", and "random", which is scored so), the other matrices scored again in l2."""
+        again = [n for n, imp in enumerate(importances) if callable(imp) or imp == "l1"]
+        energies = list(scores)
+        if again:
+            for n, e in zip(again, self.run.shard.scores([indices[n] for n in again], ["l2"] * len(again)),
+                            strict=True):
+                energies[n] = e
+        return {"indices": list(indices), **gradient_concentration(energies, chosen)}
 
     def _move(self, i: int, new: torch.Tensor, returning: list) -> float | None:
         """Matrix ``i`` takes the columns ``new``: its fast-path state follows the columns that stay, entering

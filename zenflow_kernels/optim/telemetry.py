@@ -28,6 +28,8 @@ class Telemetry:
         self.selection_steps: list[int] = []
         self.jaccard: list[float] = []
         self.captured: list[float] = []
+        self.concentration: dict[str, list[float]] = {"top1": [], "top10": [], "selected": []}
+        self.matrix_concentration: dict[int, dict] = {}  # parameter index -> its shares at its last selection
 
     @contextlib.contextmanager
     def timed_step(self) -> Iterator[None]:
@@ -51,10 +53,16 @@ class Telemetry:
         for name in _LINK_COUNTERS:
             self.link_totals[name] += getattr(link, name)
 
-    def record_selection(self, t: int, jaccards: list[float], captured: float) -> None:
+    def record_selection(self, t: int, jaccards: list[float], captured: float, shares: dict | None = None) -> None:
+        """A selection at step ``t``; ``shares``: ``concentration.concentration``'s, with the matrices' ``indices``."""
         self.selection_steps.append(t)
         self.jaccard.append(sum(jaccards) / len(jaccards) if jaccards else float("nan"))
         self.captured.append(captured)
+        if shares is not None:
+            for name, values in self.concentration.items():
+                values.append(shares[name])
+            for i, row in zip(shares["indices"], shares["per_matrix"], strict=True):
+                self.matrix_concentration[i] = row
 
     def host_update(self, seconds: float, *, waited: bool) -> None:
         """A host update took ``seconds``; ``waited``: on the training thread (synchronous), so all of it stall."""
@@ -108,6 +116,10 @@ class Telemetry:
             "stall_fraction": stall / wall if wall > 0 else 0.0,
             "overlap_fraction": hidden / host_total if host_total > 0 else 0.0,
             "score_mass_captured": list(self.captured),
+            # the gradient's energy shares at each selection (zenflow_kernels.concentration): in the top 1% and 10%
+            # of each matrix's columns and in the selected ones, over all matrices; per matrix at its last
+            "concentration": {**{k: list(v) for k, v in self.concentration.items()},
+                              "per_matrix": dict(self.matrix_concentration)},
             "selection_jaccard": list(self.jaccard),
             "selection_steps": list(self.selection_steps),
             # what the link moved: gradients device -> host, weights host -> device (on a CPU link the
