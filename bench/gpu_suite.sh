@@ -102,7 +102,7 @@ cat "$OUT/e2e_gpu.txt"
 # 3. kernel tests on the GPU (compilation dominates: a cold Triton cache compiles every variant once)
 if [[ $have_pytest == 1 ]]; then
     stage tests 80 \
-        "$PY" -m pytest tests/test_triton_column_scores.py tests/test_triton_topk.py tests/test_triton_adamw.py \
+        "$PY" -m pytest tests/test_triton_column_scores.py tests/test_triton_topk.py tests/test_triton_adamw.py tests/test_triton_rules.py \
         tests/test_ops_validation.py tests/test_ops_dispatch.py tests/test_gpu_devices.py \
         "tests/test_cpu_selective_adamw.py::test_planned_triton_launch_is_bit_identical" -q -p no:cacheprovider \
         --durations=15 -rs \

@@ -443,12 +443,13 @@ def test_seam_speed_quick(tmp_path):
 
 
 def test_step_overhead_rules_quick(tmp_path):
-    """``--rules``: ZenFlow with Lion, SGD and Adam beside the others, in their own JSON."""
+    """``--rules``: ZenFlow with Lion, SGD and Adam beside the others (their fused device step, and their torch
+    step), in their own JSON."""
     proc = run_module("bench.step_overhead", "--quick", "--rules", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "step_overhead_rules_cpu.json").read_text())
     assert (tmp_path / "step_overhead_rules_cpu.png").read_bytes()[:8] == PNG_MAGIC
-    rules = {"zenflow_async_link_lion", "zenflow_async_link_sgd", "zenflow_async_link_adam"}
+    rules = {f"zenflow_async_link_{name}{path}" for name in ("lion", "sgd", "adam") for path in ("", "_torch")}
     assert rules <= set(result["summary"]) and rules <= set(result["config"]["candidates"])
     for name in rules:
         assert result["summary"][name]["cpu"]["vs_torch_adamw_foreach_at_16"] > 0
