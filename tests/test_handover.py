@@ -689,7 +689,7 @@ def test_chaos_refuses_bad_device_models(kwargs, match):
 
 
 def test_a_model_many_times_a_fold_job_moves_its_gradients_during_backward():
-    """The modeled device (issue 23): a model 12x a fold job of 4 MiB, copies at a bandwidth where a step's
+    """The modeled device (issue 23): a model 12x a fold job of 1 MiB, copies at a bandwidth where a step's
     transfer takes 60% of backward (bench.overlap.measure_size). With hand-over from hooks most gradient bytes
     cross during backward; copying at step() (ablations.early_handover off) none do. How much of the transfer
     that hides is a speed, measured by ``python -m bench.overlap`` (bench/results/overlap_cpu.json: the training
@@ -697,7 +697,7 @@ def test_a_model_many_times_a_fold_job_moves_its_gradients_during_backward():
     modeled sleeps and the training thread's waits move with the scheduler."""
     from bench.overlap import measure_size
 
-    result = measure_size(dict(size=12, d=512, fold_bytes=4 << 20, batch=128, steps=2, warmup=1,
+    result = measure_size(dict(size=12, d=256, fold_bytes=1 << 20, batch=32, steps=2, warmup=1,
                                bandwidths=["slow"], slow_share=0.6))
     rows = {r["variant"]: r for r in result["rows"]}
     on, off = rows["handover"], rows["at_step"]
