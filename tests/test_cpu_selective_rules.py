@@ -23,8 +23,10 @@ RULES = {
     "sgd-momentum": (rules.SGD(momentum=0.9), dict(momentum=0.9, dampening=0.0, nesterov=False)),
     "sgd-dampening": (rules.SGD(momentum=0.5, dampening=0.3), dict(momentum=0.5, dampening=0.3, nesterov=False)),
     "sgd-nesterov": (rules.SGD(momentum=0.9, nesterov=True), dict(momentum=0.9, dampening=0.0, nesterov=True)),
+    # a param group with momentum 0 under a rule that keeps a buffer: the buffer is left alone
+    "sgd-group-momentum-0": (rules.SGD(momentum=0.9), dict(momentum=0.0, dampening=0.0, nesterov=False)),
 }
-EXACT = {"lion", "lion-b1-0.6", "sgd", "sgd-momentum", "sgd-dampening", "sgd-nesterov"}
+EXACT = {"lion", "lion-b1-0.6", "sgd", "sgd-momentum", "sgd-dampening", "sgd-nesterov", "sgd-group-momentum-0"}
 
 
 def make_item(rule, gen, *, R, C, k, pdtype, gdtype, master, per_column, step=3, lr=1e-2, wd=0.1, strided=False):

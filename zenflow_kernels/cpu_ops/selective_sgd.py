@@ -22,13 +22,15 @@ _BUFFER = np.empty(0, dtype=np.float32)
 
 def multi_selective_sgd_items_(items, momentum: float, dampening: float, nesterov: bool, grad_scale: float) -> None:
     """``ops.fused_kernels(...).multi_selective_sgd_items_`` on CPU tensors: ``items`` are ``(param, grad,
-    indices, momentum_buffer, master, step, lr, weight_decay)``, without the buffer when ``momentum`` is 0
-    (unchecked)."""
-    n_state = 1 if momentum != 0 else 0
+    indices, momentum_buffer, master, step, lr, weight_decay)``, without the buffer for a rule that keeps none
+    (unchecked). A param group with momentum 0 under a rule that keeps a buffer leaves the buffer alone, as torch's
+    SGD does."""
+    n_state = len(items[0]) - 7 if items else 0  # (param, grad, indices, [buffer], master, step, lr, weight_decay)
+    buffer = _BUFFER if n_state and momentum != 0 else None
 
     def launch(g) -> None:
         C.launch(multi_selective_sgd_kernel, g.work, 0, g.table, g.chunk_starts, g.parts, g.lr64, g.wd64,
-                 g.param_proto, g.grad_proto, g.master_proto, _BUFFER if n_state else None, g.block,
+                 g.param_proto, g.grad_proto, g.master_proto, buffer, g.block,
                  1.0 / grad_scale, momentum, 1.0 - dampening, bool(nesterov))
 
     run_plan(items, n_state, launch)
