@@ -1,4 +1,6 @@
-"""The device ops of ZenFlow's fast path: column scores, top-k column selection, selective AdamW.
+"""The device ops of ZenFlow's fast path: column scores, top-k column selection, selective AdamW, and the other
+update rules' fused steps (``fused_kernels``: Adam, Lion and SGD on the selected columns, for
+``zenflow_kernels.rules``).
 
 This module is the single dispatch point; callers never branch on the implementation:
 
