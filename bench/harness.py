@@ -52,6 +52,11 @@ class Timing:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def as_row(self) -> dict:
+        """The fields of a result row, in seconds: median_s, iqr_s, min_s, max_s, rounds."""
+        return {"median_s": self.median, "iqr_s": self.iqr, "min_s": self.min, "max_s": self.max,
+                "rounds": self.repeats}
+
 
 def _synchronize() -> None:
     try:

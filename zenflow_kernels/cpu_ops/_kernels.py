@@ -814,6 +814,26 @@ R_PARAM, R_GRAD, R_IDX, R_STATE, R_MASTER, R_ROWS, R_COLS, R_K, R_STEPS, R_FIRST
 
 
 @njit(inline="always")
+def part_start(q, parts, chunk_starts):
+    """Range ``q`` of ``parts`` over the work items: its first item, its end, and the tensor owning the first."""
+    total = chunk_starts[chunk_starts.size - 1]
+    c = q * total // parts
+    return c, (q + 1) * total // parts, np.searchsorted(chunk_starts, c, side="right") - 1
+
+
+@njit(inline="always")
+def rule_tensor(table, t, param_proto, grad_proto, state_proto, master_proto, idx_proto):
+    """Tensor ``t`` of a rules' table (columns ``R_*``): rows, cols, k, and its param, grad, state and master
+    (None for a None proto) and indices (empty when ``dense``) as flat arrays, and ``dense``."""
+    rows, cols, k = table[t, R_ROWS], table[t, R_COLS], table[t, R_K]
+    dense = table[t, R_IDX] == 0
+    return (rows, cols, k, carray(pointer_at(table[t, R_PARAM], param_proto), rows * cols),
+            carray(pointer_at(table[t, R_GRAD], grad_proto), rows * cols),
+            array_at(table[t, R_STATE], rows * k, state_proto), array_at(table[t, R_MASTER], rows * k, master_proto),
+            carray(pointer_at(table[t, R_IDX], idx_proto), 0 if dense else k), dense)
+
+
+@njit(inline="always")
 def _lion_columns(param, grad, idx, exp_avg, master, base, sbase, j0, j1, inv_scale, decay, neg_lr, coeff1, small1,
                   coeff2, small2):
     """Lion (``lion_kernel``'s element step) on selected columns j0..j1-1 of one row (``_adam_columns``' layout)."""
@@ -846,23 +866,15 @@ def multi_selective_lion_kernel(table, chunk_starts, parts, lr64, wd64, param_pr
     coeff2, small2 = lerp_constants(one_minus_beta2_64)
     state_proto = np.empty(0, dtype=np.float32)
     idx_proto = np.empty(0, dtype=np.int64)
-    total = chunk_starts[chunk_starts.size - 1]
     for q in prange(parts):
-        c = q * total // parts
-        stop = (q + 1) * total // parts
-        t = np.searchsorted(chunk_starts, c, side="right") - 1
+        c, stop, t = part_start(q, parts, chunk_starts)
         while c < stop:
             end = min(stop, chunk_starts[t + 1])
-            rows, cols, k = table[t, R_ROWS], table[t, R_COLS], table[t, R_K]
+            rows, cols, k, param, grad, exp_avg, master, idx, dense = rule_tensor(
+                table, t, param_proto, grad_proto, state_proto, master_proto, idx_proto)
             blocks = (k + block - 1) // block
-            param = carray(pointer_at(table[t, R_PARAM], param_proto), rows * cols)
-            grad = carray(pointer_at(table[t, R_GRAD], grad_proto), rows * cols)
-            exp_avg = carray(pointer_at(table[t, R_STATE], state_proto), rows * k)
-            master = array_at(table[t, R_MASTER], rows * k, master_proto)
             decay = np.float32(1.0 - lr64[t] * wd64[t])
             neg_lr = np.float32(-lr64[t])
-            dense = table[t, R_IDX] == 0
-            idx = carray(pointer_at(table[t, R_IDX], idx_proto), 0 if dense else k)
             for local in range(c - chunk_starts[t], end - chunk_starts[t]):
                 r = local // blocks
                 j0 = (local - r * blocks) * block
@@ -911,23 +923,15 @@ def multi_selective_sgd_kernel(table, chunk_starts, parts, lr64, wd64, param_pro
     one_minus_dampening = np.float32(one_minus_dampening64)
     idx_proto = np.empty(0, dtype=np.int64)
     step_proto = np.empty(0, dtype=np.int64)
-    total = chunk_starts[chunk_starts.size - 1]
     for q in prange(parts):
-        c = q * total // parts
-        stop = (q + 1) * total // parts
-        t = np.searchsorted(chunk_starts, c, side="right") - 1
+        c, stop, t = part_start(q, parts, chunk_starts)
         while c < stop:
             end = min(stop, chunk_starts[t + 1])
-            rows, cols, k = table[t, R_ROWS], table[t, R_COLS], table[t, R_K]
+            rows, cols, k, param, grad, buf, master, idx, dense = rule_tensor(
+                table, t, param_proto, grad_proto, buf_proto, master_proto, idx_proto)
             blocks = (k + block - 1) // block
-            param = carray(pointer_at(table[t, R_PARAM], param_proto), rows * cols)
-            grad = carray(pointer_at(table[t, R_GRAD], grad_proto), rows * cols)
-            buf = array_at(table[t, R_STATE], rows * k, buf_proto)
-            master = array_at(table[t, R_MASTER], rows * k, master_proto)
             weight_decay = np.float32(wd64[t])
             neg_lr = np.float32(-lr64[t])
-            dense = table[t, R_IDX] == 0
-            idx = carray(pointer_at(table[t, R_IDX], idx_proto), 0 if dense else k)
             per_column = table[t, R_STEPS] != 0
             steps = carray(pointer_at(table[t, R_STEPS], step_proto), k if per_column else 0)
             first = table[t, R_FIRST] != 0

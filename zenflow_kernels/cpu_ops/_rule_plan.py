@@ -15,7 +15,15 @@ import torch
 
 from ..launch_plan import PlannedFor
 from ._kernels import R_FIRST, R_GRAD, R_IDX, R_K, R_ROWS
-from .selective_adamw import _PROTO, MULTI_BLOCK, _numba_grad_layout, _parts, run_contiguous
+from .selective_adamw import (
+    _PROTO,
+    MULTI_BLOCK,
+    _numba_grad_layout,
+    point_at_copies,
+    run_contiguous,
+    strided_indices,
+    work_items,
+)
 
 
 def _fusable(p: torch.Tensor, g: torch.Tensor, step) -> bool:
@@ -86,15 +94,9 @@ class RuleGroup:
                          0 if master is None else master.data_ptr(), p.shape[0], p.shape[1], k,
                          step.data_ptr() if isinstance(step, torch.Tensor) else 0, 0))
         self.table = table = np.array(rows, dtype=np.int64)
-        # strided indices are copied at every call (their values are read then, as an address is)
-        self.strided_idx = [(j, it[2]) for j, it in enumerate(chosen) if it[2] is not None
-                            and not it[2].is_contiguous()]
+        self.strided_idx = strided_indices(chosen)
         self.int_steps = [j for j, it in enumerate(chosen) if not isinstance(it[4 + n_state], torch.Tensor)]
-        self.chunk_starts = np.zeros(len(chosen) + 1, dtype=np.int64)
-        ks = table[:, R_K]
-        np.cumsum(table[:, R_ROWS] * ((ks + MULTI_BLOCK - 1) // MULTI_BLOCK), out=self.chunk_starts[1:])
-        self.work = int((table[:, R_ROWS] * ks).sum())
-        self.parts = _parts(self.work, int(self.chunk_starts[-1]))
+        self.chunk_starts, self.work, self.parts = work_items(table[:, R_ROWS], table[:, R_K])
         p0, g0, master0 = chosen[0][0], chosen[0][1], chosen[0][3 + n_state]
         self.param_proto, self.grad_proto = _PROTO[p0.dtype], _PROTO[g0.dtype]
         self.master_proto = None if master0 is None else _PROTO[torch.float32]
@@ -114,10 +116,7 @@ class RuleGroup:
         step's first-step flag."""
         table = self.table
         table[:, R_GRAD] = grad_ptrs if self.take is None else grad_ptrs[self.take]
-        self._keep = []  # contiguous copies of strided indices must outlive the launch
-        for j, idx in self.strided_idx:
-            self._keep.append(idx.contiguous())
-            table[j, R_IDX] = self._keep[-1].data_ptr()
+        self._keep = point_at_copies(table, R_IDX, self.strided_idx)  # (kept until the next call: past the launch)
         if self.int_steps:
             at = 4 + self.n_state
             for j in self.int_steps:

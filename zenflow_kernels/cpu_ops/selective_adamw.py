@@ -143,6 +143,31 @@ def _parts(work: int, chunks: int) -> int:
     return min(chunks, max(1, work // PART_ELEMENTS), MAX_PARTS)
 
 
+def work_items(rows: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """The work items of a multi-tensor launch over tensors of ``rows`` rows and ``ks`` selected columns:
+    ``chunk_starts`` (tensor t owns items ``chunk_starts[t]`` to ``chunk_starts[t + 1] - 1``: a row or a block of
+    ``MULTI_BLOCK`` columns of one), the elements in all, and the ranges to deal them out in (``_parts``)."""
+    chunk_starts = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(rows * ((ks + MULTI_BLOCK - 1) // MULTI_BLOCK), out=chunk_starts[1:])
+    work = int((rows * ks).sum())
+    return chunk_starts, work, _parts(work, int(chunk_starts[-1]))
+
+
+def strided_indices(items) -> list[tuple[int, torch.Tensor]]:
+    """``(position, indices)`` of the items whose column indices are strided: copied at every call, their values
+    read then, as an address is (:func:`point_at_copies`)."""
+    return [(j, it[2]) for j, it in enumerate(items) if it[2] is not None and not it[2].is_contiguous()]
+
+
+def point_at_copies(table: np.ndarray, column: int, strided: list) -> list[torch.Tensor]:
+    """Point ``table[:, column]`` of the strided indices at contiguous copies; returns the copies, which must
+    outlive the launch."""
+    keep = [idx.contiguous() for _, idx in strided]
+    for (j, _), copy in zip(strided, keep, strict=True):
+        table[j, column] = copy.data_ptr()
+    return keep
+
+
 def _numba_grad_layout(g: torch.Tensor) -> tuple:
     return g.dtype, g.is_contiguous()
 
@@ -202,14 +227,9 @@ class _Group:
             [(p.data_ptr(), 0, 0 if idx is None else idx.data_ptr(), m.data_ptr(), v.data_ptr(),
               0 if w is None else w.data_ptr(), p.shape[0], p.shape[1], m.shape[1], 0)
              for p, g, idx, m, v, w, *_ in chosen], dtype=np.int64)
-        # strided indices are copied at every call (their values are read then, as an address is)
-        self.strided_idx = [(j, it[2]) for j, it in enumerate(chosen) if it[2] is not None
-                            and not it[2].is_contiguous()]
+        self.strided_idx = strided_indices(chosen)
         ks = table[:, T_K]
-        self.chunk_starts = np.zeros(len(chosen) + 1, dtype=np.int64)
-        np.cumsum(table[:, T_ROWS] * ((ks + MULTI_BLOCK - 1) // MULTI_BLOCK), out=self.chunk_starts[1:])
-        self.work = int((table[:, T_ROWS] * ks).sum())
-        self.parts = _parts(self.work, int(self.chunk_starts[-1]))
+        self.chunk_starts, self.work, self.parts = work_items(table[:, T_ROWS], ks)
         self.per_column = [j for j, it in enumerate(chosen) if isinstance(it[6], torch.Tensor)]
         self.scalar = [j for j, it in enumerate(chosen) if not isinstance(it[6], torch.Tensor)]
         self.scalar_rows = np.array(self.scalar, dtype=np.int64)
@@ -246,10 +266,7 @@ class _Group:
     def run(self, items, grad_ptrs, beta1, beta2, eps, grad_scale) -> None:
         table = self.table
         table[:, T_GRAD] = grad_ptrs if self.take is None else grad_ptrs[self.take]
-        keep = []  # contiguous copies of strided indices must outlive the launch
-        for j, idx in self.strided_idx:
-            keep.append(idx.contiguous())
-            table[j, T_IDX] = keep[-1].data_ptr()
+        keep = point_at_copies(table, T_IDX, self.strided_idx)
         if self.scalar:  # first: it may grow the coefficient arrays
             self._scalar_coefficients(items, beta1, beta2)
         M = self.M
@@ -275,6 +292,7 @@ class _Group:
             1.0 - beta2,
             eps,
         )
+        del keep  # the strided indices' copies: alive until the launch has read them
         if self.live:  # see C.bump_versions
             torch.autograd.graph.increment_version(self.live)
 
