@@ -83,14 +83,17 @@ class Selection:
         importances, scores = self.scores(indices, scale, inv_scale)
         ks = [run.topk(i) for i in indices]
         chosen = self.choose(t, indices, importances, scores, ks)
-        jaccards, captured, total = [], 0.0, 0.0
+        jaccards, masses = [], []
         returning: list = []  # columns leaving the fast path for the host master (on disk: in one pass, after)
         for i, new, s in zip(indices, chosen, scores, strict=True):
             jaccard = self._move(i, new, returning)
             if jaccard is not None:
                 jaccards.append(jaccard)
-            captured += float(s[new].sum()) if new.numel() else 0.0
-            total += float(s.sum())
+            masses.append(torch.stack([s[new].sum().float() if new.numel() else s.new_zeros((), dtype=torch.float32),
+                                       s.sum().float()]))
+        # each matrix's selected and whole score mass, as the scores' dtype sums them: one device sync for all
+        sums = torch.stack(masses).tolist() if masses else []
+        captured, total = sum(m[0] for m in sums), sum(m[1] for m in sums)
         run.host.set_columns(returning)
         run.telemetry.record_selection(t, jaccards, captured / total if total > 0 else float("nan"),
                                        self.concentration(indices, importances, scores, chosen))
