@@ -61,6 +61,18 @@ ACCEPTED = [
     ("max_update_interval", 64, 64),
     ("offload_device", "cpu", "cpu"),  # "nvme" needs nvme_path too: tests/test_nvme_optim.py
     ("nvme_path", None, None),
+    ("gradient_scale", "raw", "raw"),
+    ("gradient_scale", "interval", "interval"),
+    ("host_step_count", "updates", "updates"),
+    ("host_step_count", "steps", "steps"),
+    ("reselect_state", "carry", "carry"),
+    ("reselect_state", "reset", "reset"),
+    ("vector_state", "continuous", "continuous"),
+    ("vector_state", "reset", "reset"),
+    ("select_anchor", "warm_up", "warm_up"),
+    ("select_anchor", "absolute", "absolute"),
+    ("semantics", "zenflow_kernels", "zenflow_kernels"),
+    ("semantics", "deepspeed", "deepspeed"),  # (what it sets: tests/test_deepspeed_semantics.py)
 ]
 
 # (field, value) -- rejected, with a message that names the field and the value
@@ -144,13 +156,23 @@ REJECTED = [
     ("offload_device", None),
     ("nvme_path", "/x"),  # without offload_device="nvme" it would be ignored
     ("nvme_path", 5),
+    ("gradient_scale", "mean"),
+    ("gradient_scale", None),
+    ("host_step_count", 1),
+    ("reselect_state", "RESET"),
+    ("vector_state", True),
+    ("select_anchor", "start"),
+    ("semantics", "ours"),
+    ("semantics", None),
 ]
 
 
 def _base_for(field):
     # an integer select_interval is meant for an explicit strategy ("epoch" takes "auto" too)
     # and "step" needs an integer select_interval
-    return {"select_interval": {"select_strategy": "epoch"}, "select_strategy": {"select_interval": 10}}.get(field, {})
+    # and gradient_scale="interval" (semantics="deepspeed" sets it) an integer update_interval
+    return {"select_interval": {"select_strategy": "epoch"}, "select_strategy": {"select_interval": 10},
+            "gradient_scale": {"update_interval": 2}, "semantics": {"update_interval": 2}}.get(field, {})
 
 
 def test_every_field_is_in_the_sweep():
@@ -208,6 +230,13 @@ def test_defaults_follow_deepspeed():
         "selection_seed": 0,
         "offload_device": "cpu",
         "nvme_path": None,
+        # where DeepSpeed's ZenFlow chooses otherwise, ours (semantics="deepspeed" sets DeepSpeed's, importance too)
+        "gradient_scale": "raw",
+        "host_step_count": "updates",
+        "reselect_state": "carry",
+        "vector_state": "continuous",
+        "select_anchor": "warm_up",
+        "semantics": "zenflow_kernels",
     }
 
 

@@ -118,6 +118,10 @@ CASES = [
          rule=["Lion", dict(betas=[0.9, 0.99], weight_decay=0.1)], reload_at=[10]),
     dict(name="sgd_clip_save", zenflow=ZEN, steps=20, max_grad_norm=5.0, save_at=10,
          rule=["SGD", dict(momentum=0.9, nesterov=True, weight_decay=0.01)]),
+    # DeepSpeed's six choices (tests/test_deepspeed_semantics.py): the gradients divided by the interval, host steps
+    # numbered by t, state reset at each selection, selections at absolute multiples of the interval
+    dict(name="s2_deepspeed_overlap_chaos_clip", zenflow=dict(ZEN, overlap_step=True, semantics="deepspeed"),
+         steps=20, zero_stage=2, chaos=1, max_grad_norm=5.0, reload_at=[10]),
 ]
 # the same run without the reloads: a rank that loads its own checkpoint continues bit for bit
 CASES_NO_RELOAD = [dict({k: v for k, v in next(c for c in CASES if c["name"] == "s2_groups_first_missing").items()

@@ -64,8 +64,8 @@ BUGS = [
     Bug(
         "plan-stale-after-load",
         "zenflow_kernels/optim/fast_path.py",
-        "        run.set_state(i, step=run.host_step(i), **entries)\n        self._plan = None\n",
-        "        run.set_state(i, step=run.host_step(i), **entries)\n",
+        "        run.set_state(i, step=step, **entries)\n        self._plan = None\n",
+        "        run.set_state(i, step=step, **entries)\n",
         "(a) a vector joining the fast path (after warm-up, or after a load) keeps the fast step's per-selection "
         "plan: the plan laid out before it joined leaves it out, so its fast-path state never moves",
     ),
@@ -204,8 +204,8 @@ BUGS = [
     Bug(
         "vectors-join-fast-path-at-step-zero",
         "zenflow_kernels/optim/fast_path.py",
-        "        run.set_state(i, step=run.host_step(i), **entries)\n",
-        "        run.set_state(i, step=0, **entries)\n",
+        "            step = run.host_step(i)\n",
+        "            step = 0\n",
         "a vector joins the fast path with the host's moments but restarts bias correction at step 0",
     ),
     Bug(

@@ -43,6 +43,17 @@ class ZenFlowWarning(UserWarning):
 
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
 _IMPORTANCES = ("l2", "l1", "random")
+SEMANTICS = ("zenflow_kernels", "deepspeed")
+# the choices where DeepSpeed's ZenFlow differs from ours (docs/deepspeed.md): field -> (ours, DeepSpeed's, allowed);
+# semantics="deepspeed" sets all of them to DeepSpeed's
+CHOICES = {
+    "gradient_scale": ("raw", "interval", ("raw", "interval")),
+    "host_step_count": ("updates", "steps", ("updates", "steps")),
+    "reselect_state": ("carry", "reset", ("carry", "reset")),
+    "vector_state": ("continuous", "reset", ("continuous", "reset")),
+    "importance": ("l2", "l1", None),
+    "select_anchor": ("warm_up", "absolute", ("warm_up", "absolute")),
+}
 # what a param group may set for its own parameters (the rest is per run: the schedule, the link, the host)
 PER_GROUP_FIELDS = ("topk_ratio", "importance")
 
@@ -88,7 +99,8 @@ def _check_bool(field: str, value: Any) -> bool:
 
 @dataclass(frozen=True)
 class ZenFlowConfig:
-    """Every ZenFlow setting (docs/design.md sections 2-3). Field defaults follow DeepSpeed's.
+    """Every ZenFlow setting (docs/design.md sections 2-3). Field defaults follow DeepSpeed's, except the six choices
+    below (ours; ``semantics="deepspeed"`` sets DeepSpeed's).
 
     topk_ratio: fraction of each matrix's columns on the fast path, ``k = max(1, floor(topk_ratio * C))``
         (``num_selected``); 0 turns the fast path off, 1 makes ZenFlow plain AdamW.
@@ -134,6 +146,27 @@ class ZenFlowConfig:
         step ``t`` are drawn from a generator seeded with ``(selection_seed, t, i)``, so a run, a resumed
         run and every rank draw the same.
 
+    DeepSpeed's ZenFlow makes six choices differently (docs/deepspeed.md); each is a field here, ours by default:
+
+    gradient_scale: ``"raw"``: the fast path steps on each step's gradient, the host on the mean of its interval's
+        gradients. ``"interval"`` (DeepSpeed's: it divides the loss by its gradient-accumulation count, which
+        ZenFlow sets to ``update_interval``): every gradient the optimizer reads is divided by ``update_interval``
+        (the fast step, scores, clipping and its norm), and the host steps on the interval's sum of those (the mean
+        over a full interval; an interval cut short by a re-selection gets less). Needs an integer
+        ``update_interval``.
+    host_step_count: the step number in the host update's bias correction: ``"updates"`` (the host updates this
+        parameter has had) or ``"steps"`` (DeepSpeed's: the optimizer steps taken, this one included).
+    reselect_state: at a re-selection, ``"carry"``: columns that stay on the fast path keep their rule state and
+        step count, entering columns start from zero; ``"reset"`` (DeepSpeed's): every selected column starts
+        from zero state and step 0.
+    vector_state: vectors (biases, norms) on the fast path: ``"continuous"`` keeps one rule state for the whole run;
+        ``"reset"`` (DeepSpeed's) starts it again from zero (step 0) at every selection.
+    select_anchor: re-selections after the first, at step ``t``: ``"warm_up"``: every ``select_interval`` steps
+        counted from the end of the warm-up; ``"absolute"`` (DeepSpeed's): where ``t`` is a multiple of
+        ``select_interval``.
+    semantics: ``"zenflow_kernels"`` (the default: the fields above as given) or ``"deepspeed"``: the five above and
+        ``importance="l1"`` set to DeepSpeed's choices (a field given a third value is refused).
+
     ``topk_ratio`` and ``importance`` may also be set per param group (``PER_GROUP_FIELDS``).
     """
 
@@ -154,9 +187,16 @@ class ZenFlowConfig:
     selection_seed: int = 0
     offload_device: str = "cpu"
     nvme_path: str | None = None
+    gradient_scale: str = "raw"
+    host_step_count: str = "updates"
+    reselect_state: str = "carry"
+    vector_state: str = "continuous"
+    select_anchor: str = "warm_up"
+    semantics: str = "zenflow_kernels"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise values once, here
+        self._apply_semantics()
         set_(self, "topk_ratio", _check_fraction("topk_ratio", self.topk_ratio))
         if self.select_strategy not in _SELECT_STRATEGIES:
             raise _fail("select_strategy", self.select_strategy, "one of 'auto', 'step', 'epoch'")
@@ -202,6 +242,26 @@ class ZenFlowConfig:
             and self.select_interval < self.update_interval
         ):
             raise interval_order_error(self.select_interval, self.update_interval)
+        if self.gradient_scale == "interval" and not is_int(self.update_interval):
+            raise _fail("gradient_scale", "interval", "'raw' with update_interval='auto' ('interval' divides the "
+                        "gradients by update_interval, which 'auto' does not fix)")
+
+    def _apply_semantics(self) -> None:
+        """``semantics``: checked; with "deepspeed", each of the six choices set to DeepSpeed's (one left at our
+        default takes DeepSpeed's; another value is refused, naming it)."""
+        if not isinstance(self.semantics, str) or self.semantics not in SEMANTICS:
+            raise _fail("semantics", self.semantics, "'zenflow_kernels' or 'deepspeed'")
+        for name, (ours, theirs, allowed) in CHOICES.items():
+            value = getattr(self, name)
+            if allowed is not None and (not isinstance(value, str) or value not in allowed):
+                raise _fail(name, value, " or ".join(map(repr, allowed)))
+            if self.semantics != "deepspeed":
+                continue
+            if isinstance(value, str) and value == ours:
+                object.__setattr__(self, name, theirs)
+            elif not (isinstance(value, str) and value == theirs):
+                raise ZenFlowConfigError(f"zenflow.{name}={value!r} conflicts with semantics='deepspeed', which sets "
+                                         f"{name}={theirs!r}: allowed {theirs!r} (or semantics='zenflow_kernels')")
 
     # -- construction ---------------------------------------------------------------------------
 

@@ -253,9 +253,10 @@ class HostShard:
         last: dict[int, torch.Tensor] | None = None,
         sum_over_ranks: Callable[[float], float] | None = None,
         sums: DeviceSums | None = None,
+        step: int | None = None,
     ) -> dict:
         """The rule's step (AdamW by default) on the host master of the parameters in ``counts`` with the mean of
-        acc[buf].
+        acc[buf] (``counts[i]`` divides parameter i's sum).
 
         ``counts[i]`` (>= 1) is the number of gradients parameter ``i`` received in this interval, the one
         in ``last`` included (the training thread's count, taken when it requested the update). Clips by
@@ -277,6 +278,9 @@ class HostShard:
         on the device and are fetched block by block (twice with clipping: once for the norm), not zeroed.
         The clipping norm's float64 partial sums are taken over the same ``SUM_CHUNK`` pieces either way, so
         it has the bits of the in-memory update's.
+
+        ``step``: the step number of this update for every parameter in it (``host_step_count="steps"``); None:
+        each parameter's count of host updates plus one.
         """
         t0 = time.perf_counter()
         acc = self.acc[buf] if sums is None else None
@@ -287,6 +291,9 @@ class HostShard:
             raise ValueError("HostShard.update: sums= (fetched from the device) needs the state on disk and no last=")
         todo = list(counts)
         todo_set = set(todo)
+        if step is not None:  # (each count is advanced to it below)
+            for i in todo:
+                self.host_step[i] = step - 1
         coef = 1.0
         if max_grad_norm is not None:
             total = 0.0

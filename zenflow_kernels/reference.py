@@ -49,6 +49,18 @@ Decisions this implementation pins down where docs/design.md leaves room (the fa
   ``found_inf`` for the length of ``step()`` instead of unscaling in place) the step reads every gradient
   times the float32 reciprocal of the scale, as the scaler's own unscale would compute it (exact for its
   powers of two); a step with ``found_inf`` set is skipped like a non-finite one.
+
+DeepSpeed's choices (config fields, docs/deepspeed.md), each where it acts:
+
+* ``gradient_scale="interval"``: the step reads every gradient times the float32 reciprocal of
+  ``update_interval`` (times GradScaler's scale, one reciprocal of their product), and the host steps on the
+  interval's sum of those instead of their mean;
+* ``host_step_count="steps"``: a host update's step number is ``t + 1`` (warm-up included);
+* ``reselect_state="reset"``: at a selection every selected column's rule state starts from zero and every column
+  takes the matrix's step count (its fast steps so far; all its columns share it: 0 at its first selection);
+* ``vector_state="reset"``: a vector's fast-path state starts from zero with step 0 at its first step after warm-up,
+  and its rule state (not its step count) is zeroed again at every selection;
+* ``select_anchor="absolute"``: the schedule's (``Schedule.anchor``).
 """
 
 from __future__ import annotations
@@ -268,7 +280,9 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         limits = [x for x in (self.max_grad_norm, request) if x is not None]
         max_norm = min(limits) if limits else None
         scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        inv = None if scale is None else float(torch.tensor(1.0 / float(scale), dtype=torch.float32))
+        divide = self.config.update_interval if self.config.gradient_scale == "interval" else 1
+        amp = (1.0 if scale is None else float(scale)) * divide
+        inv = None if scale is None and divide == 1 else float(torch.tensor(1.0 / amp, dtype=torch.float32))
         active = self._params_with_grad()
         self._grad = {p: p.grad if inv is None else p.grad * inv for p, _ in active}
         total = math.sqrt(float(sum(g.double().pow(2).sum() for g in self._grad.values()))) if active else 0.0
@@ -296,13 +310,18 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             state = self.state[p]
             grad = _scaled(self._grad[p], coef)
             if state["kind"] == "matrix":
-                state["host_step"] += 1
+                state["host_step"] = self._host_step(state["host_step"])
                 self._step(state["master"], grad, state, state["host_step"], group)
                 p.copy_(state["master"])
             else:
-                state["step"] += 1
+                state["step"] = self._host_step(state["step"])
                 self._step(p, grad, state, state["step"], group)
         self.host_updates += 1
+
+    def _host_step(self, count: int) -> int:
+        """A host update's step number: the parameter's count of them plus one, or (``host_step_count="steps"``) the
+        optimizer's step number ``t + 1``."""
+        return self.t + 1 if self.config.host_step_count == "steps" else count + 1
 
     def _zenflow_step(self, t: int, active, coef, max_norm) -> None:
         matrices = [(p, g) for p, g in active if self.state[p]["kind"] == "matrix"]
@@ -310,6 +329,14 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         if boundary:
             self._write_back_pending()  # drain: ownership must not change under an in-flight update
             self.selections += 1
+        reset_vectors = self.config.vector_state == "reset"
+        if boundary and reset_vectors:  # the rule state of every vector on the fast path restarts (not its count)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state.get(p)
+                    if state and state["kind"] == "vector" and state.get("fast"):
+                        for name in self.rule.state_names:
+                            state[name].zero_()
         for p, group in matrices:
             if boundary or self.state[p]["selected"] is None:
                 self._reselect(p, self.state[p], group, t)
@@ -318,6 +345,11 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             state = self.state[p]
             grad = _scaled(self._grad[p], coef)
             if state["kind"] == "vector":
+                if reset_vectors and not state.get("fast"):  # its first fast step: from zero, step 0
+                    for name in self.rule.state_names:
+                        state[name].zero_()
+                    state["step"] = 0
+                state["fast"] = True
                 state["step"] += 1
                 self._step(p, grad, state, state["step"], group)
             elif state["selected"].numel():
@@ -361,6 +393,10 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         R = p.shape[0]
         fast = {f"fast_{name}": p.new_zeros(R, k) for name in self.rule.state_names}
         steps = torch.zeros(k, dtype=torch.int64, device=p.device)
+        if self.config.reselect_state == "reset":  # zero state, the matrix's one step count
+            count = int(state["fast_step"].max()) if state["fast_step"].numel() else 0
+            state.update(selected=new, fast_step=steps.fill_(count), **fast)
+            return
         for i, j in enumerate(new.tolist()):  # columns that stay keep their state; new ones start at 0
             hit = (old == j).nonzero()
             if hit.numel():
@@ -403,10 +439,12 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 if state and state["kind"] == "matrix":
                     state.update(auto_selected=0.0, auto_unselected=0.0, auto_count=0)
                     if state["acc_count"] > 0:
-                        todo.append((p, group, state, state["acc"] / state["acc_count"]))
+                        # the mean over the interval; "interval": the sum (each gradient already divided by it)
+                        count = 1 if self.config.gradient_scale == "interval" else state["acc_count"]
+                        todo.append((p, group, state, state["acc"] / count))
         coef = _clip_coefficient([mean for *_, mean in todo], max_norm)
         for p, group, state, mean in todo:
-            state["host_step"] += 1
+            state["host_step"] = self._host_step(state["host_step"])
             self._step(state["master"], _scaled(mean, coef), state, state["host_step"], group)
             state["acc"].zero_()
             state["acc_count"] = 0

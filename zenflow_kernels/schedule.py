@@ -4,7 +4,8 @@
 ``full_warm_up_rounds`` and ``I`` the resolved select interval in steps (0 = never re-selected).
 
 * Warm-up: ``t < Wu``; every step is a synchronous host AdamW on everything.
-* Select boundary: ``t >= Wu and (t == Wu or (I != 0 and (t - Wu) % I == 0))``.
+* Select boundary: ``t >= Wu and (t == Wu or (I != 0 and (t - Wu) % I == 0))``; with
+  ``select_anchor="absolute"`` (DeepSpeed's) ``t % I == 0`` in place of ``(t - Wu) % I == 0``.
 * Update boundary (integer ``update_interval = U``): ``t >= Wu`` and either ``(t - Wu + 1) % U == 0``
   (every U steps after warm-up) or ``t + 1`` is a select boundary (so no accumulation interval
   straddles a change of ownership).
@@ -54,6 +55,8 @@ class Schedule:
         steps_per_epoch_source: where that length came from (``"config"``, ``"argument"``,
             ``"dataloader"``) or ``None``.
         warnings: the warnings emitted while resolving, as text.
+        anchor: ``select_anchor``: re-selections counted from the warm-up's end (``"warm_up"``) or from step 0
+            (``"absolute"``).
     """
 
     warmup: int
@@ -64,6 +67,7 @@ class Schedule:
     steps_per_epoch: int | None
     steps_per_epoch_source: str | None
     warnings: tuple[str, ...] = field(default=())
+    anchor: str = "warm_up"
 
     @property
     def is_auto(self) -> bool:
@@ -74,7 +78,8 @@ class Schedule:
 
     def is_select_boundary(self, t: int) -> bool:
         s = t - self.warmup
-        return s >= 0 and (s == 0 or (self.select_interval != 0 and s % self.select_interval == 0))
+        counted = t if self.anchor == "absolute" else s
+        return s >= 0 and (s == 0 or (self.select_interval != 0 and counted % self.select_interval == 0))
 
     def is_update_boundary(self, t: int, steps_accumulated: int | None = None, auto_trigger: bool = False) -> bool:
         """Whether step ``t`` ends an accumulation interval (the host updates after adding ``g_t``).
@@ -119,6 +124,8 @@ class Schedule:
             "steps_per_epoch": self.steps_per_epoch,
             "steps_per_epoch_source": self.steps_per_epoch_source,
             "warnings": list(self.warnings),
+            # (only when not the default: a checkpoint's record keeps the keys it had before the field existed)
+            **({"anchor": self.anchor} if self.anchor != "warm_up" else {}),
         }
 
     @classmethod
@@ -213,6 +220,7 @@ def resolve_schedule(
         steps_per_epoch=epoch_length,
         steps_per_epoch_source=source,
         warnings=tuple(notes),
+        anchor=config.select_anchor,
     )
 
 

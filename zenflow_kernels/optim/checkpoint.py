@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import ZenFlowConfig, check_adamw_hyperparameters
+from ..config import CHOICES, ZenFlowConfig, check_adamw_hyperparameters
 from ..schedule import Schedule
 from .interval import HostInterval
 from .run import Run
@@ -47,9 +47,20 @@ def header(counters: dict, *, config: ZenFlowConfig, schedule: Schedule, max_gra
            zero_stage: int, shard, consolidated: bool, rule) -> dict:
     """The ``zenflow`` entry but ``format`` and ``built`` (:func:`pack` adds them): the optimizer's ``counters``
     (:data:`COUNTERS`), its settings, its update rule and how the ranks held the state."""
-    return dict(counters, config=config.to_dict(), schedule=schedule.to_dict(), max_grad_norm=max_grad_norm,
+    return dict(counters, config=config_record(config), schedule=schedule.to_dict(), max_grad_norm=max_grad_norm,
                 seed_from_host=seed_from_host, rule=rule.to_dict(),
                 zero=dict(stage=zero_stage, world=shard.world, rank=shard.rank, consolidated=consolidated))
+
+
+def config_record(config: ZenFlowConfig) -> dict:
+    """The config as a checkpoint records it: every field, but DeepSpeed's choices (``config.CHOICES``, and
+    ``semantics``) only where they are not ours, so a checkpoint of a run with our choices has the keys it had
+    before they existed (a DCP load plans by the keys of the state dict it loads into)."""
+    record = config.to_dict()
+    for name in (*CHOICES, "semantics"):
+        if name != "importance" and record[name] == ZenFlowConfig.__dataclass_fields__[name].default:
+            del record[name]
+    return record
 
 
 def pack_groups(param_groups: list[dict], group_of: list[int]) -> list[dict]:

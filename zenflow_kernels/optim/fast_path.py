@@ -49,15 +49,31 @@ class FastPath:
             self._joined.add(i)
 
     def init_vector(self, i: int) -> None:
-        """A vector joins the fast path with the rule state the host gave it during warm-up."""
+        """A vector joins the fast path with the rule state the host gave it during warm-up (``vector_state="reset"``:
+        from zero state and step 0)."""
         run = self.run
         p = run.local[i]
         n = p.numel()
-        entries = {name: self.to_state(run.from_host(i, name).reshape(1, n)) for name in run.rule.state_names}
+        if run.config.vector_state == "reset":
+            entries = {name: self.to_state(torch.zeros(1, n, dtype=torch.float32)) for name in run.rule.state_names}
+            step = 0
+        else:
+            entries = {name: self.to_state(run.from_host(i, name).reshape(1, n)) for name in run.rule.state_names}
+            step = run.host_step(i)
         if p.dtype != torch.float32:
             entries["master"] = self.to_state(run.from_host(i, "master").reshape(1, n))
-        run.set_state(i, step=run.host_step(i), **entries)
+        run.set_state(i, step=step, **entries)
         self._plan = None
+
+    def reset_vectors(self) -> None:
+        """``vector_state="reset"``, at a selection: the rule state of every vector on the fast path starts again from
+        zero (its step count goes on)."""
+        run = self.run
+        for key, p in zip(run.params, run.local, strict=True):
+            st = run.state.get(key)
+            if p.dim() != 2 and st and "step" in st:
+                for name in run.rule.state_names:
+                    st[name].zero_()
 
     def plan(self) -> tuple[list, torch.Tensor | None, dict, list]:
         """What the fast step needs of each parameter on the fast path, built once per selection (not per step):

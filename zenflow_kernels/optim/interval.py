@@ -66,6 +66,16 @@ class HostInterval:
         """ZeRO with clipping: how a host update turns its shard's sum of squares into the model's."""
         return self.run.shard.sum_over_ranks() if max_norm is not None else None
 
+    def _divisors(self, counts: dict[int, int]) -> dict[int, int]:
+        """What each parameter's interval sum is divided by: its count of gradients (the mean), or with
+        ``gradient_scale="interval"`` 1 (the gradients were read divided by the interval: their sum)."""
+        return dict.fromkeys(counts, 1) if self.run.config.gradient_scale == "interval" else counts
+
+    def _host_step(self) -> int | None:
+        """The step number of a host update at this step (``host_step_count="steps"``: the optimizer's ``t + 1``),
+        or None: each parameter's count of host updates plus one."""
+        return self.run.t + 1 if self.run.config.host_step_count == "steps" else None
+
     def sync_update(self, counts: dict[int, int], last: dict, max_norm: float | None) -> None:
         """A host update on the training thread, once every accumulation issued has landed."""
         run = self.run
@@ -76,7 +86,7 @@ class HostInterval:
         result = run.host.update(
             self.buf, mine, self.hyper(), max_norm, run.link.copy_out_guard(), last=last,
             sum_over_ranks=self._sum_over_ranks(max_norm),
-            sums=self.sums.for_update(mine, self.buf, max_norm is not None),
+            sums=self.sums.for_update(mine, self.buf, max_norm is not None), step=self._host_step(),
         )
         self.sums.updated()  # (the sums staying on the device: the update has fetched them)
         run.telemetry.host_update(result["seconds"], waited=True)
@@ -85,7 +95,7 @@ class HostInterval:
         """ZeRO-Offload: every parameter gets a synchronous host AdamW step, then all of it is copied back."""
         last = self.add(active, scale=scale, fuse_min_numel=fuse_min_numel)
         self.sums.cross(self.run.shard.mine(active), self.buf)  # (device sums in memory cross at once)
-        self.sync_update(self._take_counts(active), last, max_norm)
+        self.sync_update(self._divisors(self._take_counts(active)), last, max_norm)
         self.write_back(active)  # nothing is selected during warm-up: whole parameters
 
     def boundary(self, max_norm: float | None, last: dict | None = None) -> None:
@@ -98,7 +108,7 @@ class HostInterval:
         # device sums in memory cross to the host now, once (into the one accumulation buffer: the update that read
         # it last has just been drained)
         self.sums.cross([i for i in run.shard.mine(matrices) if self.counted(i)], self.buf)
-        counts = self._take_counts(matrices)
+        counts = self._divisors(self._take_counts(matrices))
         if not self.overlap:
             self.sync_update(counts, last or {}, max_norm)
             self.write_back(list(counts))
@@ -109,14 +119,14 @@ class HostInterval:
         sums = self.sums.for_update(mine, self.buf, max_norm is not None)
         self.write_back(self.pending)  # the previous interval's result lands now
         accumulated, guard = run.link.accumulation(), run.link.copy_out_guard()
-        hyper, buf, host, shard = self.hyper(), self.buf, run.host, run.shard
+        hyper, buf, host, shard, step = self.hyper(), self.buf, run.host, run.shard, self._host_step()
         ranks_sum, dtypes = self._sum_over_ranks(max_norm), {i: run.params[i].dtype for i in counts}
 
         def job():
             if accumulated is not None:
                 accumulated.wait()
             result = host.update(buf, mine, hyper, max_norm, wait_before_write=guard, sum_over_ranks=ranks_sum,
-                                 sums=sums)
+                                 sums=sums, step=step)
             # ZeRO: the owners' results start towards the replicas now, behind training
             result["exchange"] = shard.start_exchange(host, list(counts), dtypes)
             return result

@@ -391,6 +391,7 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
             return loss
         self._admit(inputs.active)  # (it may lay the host state out again: a new link)
         link = self.run.link
+        self.run.t = self.t  # (the parts' view of the step number)
         self._amp, self._inv_amp, self._max_norm = inputs.amp, inputs.inv_amp, inputs.max_norm
         # a synchronous CPU update may fold a large last gradient into its AdamW pass (not under clipping or a scale)
         fuse = self.FUSE_MIN_NUMEL if inputs.max_norm is None and inputs.inv_amp == 1.0 else None
@@ -416,6 +417,8 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         if select_all:
             self.flush()  # drain: ownership must not change under an in-flight host update
             self.selections += 1
+            if self.config.vector_state == "reset":
+                self.fast_path.reset_vectors()
         reselect = matrices if select_all else self.selection.unselected(matrices)
         if reselect:
             self.selection.reselect(t, reselect, self._amp, self._inv_amp)

@@ -40,6 +40,7 @@ class Run:
     torch_threads: int | None  # training's torch thread count before the build changed it (None: unchanged)
     host_params: frozenset  # the parameters with host state, on some rank (build.trained): the others are frozen
     rule: UpdateRule  # the update rule (rules): the names of its per-element state, its step and kernels
+    t: int = 0  # the optimizer's step number (steps taken before this one), set by step() before the parts run
 
     def setting(self, i: int, name: str):
         """Parameter ``i``'s ``topk_ratio`` or ``importance``: its param group's, else the optimizer's."""

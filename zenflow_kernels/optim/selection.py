@@ -121,6 +121,9 @@ class Selection:
         owned = i in host.slots  # ZeRO: this rank holds the matrix's host state
         old = st.get("selected")
         carry = old is not None and old.numel() > 0
+        # reselect_state="reset": no column keeps its rule state; all take the matrix's one step count
+        reset = run.config.reselect_state == "reset"
+        count = int(st["step"].max()) if reset and carry else 0
         jaccard = None
         # the same k, the state where the fast step reads it: the new state is written over the old through
         # transient [R, k] temporaries (a second fast-path state freed, or heap temporaries of this size, would
@@ -145,11 +148,12 @@ class Selection:
                     returning.clear()
             jaccard = float(stay.sum()) / max(1, int(torch.unique(torch.cat([old, new])).numel()))
         if in_place:  # staying columns move to their new positions; entering ones start as below
+            kept = torch.zeros_like(stay) if reset else stay
             for name in names:
-                st[name].copy_(gather_columns(st[name], pos).masked_fill_(~stay, 0))
+                st[name].copy_(gather_columns(st[name], pos).masked_fill_(~kept, 0))
             if master is not None:
                 torch.where(stay, gather_columns(old_master, pos), master, out=st["master"])
-            run.set_state(i, selected=new, step=st["step"][pos].masked_fill_(~stay, 0))
+            run.set_state(i, selected=new, step=st["step"][pos].masked_fill_(~kept, 0) + count)
             return jaccard
         state = {name: torch.zeros(R, k, dtype=torch.float32, device=device) for name in names}
         steps = torch.zeros(k, dtype=torch.int64, device=device)
@@ -157,12 +161,14 @@ class Selection:
             for name, t in state.items():
                 t.copy_(run.from_host(i, name, new))
             steps.fill_(run.host_step(i))
-        if carry:
+        if carry and not reset:
             for name, t in state.items():
                 t[:, stay] = st[name].to(device)[:, pos[stay]]
             steps[stay] = st["step"][pos[stay]]
-            if master is not None:
-                master[:, stay] = old_master[:, pos[stay]]
+        if carry and reset:
+            steps.fill_(count)
+        if carry and master is not None:
+            master[:, stay] = old_master[:, pos[stay]]
         moved = {name: fast.to_state(t) for name, t in state.items()}
         if master is not None:
             moved["master"] = fast.to_state(master)

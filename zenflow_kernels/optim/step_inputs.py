@@ -15,16 +15,18 @@ from .build import PARAM_DTYPES
 __all__ = ["ClipRequests", "grad_scaler", "check_group", "hyper", "GradChecks", "StepInputs", "read_step"]
 
 
-def grad_scaler(opt) -> tuple[float, float, bool]:
+def grad_scaler(opt, divide: int = 1) -> tuple[float, float, bool]:
     """``(scale, its float32 reciprocal, overflow)`` of this step: what a GradScaler set on ``opt`` (its
     ``grad_scale`` and ``found_inf``; ``1.0, 1.0, False`` without one). The reciprocal is GradScaler's own (float64,
     then float32), which multiplies each gradient as the scaler's in-place unscale would: for a power-of-two scale
-    (its growth and backoff by 2) exactly."""
+    (its growth and backoff by 2) exactly. ``divide``: the gradients are read divided by it too (the scale times it;
+    ``gradient_scale="interval"``: the update interval)."""
     scale, found = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
     amp = 1.0 if scale is None else float(scale)
     if not (math.isfinite(amp) and amp > 0):
         raise ValueError(f"ZenFlowAdamW.step(): grad_scale={amp!r} (set by a GradScaler) is invalid: allowed a "
                          "finite number > 0")
+    amp *= divide
     return amp, float(np.float32(1.0 / amp)), found is not None and float(found) != 0.0
 
 
@@ -132,7 +134,8 @@ class StepInputs:
 def read_step(opt, shard, clips: ClipRequests, checks: GradChecks) -> StepInputs:
     """Check the step's gradients, gather them where the sharding needs it, compute their norm and fill the tensors
     ``clip_grad_norm_()`` handed out with it (``opt``: what a GradScaler set, see :func:`grad_scaler`)."""
-    amp, inv_amp, overflow = grad_scaler(opt)
+    config = opt.config
+    amp, inv_amp, overflow = grad_scaler(opt, config.update_interval if config.gradient_scale == "interval" else 1)
     max_norm, norms_out = clips.take(opt.max_grad_norm)
     active = shard.active()
     own = [(i, g) for i in active if (g := shard.own_grad(i)) is not None]

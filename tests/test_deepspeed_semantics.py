@@ -1,0 +1,212 @@
+"""DeepSpeed's six choices as ``zenflow`` fields, and ``semantics="deepspeed"`` against DeepSpeed's own ZenFlow.
+
+* DeepSpeed 0.19.8's ZenFlow (its two defects repaired; ZeRO-2, one gloo process, fp32), recorded by
+  bench/deepspeed_zenflow.py into tests/fixtures/deepspeed/ and replayed by bench/deepspeed_semantics.py:
+  ``semantics="deepspeed"`` follows it within 1e-6 at every one of 16 steps in three settings (update_interval 2
+  / select_interval 4; 3 / 4, an interval cut short by a re-selection; warm-up 2), on both links, and so does the
+  reference; with ``deepspeed`` installed the recording is made again here and must be the fixture's bits.
+* Each choice is needed: with it turned back to ours (the other five DeepSpeed's) the run leaves DeepSpeed's by more
+  than 1e-4 in at least one setting (the whole table is asserted).
+* Each choice alone, and all six, against the reference (an independent implementation of the same field) with a
+  GradScaler, an overflow step, clipping and overlap, on both links (the asynchronous link bit-identical to the
+  synchronous one), and a checkpoint resumed bit-identically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerance import assert_all_within_stated_bound
+
+from bench.deepspeed_semantics import SETTINGS, recorded, replay, variants
+from zenflow_kernels import ZenFlowAdamW, ZenFlowConfig, ZenFlowConfigError
+from zenflow_kernels.config import CHOICES
+from zenflow_kernels.reference import ReferenceZenFlow
+from zenflow_kernels.testing import chaos
+
+pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
+
+REPO = Path(__file__).resolve().parents[1]
+WITHIN = 1e-6  # the issue's bound; measured: bench/results/deepspeed_semantics.json
+
+
+# -- the fields --------------------------------------------------------------------------------------------------
+
+
+def test_semantics_deepspeed_sets_the_six_choices_and_ours_is_the_default():
+    ours, theirs = ZenFlowConfig(update_interval=2), ZenFlowConfig(update_interval=2, semantics="deepspeed")
+    assert {name: getattr(ours, name) for name in CHOICES} == {name: v[0] for name, v in CHOICES.items()}
+    assert {name: getattr(theirs, name) for name in CHOICES} == {name: v[1] for name, v in CHOICES.items()}
+    assert theirs.importance == "l1" and theirs.gradient_scale == "interval"
+    assert ZenFlowConfig.from_dict(theirs.to_dict()) == theirs  # a checkpoint's record round-trips
+    # DeepSpeed's value given explicitly is accepted; a DeepSpeed JSON with the key moves over as it is
+    assert ZenFlowConfig(update_interval=2, semantics="deepspeed", importance="l1") == theirs
+    block = {"zero_optimization": {"stage": 2, "zenflow": dict(update_interval=2, semantics="deepspeed")}}
+    assert ZenFlowConfig.from_dict(block) == theirs
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(semantics="torch"), "zenflow.semantics='torch' is invalid: allowed 'zenflow_kernels' or 'deepspeed'"),
+    (dict(semantics=None), "zenflow.semantics=None is invalid"),
+    (dict(gradient_scale="mean"), "zenflow.gradient_scale='mean' is invalid: allowed 'raw' or 'interval'"),
+    (dict(host_step_count=3), "zenflow.host_step_count=3 is invalid: allowed 'updates' or 'steps'"),
+    (dict(reselect_state="keep"), "zenflow.reselect_state='keep' is invalid: allowed 'carry' or 'reset'"),
+    (dict(vector_state="zero"), "zenflow.vector_state='zero' is invalid: allowed 'continuous' or 'reset'"),
+    (dict(select_anchor="epoch"), "zenflow.select_anchor='epoch' is invalid: allowed 'warm_up' or 'absolute'"),
+    (dict(semantics="deepspeed", importance="random"),
+     "zenflow.importance='random' conflicts with semantics='deepspeed', which sets importance='l1'"),
+    (dict(semantics="deepspeed", reselect_state="carry", update_interval=2), None),  # ours' value: DeepSpeed's set
+    (dict(gradient_scale="interval"), "zenflow.gradient_scale='interval' is invalid: allowed 'raw' with "
+                                      "update_interval='auto'"),
+    (dict(semantics="deepspeed"), "zenflow.gradient_scale='interval' is invalid"),  # update_interval 'auto'
+])
+def test_bad_choices_are_refused_naming_the_field(kwargs, fragment):
+    if fragment is None:
+        assert ZenFlowConfig(**kwargs).reselect_state == "reset"
+        return
+    with pytest.raises(ZenFlowConfigError) as err:
+        ZenFlowConfig(**kwargs)
+    assert fragment in str(err.value)
+
+
+# -- against DeepSpeed's own run ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "chaos", "reference"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_semantics_deepspeed_follows_deepspeeds_zenflow(setting, mode):
+    worst = replay(setting, mode, semantics="deepspeed")
+    assert max(worst) <= WITHIN, [f"{w:.1e}" for w in worst]
+
+
+def test_each_choice_is_needed_to_follow_deepspeed():
+    """With one choice turned back to ours (the other five DeepSpeed's) the run leaves DeepSpeed's: by more than 1e-4
+    in some setting, for every choice (select_anchor only acts with a warm-up); ours in all six by more than 1e-2."""
+    table = {variant: {s: max(replay(s, "sync", **zen)) for s in SETTINGS}
+             for variant, zen in variants().items() if variant != "deepspeed"}
+    assert set(table) == {f"{name}_ours" for name in CHOICES} | {"all_ours"}
+    assert all(max(row.values()) > 1e-4 for row in table.values()), table
+    assert min(table["all_ours"].values()) > 1e-2, table
+    assert table["select_anchor_ours"]["ui2_si4_w0"] <= WITHIN, table  # without warm-up the anchors coincide
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (optional)")
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_deepspeed_records_the_fixture_again(setting, tmp_path):
+    from bench.harness import free_port
+
+    ui, si, warm = SETTINGS[setting]
+    out = tmp_path / f"{setting}.pt"
+    proc = subprocess.run([sys.executable, "-m", "bench.deepspeed_zenflow", "--update-interval", str(ui),
+                           "--select-interval", str(si), "--warm-up", str(warm), "--port", str(free_port()),
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = torch.load(out)["weights"], recorded(setting)["weights"]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+# -- each choice against the reference ---------------------------------------------------------------------------
+
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+STEPS = 12
+OVERFLOW_AT = 5
+CASES = {name: {name: theirs} for name, (_, theirs, _) in CHOICES.items()}
+CASES["semantics"] = dict(semantics="deepspeed")
+
+
+def small_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Tanh(), torch.nn.LayerNorm(24),
+                               torch.nn.Linear(24, 8))
+
+
+def batches(steps=STEPS):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(10, 16, generator=g), torch.randn(10, 8, generator=g)) for _ in range(steps)]
+
+
+def run(m0, mode, zen, *, scaled, stop=None, resume=None):
+    """The loop (a GradScaler at a scale that is not a power of two and an inf loss at ``OVERFLOW_AT`` when
+    ``scaled``; clipping at 1.0): the weights after every step and the counters. ``stop``: return the model and
+    optimizer state after that many steps instead; ``resume``: start from such a state."""
+    m = copy.deepcopy(m0)
+    cls = ReferenceZenFlow if mode == "reference" else ZenFlowAdamW
+    with chaos(seed=1, max_delay=0.002) if mode == "chaos" else contextlib.nullcontext():
+        opt = cls(m.parameters(), **HYPER, zenflow=zen, max_grad_norm=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=3) if scaled else None
+    start = 0
+    if resume is not None:
+        m.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["opt"])
+        if scaler is not None:
+            scaler.load_state_dict(resume["scaler"])
+        start = resume["t"]
+    history = []
+    for t, (x, y) in enumerate(batches()):
+        if t < start:
+            continue
+        if t == stop:
+            saved = dict(model=copy.deepcopy(m.state_dict()), opt=copy.deepcopy(opt.state_dict()), t=t,
+                         scaler=scaler.state_dict() if scaler else None)
+            if mode != "reference":
+                opt.close()
+            return saved
+        loss = F.mse_loss(m(x), y) * (math.inf if scaled and t == OVERFLOW_AT else 1.0)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+        history.append([p.detach().clone() for p in m.parameters()])
+    opt.flush()
+    counters = (opt.t, opt.skipped_steps, opt.host_updates, opt.selections)
+    if mode != "reference":
+        opt.close()
+    return history, counters
+
+
+@pytest.mark.parametrize("variant", ["sync_plain", "overlap_scaled"])
+@pytest.mark.parametrize("schedule", [(2, 4, 1), (3, 6, 2)], ids=["ui2_si4_w1", "ui3_si6_w2"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_choice_matches_the_reference_on_both_links(case, schedule, variant):
+    ui, si, warm = schedule
+    zen = dict(topk_ratio=0.25, select_strategy="step", select_interval=si, update_interval=ui,
+               full_warm_up_rounds=warm, overlap_step=variant.startswith("overlap"), **CASES[case])
+    scaled = variant.endswith("scaled")
+    m0 = small_model()
+    want, counters = run(m0, "reference", zen, scaled=scaled)
+    got, got_counters = run(m0, "sync", zen, scaled=scaled)
+    assert got_counters == counters
+    for t, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert_all_within_stated_bound(a, b, lr=HYPER["lr"], steps=t + 1, what=f"{case} step {t}")
+    asynchronous, async_counters = run(m0, "chaos", zen, scaled=scaled)
+    assert async_counters == counters
+    for t, (a, b) in enumerate(zip(asynchronous, got, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"{case}: chaos differs at step {t}"
+
+
+@pytest.mark.parametrize("stop", [5, 8])
+def test_a_deepspeed_semantics_checkpoint_resumes_bit_identically(stop):
+    """Saved mid-interval (5) and at a re-selection (8, absolute anchor, warm-up 1), loaded into a new optimizer."""
+    zen = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2, full_warm_up_rounds=1,
+               overlap_step=True, semantics="deepspeed")
+    m0 = small_model()
+    whole, _ = run(m0, "sync", zen, scaled=True)
+    saved = run(m0, "sync", zen, scaled=True, stop=stop)
+    resumed, _ = run(m0, "sync", zen, scaled=True, resume=saved)
+    for t, (a, b) in enumerate(zip(resumed, whole[stop:], strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {stop + t}"
