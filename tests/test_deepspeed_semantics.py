@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -210,3 +211,48 @@ def test_a_deepspeed_semantics_checkpoint_resumes_bit_identically(stop):
     resumed, _ = run(m0, "sync", zen, scaled=True, resume=saved)
     for t, (a, b) in enumerate(zip(resumed, whole[stop:], strict=True)):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {stop + t}"
+
+
+# -- the benchmark and the figures docs/deepspeed.md quotes ---------------------------------------------------------
+
+RESULT = REPO / "bench" / "results" / "deepspeed_semantics.json"
+
+
+def test_the_benchmark_replays_a_setting_and_writes_its_rows(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.deepspeed_semantics", "--settings", "ui2_si4_w2", "--out",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "deepspeed_semantics.json").read_text())
+    assert result["command"] == f"python -m bench.deepspeed_semantics --settings ui2_si4_w2 --out {tmp_path}"
+    assert result["machine"]["git_commit"] and list(result["config"]["settings"]) == ["ui2_si4_w2"]
+    rows = {(r["variant"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {("deepspeed", m) for m in ("sync", "chaos", "reference")} | {
+        (v, "sync") for v in variants() if v != "deepspeed"}
+    assert all(len(r["per_step"]) == 16 and r["max"] == max(r["per_step"]) for r in rows.values())
+    assert all(r["max"] <= WITHIN for (v, _), r in rows.items() if v == "deepspeed")
+    assert all(r["max"] > 1e-4 for (v, _), r in rows.items() if v != "deepspeed")  # (at warm-up 2: every choice)
+
+
+def test_docs_deepspeed_tables_are_the_committed_results():
+    """Both tables of docs/deepspeed.md hold bench/results/deepspeed_semantics.json's maxima as printed (``.1e``,
+    the exponent's leading zero dropped)."""
+    rows = json.loads(RESULT.read_text())["rows"]
+    got = {(r["setting"], r["variant"], r["mode"]): f"{r['max']:.1e}".replace("e-0", "e-") for r in rows}
+    assert json.loads(RESULT.read_text())["machine"]["git_commit"].isalnum()  # a clean commit (no "+dirty")
+    text = (REPO / "docs" / "deepspeed.md").read_text()
+    text = text[text.index("## What the six choices do to quality"):]  # (the first table describes the choices)
+    labels = {"none (`semantics=\"deepspeed\"`)": "deepspeed", "all six (our defaults)": "all_ours",
+              **{f"`{name}`": f"{name}_ours" for name in CHOICES}}
+    settings = list(SETTINGS)
+    quoted = 0
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in labels:  # the choices table: a variant's maxima, setting by setting
+            assert cells[1:] == [got[(s, labels[cells[0]], "sync")] for s in settings], line
+            quoted += 1
+        elif len(cells) == 3 and cells[0].startswith("ui "):  # the replay table: our optimizer, the reference
+            setting = "ui{}_si{}_w{}".format(*[p.split(" ")[1] for p in cells[0].split(" (")[0].split(", ")])
+            assert cells[1:] == [got[(setting, "deepspeed", "sync")], got[(setting, "deepspeed", "reference")]], line
+            assert got[(setting, "deepspeed", "chaos")] == got[(setting, "deepspeed", "sync")]  # "both links"
+            quoted += 1
+    assert quoted == len(labels) + len(settings)
