@@ -32,7 +32,7 @@ from zenflow_kernels.reference import ReferenceZenFlow
 pytest.importorskip("torch.distributed.fsdp")
 
 WORKER = Path(W.__file__)
-STEPS = 20
+STEPS = 14  # selections at steps 1, 7 and 13
 ZEN = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2, overlap_step=True,
            full_warm_up_rounds=1)
 CASES = {
@@ -56,6 +56,9 @@ CASES = {
     "lion": dict(zenflow=ZEN, chaos=1, rule=["Lion", dict(betas=[0.9, 0.99], weight_decay=0.1)]),
 }
 WORLDS = [2, 3]
+# at 3 ranks (uneven shards, a rank with no rows of the gate) the cases that differ in how the shards are held or
+# reached; the rest (settings of the host update, dtypes) run at 2
+THREE_RANKS = ("overlap", "chaos", "micro", "micro_declared", "frozen", "policy", "lion")
 # at 2 ranks also: device_accumulation under chaos with clipping, its host state in memory and on disk (where the
 # sums stay on the device and each update fetches them block by block)
 DEVACC_TWINS = {"devacc_clip_chaos": dict(zenflow=dict(ZEN, device_accumulation=True), chaos=1, max_grad_norm=0.5)}
@@ -64,11 +67,11 @@ DEVACC_TWINS["devacc_clip_chaos_nvme"] = dict(DEVACC_TWINS["devacc_clip_chaos"],
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every case at 2 and at 3 ranks: {world: {case: [rank results]}}."""
+    """Every case at 2 ranks, ``THREE_RANKS`` at 3: {world: {case: [rank results]}}."""
     out = {}
     for world in WORLDS:
         tmp = tmp_path_factory.mktemp(f"fsdp2_w{world}")
-        cases = [dict(CASES[name], name=name, steps=STEPS) for name in CASES]
+        cases = [dict(CASES[name], name=name, steps=STEPS) for name in CASES if world == 2 or name in THREE_RANKS]
         if world == 2:
             cases += [dict(case, name=name, steps=STEPS) for name, case in DEVACC_TWINS.items()]
         results, done = launch(cases, tmp, world=world, timeout=600.0, worker=WORKER)
@@ -127,8 +130,8 @@ def _assert_close(a: torch.Tensor, b: torch.Tensor, case: dict, what: str, steps
     assert diff.mean() <= 1e-2 and diff.max() <= 0.1, f"{what}: mean {diff.mean():.2e}, max {diff.max():.2e}"
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name, world", [(name, world) for world in WORLDS for name in CASES
+                                         if world == 2 or name in THREE_RANKS])
 def test_fsdp2_matches_one_process_and_the_reference(runs, name, world):
     case = CASES[name]
     ranks = runs[world][name]
@@ -163,7 +166,7 @@ def test_device_accumulation_with_the_state_on_disk_leaves_fsdp2_runs_bit_identi
         for t, (a, b) in enumerate(zip(d["weights"], m["weights"], strict=True)):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"rank {rank} step {t}"
         assert all(torch.equal(x, y) for x, y in zip(d["flushed"], m["flushed"], strict=True)), rank
-        assert d["stats"]["host_updates"] == m["stats"]["host_updates"] >= 8
+        assert d["stats"]["host_updates"] == m["stats"]["host_updates"] >= 6
         hb, mb = d["host_bytes"], m["host_bytes"]
         assert hb["accumulation"] == 0 < mb["accumulation"] and hb["device_sums"] == 2 * mb["device_sums"] > 0
         assert hb["disk"] > 0 and not d["nvme_folder"][1]
