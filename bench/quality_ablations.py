@@ -182,17 +182,28 @@ def gpt_rows(seeds, steps: int | None, model: str, names=None) -> list[dict]:
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per level (``alpha``; the byte GPT: one) and variant: the recovered share (mean, min, max over seeds) and the
-    measured top-10% share."""
+    """Per level (``alpha``; the byte GPT: one) and variant: the recovered share (mean, min, max over seeds), the
+    held-out gap to AdamW at the same learning rate (``gap_vs_adamw``: L - L_adamw, mean and range; better
+    conditioned than the share where AdamW's own improvement is small), AdamW's improvement, and the measured
+    top-10% share."""
+    table = {**variants("study"), **variants("gpt")}
     out = []
     levels = sorted({r.get("alpha") for r in rows}, key=lambda a: -1 if a is None else a)
     for level in levels:
-        at = [r for r in rows if r.get("alpha") == level and "recovered" in r]
-        for variant in dict.fromkeys(r["variant"] for r in at):
-            rec = [r["recovered"] for r in at if r["variant"] == variant]
+        at = [r for r in rows if r.get("alpha") == level]
+        adamw = {(r["seed"], r["variant"]): r for r in at if r["variant"].startswith("adamw_")}
+        zen = [r for r in at if "recovered" in r]
+        for variant in dict.fromkeys(r["variant"] for r in zen):
+            mine = [r for r in zen if r["variant"] == variant]
+            rec = [r["recovered"] for r in mine]
+            ref = [adamw[(r["seed"], f"adamw_lr{table[variant].get('lr_scale', 1)}x")] for r in mine]
+            gap = [r["heldout_loss"] - a["heldout_loss"] for r, a in zip(mine, ref, strict=True)]
             out.append(dict(alpha=level, variant=variant, recovered=statistics.fmean(rec),
                             recovered_range=[min(rec), max(rec)], seeds=len(rec),
-                            top10_share=statistics.fmean(r["top10_share"] for r in at if r["variant"] == variant)))
+                            gap_vs_adamw=statistics.fmean(gap), gap_vs_adamw_range=[min(gap), max(gap)],
+                            adamw_improvement=statistics.fmean(a["initial_heldout_loss"] - a["heldout_loss"]
+                                                               for a in ref),
+                            top10_share=statistics.fmean(r["top10_share"] for r in mine)))
     return out
 
 
