@@ -108,8 +108,6 @@ def study_rows(seeds, steps: int, alphas=STUDY_ALPHAS, names=None) -> list[dict]
                 scale = spec.get("lr_scale", 1)
                 model = cs.mlp(seed)
                 zen = dict(cs.ZENFLOW, **spec.get("zenflow", {}))
-                if zen["update_interval"] == "auto":
-                    zen["max_update_interval"] = zen["select_interval"]
                 with make_zenflow(model.parameters(), cs.LR * scale, zen, spec.get("lr_times_interval", False)) as opt:
                     train_study(task, model, opt)
                     opt.flush()
@@ -161,8 +159,6 @@ def gpt_rows(seeds, steps: int | None, model: str, names=None) -> list[dict]:
             prep = prepared[scale]
             cfg = prep.cfg
             zen = e2e_core.zenflow_block(cfg, prep.n_epoch, **spec.get("zenflow", {}))
-            if zen["update_interval"] == "auto":
-                zen["max_update_interval"] = max(2, min(32, zen.get("steps_per_epoch") or zen["select_interval"]))
 
             def factory(params, zen=zen, spec=spec, cfg=cfg):
                 return make_zenflow(params, cfg.lr, zen, spec.get("lr_times_interval", False), cfg.weight_decay)

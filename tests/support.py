@@ -65,6 +65,18 @@ def drive(opt, params, grads):
     return history
 
 
+def backward_and_step(opt, loss, scaler=None) -> None:
+    """One step of the loop people write: ``loss.backward(); opt.step()``, or under a ``torch.amp.GradScaler`` its
+    recipe (scale, backward, ``scaler.step``, ``scaler.update``)."""
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
 def quiet(factory, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ZenFlowWarning)

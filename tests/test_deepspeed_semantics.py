@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from support import backward_and_step
 from tolerance import assert_all_within_stated_bound
 
 from bench.deepspeed_semantics import SETTINGS, recorded, replay, variants
@@ -164,13 +165,7 @@ def run(m0, mode, zen, *, scaled, stop=None, resume=None):
                 opt.close()
             return saved
         loss = F.mse_loss(m(x), y) * (math.inf if scaled and t == OVERFLOW_AT else 1.0)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        backward_and_step(opt, loss, scaler)
         opt.zero_grad()
         history.append([p.detach().clone() for p in m.parameters()])
     opt.flush()

@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from support import backward_and_step
 from tolerance import assert_all_within_stated_bound
 
 from zenflow_kernels import ZenFlowAdamW
@@ -96,14 +97,9 @@ def scaled_run(m0, mode, feature, overlap, scale):
     history, scales = [], []
     for t, (x, y) in enumerate(batches()):
         loss = F.mse_loss(m(x), y) * (math.inf if t == OVERFLOW_AT else 1.0)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
+        if scaler is not None:
             scales.append(scaler.get_scale())
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        backward_and_step(opt, loss, scaler)
         opt.zero_grad()
         history.append([p.detach().clone() for p in m.parameters()])
     opt.flush()
