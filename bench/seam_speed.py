@@ -8,10 +8,14 @@ git worktree; each round runs, for the base tree and then this one (the order al
 hits both alike), one subprocess per tree with ``PYTHONPATH`` at that tree, which measures:
 
 * ``cpu_adam_`` (the optimizer's host pass: fp32 master and moments, the sums zeroed, bf16 copy-out) at 2^20 and
-  2^24 elements, one thread: the median of repeated calls;
+  2^24 elements (``--quick``: 2^16 and 2^20), one thread: the median of repeated calls;
 * the tree's own ``bench.step_overhead`` at 150 and 600 tensors (``--quick``: its own counts, 8 and 16; the asynchronous
   link and torch's foreach AdamW, one repeat): the training thread's CPU time per step and its ratio to torch's foreach
   AdamW measured in the same process.
+
+When the base's numba kernels (``zenflow_kernels/cpu_ops``) are byte for byte this tree's, the worktree gets this
+tree's compiled kernels (numba's cache is keyed by the source file's path and time stamp, so a fresh worktree would
+compile every kernel again: half a minute of the suite's quick run).
 
 Reported per metric: each tree's median over the rounds and the ratio this tree / base (1.0: unchanged). Results:
 ``seam_speed.json`` in bench/results (or ``--out``) with the machine description and the load seen.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,7 +41,7 @@ KERNEL_PROBE = r"""
 import json, sys, time, torch
 from zenflow_kernels import cpu_ops
 out = {}
-for n in (1 << 20, 1 << 24):
+for n in map(int, sys.argv[2:]):
     g = torch.Generator().manual_seed(0)
     p, m, v = torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n)
     acc, dst = torch.randn(n, generator=g), torch.empty(n, dtype=torch.bfloat16)
@@ -51,11 +56,38 @@ print(json.dumps(out))
 """
 
 
+KERNELS = Path("zenflow_kernels", "cpu_ops")
+
+
+def share_numba_cache(base_tree: Path) -> bool:
+    """Give ``base_tree`` this tree's compiled numba kernels when its ``cpu_ops`` sources are identical to this
+    tree's (numba checks a cached kernel against its source file's modification time and size, and does not
+    track what a kernel calls in other files: hence the whole folder must match). Returns whether it did."""
+    ours, theirs = REPO / KERNELS, base_tree / KERNELS
+    sources = sorted(p.name for p in ours.glob("*.py"))
+    if sources != sorted(p.name for p in theirs.glob("*.py")):
+        return False
+    if any((ours / n).read_bytes() != (theirs / n).read_bytes() for n in sources):
+        return False
+    cache = ours / "__pycache__"
+    entries = [*cache.glob("*.nbi"), *cache.glob("*.nbc")]
+    if not entries:
+        return False
+    (theirs / "__pycache__").mkdir(exist_ok=True)
+    for entry in entries:
+        shutil.copy2(entry, theirs / "__pycache__" / entry.name)
+    for n in sources:  # the time stamps numba's index holds
+        st = (ours / n).stat()
+        os.utime(theirs / n, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return True
+
+
 def run_tree(tree: Path, quick: bool, calls: int) -> dict:
     """One round's measurements in ``tree`` (a subprocess each: the kernel probe, the tree's step_overhead)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    probe = subprocess.run([sys.executable, "-c", KERNEL_PROBE, str(calls)], cwd=tree, env=env, capture_output=True,
-                           text=True, check=True)
+    sizes = (1 << 16, 1 << 20) if quick else (1 << 20, 1 << 24)
+    probe = subprocess.run([sys.executable, "-c", KERNEL_PROBE, str(calls), *map(str, sizes)], cwd=tree, env=env,
+                           capture_output=True, text=True, check=True)
     result = json.loads(probe.stdout.strip().splitlines()[-1])
     with tempfile.TemporaryDirectory() as out:
         counts = (8, 16) if quick else (150, 600)  # (step_overhead --quick's counts)
@@ -87,6 +119,7 @@ def main(argv=None) -> None:
         base_tree = Path(tmp) / "base"
         subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), args.base], cwd=REPO,
                        capture_output=True, check=True)
+        shared_cache = share_numba_cache(base_tree)
         try:
             trees = {"base": base_tree, "head": REPO}
             runs: dict[str, list[dict]] = {"base": [], "head": []}
@@ -108,6 +141,7 @@ def main(argv=None) -> None:
     payload = {
         "command": "python -m bench.seam_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
         "base": args.base, "head": head + ("+dirty" if dirty else ""), "rounds": rounds, "calls": calls,
+        "base_shared_numba_cache": shared_cache,
         "summary": summary, "runs": runs, "load_average_1min": loads, "total_s": time.perf_counter() - t0,
         "machine": machine_info_light(),
     }

@@ -188,7 +188,9 @@ def test_frozen_parameters_on_the_triton_kernels_match_the_reference():
 def test_frozen_parameters_unfrozen_mid_run_follow_torch_adamw(topk, interval, mode):
     """ZenFlow's own oracle against torch: all columns on the device (``topk_ratio=1``) or every column on the host
     every step (``topk_ratio=0``, ``update_interval=1``) is AdamW, which also makes a parameter's state at its
-    first gradient; frozen and unfrozen parameters included."""
+    first gradient; frozen and unfrozen parameters included. Each tensor within the stated bound with ``typical``
+    1e-6: from the step the first layer is unfrozen (zero moments, first steps) torch's and the kernel's last bits
+    are carried along larger (docs/design.md (b)): 2.8e-7 measured on an AVX-512 Xeon, 6e-8 before that step."""
     zen = dict(topk_ratio=topk, select_strategy="step", select_interval=4, update_interval=interval,
                overlap_step=False)
     data, m0 = batches(), model()
@@ -199,7 +201,7 @@ def test_frozen_parameters_unfrozen_mid_run_follow_torch_adamw(topk, interval, m
         for t, (a, z) in enumerate(zip(train(ma, adamw, data, "unfreeze"), train(mz, opt, data, "unfreeze"),
                                        strict=True)):
             for i, (x, y) in enumerate(zip(z, a, strict=True)):
-                torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=lambda m, t=t, i=i: f"step {t} p{i}: {m}")
+                assert_within_stated_bound(x, y, lr=HYPER["lr"], steps=t + 1, typical=1e-6, what=f"step {t} p{i}")
 
 
 def test_frozen_parameters_take_no_host_memory():
