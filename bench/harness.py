@@ -15,6 +15,7 @@ import csv
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import subprocess
@@ -186,13 +187,79 @@ def output_dir(path: str | os.PathLike | None) -> Path:
 
 
 def write_json(path: str | os.PathLike, payload: dict) -> Path:
-    """Write ``payload`` with a ``machine`` entry added (unless present) as indented JSON."""
+    """:func:`write_result` with :func:`machine_info` as the machine entry when none is given."""
+    return write_result(path, payload, machine=machine_info)
+
+
+def write_result(path: str | os.PathLike, payload: dict, *, machine: Callable[[], dict] | None = None) -> Path:
+    """Write a benchmark's result as indented JSON: ``payload`` with a ``machine`` entry (``machine()``, by default
+    :func:`machine_info_light`, unless the payload has one) and its ``record`` (:func:`result_record`), which says
+    how to make it again and what it was made on. Every result under bench/results/ is written by this function
+    (``tests/test_results.py`` checks their records)."""
     payload = dict(payload)
     if "machine" not in payload:  # machine_info() is slow (it imports optional packages): only when needed
-        payload["machine"] = machine_info()
+        payload["machine"] = (machine or machine_info_light)()
+    payload["record"] = result_record(payload.get("command"), payload["machine"])
     path = Path(path)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")
     return path
+
+
+# -- the record of a result --------------------------------------------------------------------------------------
+
+RECORD_FIELDS = ("command", "commit", "clean", "changed", "machine", "load", "started_utc", "finished_utc", "wall_s")
+
+
+def command_line() -> str | None:
+    """``python -m bench.<module> <its arguments>`` when this process runs a benchmark module (``python -m``), else
+    None (a benchmark's ``main(argv)`` called from another program names its command in the payload)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is None or not spec.name.startswith("bench."):
+        return None
+    return " ".join([f"python -m {spec.name}", *map(shlex.quote, sys.argv[1:])])
+
+
+def git_state(root: Path = REPO) -> tuple[str | None, list[str]]:
+    """HEAD's full hash and the paths that differ from it: tracked files anywhere but ``bench/results`` and the
+    untracked ones under ``zenflow_kernels`` and ``bench`` (what could change a result). ``(None, [])`` outside a git
+    checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root,
+                              timeout=10).stdout.strip()
+        if not head:
+            return None, []
+        tracked = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  ":(exclude)bench/results"], capture_output=True, text=True, cwd=root, timeout=10)
+        untracked = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", "zenflow_kernels",
+                                    "bench", ":(exclude)bench/results"], capture_output=True, text=True, cwd=root,
+                                   timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None, []
+    changed = {line[3:] for out in (tracked.stdout, untracked.stdout) for line in out.splitlines() if line.strip()}
+    return head, sorted(changed)
+
+
+def result_record(command: str | None = None, machine: dict | None = None) -> dict:
+    """How a result was made: ``command`` (by default :func:`command_line`), the repository's ``commit`` and whether
+    the tree was ``clean`` (else the ``changed`` paths), the ``machine`` (CPU model, cores, memory, GPU), the
+    ``load`` other processes put on the machine from this process's start (its children's CPU counted as its own:
+    :class:`OtherLoad`) with the 1-minute load average at the end, and when it ran."""
+    commit, changed = git_state()
+    machine = machine if machine is not None else machine_info_light()
+    now = time.time()
+    return {
+        "command": command or command_line(),
+        "commit": commit,
+        "clean": commit is not None and not changed,
+        "changed": changed[:50],
+        "machine": {key: machine.get(key) for key in ("cpu", "logical_cores", "affinity_cores", "memory_gib", "gpu",
+                                                      "platform", "versions")},
+        "load": {"other_processes_share_of_cores": round(_RUN_LOAD.fraction(), 4),
+                 "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None},
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_RUN_STARTED)),
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "wall_s": round(now - _RUN_STARTED, 1),
+    }
 
 
 def _json_default(obj):
@@ -287,14 +354,8 @@ _MISSING = object()
 
 
 def write_json_light(path: str | os.PathLike, payload: dict) -> Path:
-    """:func:`write_json` with :func:`machine_info_light` as the machine entry when none is given
-    (``write_json`` computes ``machine_info()`` even when the payload already holds one)."""
-    payload = dict(payload)
-    if "machine" not in payload:
-        payload["machine"] = machine_info_light()
-    path = Path(path)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")
-    return path
+    """:func:`write_result` with :func:`machine_info_light` as the machine entry when none is given."""
+    return write_result(path, payload, machine=machine_info_light)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -397,7 +458,7 @@ class OtherLoad:
             fields = [int(x) for x in f.readline().split()[1:]]
         idle = fields[3] + fields[4]  # idle + iowait
         tick = os.sysconf("SC_CLK_TCK")
-        own = sum(os.times()[:2])  # seconds of CPU of this process (user + system)
+        own = sum(os.times()[:4])  # seconds of CPU of this process and its waited-for children (user + system)
         return time.perf_counter(), (sum(fields) - idle) / tick, own
 
     def fraction(self) -> float:
@@ -443,3 +504,8 @@ def parse_width_layers(text: str) -> tuple[int, int]:
     if d < 16 or d % 16 or layers < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: d must be a multiple of 16 (>= 16) and layers >= 1")
     return d, layers
+
+
+# the whole run's record: from the harness's import (every benchmark imports it first) to its result's writing
+_RUN_STARTED = time.time()
+_RUN_LOAD = OtherLoad()
