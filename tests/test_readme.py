@@ -57,4 +57,32 @@ def test_make_demo_writes_to_an_ignored_folder():
     out = re.search(r"--out (\S+)", demo).group(1)
     ignored = subprocess.run(["git", "check-ignore", "-q", f"{out}/e2e.json"], cwd=ROOT)
     assert ignored.returncode == 0, f"make demo writes to {out}, which git does not ignore"
-    assert re.search(r"^bench-results:.*\n\t.*--out bench/results", makefile, re.MULTILINE)
+    # the committed results are made again by bench.refresh, which writes to bench/results/ (tests/test_results.py)
+    assert re.search(r"^bench-results:.*\n\t.*-m bench\.refresh", makefile, re.MULTILINE)
+
+
+def test_the_results_section_is_what_the_committed_results_say():
+    """Every figure of the README's Results section is computed from the JSON it links (bench/readme_results.py):
+    the section is exactly what that module writes from bench/results/ today."""
+    from bench import readme_results
+
+    assert readme_results.current(README) == readme_results.section(), (
+        "README.md's results differ from bench/results: run python -m bench.readme_results")
+
+
+def test_the_results_section_follows_its_results(tmp_path, monkeypatch):
+    """A figure changes with its JSON: a copy of e2e.json with another stall gives another section."""
+    import json
+    import shutil
+
+    from bench import readme_results
+
+    for path in (ROOT / "bench" / "results").rglob("*.json"):
+        target = tmp_path / path.relative_to(ROOT / "bench" / "results")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+    demo = json.loads((tmp_path / "e2e.json").read_text())
+    demo["comparison"]["per_run"]["zenflow"]["stall_pct"] = 12.34
+    (tmp_path / "e2e.json").write_text(json.dumps(demo))
+    monkeypatch.setattr(readme_results, "RESULTS_DIR", tmp_path)
+    assert "ZenFlow's stall 12.3% of wall time" in readme_results.render()
