@@ -70,6 +70,7 @@ RESULTS: dict[str, Result] = {
     "quality_ablations_study.json": Result("bench.quality_ablations --task study"),
     "quality_ablations_gpt.json": Result("bench.quality_ablations --task gpt"),
     "deepspeed_semantics.json": Result("bench.deepspeed_semantics"),
+    "plan_cpu.json": Result("bench.plan"),
     "seam_speed.json": Result("bench.seam_speed --rounds 3"),
     "seam_speed_fused_rules.json": Result("bench.seam_speed --base eb8e975 --rounds 3", writes="seam_speed.json"),
     "h200-2026-11-30/kernels_gpu.json": Result("bench.kernels", gpu=True),

@@ -1,8 +1,10 @@
-"""``python -m zenflow_kernels explain CONFIG [--steps N] [--steps-per-epoch N]``.
+"""``python -m zenflow_kernels explain CONFIG [--steps N] [--steps-per-epoch N]`` and ``... plan --params N ...``.
 
-Prints the resolved intervals, any warning, and the steps at which selections and host updates fall
+``explain`` prints the resolved intervals, any warning, and the steps at which selections and host updates fall
 in the first N steps: the table that would have caught ZenFlow silently never re-selecting its
-columns. A missing file, bad JSON or an invalid config is one line on stderr and exit code 2.
+columns. ``plan`` probes this host's passes for a few seconds and predicts the stall per step of synchronous
+offload and of ZenFlow on a device of the given step time and PCIe bandwidth (``zenflow_kernels.planner``).
+A missing file, bad JSON, an invalid config or argument is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -50,7 +52,75 @@ def _build_parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--steps-per-epoch", type=_positive_int, default=None, help="epoch length, as a dataloader would give it"
     )
+    plan = sub.add_parser("plan", help="predict the stall of offload and of ZenFlow on a GPU from this host's speed")
+    plan.add_argument("--params", type=_positive_number, required=True,
+                      help="the model's matrix (2-D) parameters per rank, e.g. 7e9 (ZeRO: divided by the ranks)")
+    plan.add_argument("--vector-params", type=_positive_number, default=0, help="its vector parameters (default 0)")
+    step = plan.add_mutually_exclusive_group(required=True)
+    step.add_argument("--device-step-ms", type=_positive_number,
+                      help="the device's forward + backward (+ fast path) per step, in ms, as measured there")
+    step.add_argument("--device-tflops", type=_positive_number,
+                      help="the device's achieved TFLOP/s: the step is 6 * params * --tokens-per-step FLOPs")
+    plan.add_argument("--tokens-per-step", type=_positive_number, default=None, help="with --device-tflops")
+    plan.add_argument("--pcie-gbps", type=_positive_number, default=25.0,
+                      help="host <-> device bandwidth each way, GB/s (default 25: PCIe 4 x16)")
+    plan.add_argument("--topk-ratio", type=float, default=0.1)
+    plan.add_argument("--update-interval", type=_positive_int, default=4)
+    plan.add_argument("--no-overlap", action="store_true", help="overlap_step=False")
+    plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="parameters and gradients")
+    plan.add_argument("--probe-seconds", type=_positive_number, default=3.0)
+    plan.add_argument("--probe-params", type=_positive_int, default=1 << 22)
     return parser
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
+def plan_report(args) -> str:
+    """``plan``: probe this host, then the planner's prediction, as text."""
+    import torch
+
+    from .planner import predict, probe_host
+
+    if args.device_tflops is not None and args.tokens_per_step is None:
+        raise ValueError("--device-tflops needs --tokens-per-step (the step's FLOPs: 6 * params * tokens)")
+    if not 0.0 <= args.topk_ratio <= 1.0:
+        raise ValueError(f"--topk-ratio {args.topk_ratio!r} is invalid: allowed a number in [0, 1]")
+    matrix, vector = int(args.params), int(args.vector_params)
+    step_s = args.device_step_ms / 1e3 if args.device_step_ms is not None else \
+        6.0 * (matrix + vector) * args.tokens_per_step / (args.device_tflops * 1e12)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    probe = probe_host(params=args.probe_params, seconds=args.probe_seconds, grad_dtype=dtype)
+    bandwidth = args.pcie_gbps * 1e9
+    plan = predict(matrix_params=matrix, vector_params=vector, device_step_s=step_s, d2h_bytes_per_s=bandwidth,
+                   probe=probe, topk_ratio=args.topk_ratio, update_interval=args.update_interval,
+                   overlap_step=not args.no_overlap, grad_bytes=dtype.itemsize, param_bytes=dtype.itemsize)
+    lanes = plan.zenflow_lanes
+    hiding = plan.smallest_hiding_update_interval
+    pct = lambda s: f"{1e3 * s:9.1f} ms/step ({100 * s / (step_s + s):.0f}% of the step)"  # noqa: E731
+    return "\n".join([
+        f"this host: update {probe.update_s_per_param * 1e9:.2f} ns/param, accumulate "
+        f"{probe.accumulate_s_per_param * 1e9:.2f} ns/param ({probe.threads} threads, probed on {probe.params:,} "
+        f"{probe.grad_dtype} parameters)",
+        f"device step {step_s * 1e3:.1f} ms; PCIe {args.pcie_gbps:g} GB/s; {matrix + vector:,} parameters on the host",
+        f"synchronous offload stall: {pct(plan.sync_offload_stall_s)}",
+        f"ZenFlow stall:             {pct(plan.zenflow_stall_s)}  (topk_ratio={args.topk_ratio:g}, "
+        f"update_interval={args.update_interval}, overlap_step={not args.no_overlap})",
+        f"  gradients' crossing not hidden by backward {lanes['crossing_s'] * 1e3:.1f} ms, folds beyond the step "
+        f"{lanes['fold_excess_s'] * 1e3:.1f} ms, host update {lanes['update_s'] * 1e3:.1f} ms of which waited "
+        f"{lanes['update_wait_s'] * 1e3:.1f} ms, write-back {lanes['write_back_s'] * 1e3:.1f} ms per interval",
+        "smallest update_interval that hides the host update (overlap_step=True): "
+        + (str(hiding) if hiding is not None else "none up to 64 (the host is too slow for this device)"),
+        f"host memory: {plan.host_bytes / 2**30:.1f} GiB ({plan.host_bytes / plan.host_params:.0f} bytes per "
+        "parameter)",
+    ])
 
 
 def _fmt_steps(steps: list[int], limit: int = 24) -> str:
@@ -140,6 +210,13 @@ def explain_optimizer(opt, steps: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    if args.command == "plan":
+        try:
+            print(plan_report(args))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         config = ZenFlowConfig.from_dict(args.config)
         with warnings.catch_warnings():

@@ -1,0 +1,142 @@
+"""The planner (zenflow_kernels.planner, ``python -m zenflow_kernels plan``): its model worked by hand on round
+numbers, its host memory against a built optimizer's ``host_bytes()``, its probe and its command line. Its
+predictions against the modeled device are bench/plan.py's (bench/results/plan_cpu.json)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zenflow_kernels import ZenFlowAdamW
+from zenflow_kernels.planner import HostProbe, host_bytes_per_param, predict, probe_host
+from zenflow_kernels.testing import chaos
+
+REPO = Path(__file__).resolve().parents[1]
+# 10 ns a parameter to update beside the steps (8 alone), 2 to fold: a million parameters take 10 (8) ms and 2 ms
+PROBE = HostProbe(update_s_per_param=10e-9, accumulate_s_per_param=2e-9, step_work_s_per_param=1e-9,
+                  update_alone_s_per_param=8e-9, threads=2, params=1 << 22, grad_dtype="bfloat16")
+SLOW_FOLDS = HostProbe(10e-9, 5e-9, 0.0, 10e-9, 2, 1, "bf16")
+MS = 1e-3
+
+
+def plan(**kwargs):
+    args = dict(matrix_params=10**6, device_step_s=10 * MS, d2h_bytes_per_s=1e9, probe=PROBE, topk_ratio=0.0,
+                handover="step")
+    return predict(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, sync_ms, zenflow_ms, hiding", [
+    # crossing 2 ms (2 MB at 1 GB/s, at step()), folds 2 ms inside the 12 ms step, update 8 ms alone (10 beside
+    # the steps), write-back 2 ms; synchronous offload: 2 + 8 + 2 every step
+    (dict(update_interval=4, overlap_step=False), 12, 2 + (8 + 2) / 4, 1),
+    # the update (and last fold) within 48 ms; the write-back beside the next crossing
+    (dict(update_interval=4, overlap_step=True), 12, 2, 1),
+    (dict(update_interval=1, overlap_step=True, device_step_s=1 * MS), 12, 2 + (10 + 2 - 3), 4),  # 12 ms in 3
+    (dict(update_interval=2, overlap_step=True, device_step_s=1 * MS), 12, 2 + (12 - 6) / 2, 4),
+    (dict(update_interval=4, overlap_step=True, topk_ratio=0.5), 12, 2, 1),  # half the columns written back
+    # the crossing inside backward (2 < 6.7 ms): a 10 ms step, so the update needs two of them
+    (dict(update_interval=4, overlap_step=False, handover="backward"), 0 + 8 + 2, (8 + 2) / 4, 2),
+    (dict(update_interval=4, overlap_step=True, handover="backward"), 10, 2 / 4, 2),  # nothing to hide it behind
+    (dict(update_interval=4, overlap_step=False, handover="backward", backward_share=0.1), 1 + 10, 1 + 10 / 4, 2),
+    # folds slower than a step (5 ms against 1 + 2): 2 ms a step waited; the update and the last fold, 15 ms, in
+    # intervals of 5 ms steps
+    (dict(update_interval=4, overlap_step=True, device_step_s=1 * MS, probe=SLOW_FOLDS), 2 + 2 + 10 + 2, 2 + 2, 3),
+])
+def test_the_model_worked_by_hand(kwargs, sync_ms, zenflow_ms, hiding):
+    got = plan(**kwargs)
+    assert got.sync_offload_stall_s == pytest.approx(sync_ms * MS)
+    assert got.zenflow_stall_s == pytest.approx(zenflow_ms * MS)
+    assert got.smallest_hiding_update_interval == hiding
+
+
+def test_no_interval_hides_an_update_slower_than_64_steps():
+    fast_folds = HostProbe(10e-9, 0.0, 0.0, 10e-9, 2, 1, "bf16")  # (folds slower than a step lengthen the window)
+    assert plan(device_step_s=1e-5, d2h_bytes_per_s=1e15, probe=fast_folds).smallest_hiding_update_interval is None
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(matrix_params=-1), "matrix_params=-1 is invalid"),
+    (dict(matrix_params=1.5), "matrix_params=1.5 is invalid"),
+    (dict(device_step_s=0), "device_step_s=0 is invalid"),
+    (dict(d2h_bytes_per_s=float("nan")), "d2h_bytes_per_s=nan is invalid"),
+    (dict(topk_ratio=1.5), "topk_ratio=1.5 is invalid"),
+    (dict(update_interval=0), "update_interval=0 is invalid"),
+    (dict(handover="hooks"), "handover='hooks' is invalid: allowed 'backward' or 'step'"),
+])
+def test_bad_arguments_name_the_argument(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        plan(**kwargs)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_host_bytes_per_param_is_what_the_optimizer_allocates(overlap, asynchronous):
+    """Against ``host_bytes()`` of a built optimizer: the asynchronous link (as on a GPU) has a landing area."""
+    params = [torch.nn.Parameter(torch.randn(64, 256).to(torch.bfloat16))]
+    zen = dict(topk_ratio=0.25, update_interval=2, overlap_step=overlap, select_strategy="step", select_interval=4)
+    with chaos(seed=0, max_delay=0) if asynchronous else torch.no_grad():
+        opt = ZenFlowAdamW(params, zenflow=zen)
+    with opt:
+        params[0].grad = torch.randn_like(params[0])
+        opt.step()
+        measured = opt.host_bytes()
+    want = host_bytes_per_param(overlap_step=overlap, on_gpu=asynchronous)
+    assert measured["total"] == want * params[0].numel(), measured
+    assert want == 4 + 8 + (8 if overlap else 4) + 2 + (2 if asynchronous else 0)
+
+
+def test_the_probe_measures_this_hosts_passes():
+    probe = probe_host(params=1 << 16, seconds=0.2)
+    assert probe.params == 1 << 16 and probe.threads >= 1 and probe.grad_dtype == "bfloat16"
+    assert 0 < probe.accumulate_s_per_param < 1e-6 and 0 < probe.update_s_per_param < 1e-6
+    with pytest.raises(ValueError, match="params=100 is invalid"):
+        probe_host(params=100)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "zenflow_kernels", "plan", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_command_line_prints_the_plan():
+    proc = run_cli("--params", "7e9", "--device-step-ms", "900", "--pcie-gbps", "25", "--probe-seconds", "0.2",
+                   "--probe-params", "65536")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    for fragment in ("this host: update", "synchronous offload stall:", "ZenFlow stall:",
+                     "smallest update_interval that hides the host update", "host memory: 156.5 GiB (24 bytes"):
+        assert fragment in out, out
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--params", "1e6", "--device-tflops", "100"], "--device-tflops needs --tokens-per-step"),
+    (["--params", "-5", "--device-step-ms", "10"], "'-5' must be a finite number > 0"),
+    (["--params", "1e6", "--device-step-ms", "10", "--topk-ratio", "2"], "--topk-ratio 2.0 is invalid"),
+    (["--params", "1e6"], "one of the arguments --device-step-ms --device-tflops is required"),
+])
+def test_bad_command_lines_are_one_line_errors(args, fragment):
+    proc = run_cli(*args)
+    assert proc.returncode == 2 and fragment in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+        proc.stderr
+
+
+def test_the_validation_benchmark_runs_quick(tmp_path):
+    """bench.plan --quick: every configuration measured and predicted (the structure; the agreement is the committed
+    full run's, bench/results/plan_cpu.json)."""
+    proc = subprocess.run([sys.executable, "-m", "bench.plan", "--quick", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "plan_cpu.json").read_text())
+    names = [r["name"] for r in result["rows"]]
+    assert names == ["sync_offload", "zenflow_no_overlap", "zenflow_overlap_hidden", "zenflow_overlap_short",
+                     "zenflow_overlap_hidden_ui8"]
+    for r in result["rows"]:
+        assert r["measured_stall_s"] > -r["compute_s"] and r["predicted_stall_s"] >= 0, r
+        assert r["within"] == (abs(r["error_s"]) <= max(0.002, 0.2 * abs(r["measured_stall_s"]))), r
+        assert r["host_bytes"] == r["predicted_host_bytes"], r
+    assert result["record"]["command"].startswith("python -m bench.plan --quick")
