@@ -61,13 +61,16 @@ def test_make_demo_writes_to_an_ignored_folder():
     assert re.search(r"^bench-results:.*\n\t.*-m bench\.refresh", makefile, re.MULTILINE)
 
 
-def test_the_results_section_is_what_the_committed_results_say():
-    """Every figure of the README's Results section is computed from the JSON it links (bench/readme_results.py):
-    the section is exactly what that module writes from bench/results/ today."""
+@pytest.mark.parametrize("name", ["readme", "e2e"])
+def test_the_results_sections_are_what_the_committed_results_say(name):
+    """Every figure of the README's Results section and of docs/benchmarks.md's end-to-end section is computed from
+    the JSON it links (bench/readme_results.py): each section is exactly what that module writes from bench/results/
+    today."""
     from bench import readme_results
 
-    assert readme_results.current(README) == readme_results.section(), (
-        "README.md's results differ from bench/results: run python -m bench.readme_results")
+    path = readme_results.SECTIONS[name][0]
+    assert readme_results.current(path.read_text(), name) == readme_results.section(name), (
+        f"{path.name}'s results differ from bench/results: run python -m bench.readme_results")
 
 
 def test_the_results_section_follows_its_results(tmp_path, monkeypatch):
@@ -86,3 +89,56 @@ def test_the_results_section_follows_its_results(tmp_path, monkeypatch):
     (tmp_path / "e2e.json").write_text(json.dumps(demo))
     monkeypatch.setattr(readme_results, "RESULTS_DIR", tmp_path)
     assert "ZenFlow's stall 12.3% of wall time" in readme_results.render()
+    assert "| 12.3 |" in readme_results.e2e_section()  # the stall cell of ZenFlow's row
+
+
+def _results(name: str) -> dict:
+    import json
+
+    return json.loads((ROOT / "bench" / "results" / name).read_text())
+
+
+def _streamed_pass(mode: str, key) -> list[float]:
+    runs = ("nvme_cpu.json", "nvme_cpu_repeat.json", "nvme_cpu_devacc.json", "nvme_cpu_1b.json")
+    return [key(r) for name in runs for r in _results(name)["results"] if r["mode"] == mode]
+
+
+def _span(values, fmt: str) -> str:
+    return f"{min(values):{fmt}}-{max(values):{fmt}}"
+
+
+def _doc_figures() -> list[tuple[str, str]]:
+    """(doc, text it must hold) for the figures in docs/ outside the generated sections, each computed here from
+    the JSON the text names."""
+    direct = _streamed_pass("direct", lambda r: r["streamed_over_roofline"])
+    gbps = _streamed_pass("direct", lambda r: r["streamed"]["gb_per_s"])
+    buffered = _streamed_pass("buffered", lambda r: r["streamed_over_roofline"])
+    scale = _results("scale_cpu.json")
+    rss = max(abs(r["rss"]["growth_over_run"] - r["rss"]["reported"]) / r["params"] for r in scale["runs"])
+    goals = _results("cpu_adam.json")["goals"]
+    return [
+        ("design.md", f"the streamed pass at {_span(direct, '.2f')}x of a plain read+write pass"),
+        ("design.md", f"({_span(gbps, '.1f')} GB/s of traffic, 1-256 M parameters, over the four runs) and "
+                      f"{_span(buffered, '.2f')}x buffered"),
+        ("nvme.md", f"pass at {_span(direct, '.2f')}x of a plain read+write pass over the same bytes "
+                    f"({_span(gbps, '.1f')} GB/s of traffic"),
+        ("benchmarks.md", f"pass at {_span(direct, '.2f')}x of a plain read+write of the same bytes over the four"),
+        ("benchmarks.md", f"RSS grows within {rss:.2f} bytes per parameter of the report in each run of"),
+        ("benchmarks.md", f"parameters {goals['adam_vs_roofline']['measured']:.2f}x the memory roofline, "
+                          f"{goals['adam_vs_deepspeed']['measured']:.2f}x DeepSpeed's CPU Adam"),
+        ("benchmarks.md", f"`cpu_adam_` is {goals['adam_vs_deepspeed_zenflow_native']['measured']:.2f}x faster at "
+                          f"2^24 on 2 threads"),
+        ("benchmarks.md", f"the ratio is {goals['adam_out_fp32_vs_deepspeed_zenflow_native']['measured']:.2f}x at "
+                          f"2^24 (2 threads)"),
+    ]
+
+
+def test_figures_in_the_docs_are_what_their_results_say():
+    """The docs' figures outside the generated sections that name their JSON (the streamed pass over the four NVMe
+    runs, RSS against host_bytes(), the host Adam's ratios): recomputed here from those JSONs."""
+    missing = []
+    for doc, text in _doc_figures():
+        page = " ".join((ROOT / "docs" / doc).read_text().split())  # (line breaks as spaces)
+        if text not in page:
+            missing.append(f"{doc}: {text!r}")
+    assert not missing, "\n".join(missing)
