@@ -49,6 +49,12 @@ def lr_text(lr: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
+def sci(x: float) -> str:
+    """5.6e-7 rather than 5.6e-07."""
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def span(values) -> str:
     lo, hi = min(values), max(values)
     return f"{lo:.1f}x" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}-{hi:.1f}x"
@@ -238,7 +244,46 @@ def e2e_section() -> str:
     return "\n".join([intro, "", "\n".join(rows), "", meaning, "", "\n".join(goals), "", base_text])
 
 
-SECTIONS = {"readme": (README, render), "e2e": (BENCHMARKS, e2e_section)}
+def deepspeed_tables(result: dict) -> tuple[list[str], list[str]]:
+    """docs/deepspeed.md's two tables from ``deepspeed_semantics.json``: each choice turned back to ours, and
+    ``semantics="deepspeed"`` on our kernels (both links: the sync row, the chaos row asserted equal) and in the
+    reference, per setting."""
+    cell = {(r["variant"], r["mode"], r["setting"]): r["max"] for r in result["rows"]}
+    settings = list(result["config"]["settings"])
+    head = "| " + " | ".join(f"ui {ui}, si {si}, W {w}" for ui, si, w in result["config"]["settings"].values()) + " |"
+    choices = [("deepspeed", "none (`semantics=\"deepspeed\"`)")] + [
+        (f"{name}_ours", f"`{name}`") for name in ("gradient_scale", "host_step_count", "reselect_state",
+                                                   "vector_state", "importance", "select_anchor")] + [
+        ("all_ours", "all six (our defaults)")]
+    first = ["| turned back to ours " + head, "|---|" + "---|" * len(settings)]
+    first += [f"| {label} | " + " | ".join(f"{sci(cell[(v, 'sync', s)])}" for s in settings) + " |"
+              for v, label in choices]
+    names = {"ui3_si4_w0": " (an interval cut short)"}
+    second = ["| setting | ours, `semantics=\"deepspeed\"` (both links) | `ReferenceZenFlow` |", "|---|---|---|"]
+    for s, (ui, si, w) in result["config"]["settings"].items():
+        assert cell[("deepspeed", "sync", s)] == cell[("deepspeed", "chaos", s)], s  # both links, the same bits
+        second.append(f"| ui {ui}, si {si}, W {w}{names.get(s, '')} | {sci(cell[('deepspeed', 'sync', s)])} | "
+                      f"{sci(cell[('deepspeed', 'reference', s)])} |")
+    return first, second
+
+
+def deepspeed_choices() -> str:
+    return "\n".join(deepspeed_tables(load("deepspeed_semantics.json"))[0])
+
+
+def deepspeed_rounding() -> str:
+    result = load("deepspeed_semantics.json")
+    worst = {mode: max(r["max"] for r in result["rows"] if r["variant"] == "deepspeed" and r["mode"] == mode)
+             for mode in ("sync", "reference")}
+    return "\n".join(deepspeed_tables(result)[1] + [
+        "", f"Each cell is the largest difference in any weight over the 16 steps, on the machine of "
+        f"[`deepspeed_semantics.json`](../bench/results/deepspeed_semantics.json) ({where(result)}): at most "
+        f"{sci(worst['sync'])} on our kernels and {sci(worst['reference'])} in the reference."])
+
+
+SECTIONS = {"readme": (README, render), "e2e": (BENCHMARKS, e2e_section),
+            "deepspeed_choices": (REPO / "docs" / "deepspeed.md", deepspeed_choices),
+            "deepspeed_rounding": (REPO / "docs" / "deepspeed.md", deepspeed_rounding)}
 
 
 def wrap(text: str, width: int = 116) -> str:

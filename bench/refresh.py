@@ -84,7 +84,7 @@ NOT_YET_REMADE = frozenset({
     "host_multi_cpu.json", "fingerprint_cpu.json", "overlap_cpu.json", "nvme_timeline_cpu.json", "nvme_cpu.json",
     "nvme_cpu_repeat.json", "nvme_cpu_1b.json", "nvme_cpu_devacc.json", "scale_cpu.json", "zero_cpu.json",
     "fsdp2_cpu.json", "concentration_study.json", "quality_ablations_study.json", "quality_ablations_gpt.json",
-    "deepspeed_semantics.json", "seam_speed.json", "seam_speed_fused_rules.json", "h200-2026-11-30/kernels_gpu.json",
+    "seam_speed.json", "seam_speed_fused_rules.json", "h200-2026-11-30/kernels_gpu.json",
 })
 
 

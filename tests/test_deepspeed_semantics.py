@@ -40,9 +40,9 @@ pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 # The last bits carried along (tolerance.TYPICAL, docs/design.md): torch's forward, backward and elementwise kernels
-# round by CPU (the recording's AMD EPYC: 5.6e-7 at most, bench/results/deepspeed_semantics.json; an AVX-512 Xeon:
-# 9.2e-7 on the kernels, 1.3e-6 in the reference, 2.2e-7 with ATEN_CPU_CAPABILITY=default), so no bound tighter
-# than the suite's stated one holds on every machine; each choice moves the run by more than 1e-4 (below).
+# round by CPU (the recording's AMD EPYC: 5.6e-7 at most, bench/results/deepspeed_semantics.json as of 9537ed1; an
+# AVX-512 Xeon: 9.2e-7 on the kernels, 1.3e-6 in the reference, 2.2e-7 with ATEN_CPU_CAPABILITY=default), so no
+# bound tighter than the suite's stated one holds on every machine; each choice moves the run by more than 1e-4.
 WITHIN = TYPICAL
 
 

@@ -61,11 +61,11 @@ def test_make_demo_writes_to_an_ignored_folder():
     assert re.search(r"^bench-results:.*\n\t.*-m bench\.refresh", makefile, re.MULTILINE)
 
 
-@pytest.mark.parametrize("name", ["readme", "e2e"])
+@pytest.mark.parametrize("name", ["readme", "e2e", "deepspeed_choices", "deepspeed_rounding"])
 def test_the_results_sections_are_what_the_committed_results_say(name):
-    """Every figure of the README's Results section and of docs/benchmarks.md's end-to-end section is computed from
-    the JSON it links (bench/readme_results.py): each section is exactly what that module writes from bench/results/
-    today."""
+    """Every figure of the README's Results section, docs/benchmarks.md's end-to-end section and docs/deepspeed.md's
+    tables is computed from the JSON it links (bench/readme_results.py): each section is exactly what that module
+    writes from bench/results/ today."""
     from bench import readme_results
 
     path = readme_results.SECTIONS[name][0]

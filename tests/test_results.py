@@ -101,3 +101,18 @@ def test_the_record_of_a_run_names_its_command_commit_machine_and_load(tmp_path)
     if HAS_GIT:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
         assert record["commit"] == head and record["clean"] == (record["changed"] == [])
+
+
+def test_the_suite_time_benchmark_reads_pytests_summary():
+    """bench.suite_time's parse on a log of the shape ``make test`` prints (warm-up line, durations, summary)."""
+    from bench.suite_time import parse
+
+    log = ("numba_warmup: recorded signatures 93 s, optimizer paths 3 s\n....\n"
+           "41.04s setup    tests/test_fsdp2.py::test_dcp[2]\n"
+           "22.56s call     tests/test_bench.py::test_fsdp2_quick\n"
+           "= 3 failed, 2860 passed, 13 skipped, 40 warnings in 415.63s (0:06:55) =\n")
+    got = parse(log)
+    assert got["counts"] == {"failed": 3, "passed": 2860, "skipped": 13, "warnings": 40}
+    assert got["pytest_s"] == 415.63 and got["numba_warmup_s"] == 96.0
+    assert got["slowest"][0] == dict(seconds=41.04, when="setup", test="tests/test_fsdp2.py::test_dcp[2]")
+    assert parse("no summary")["pytest_s"] is None
