@@ -133,6 +133,35 @@ def _doc_figures() -> list[tuple[str, str]]:
     ]
 
 
+def _readme_figures() -> list[str]:
+    """The README's figures outside its generated section: the concentration study and the quality ablations."""
+    import json
+
+    from bench import quality_ablations as qa
+
+    study = {round(r["alpha"], 2): r for r in _results("concentration_study.json")["summary"]}
+    ablations = {(s["alpha"], s["variant"]): s for s in qa.summarise(_results("quality_ablations_study.json")["runs"])}
+    gpt = {s["variant"]: s for s in qa.summarise(
+        json.loads((ROOT / "bench" / "results" / "quality_ablations_gpt.json").read_text())["runs"])}
+    rec = lambda a: f"{study[a]['zenflow_overlap_recovered']:.0%}"  # noqa: E731
+    top = lambda a: f"{study[a]['top10_share']:.0%}"  # noqa: E731
+    q = lambda name: (f"{ablations[(0.0, name)]['recovered']:.2f}", f"{gpt[name]['recovered']:.2f}")  # noqa: E731
+    return [
+        f"ZenFlow recovered {rec(0.75)} of AdamW's held-out improvement at equal steps where the top 10% of columns "
+        f"held {top(0.75)} of the energy, {rec(0.5)} at {top(0.5)}, and {rec(0.0)} with the energy flat ({top(0.0)}).",
+        f"{q('lr_times_interval')[0]} of AdamW's improvement with the energy flat in that study, and "
+        f"{q('lr_times_interval')[1]} on the demo's byte GPT, against {q('base')[0]} and {q('base')[1]} for the "
+        "defaults.",
+        f"give {q('deepspeed')[0]} and {q('deepspeed')[1]} ([notebooks/quality_ablations.ipynb]",
+    ]
+
+
+def test_figures_in_the_readme_are_what_their_results_say():
+    page = " ".join(README.split())
+    missing = [text for text in _readme_figures() if text not in page]
+    assert not missing, missing
+
+
 def test_figures_in_the_docs_are_what_their_results_say():
     """The docs' figures outside the generated sections that name their JSON (the streamed pass over the four NVMe
     runs, RSS against host_bytes(), the host Adam's ratios): recomputed here from those JSONs."""
