@@ -281,7 +281,44 @@ def deepspeed_rounding() -> str:
         f"{sci(worst['sync'])} on our kernels and {sci(worst['reference'])} in the reference."])
 
 
+def step_overhead_section() -> str:
+    """docs/benchmarks.md's paragraph on step()'s own cost and the two multi-tensor host passes."""
+    result = load("step_overhead_cpu.json")
+    cpu = {name: c["cpu"] for name, c in result["summary"].items() if name != "goal"}
+    vs = lambda name, n: f"{cpu[name][f'vs_torch_adamw_foreach_at_{n}']:.2f}x"  # noqa: E731
+    wall = result["summary"]["zenflow_async_link"]["wall"]["vs_torch_adamw_foreach_at_150"]
+    limits = result["summary"]["goal"]["limits"]
+    goal = " and ".join(f"{v}x at {k}" for k, v in limits.items()) + (
+        ", met" if result["summary"]["goal"]["met"] else ", missed")
+    rows = load("host_multi_cpu.json")["rows"]
+    span_of = lambda op, dtype: span([r["speedup_unchecked"] for r in rows  # noqa: E731
+                                      if r["op"] == op and (dtype is None or r["dtype"] == dtype)])
+    sizes = sorted({r["elements"] for r in rows})
+    return (
+        "On CPU, the training thread's time in a non-boundary `step()` with small tensors (`python -m "
+        "bench.step_overhead`, [`step_overhead_cpu.json`](../bench/results/step_overhead_cpu.json) and `.png`, "
+        f"{where(result)}; alternating fp32 [64, 64] and [64], {result['config']['repeats']} repeats side by side in "
+        "one process, the median of the per-repeat ratios to torch's `AdamW(foreach=True)`, key "
+        "`summary.<candidate>.cpu.vs_torch_adamw_foreach_at_<n>`): through the asynchronous link (the GPU's protocol) "
+        f"with the gradients set by hand {cpu['zenflow_async_link']['ms_at_150']:.2f} ms at 150 tensors, "
+        f"{vs('zenflow_async_link', 150)} foreach's, and {vs('zenflow_async_link', 600)} at 600 (the goal: {goal}); "
+        "with the gradients made by a backward, whose hooks copy them to the host and whose fingerprints `step()` "
+        f"compares, {vs('zenflow_async_link_hooks', 150)} and {vs('zenflow_async_link_hooks', 600)} (that check is "
+        "the \"device's\" work, charged to the training thread on CPU, a launch on a GPU); the synchronous CPU link "
+        f"{vs('zenflow_cpu_link', 150)} and {vs('zenflow_cpu_link', 600)}. torch's `AdamW(fused=True)` on CPU: "
+        f"{vs('torch_adamw_fused', 150)} and {vs('torch_adamw_fused', 600)} of foreach. The wall-clock figures "
+        "(`...wall...`) add, on the asynchronous link without hooks, the stand-in's wait for the copies `step()` "
+        f"started ({wall:.2f}x at 150), which on a GPU is a stream wait (docs/design.md section 5.3). The two "
+        "multi-tensor host passes against torch's foreach ops (`python -m bench.host_multi`, "
+        f"[`host_multi_cpu.json`](../bench/results/host_multi_cpu.json), {where(load('host_multi_cpu.json'))}): the "
+        f"gradient norm {span_of('grad_norm', None)} faster (bf16 and fp32, {sizes[0] / 1e6:.1f} M to "
+        f"{sizes[-1] / 1e6:.0f} M elements), the fp32 accumulation of bf16 gradients "
+        f"{span_of('accumulate', 'bfloat16')}, of fp32 gradients {span_of('accumulate', 'float32')} (the unchecked "
+        "forms the optimizer calls; the public `multi_accumulate_` checks every tensor first).")
+
+
 SECTIONS = {"readme": (README, render), "e2e": (BENCHMARKS, e2e_section),
+            "step_overhead": (BENCHMARKS, step_overhead_section),
             "deepspeed_choices": (REPO / "docs" / "deepspeed.md", deepspeed_choices),
             "deepspeed_rounding": (REPO / "docs" / "deepspeed.md", deepspeed_rounding)}
 

@@ -61,13 +61,15 @@ def test_make_demo_writes_to_an_ignored_folder():
     assert re.search(r"^bench-results:.*\n\t.*-m bench\.refresh", makefile, re.MULTILINE)
 
 
-@pytest.mark.parametrize("name", ["readme", "e2e", "deepspeed_choices", "deepspeed_rounding"])
+@pytest.mark.parametrize("name", ["readme", "e2e", "deepspeed_choices", "deepspeed_rounding", "step_overhead"])
 def test_the_results_sections_are_what_the_committed_results_say(name):
-    """Every figure of the README's Results section, docs/benchmarks.md's end-to-end section and docs/deepspeed.md's
-    tables is computed from the JSON it links (bench/readme_results.py): each section is exactly what that module
-    writes from bench/results/ today."""
+    """Every figure of the README's Results section, docs/benchmarks.md's end-to-end and step-cost sections and
+    docs/deepspeed.md's tables is computed from the JSON it links (bench/readme_results.py): each section is exactly
+    what that module writes from bench/results/ today."""
     from bench import readme_results
 
+    assert set(readme_results.SECTIONS) == {"readme", "e2e", "deepspeed_choices", "deepspeed_rounding",
+                                            "step_overhead"}
     path = readme_results.SECTIONS[name][0]
     assert readme_results.current(path.read_text(), name) == readme_results.section(name), (
         f"{path.name}'s results differ from bench/results: run python -m bench.readme_results")
@@ -116,7 +118,14 @@ def _doc_figures() -> list[tuple[str, str]]:
     scale = _results("scale_cpu.json")
     rss = max(abs(r["rss"]["growth_over_run"] - r["rss"]["reported"]) / r["params"] for r in scale["runs"])
     goals = _results("cpu_adam.json")["goals"]
+    fingerprint = _results("fingerprint_cpu.json")["rows"]
+    fingerprint_gbps = [r["fingerprint_gbps"] for r in fingerprint]
+    at16 = {r["dtype"]: r["fingerprint_s"] / r["fold_s"] for r in fingerprint if r["n"] == 1 << 24}
     return [
+        ("benchmarks.md", f"(numba, {min(fingerprint_gbps):.0f}-{max(fingerprint_gbps):.0f} GB/s: "
+                          "`bench/results/fingerprint_cpu.json`"),
+        ("design.md", f"host fingerprint takes {at16['float32']:.2f}x (fp32) and {at16['bfloat16']:.2f}x (bf16) the "
+                      "fold's time"),
         ("design.md", f"the streamed pass at {_span(direct, '.2f')}x of a plain read+write pass"),
         ("design.md", f"({_span(gbps, '.1f')} GB/s of traffic, 1-256 M parameters, over the four runs) and "
                       f"{_span(buffered, '.2f')}x buffered"),
