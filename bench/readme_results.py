@@ -317,7 +317,34 @@ def step_overhead_section() -> str:
         "forms the optimizer calls; the public `multi_accumulate_` checks every tensor first).")
 
 
-SECTIONS = {"readme": (README, render), "e2e": (BENCHMARKS, e2e_section),
+def zero_section() -> str:
+    """docs/benchmarks.md's ZeRO paragraph, from ``zero_cpu.json``."""
+    result = load("zero_cpu.json")
+    one, two = result["summary"]["1"], result["summary"]["2"]
+    per_step = two["collective_bytes_per_step"]
+    steps = result["config"]["steps"]
+    mb = lambda b: f"{b / 1e6:.2f} MB" if b >= 1e6 else f"{b / 1e3:.0f} KB"  # noqa: E731
+    held = two["gradient_elements_held_per_rank"]
+    return (
+        "**ZeRO** ([`zero_cpu.json`](../bench/results/zero_cpu.json), `python -m bench.zero`; "
+        f"{where(result)}): the small byte GPT at ZeRO-{result['config']['stage']}, the same global batch, 1 rank on "
+        f"{one['torch_threads_per_rank']} threads against 2 ranks on {two['torch_threads_per_rank']} thread each: "
+        f"{one['steps_per_s_median']:.2f} and {two['steps_per_s_median']:.2f} steps/s "
+        f"({two['steps_per_s_vs_first_world']:.2f}x; one machine's two cores either way), host state per rank "
+        f"{one['host_state_bytes_per_rank'][0] / 1e6:.1f} MB against "
+        f"{' and '.join(f'{b / 1e6:.1f}' for b in two['host_state_bytes_per_rank'])} MB; per step "
+        f"{mb(per_step['gradients'])} of matrix gradients reduced to their owners, {mb(per_step['selected columns'])} "
+        f"of selected columns, {mb(per_step['write-back'])} of write-back, and "
+        f"{mb(per_step['selection scores'] * steps)} of selection scores over the whole run "
+        f"({steps} steps). Gradient elements a rank holds once backward is done (measured, the most over the run): 1 "
+        f"rank, all {one['gradient_elements_held_per_rank'][0]['grad']:,} in `.grad`; 2 ranks, {held[0]['grad']:,} in "
+        f"`.grad` (the vectors), its own range's sums ({held[0]['own']:,} and {held[1]['own']:,}) and the other "
+        "rank's bucket while its reduction is in flight (this small model has one bucket per owner; buckets are at "
+        "most 8 M elements). Scaling across machines or GPUs is not measurable here; the same command runs on a "
+        "multi-GPU machine (NCCL, one GPU per rank).")
+
+
+SECTIONS = {"readme": (README, render), "e2e": (BENCHMARKS, e2e_section), "zero": (BENCHMARKS, zero_section),
             "step_overhead": (BENCHMARKS, step_overhead_section),
             "deepspeed_choices": (REPO / "docs" / "deepspeed.md", deepspeed_choices),
             "deepspeed_rounding": (REPO / "docs" / "deepspeed.md", deepspeed_rounding)}

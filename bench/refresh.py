@@ -82,7 +82,7 @@ RESULTS: dict[str, Result] = {
 NOT_YET_REMADE = frozenset({
     "kernels_cpu.json", "cpu_adam.json", "cpu_rules.json", "step_overhead_rules_cpu.json", "overlap_cpu.json",
     "nvme_timeline_cpu.json", "nvme_cpu.json",
-    "nvme_cpu_repeat.json", "nvme_cpu_1b.json", "nvme_cpu_devacc.json", "scale_cpu.json", "zero_cpu.json",
+    "nvme_cpu_repeat.json", "nvme_cpu_1b.json", "nvme_cpu_devacc.json", "scale_cpu.json",
     "fsdp2_cpu.json", "quality_ablations_study.json", "quality_ablations_gpt.json",
     "seam_speed.json", "seam_speed_fused_rules.json", "h200-2026-11-30/kernels_gpu.json",
 })

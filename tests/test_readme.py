@@ -61,7 +61,7 @@ def test_make_demo_writes_to_an_ignored_folder():
     assert re.search(r"^bench-results:.*\n\t.*-m bench\.refresh", makefile, re.MULTILINE)
 
 
-@pytest.mark.parametrize("name", ["readme", "e2e", "deepspeed_choices", "deepspeed_rounding", "step_overhead"])
+@pytest.mark.parametrize("name", ["readme", "e2e", "deepspeed_choices", "deepspeed_rounding", "step_overhead", "zero"])
 def test_the_results_sections_are_what_the_committed_results_say(name):
     """Every figure of the README's Results section, docs/benchmarks.md's end-to-end and step-cost sections and
     docs/deepspeed.md's tables is computed from the JSON it links (bench/readme_results.py): each section is exactly
@@ -69,7 +69,7 @@ def test_the_results_sections_are_what_the_committed_results_say(name):
     from bench import readme_results
 
     assert set(readme_results.SECTIONS) == {"readme", "e2e", "deepspeed_choices", "deepspeed_rounding",
-                                            "step_overhead"}
+                                            "step_overhead", "zero"}
     path = readme_results.SECTIONS[name][0]
     assert readme_results.current(path.read_text(), name) == readme_results.section(name), (
         f"{path.name}'s results differ from bench/results: run python -m bench.readme_results")
@@ -121,7 +121,10 @@ def _doc_figures() -> list[tuple[str, str]]:
     fingerprint = _results("fingerprint_cpu.json")["rows"]
     fingerprint_gbps = [r["fingerprint_gbps"] for r in fingerprint]
     at16 = {r["dtype"]: r["fingerprint_s"] / r["fold_s"] for r in fingerprint if r["n"] == 1 << 24}
+    zero = _results("zero_cpu.json")["summary"]["2"]["collective_bytes_per_step"]
     return [
+        ("torchrun.md", f"the matrices' gradients {zero['gradients'] / 1e6:.2f} MB a step, the selected columns' "
+                        f"{zero['selected columns'] / 1e3:.0f} KB, the write-back {zero['write-back'] / 1e3:.0f} KB"),
         ("benchmarks.md", f"(numba, {min(fingerprint_gbps):.0f}-{max(fingerprint_gbps):.0f} GB/s: "
                           "`bench/results/fingerprint_cpu.json`"),
         ("design.md", f"host fingerprint takes {at16['float32']:.2f}x (fp32) and {at16['bfloat16']:.2f}x (bf16) the "
