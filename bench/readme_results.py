@@ -344,7 +344,67 @@ def zero_section() -> str:
         "multi-GPU machine (NCCL, one GPU per rank).")
 
 
+def rules_step_section() -> str:
+    """docs/benchmarks.md's sentence on each rule's device step, from ``step_overhead_rules_cpu.json``."""
+    result = load("step_overhead_rules_cpu.json")
+    cpu = {name: c["cpu"] for name, c in result["summary"].items() if name != "goal"}
+    vs = lambda name, n: cpu[name][f"vs_torch_adamw_foreach_at_{n}"]  # noqa: E731
+    pair = lambda name: f"{vs(name, 150):.2f}x and {vs(name, 600):.2f}x"  # noqa: E731
+    fused = {rule: span([vs(f"zenflow_async_link_{rule}_torch", n) / vs(f"zenflow_async_link_{rule}", n)
+                         for n in (150, 600)]) for rule in ("lion", "sgd", "adam")}
+    load_before = result["load_average"]["before"][0]
+    return (
+        "The device step: every built-in rule has a fused multi-tensor kernel (numba on CPU, Triton on GPU, "
+        "`ops.fused_kernels`); `python -m bench.step_overhead --rules` "
+        f"([`step_overhead_rules_cpu.json`](../bench/results/step_overhead_rules_cpu.json), {where(result)}; "
+        "training-thread CPU time against torch's foreach AdamW in the same repeat, median of "
+        f"{result['config']['repeats']}) puts ZenFlow with AdamW at {pair('zenflow_async_link')} at 150 and 600 "
+        f"tensors, Lion {pair('zenflow_async_link_lion')}, SGD (momentum 0.9) {pair('zenflow_async_link_sgd')}, "
+        f"Adam {pair('zenflow_async_link_adam')}; the same rules with their device step in plain torch "
+        "(`UpdateRule.reference_fast_step_`, what a rule of one's own without a kernel costs) "
+        f"{pair('zenflow_async_link_lion_torch')}, {pair('zenflow_async_link_sgd_torch')}, "
+        f"{pair('zenflow_async_link_adam_torch')}: the fused kernels take a Lion step {fused['lion']} faster, SGD's "
+        f"{fused['sgd']} and Adam's {fused['adam']} (the 1-minute load average was {load_before:.1f} before the run"
+        + (f"; other processes took {result['record']['load']['other_processes_share_of_cores']:.0%} of the cores "
+           "during it)." if "record" in result else ")."))
+
+
+def overlap_section() -> str:
+    """docs/benchmarks.md's table of gradients crossing during backward on the modeled device (``overlap_cpu.json``)."""
+    result = load("overlap_cpu.json")
+    rows = {(r["size"], r["bandwidth"], r["variant"]): r for r in result["rows"]}
+    sizes = sorted({r["size"] for r in result["rows"]})
+    slow = [rows[(n, "slow", "handover")] for n in sizes]
+    share = [r["transfer_share_of_backward"] for r in slow]
+    line = lambda label, cells: f"| {label} | " + " | ".join(cells) + " |"  # noqa: E731
+    table = [line("model / fold job", [f"{n}x" for n in sizes]), "|---|" + "---|" * len(sizes),
+             line("transfer per step (ms)", [f"{1e3 * r['transfer_s']:.1f}" for r in slow]),
+             line("hand-over from hooks: added wall time / transfer", [f"{r['added_stall_share']:.2f}" for r in slow]),
+             line("hand-over from hooks: added training-thread waits / transfer",
+                  [f"{r['added_waits_share']:.2f}" for r in slow]),
+             line("crossing at `step()` (`ablations.early_handover=False`): added wall time / transfer",
+                  [f"{rows[(n, 'slow', 'at_step')]['added_stall_share']:.2f}" for n in sizes])]
+    met = [n for n, r in zip(sizes, slow, strict=True) if r["added_stall_share"] <= 0.10]
+    folds = [1e3 * r["fold_s"] for r in result["rows"] if r["variant"] == "handover"]
+    head = ("**Overlap on the modeled device** ([`overlap_cpu.json`](../bench/results/overlap_cpu.json), "
+            f"[`overlap_cpu.png`](../bench/results/overlap_cpu.png), `python -m bench.overlap`, {where(result)}): how "
+            "much of a step's gradient transfer backward hides, with `testing.chaos` modeling the copies (bytes / "
+            "bandwidth on the copy thread) and the fold jobs shrunk to 4 MiB so that fp32 MLPs of 1 M to 67 M "
+            "parameters are 1x to 64x one, as a 7 B model is to the default 64 MiB. At a bandwidth where the "
+            f"transfer takes {min(share):.0%}-{max(share):.0%} of backward (`slow`), each variant against itself "
+            "without the model, paired step by step:")
+    tail = ("The goal (added stall at most 10% of the transfer where backward is longer) is met at "
+            f"{', '.join(f'{n}x' for n in met) if met else 'no size'}"
+            f"{'' if len(met) == len(sizes) else ', not at ' + ', '.join(f'{n}x' for n in sizes if n not in met)}. "
+            f"The folds of the landing area into the sums take {min(folds):.1f}-{max(folds):.0f} ms a step here "
+            "(`fold_s`, on the accumulate worker, beside the next forward; the hooks waited for them "
+            f"{max(1e3 * r['fold_wait_s'] for r in result['rows']):.1f} ms at most: `fold_wait_s`).")
+    return "\n".join([head, "", "\n".join(table), "", tail])
+
+
 SECTIONS = {"readme": (README, render), "e2e": (BENCHMARKS, e2e_section), "zero": (BENCHMARKS, zero_section),
+            "overlap": (BENCHMARKS, overlap_section),
+            "rules_step": (BENCHMARKS, rules_step_section),
             "step_overhead": (BENCHMARKS, step_overhead_section),
             "deepspeed_choices": (REPO / "docs" / "deepspeed.md", deepspeed_choices),
             "deepspeed_rounding": (REPO / "docs" / "deepspeed.md", deepspeed_rounding)}
