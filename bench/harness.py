@@ -242,8 +242,9 @@ def git_state(root: Path = REPO) -> tuple[str | None, list[str]]:
 def result_record(command: str | None = None, machine: dict | None = None) -> dict:
     """How a result was made: ``command`` (by default :func:`command_line`), the repository's ``commit`` and whether
     the tree was ``clean`` (else the ``changed`` paths), the ``machine`` (CPU model, cores, memory, GPU), the
-    ``load`` other processes put on the machine from this process's start (its children's CPU counted as its own:
-    :class:`OtherLoad`) with the 1-minute load average at the end, and when it ran."""
+    ``load`` other processes put on the machine from the harness's import to now (this process's waited-for
+    children's CPU counted as its own: :class:`OtherLoad`) with the 1-minute load average at the end, and when it
+    ran."""
     commit, changed = git_state()
     machine = machine if machine is not None else machine_info_light()
     now = time.time()

@@ -402,7 +402,32 @@ def overlap_section() -> str:
     return "\n".join([head, "", "\n".join(table), "", tail])
 
 
+def seam_section() -> str:
+    """docs/benchmarks.md's AdamW-before-and-after sentences, from the two ``bench.seam_speed`` results."""
+    def ratios(name: str) -> tuple[dict, str]:
+        result = load(name)
+        r = {k: v["head_over_base"] for k, v in result["summary"].items()}
+        head = result["record"]["commit"][:7] if "record" in result else result["head"][:7]
+        return r, (f"[`{name}`](../bench/results/{name}), {where(result)}, base {result['base']}, head {head}, the "
+                   "two trees alternating")
+    fused, fused_where = ratios("seam_speed_fused_rules.json")
+    seam, seam_where = ratios("seam_speed.json")
+    return (
+        "AdamW before and after the fused kernels of the other rules (`python -m bench.seam_speed --base eb8e975 "
+        f"--rounds 3`, {fused_where}): the host kernel {fused['cpu_adam_ms_at_2^20']:.2f}x and "
+        f"{fused['cpu_adam_ms_at_2^24']:.2f}x of the base's time at 2^20 and 2^24; `step()` "
+        f"{fused['step_vs_foreach_at_150']:.2f}x and {fused['step_vs_foreach_at_600']:.2f}x of the base's ratio to "
+        "torch's foreach AdamW measured beside it at 150 and 600 tensors (the raw step times moved by up to 2x "
+        "between rounds on this machine, both trees alike, so only the side-by-side ratio is quoted). AdamW before "
+        f"the rule seam and at the head named (`python -m bench.seam_speed --rounds 3`, {seam_where}): the host kernel "
+        f"{seam['cpu_adam_ms_at_2^20']:.2f}x and {seam['cpu_adam_ms_at_2^24']:.2f}x of the base's time at 2^20 and "
+        f"2^24; `step()` {seam['step_ms_at_150']:.2f}x and {seam['step_ms_at_600']:.2f}x of the base's time at 150 "
+        f"and 600 tensors, and {seam['step_vs_foreach_at_150']:.2f}x and {seam['step_vs_foreach_at_600']:.2f}x of "
+        "the base's ratio to torch's foreach AdamW measured beside it.")
+
+
 SECTIONS = {"readme": (README, render), "e2e": (BENCHMARKS, e2e_section), "zero": (BENCHMARKS, zero_section),
+            "seam": (BENCHMARKS, seam_section),
             "overlap": (BENCHMARKS, overlap_section),
             "rules_step": (BENCHMARKS, rules_step_section),
             "step_overhead": (BENCHMARKS, step_overhead_section),

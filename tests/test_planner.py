@@ -140,3 +140,9 @@ def test_the_validation_benchmark_runs_quick(tmp_path):
         assert r["within"] == (abs(r["error_s"]) <= max(0.002, 0.2 * abs(r["measured_stall_s"]))), r
         assert r["host_bytes"] == r["predicted_host_bytes"], r
     assert result["record"]["command"].startswith("python -m bench.plan --quick")
+
+
+def test_the_planner_is_public():
+    import zenflow_kernels
+
+    assert zenflow_kernels.planner.predict is predict and "planner" in zenflow_kernels.__all__

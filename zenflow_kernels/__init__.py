@@ -17,6 +17,8 @@ The algorithm
     gradient_concentration, concentration_report
                        -- ZenFlow's premise measured: the gradient energy in the top 1% / 10% of each matrix's
                           columns and in the selected ones (recorded at every selection: stats()["concentration"])
+    planner            -- before renting a GPU: probe_host() times this host's passes, predict() the stall of
+                          synchronous offload and of ZenFlow (``python -m zenflow_kernels plan``, docs/planner.md)
 
 Device kernels (CUDA -> Triton; CPU -> torch; TRITON_INTERPRET=1 -> Triton on CPU), see ``ops``
     column_scores, topk_columns, selective_adamw_
@@ -52,6 +54,7 @@ _EXPORTS = {
     "ZenFlowAdamW": "zenflow_kernels.optim",
     "ZenFlow": "zenflow_kernels.optim",
     "rules": None,  # the module zenflow_kernels.rules
+    "planner": None,  # the module zenflow_kernels.planner
     "ZeroCollectiveError": "zenflow_kernels.sharding",
     "gradient_concentration": "zenflow_kernels.concentration",
     "concentration_report": "zenflow_kernels.concentration",

@@ -55,7 +55,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="predict the stall of offload and of ZenFlow on a GPU from this host's speed")
     plan.add_argument("--params", type=_positive_number, required=True,
                       help="the model's matrix (2-D) parameters per rank, e.g. 7e9 (ZeRO: divided by the ranks)")
-    plan.add_argument("--vector-params", type=_positive_number, default=0, help="its vector parameters (default 0)")
+    plan.add_argument("--vector-params", type=_nonnegative_number, default=0, help="its vector parameters (default 0)")
     step = plan.add_mutually_exclusive_group(required=True)
     step.add_argument("--device-step-ms", type=_positive_number,
                       help="the device's forward + backward (+ fast path) per step, in ms, as measured there")
@@ -83,6 +83,12 @@ def _positive_number(text: str) -> float:
     return value
 
 
+def _nonnegative_number(text: str) -> float:
+    if text.strip() in ("0", "0.0"):
+        return 0.0
+    return _positive_number(text)
+
+
 def plan_report(args) -> str:
     """``plan``: probe this host, then the planner's prediction, as text."""
     import torch
@@ -107,7 +113,8 @@ def plan_report(args) -> str:
     pct = lambda s: f"{1e3 * s:9.1f} ms/step ({100 * s / (step_s + s):.0f}% of the step)"  # noqa: E731
     return "\n".join([
         f"this host: update {probe.update_s_per_param * 1e9:.2f} ns/param, accumulate "
-        f"{probe.accumulate_s_per_param * 1e9:.2f} ns/param ({probe.threads} threads, probed on {probe.params:,} "
+        f"{probe.accumulate_s_per_param * 1e9:.2f} ns/param (the host worker on {probe.threads} thread(s), probed on "
+        f"{probe.params:,} "
         f"{probe.grad_dtype} parameters)",
         f"device step {step_s * 1e3:.1f} ms; PCIe {args.pcie_gbps:g} GB/s; {matrix + vector:,} parameters on the host",
         f"synchronous offload stall: {pct(plan.sync_offload_stall_s)}",

@@ -44,7 +44,8 @@ class HostProbe:
     ``accumulate`` (the fold of one step's gradient into the sums, on the accumulate worker) and ``step_work`` (the
     training thread's own work in ``step()`` between boundaries, its waits for the gradients' copies left out: on
     the stand-in the fingerprints and copies a GPU does on the device, and whatever the folds take of the cores),
-    measured with ``threads`` numba threads on ``params`` parameters."""
+    measured on ``params`` parameters with the host worker's numba team of ``threads`` threads (for CPU parameters
+    the worker takes the cores torch leaves free; beside a GPU it gets ``1 - pt_reserved_cores_perc`` of them)."""
 
     update_s_per_param: float
     accumulate_s_per_param: float
@@ -66,8 +67,6 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
     so each update runs beside the steps as beside a GPU's), its timeline read per step (:class:`HostProbe`).
     ``rule``: a ``zenflow_kernels.rules`` rule (AdamW by default); ``grad_dtype``: the gradients' (and
     parameters') dtype."""
-    import numba
-
     from . import ZenFlow, rules
     from .testing import Timeline, chaos
 
@@ -86,6 +85,8 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
     # it as they do beside a device, not inside a memcpy's time
     with chaos(seed=0, max_delay=0.0, timeline=timeline, d2h_bytes_per_s=2e9, h2d_bytes_per_s=2e9):
         opt = ZenFlow([weight], rule if rule is not None else rules.AdamW(), lr=1e-4, zenflow=zen)
+    from .optim.build import host_threads
+
     steps = []  # (start, end) of each step() between boundaries
     with opt:
         end = time.perf_counter() + 0.75 * seconds
@@ -100,6 +101,7 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
             updates = [b - a for lane, _, a, b, _ in timeline.spans if lane == "update"]
             pause = max(updates[-3:], default=0.0) / 3
             t += 1
+        threads = host_threads(opt.run.cores, weight.device)
     # without overlap: a boundary's step() takes the update and the write-back more than a step between boundaries
     with chaos(seed=0, max_delay=0.0, d2h_bytes_per_s=2e9, h2d_bytes_per_s=2e9):
         opt = ZenFlow([weight], rule if rule is not None else rules.AdamW(), lr=1e-4,
@@ -127,7 +129,7 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
     return HostProbe(update_s_per_param=statistics.median(update) / n,
                      accumulate_s_per_param=statistics.median(fold) / n,
                      step_work_s_per_param=statistics.median(work) / n, update_alone_s_per_param=max(0.0, alone) / n,
-                     threads=numba.get_num_threads(), params=n,
+                     threads=threads, params=n,
                      grad_dtype=str(grad_dtype).removeprefix("torch."))
 
 
