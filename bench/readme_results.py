@@ -464,7 +464,56 @@ def cpu_adam_section() -> str:
         "the roofline, and the separate unscale, a torch op, is not).")
 
 
+def kernels_cpu_section() -> str:
+    """docs/benchmarks.md's sentence on the CPU fast path, from ``kernels_cpu.json``."""
+    result = load("kernels_cpu.json")
+    rows = result["rows"]
+    ours = [r for r in rows if r["op"] == "selective_adamw" and r["impl"] == "numba"]
+    shapes = sorted({r["shape"] for r in ours}, key=lambda shape: [int(x) for x in shape.split("x")])
+    fused = any("fused" in r["impl"] for r in rows if r["op"] == "selective_adamw")
+    multi = next(r for r in rows if r["op"] == "multi_selective_adamw" and r["impl"] == "numba multi")
+    selection = next(r for r in rows if r["op"] == "selection" and r["impl"] != "torch loop")
+    return (
+        f"The CPU fast path ([`kernels_cpu.json`](../bench/results/kernels_cpu.json), {where(result)}): numba "
+        f"selective AdamW at `topk_ratio={result['topk_ratio']}`, {span([r['speedup_vs_deepspeed'] for r in ours])} "
+        "DeepSpeed's gather / AdamW / scatter path with torch's `foreach` AdamW"
+        + ("" if fused else " (the fused variant was not in this CPU run)")
+        + f" for {shapes[0]} to {shapes[-1]} matrices (fp32, and bf16 with an fp32 master), and the multi-tensor "
+        f"form over a {int(multi['shape'].split()[0])}-layer model's {multi['matrices']} matrices in one launch "
+        f"{multi['speedup_vs_deepspeed']:.1f}x; on CPU, scores and top-k are the torch reference, and whole-model "
+        f"selection runs at {selection['speedup_vs_torch']:.1f}x a plain torch loop (it runs once per epoch). The "
+        "Triton kernels are timed only on a GPU.")
+
+
+def cpu_rules_section() -> str:
+    """docs/benchmarks.md's sentence on the rules' host kernels against the memory roofline (``cpu_rules.json``)."""
+    result = load("cpu_rules.json")
+    frac = {(r["size"], r["threads"], r["candidate"]): r["fraction_of_roofline"] for r in result["rows"]
+            if "fraction_of_roofline" in r}
+    sizes = sorted({size for size, _, _ in frac})
+    top, mid = sizes[-1], sizes[-2]
+    rules = ("lion", "sgd", "adam")
+    at = lambda size, t: [frac[(size, t, rule)] for rule in rules]  # noqa: E731
+    one, two = at(top, 1), at(top, 2)
+    return (
+        "**Update rules** (issue 41). Host kernels against an in-place read-modify-write pass over the same bytes "
+        f"(`python -m bench.cpu_rules`, [`cpu_rules.json`](../bench/results/cpu_rules.json), {where(result)}; the "
+        f"optimizer's use: sums from the fp32 accumulation buffer, zeroed, bf16 copy-out): at 2^{top.bit_length() - 1} "
+        f"elements Lion {one[0]:.2f}x, SGD (momentum 0.9) {one[1]:.2f}x and Adam {one[2]:.2f}x of that roofline on one "
+        f"thread, {two[0]:.2f}x, {two[1]:.2f}x and {two[2]:.2f}x on two; at 2^{mid.bit_length() - 1} "
+        f"{span2(at(mid, 1))} on one thread, {span2(at(mid, 2))} on two (the 2^{sizes[0].bit_length() - 1} rows sit in "
+        "L3).")
+
+
+def span2(values) -> str:
+    """A range of ratios to two decimals."""
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
+
+
 SECTIONS = {"readme": (README, render), "e2e": (BENCHMARKS, e2e_section), "zero": (BENCHMARKS, zero_section),
+            "cpu_rules": (BENCHMARKS, cpu_rules_section),
+            "kernels_cpu": (BENCHMARKS, kernels_cpu_section),
             "cpu_adam": (BENCHMARKS, cpu_adam_section),
             "seam": (BENCHMARKS, seam_section),
             "overlap": (BENCHMARKS, overlap_section),
