@@ -413,8 +413,8 @@ def seam_section() -> str:
     fused, fused_where = ratios("seam_speed_fused_rules.json")
     seam, seam_where = ratios("seam_speed.json")
     return (
-        "AdamW before and after the fused kernels of the other rules (`python -m bench.seam_speed --base eb8e975 "
-        f"--rounds 3`, {fused_where}): the host kernel {fused['cpu_adam_ms_at_2^20']:.2f}x and "
+        "AdamW before the fused kernels of the other rules and at the head named (`python -m bench.seam_speed "
+        f"--base eb8e975 --rounds 3`, {fused_where}): the host kernel {fused['cpu_adam_ms_at_2^20']:.2f}x and "
         f"{fused['cpu_adam_ms_at_2^24']:.2f}x of the base's time at 2^20 and 2^24; `step()` "
         f"{fused['step_vs_foreach_at_150']:.2f}x and {fused['step_vs_foreach_at_600']:.2f}x of the base's ratio to "
         "torch's foreach AdamW measured beside it at 150 and 600 tensors (the raw step times moved by up to 2x "
