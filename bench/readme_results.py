@@ -556,7 +556,92 @@ def fsdp2_section() -> str:
     return "\n".join([head, "", "\n".join(rows), "", after])
 
 
+def scale_section() -> str:
+    """docs/benchmarks.md's scale paragraph, its table at the largest size and the per-tensor figures
+    (``scale_cpu.json``)."""
+    result = load("scale_cpu.json")
+    runs = result["runs"]
+    configs = ("overlap", "sync", "devacc")
+    biggest = max(r["params"] for r in runs)
+    at = {r["config"]: r for r in runs if r["params"] == biggest}
+    mid_params = sorted({r["params"] for r in runs})[-2]
+    mid = {r["config"]: r for r in runs if r["params"] == mid_params}
+    top = at["overlap"]
+    per_param = {c: at[c]["bytes_per_param"]["total"] for c in configs}
+    ds = result["deepspeed_reference"]
+    growth = result["growth"]
+    roof = [at[c]["host_update"]["fraction_of_roofline_last"] for c in configs]
+    ns = lambda c: growth[c]["mean_step"]["ns_per_param"]  # noqa: E731
+    other = max(r["other_processes_cpu_fraction"] for r in runs)
+    machine = (result.get("record") or result)["machine"]
+    holds = machine["memory_gib"] * 2**30 / top["rss"]["peak_over_base_per_param"] / 1e6
+    m = lambda n: f"{n / 1e6:.0f} M" if n >= 1e6 else f"{n / 1e3:.0f} K"  # noqa: E731
+    intro = (
+        f"**Scale** ([`scale_cpu.json`](../bench/results/scale_cpu.json), "
+        f"[`scale_cpu.png`](../bench/results/scale_cpu.png), `python -m bench.scale`, {where(result)}): the optimizer "
+        "alone on synthetic gradients of transformer-shaped parameter lists (bf16 matrices, fp32 norms), one process "
+        f"per size and configuration, {min(r['params'] for r in runs) / 1e6:.1f} M to {m(biggest)} parameters (the "
+        "default's sizes; what fits is below). Host buffers per parameter, as `host_bytes()` measures them: "
+        f"{per_param['overlap']:.1f} with overlap and host accumulation, {per_param['sync']:.1f} without overlap, "
+        f"{per_param['devacc']:.1f} with `device_accumulation` (DeepSpeed's ZeRO-Offload holds about "
+        f"{ds['zero_offload']['bytes_per_param']}, its ZenFlow with overlap about "
+        f"{ds['zenflow_overlap']['bytes_per_param']}: `deepspeed_reference` in the JSON lists the buffers counted in "
+        f"DeepSpeed 0.19.8's code: {ds['zero_offload']['counted_in_deepspeed_0.19.8']['total_bf16_params']} and "
+        f"{ds['zenflow_overlap']['counted_in_deepspeed_0.19.8']['total_bf16_params']} with the bf16 copy of the "
+        f"partition each also allocates); RSS grew {top['rss']['growth_per_param']:.1f} bytes per parameter over a run "
+        f"at {m(biggest)} (the buffers plus the fast path's {top['bytes_per_param']['fast_state']:.1f}, host memory on "
+        f"CPU). The host update runs at {min(roof):.0%}-{max(roof):.0%} of this machine's measured memory roofline at "
+        f"{m(biggest)} ({top['host_update']['bytes_per_element']} bytes moved per element); step time grows linearly "
+        f"with the parameter count ({min(ns('overlap'), ns('sync')):.1f}-{max(ns('overlap'), ns('sync')):.1f} ns per "
+        f"parameter a step on 2 cores with overlap or without, {ns('devacc'):.1f} with `device_accumulation`). The run "
+        f"({result['total_s'] / 60:.1f} minutes, other processes under {other:.0%} of the cores in every run) at "
+        f"{m(biggest)} ({top['size'].replace('x', ' x ')}, {top['tensors']} tensors):")
+    cell = lambda c, f: f(at[c])  # noqa: E731
+    row = lambda label, f: f"| {label} | " + " | ".join(cell(c, f) for c in configs) + " |"  # noqa: E731
+    threads = lambda r: (f"{r['host_update']['last_s']:.2f} s ({r['host_threads']}"  # noqa: E731
+                         f"{', fused' if r['host_update']['pattern'].startswith('fused') else ''}), "
+                         f"{r['host_update']['fraction_of_roofline_last']:.2f}")
+    table = [
+        f"| {m(biggest)} parameters | overlap | no overlap | `device_accumulation` |", "|---|---|---|---|",
+        row("host buffers, bytes per parameter", lambda r: f"{r['bytes_per_param']['total']:.1f}"
+            + (f" + {r['bytes_per_param']['device_sums']:.1f} (the device-side sums: host memory on CPU)"
+               if r["bytes_per_param"]["device_sums"] else "")),
+        row("fast path's state (the selected columns)", lambda r: f"{r['bytes_per_param']['fast_state']:.1f}"),
+        row("peak RSS, bytes per parameter (parameters and gradients: 4)",
+            lambda r: f"{r['rss']['peak_per_param']:.1f}"),
+        row("first `step()` (cold)", lambda r: f"{r['times']['cold_first_step_s']:.1f} s"),
+        row("`step()` between update boundaries / at one",
+            lambda r: f"{r['times']['between_boundaries_median_s']:.2f} / {r['times']['boundary_median_s']:.2f} s"),
+        row("host update, alone (threads), fraction of the roofline", threads),
+    ]
+    between = [mid[c]["times"]["between_boundaries_median_s"] * 1e3 for c in ("overlap", "sync")]
+    cold = [mid[c]["times"]["cold_first_step_s"] for c in configs]
+    pt = result["per_tensor"]["summary"]
+    after = (
+        f"At {m(mid_params)} a step between boundaries takes {min(between):.0f}-{max(between):.0f} ms with overlap or "
+        f"without: the fast path {mid['overlap']['fast_path_median_s'] * 1e3:.0f} ms, the rest one pass over the "
+        "gradients for their norm and one adding them into the accumulation buffer. `device_accumulation` adds into "
+        "its device-side sums with `torch._foreach_add_` (on a GPU a device kernel; on CPU that slow path, hence its "
+        f"{mid['devacc']['times']['between_boundaries_median_s']:.2f} s). The cold first step "
+        f"({min(cold):.1f}-{max(cold):.1f} s at {m(mid_params)} across configurations) lays out the host buffers and "
+        f"zeroes them, writing every page, and makes the first selection. {m(biggest)} is the default's largest size: "
+        f"at {top['rss']['peak_over_base_per_param']:.1f} bytes per parameter over the process's base this machine's "
+        f"{machine['memory_gib']} GiB would hold about {round(holds, -2):.0f} M with nothing else running; `--sizes` "
+        "takes others, and sizes that do not fit the free memory are skipped and listed. Per tensor (`step()` "
+        "wall-clock medians over 300 interleaved steps, boundaries included, tiny tensors: alternating fp32 [64, 64] "
+        "and [64]; `bench.step_overhead` above measures the training thread's CPU time between boundaries): "
+        f"{pt['zenflow_cpu_link']['ms_at_150']:.2f} / {pt['zenflow_async_link']['ms_at_150']:.2f} ms at 150 tensors "
+        "through the CPU link / the asynchronous one (`testing.chaos(seed=0, max_delay=0)`) against "
+        f"`torch.optim.AdamW(foreach=True)`'s {pt['torch_adamw_foreach']['ms_at_150']:.2f} ms, "
+        f"{pt['zenflow_cpu_link']['ms_at_300']:.2f} / {pt['zenflow_async_link']['ms_at_300']:.2f} against "
+        f"{pt['torch_adamw_foreach']['ms_at_300']:.2f} ms at 300, {pt['zenflow_cpu_link']['us_per_tensor']:.0f}-"
+        f"{pt['zenflow_async_link']['us_per_tensor']:.0f} us per additional tensor against torch's "
+        f"{pt['torch_adamw_foreach']['us_per_tensor']:.0f}.")
+    return "\n".join([intro, "", "\n".join(table), "", after])
+
+
 SECTIONS = {"readme": (README, render), "e2e": (BENCHMARKS, e2e_section), "zero": (BENCHMARKS, zero_section),
+            "scale": (BENCHMARKS, scale_section),
             "fsdp2": (BENCHMARKS, fsdp2_section),
             "cpu_rules": (BENCHMARKS, cpu_rules_section),
             "kernels_cpu": (BENCHMARKS, kernels_cpu_section),

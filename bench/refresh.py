@@ -83,7 +83,7 @@ NOT_YET_REMADE = frozenset({
     "overlap_cpu.json",
     "nvme_timeline_cpu.json", "nvme_cpu.json",
     "nvme_cpu_repeat.json", "nvme_cpu_1b.json", "nvme_cpu_devacc.json", "scale_cpu.json",
-    "fsdp2_cpu.json", "quality_ablations_gpt.json",
+    "quality_ablations_gpt.json",
     "h200-2026-11-30/kernels_gpu.json",
 })
 
