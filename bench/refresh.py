@@ -82,7 +82,7 @@ RESULTS: dict[str, Result] = {
 NOT_YET_REMADE = frozenset({
     "overlap_cpu.json",
     "nvme_timeline_cpu.json", "nvme_cpu.json",
-    "nvme_cpu_repeat.json", "nvme_cpu_1b.json", "nvme_cpu_devacc.json", "scale_cpu.json",
+    "nvme_cpu_repeat.json", "nvme_cpu_1b.json", "nvme_cpu_devacc.json",
     "quality_ablations_gpt.json",
     "h200-2026-11-30/kernels_gpu.json",
 })
