@@ -162,6 +162,7 @@ def _readme_figures() -> list[str]:
         f"{q('lr_times_interval')[1]} on the demo's byte GPT, against {q('base')[0]} and {q('base')[1]} for the "
         "defaults.",
         f"give {q('deepspeed')[0]} and {q('deepspeed')[1]} ([notebooks/quality_ablations.ipynb]",
+        f"its run took {_results('e2e.json')['total_s']:.0f} s in bench/results/e2e.json",
     ]
 
 
