@@ -69,6 +69,10 @@ RESULTS: dict[str, Result] = {
     "concentration_study.json": Result("bench.concentration_study"),
     "quality_ablations_study.json": Result("bench.quality_ablations --task study"),
     "quality_ablations_gpt.json": Result("bench.quality_ablations --task gpt"),
+    # the same command on another CPU (an Intel Xeon; the one above ran on an AMD EPYC): how far the byte GPT's
+    # shares move with the machine's rounding
+    "quality_ablations_gpt_xeon.json": Result("bench.quality_ablations --task gpt",
+                                              writes="quality_ablations_gpt.json"),
     "deepspeed_semantics.json": Result("bench.deepspeed_semantics"),
     "plan_cpu.json": Result("bench.plan"),
     "seam_speed.json": Result("bench.seam_speed --rounds 3"),
