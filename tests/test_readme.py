@@ -169,6 +169,16 @@ def _readme_figures() -> list[str]:
     ]
 
 
+def test_the_suite_time_the_readme_states_is_the_recorded_one():
+    """The README's `make test` line gives the suite's time as bench/results/suite_time.json recorded it (whole
+    minutes of make test's wall time, the install not counted) and that run passed."""
+    result = _results("suite_time.json")
+    assert result["returncode"] == 0 and result["counts"]["passed"] > 0, result["log_tail"][-2000:]
+    minutes = round(result["wall_s"] / 60)
+    first_lines = "\n".join(README.splitlines()[:8])
+    assert f"about {minutes} minutes on 2 cores" in first_lines, (minutes, first_lines)
+
+
 def test_figures_in_the_readme_are_what_their_results_say():
     page = " ".join(README.split())
     missing = [text for text in _readme_figures() if text not in page]
