@@ -84,7 +84,7 @@ def test_the_results_section_follows_its_results(tmp_path, monkeypatch):
     import json
     import shutil
 
-    from bench import readme_results
+    from bench import readme_results, results_text
 
     for path in (ROOT / "bench" / "results").rglob("*.json"):
         target = tmp_path / path.relative_to(ROOT / "bench" / "results")
@@ -93,7 +93,7 @@ def test_the_results_section_follows_its_results(tmp_path, monkeypatch):
     demo = json.loads((tmp_path / "e2e.json").read_text())
     demo["comparison"]["per_run"]["zenflow"]["stall_pct"] = 12.34
     (tmp_path / "e2e.json").write_text(json.dumps(demo))
-    monkeypatch.setattr(readme_results, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(results_text, "RESULTS_DIR", tmp_path)
     assert "ZenFlow's stall 12.3% of wall time" in readme_results.render()
     assert "| 12.3 |" in readme_results.e2e_section()  # the stall cell of ZenFlow's row
 

@@ -1,0 +1,59 @@
+"""What the results sections (``bench/readme_results.py``) share: a committed result read, linked and described
+(its machine and commit), and the number formats the docs use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.harness import RESULTS_DIR
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS_DIR / name).read_text())
+
+
+def link(name: str, up: str = "") -> str:
+    """A markdown link to a result, from README.md (``up=""``) or from docs/ (``up="../"``)."""
+    return f"[`{Path(name).name}`]({up}bench/results/{name})"
+
+
+def where(result: dict) -> str:
+    """The run's machine and commit, from its record (or, for a result made before records, its machine entry)."""
+    record = result.get("record")
+    machine = (record or result)["machine"]
+    commit = record["commit"][:7] if record else f"{result['machine'].get('git_commit')}, no record"
+    cpu = machine["cpu"].replace("(R)", "").replace(" Processor", "").strip()
+    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
+    return f"{cpu}, {machine['logical_cores']} cores{gpu}; {commit}"
+
+
+def lr_text(lr: float) -> str:
+    """3e-4 rather than 0.0003."""
+    mantissa, exponent = f"{lr:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def sci(x: float) -> str:
+    """5.6e-7 rather than 5.6e-07."""
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def span(values) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.1f}x" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}-{hi:.1f}x"
+
+
+def recovered(result: dict, run: str) -> float:
+    """The share of AdamW's held-out improvement (from the pre-trained model's held-out loss, at equal steps) that
+    ``run`` made: 1 is AdamW's, 0 none, negative worse than where it started."""
+    start = result["pretrain"]["heldout_loss"]
+    final = {r["name"]: r["final_heldout_loss"] for r in result["runs"]}
+    return (start - final[run]) / (start - final["adamw"])
+
+
+def span2(values) -> str:
+    """A range of ratios to two decimals."""
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
