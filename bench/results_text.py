@@ -40,9 +40,10 @@ def sci(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def span(values) -> str:
-    lo, hi = min(values), max(values)
-    return f"{lo:.1f}x" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}-{hi:.1f}x"
+def span(values, digits: int = 1) -> str:
+    """A range of ratios, ``lo-hix`` (one figure where both round alike) to ``digits`` decimals."""
+    lo, hi = (f"{v:.{digits}f}" for v in (min(values), max(values)))
+    return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
 
 
 def recovered(result: dict, run: str) -> float:
@@ -51,9 +52,3 @@ def recovered(result: dict, run: str) -> float:
     start = result["pretrain"]["heldout_loss"]
     final = {r["name"]: r["final_heldout_loss"] for r in result["runs"]}
     return (start - final[run]) / (start - final["adamw"])
-
-
-def span2(values) -> str:
-    """A range of ratios to two decimals."""
-    lo, hi = min(values), max(values)
-    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"

@@ -4,7 +4,7 @@ step()'s own cost and the rules' device step, AdamW before and after the rule se
 
 from __future__ import annotations
 
-from bench.results_text import load, span, span2, where
+from bench.results_text import load, span, where
 
 
 def step_overhead_section() -> str:
@@ -167,8 +167,8 @@ def cpu_rules_section() -> str:
         f"optimizer's use: sums from the fp32 accumulation buffer, zeroed, bf16 copy-out): at 2^{top.bit_length() - 1} "
         f"elements Lion {one[0]:.2f}x, SGD (momentum 0.9) {one[1]:.2f}x and Adam {one[2]:.2f}x of that roofline on one "
         f"thread, {two[0]:.2f}x, {two[1]:.2f}x and {two[2]:.2f}x on two; at 2^{mid.bit_length() - 1} "
-        f"{span2(at(mid, 1))} on one thread, {span2(at(mid, 2))} on two (the 2^{sizes[0].bit_length() - 1} rows sit in "
-        "L3).")
+        f"{span(at(mid, 1), 2)} on one thread, {span(at(mid, 2), 2)} on two (the 2^{sizes[0].bit_length() - 1} rows "
+        "sit in L3).")
 
 
 def scale_section() -> str:

@@ -73,20 +73,22 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_number(text: str) -> float:
+def _number(text: str, *, zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    if not (value >= 0 if zero else value > 0) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number {'>=' if zero else '>'} 0")
     return value
 
 
+def _positive_number(text: str) -> float:
+    return _number(text, zero=False)
+
+
 def _nonnegative_number(text: str) -> float:
-    if text.strip() in ("0", "0.0"):
-        return 0.0
-    return _positive_number(text)
+    return _number(text, zero=True)
 
 
 def plan_report(args) -> str:

@@ -80,11 +80,12 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
     weight = torch.nn.Parameter(torch.randn(rows, cols, generator=generator).to(grad_dtype))
     grads = [torch.randn(rows, cols, generator=generator).to(grad_dtype) for _ in range(2)]
     zen = dict(topk_ratio=0.0, update_interval=4, overlap_step=True, select_strategy="step", select_interval=10**6)
+    rule = rule if rule is not None else rules.AdamW()
     timeline = Timeline()
     # copies modeled at 2 GB/s: the gradients' crossing takes as long as the folds and the update, so these run after
     # it as they do beside a device, not inside a memcpy's time
     with chaos(seed=0, max_delay=0.0, timeline=timeline, d2h_bytes_per_s=2e9, h2d_bytes_per_s=2e9):
-        opt = ZenFlow([weight], rule if rule is not None else rules.AdamW(), lr=1e-4, zenflow=zen)
+        opt = ZenFlow([weight], rule, lr=1e-4, zenflow=zen)
     from .optim.build import host_threads
 
     steps = []  # (start, end) of each step() between boundaries
@@ -104,7 +105,7 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
         threads = host_threads(opt.run.cores, weight.device)
     # without overlap: a boundary's step() takes the update and the write-back more than a step between boundaries
     with chaos(seed=0, max_delay=0.0, d2h_bytes_per_s=2e9, h2d_bytes_per_s=2e9):
-        opt = ZenFlow([weight], rule if rule is not None else rules.AdamW(), lr=1e-4,
+        opt = ZenFlow([weight], rule, lr=1e-4,
                       zenflow=dict(zen, overlap_step=False))
     walls = {True: [], False: []}
     with opt:
