@@ -116,3 +116,23 @@ def test_the_suite_time_benchmark_reads_pytests_summary():
     assert got["pytest_s"] == 415.63 and got["numba_warmup_s"] == 96.0
     assert got["slowest"][0] == dict(seconds=41.04, when="setup", test="tests/test_fsdp2.py::test_dcp[2]")
     assert parse("no summary")["pytest_s"] is None
+
+
+def test_refresh_makes_a_renamed_result_with_its_record_and_refuses_unknown_names(tmp_path, monkeypatch, capsys):
+    """bench.refresh: a result its benchmark names otherwise is made in a temporary folder and its files renamed
+    (JSON and plot), the record's command the listed one plus ``--out``; ``--list`` prints every result; an unknown
+    ``--only`` is a one-line usage error."""
+    from bench import refresh
+
+    monkeypatch.setitem(refresh.RESULTS, "fp_renamed.json",
+                        refresh.Result("bench.fingerprint --quick", writes="fingerprint_cpu.json"))
+    refresh.remake("fp_renamed.json", tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp_renamed.json", "fp_renamed.png"]
+    record = json.loads((tmp_path / "fp_renamed.json").read_text())["record"]
+    argv = shlex.split(record["command"])
+    assert argv[:4] == ["python", "-m", "bench.fingerprint", "--quick"] and argv[4] == "--out" and len(argv) == 6
+    assert refresh.main(["--list"]) == 0
+    assert "fp_renamed.json" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as err:
+        refresh.main(["--only", "nope.json"])
+    assert err.value.code == 2 and "unknown result(s) nope.json" in capsys.readouterr().err
