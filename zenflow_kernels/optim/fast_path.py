@@ -109,17 +109,18 @@ class FastPath:
         self._plan = (entries, flat, {}, fixed)
         return self._plan
 
-    def step(self, active: set[int], hyper: list[dict], *, grad_scale: float,
+    def step(self, active: list[int], grads: dict[int, torch.Tensor], hyper: list[dict], *, grad_scale: float,
              compact: dict[int, torch.Tensor] | None = None) -> None:
         """The rule's multi-tensor step over the selected columns of every active matrix and every active vector
         (one launch set per distinct ``rule.shared`` numbers of the param groups, AdamW's (beta1, beta2, eps):
-        usually one). With every parameter
-        active, each launch is laid out once per selection (``LaunchItems``). ``grad_scale`` divides the gradients
+        usually one). With every parameter active, each launch is laid out once per selection (``LaunchItems``).
+        ``grads``: the step's own gradients by index (``StepInputs.grads``); ``grad_scale`` divides them
         (GradScaler's scale, clipping); ``compact``: released gradients, only the selected columns' ``[R, k]``."""
         run = self.run
         entries, flat_steps, launches, fixed = self.plan()
         if len(active) < len(run.params):
-            kept = [n for n, e in enumerate(entries) if e[0] in active]
+            stepping = set(active)
+            kept = [n for n, e in enumerate(entries) if e[0] in stepping]
             entries, fixed = [entries[n] for n in kept], [fixed[n] for n in kept]
             for _, _, is_matrix, st, _ in entries:
                 if is_matrix:
@@ -127,28 +128,26 @@ class FastPath:
             launches = None  # not the plan's list of tensors: laid out at this step
         elif flat_steps is not None:
             flat_steps.add_(1)
+        run.count_vector_steps([st for _, _, is_matrix, st, _ in entries if not is_matrix])
         if compact is not None or self.offload:
             launches = None  # tensors made at this step (gathered columns, state visiting the device)
-        own_grad, rule = run.shard.own_grad, run.rule
+        rule = run.rule
         numbers = [tuple(h[k] for k in rule.per_tensor) for h in hyper]
         group_keys = [tuple(h[k] for k in rule.shared) for h in hyper]
         items, gathered = [], []
         # (the entry's fixed part spliced in whole: unpacking it into names would build a list per entry)
         for (i, pv, is_matrix, st, gi), head in zip(entries, fixed, strict=True):
-            if is_matrix and compact is not None:
+            if not is_matrix:
+                items.append((pv, grads[i][None], *head, st["step"], *numbers[gi]))  # [1, n], as pv
+            elif compact is None:
+                items.append((pv, grads[i], *head, st["step"], *numbers[gi]))
+            else:
                 # released gradients: only the selected columns' [R, k] exist; a dense update of the gathered
                 # columns, scattered back after (the same arithmetic as the indexed update)
                 idx = head[0]
-                grad, cols = compact[i], pv.detach().index_select(1, idx)
+                cols = pv.detach().index_select(1, idx)
                 gathered.append((pv, idx, cols))
-                items.append((cols, grad, None, *head[1:], st["step"], *numbers[gi]))
-                continue
-            if is_matrix:
-                grad = own_grad(i)
-            else:
-                run.set_state(i, step=st["step"] + 1)
-                grad = own_grad(i)[None]  # [1, n], as the parameter's view
-            items.append((pv, grad, *head, st["step"], *numbers[gi]))
+                items.append((cols, compact[i], None, *head[1:], st["step"], *numbers[gi]))
         distinct = dict.fromkeys(group_keys)
         keys = [group_keys[e[4]] for e in entries] if len(distinct) > 1 else None
         for key in distinct:

@@ -401,15 +401,16 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
                                      fuse_min_numel=fuse)
                 self.host_updates += 1
             else:
-                self._zenflow_step(inputs.active, inputs.coef, fuse)
+                self._zenflow_step(inputs.active, inputs.grads, inputs.coef, fuse)
             link.join()  # the write-backs of this step are visible to whatever runs next
             self.handover.stepped(self.t, *link.step_bytes())
         self.t += 1
         return loss
 
-    def _zenflow_step(self, active: list[int], coef: float | None, fuse: int | None) -> None:
+    def _zenflow_step(self, active: list[int], grads: dict[int, torch.Tensor], coef: float | None,
+                      fuse: int | None) -> None:
         """After warm-up: re-select at a selection boundary, the fast step, the sums, and at an update boundary
-        the host update."""
+        the host update. ``grads``: the step's own gradients (``StepInputs.grads``)."""
         t = self.t
         matrices, vectors = self.fast_path.split(active)
         self.fast_path.join(vectors)  # a vector's first step on the fast path: its state from the host
@@ -425,7 +426,7 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         compact = self.selection.compact_gradients(matrices)  # (ZeRO-2's released gradients)
         grad_scale = self._amp if coef is None else self._amp / coef  # GradScaler's scale, clipping
         with self._stats.timed_fast_step():
-            self.fast_path.step(set(active), hyper(self.param_groups, self.rule), grad_scale=grad_scale,
+            self.fast_path.step(active, grads, hyper(self.param_groups, self.rule), grad_scale=grad_scale,
                                 compact=compact)
         self.steps_accumulated += 1
         trigger = self.selection.auto_vote(matrices, self._amp) if self.schedule.is_auto else False

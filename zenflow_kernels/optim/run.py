@@ -60,6 +60,13 @@ class Run:
         and votes, the fast path's vectors and step counts) change it, so that what it holds is said here."""
         self.state[self.params[i]].update(entries)
 
+    def count_vector_steps(self, states: list[dict]) -> None:
+        """One more fast-path step for each of ``states``, vectors' ``state`` entries (their ``step`` is an int; a
+        matrix's per-column counts are a tensor the fast path advances in place). One call a step instead of a
+        :meth:`set_state` per vector: that was a tenth of ``step()``'s Python at 600 tensors."""
+        for st in states:
+            st["step"] += 1
+
     def replace_state(self, i: int, entries: dict) -> None:
         """Parameter ``i``'s ``state`` entry becomes ``entries`` (a checkpoint's, restored)."""
         self.state[self.params[i]] = entries

@@ -116,12 +116,15 @@ class GradChecks:
 class StepInputs:
     """What a step reads before it changes anything: GradScaler's scale and its float32 reciprocal, the clipping norm
     in force, the indices of the parameters with a gradient, and the global gradient norm (unscaled; under ZeRO of
-    the averaged gradients). ``skip``: an overflow or a non-finite norm; the step changes nothing."""
+    the averaged gradients). ``grads``: each active parameter's own gradient as :meth:`Sharding.own_grad` gave it,
+    read once for the step (averaging under ZeRO writes into these tensors; ZeRO-2's released matrices are absent).
+    ``skip``: an overflow or a non-finite norm; the step changes nothing."""
 
     amp: float
     inv_amp: float
     max_norm: float | None
     active: list[int]
+    grads: dict[int, torch.Tensor]
     norm: float
     skip: bool
 
@@ -145,4 +148,4 @@ def read_step(opt, shard, clips: ClipRequests, checks: GradChecks) -> StepInputs
     norm = shard.grad_norm(active, [g for _, g in own] if len(own) == len(active) else None) / amp
     for out in norms_out:
         out.fill_(norm)
-    return StepInputs(amp, inv_amp, max_norm, active, norm, overflow or not math.isfinite(norm))
+    return StepInputs(amp, inv_amp, max_norm, active, dict(own), norm, overflow or not math.isfinite(norm))
