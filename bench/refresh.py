@@ -76,7 +76,7 @@ RESULTS: dict[str, Result] = {
     "deepspeed_semantics.json": Result("bench.deepspeed_semantics"),
     "plan_cpu.json": Result("bench.plan"),
     "suite_time.json": Result("bench.suite_time"),
-    "seam_speed.json": Result("bench.seam_speed --rounds 3"),
+    "seam_speed.json": Result("bench.seam_speed --rounds 7"),
     "seam_speed_fused_rules.json": Result("bench.seam_speed --base eb8e975 --rounds 3", writes="seam_speed.json"),
     "h200-2026-11-30/kernels_gpu.json": Result("bench.kernels", gpu=True),
 }

@@ -78,6 +78,7 @@ def seam_section() -> str:
                    "two trees alternating")
     fused, fused_where = ratios("seam_speed_fused_rules.json")
     seam, seam_where = ratios("seam_speed.json")
+    seam_rounds = load("seam_speed.json")["rounds"]
     return (
         "AdamW before the fused kernels of the other rules and at the head named (`python -m bench.seam_speed "
         f"--base eb8e975 --rounds 3`, {fused_where}): the host kernel {fused['cpu_adam_ms_at_2^20']:.2f}x and "
@@ -85,7 +86,8 @@ def seam_section() -> str:
         f"{fused['step_vs_foreach_at_150']:.2f}x and {fused['step_vs_foreach_at_600']:.2f}x of the base's ratio to "
         "torch's foreach AdamW measured beside it at 150 and 600 tensors (the raw step times moved by up to 2x "
         "between rounds on this machine, both trees alike, so only the side-by-side ratio is quoted). AdamW before "
-        f"the rule seam and at the head named (`python -m bench.seam_speed --rounds 3`, {seam_where}): the host kernel "
+        f"the rule seam and at the head named (`python -m bench.seam_speed --rounds {seam_rounds}`, {seam_where}): the "
+        "host kernel "
         f"{seam['cpu_adam_ms_at_2^20']:.2f}x and {seam['cpu_adam_ms_at_2^24']:.2f}x of the base's time at 2^20 and "
         f"2^24; `step()` {seam['step_ms_at_150']:.2f}x and {seam['step_ms_at_600']:.2f}x of the base's time at 150 "
         f"and 600 tensors, and {seam['step_vs_foreach_at_150']:.2f}x and {seam['step_vs_foreach_at_600']:.2f}x of "
