@@ -10,6 +10,7 @@ import sys
 
 from bench.harness import REPO, OneLineParser
 from bench.results_text import link, load, lr_text, recovered, sci, span, where
+from bench.sections_nvme import nvme_section
 from bench.sections_runs import (
     e2e_section,
     fsdp2_section,
@@ -160,6 +161,7 @@ SECTIONS = {"readme": (README, render), "e2e": (BENCHMARKS, e2e_section), "zero"
             "overlap": (BENCHMARKS, overlap_section),
             "rules_step": (BENCHMARKS, rules_step_section),
             "step_overhead": (BENCHMARKS, step_overhead_section),
+            "nvme": (REPO / "docs" / "nvme.md", nvme_section),
             "deepspeed_choices": (REPO / "docs" / "deepspeed.md", deepspeed_choices),
             "deepspeed_rounding": (REPO / "docs" / "deepspeed.md", deepspeed_rounding)}
 

@@ -59,10 +59,6 @@ RESULTS: dict[str, Result] = {
     "nvme_timeline_cpu.json": Result("bench.nvme_timeline"),
     "nvme_cpu.json": Result("bench.nvme"),
     "nvme_cpu_repeat.json": Result("bench.nvme --attempts 3", writes="nvme_cpu.json"),
-    "nvme_cpu_1b.json": Result("bench.nvme --run-sizes 2048x20 --configs overlap --intervals 4 --stall-size 2048x20 "
-                               "--sizes 1 --repeats 1 --attempts 1", writes="nvme_cpu.json"),
-    "nvme_cpu_devacc.json": Result("bench.nvme --configs devacc --sizes 16 --intervals 4 --stall-size 768x6",
-                                   writes="nvme_cpu.json"),
     "scale_cpu.json": Result("bench.scale"),
     "zero_cpu.json": Result("bench.zero"),
     "fsdp2_cpu.json": Result("bench.fsdp2"),
@@ -86,9 +82,6 @@ RESULTS: dict[str, Result] = {
 # the list only shrinks). The H200 results need the GPU machine; quality_ablations_gpt.json is the AMD EPYC run the
 # docs' table shows, kept beside its Xeon repeat.
 NOT_YET_REMADE = frozenset({
-    "overlap_cpu.json",
-    "nvme_cpu.json",
-    "nvme_cpu_repeat.json", "nvme_cpu_1b.json", "nvme_cpu_devacc.json",
     "quality_ablations_gpt.json",
     "h200-2026-11-30/kernels_gpu.json",
 })

@@ -1,8 +1,9 @@
 """The benchmark entry points run end to end at a tiny size and write the data they promise.
 
 Each entry point runs as a subprocess (``python -m bench.<name>``), as a user runs it, into a temporary
-folder; the JSON it writes is checked for its fields and for sane values. ``TRITON_INTERPRET`` (set for
-the suite by conftest) is removed for these: benchmarks time the default path, never the interpreter.
+folder; the JSON it writes is checked for its fields and for sane values. ``TRITON_INTERPRET`` (set for the
+suite by conftest) is removed for these: benchmarks time the default path, never the interpreter. A run that
+must stop at its options calls the module's ``main`` in this process instead (``run_main``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,26 @@ def run_module(module: str, *args: str, timeout: float = 600) -> subprocess.Comp
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_main(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m module args`` for a run that stops at its options (a bad option, no GPU): the module's
+    ``main(argv)`` in this process, its stdout and stderr captured and the status it exits with, as the
+    interpreter would give them (a SystemExit's message on stderr, status 1), without an interpreter's start and
+    imports per case (about a second each)."""
+    import contextlib
+    import importlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = importlib.import_module(module).main(list(args)) or 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+    return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, out.getvalue(), err.getvalue())
 
 
 def finite(xs) -> bool:
@@ -217,7 +238,7 @@ def test_e2e_bad_options_one_line(tmp_path, args, fragment):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     args = [a.replace("{file}", str(blocker / "sub")) for a in args]
-    proc = run_module("bench.e2e", *args, "--cache", str(tmp_path / "cache"), timeout=120)
+    proc = run_main("bench.e2e", *args, "--cache", str(tmp_path / "cache"))
     assert_one_line_error(proc, "error", fragment)
     assert not (tmp_path / "cache").exists()  # nothing ran
 
@@ -227,7 +248,7 @@ def test_e2e_bad_options_one_line(tmp_path, args, fragment):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_gpu_preset_says_it_needs_a_gpu(tmp_path):
-    proc = run_module("bench.e2e", "--preset", "gpu", "--out", str(tmp_path), timeout=120)
+    proc = run_main("bench.e2e", "--preset", "gpu", "--out", str(tmp_path))
     assert_one_line_error(proc, "needs a CUDA GPU", "--device cpu")
     assert not list(tmp_path.iterdir())
 
@@ -311,7 +332,7 @@ def test_zero_quick(tmp_path):
 
 @pytest.mark.parametrize("module", ["bench.kernels", "bench.cpu_adam", "bench.zero"])
 def test_other_benches_reject_bad_options(tmp_path, module):
-    proc = run_module(module, "--no-such-option", "--out", str(tmp_path), timeout=120)
+    proc = run_main(module, "--no-such-option", "--out", str(tmp_path))
     assert_one_line_error(proc, "error:", "--no-such-option")
     assert not list(tmp_path.glob("*.json"))
 
@@ -393,7 +414,7 @@ def test_scale_growth_fits_time_per_parameter():
 @pytest.mark.parametrize("args, fragment", [(["--sizes", "100x2"], "--sizes"), (["--configs", "fast"], "--configs"),
                                             (["--steps", "2"], "--steps")], ids=["size", "config", "steps"])
 def test_scale_rejects_bad_options(tmp_path, args, fragment):
-    proc = run_module("bench.scale", *args, "--out", str(tmp_path), timeout=120)
+    proc = run_main("bench.scale", *args, "--out", str(tmp_path))
     assert_one_line_error(proc, "error:", fragment)
     assert not list(tmp_path.glob("*.json"))
 
@@ -501,7 +522,7 @@ def test_concentration_study_quick(tmp_path):
 
 
 def test_concentration_study_rejects_bad_options(tmp_path):
-    assert_one_line_error(run_module("bench.concentration_study", "--steps", "3", "--out", str(tmp_path)),
+    assert_one_line_error(run_main("bench.concentration_study", "--steps", "3", "--out", str(tmp_path)),
                           "--steps", "at least 8")
 
 
@@ -581,7 +602,7 @@ def test_fsdp2_quick(tmp_path):
                                             (["--steps", "0"], "--steps"), (["--adamw", "slow"], "--adamw")],
                          ids=["config", "steps", "adamw"])
 def test_fsdp2_rejects_bad_options(tmp_path, args, fragment):
-    proc = run_module("bench.fsdp2", *args, "--out", str(tmp_path), timeout=120)
+    proc = run_main("bench.fsdp2", *args, "--out", str(tmp_path))
     assert_one_line_error(proc, "error:", fragment)
     assert not list(tmp_path.glob("*.json"))
 
@@ -631,7 +652,7 @@ def test_overlap_gpu_runs_its_code_path_on_cpu(tmp_path):
     assert result["config"]["device"] == "cpu" and result["config"]["params"] > 0
     for r in result["runs"][1:]:  # (the synchronous CPU link adds on the training thread: no fold job)
         assert r["fold_ms_per_step"] == 0, r
-    proc = run_module("bench.overlap_gpu", "--out", str(tmp_path / "gpu"), timeout=120)
+    proc = run_main("bench.overlap_gpu", "--out", str(tmp_path / "gpu"))
     if not __import__("torch").cuda.is_available():
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout
 
@@ -656,7 +677,7 @@ def test_fingerprint_quick(tmp_path):
         assert r["fingerprint_over_read"] == pytest.approx(r["fingerprint_s"] / r["read_s"])
         assert r["check_over_crossing"] == pytest.approx(2 * r["fingerprint_s"] / r["copy_s"])
     if not __import__("torch").cuda.is_available():
-        proc = run_module("bench.fingerprint", "--device", "cuda", "--out", str(tmp_path / "gpu"))
+        proc = run_main("bench.fingerprint", "--device", "cuda", "--out", str(tmp_path / "gpu"))
         assert_one_line_error(proc, "error:", "no CUDA device")
 
 

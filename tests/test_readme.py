@@ -63,17 +63,17 @@ def test_make_demo_writes_to_an_ignored_folder():
 
 @pytest.mark.parametrize("name", ["readme", "e2e", "deepspeed_choices", "deepspeed_rounding", "step_overhead", "zero",
                                   "overlap", "rules_step", "seam", "cpu_adam", "kernels_cpu", "cpu_rules", "fsdp2",
-                                  "scale", "nvme_timeline", "gpt_repeat"])
+                                  "scale", "nvme_timeline", "gpt_repeat", "nvme"])
 def test_the_results_sections_are_what_the_committed_results_say(name):
-    """Every figure of the README's Results section, docs/benchmarks.md's end-to-end and step-cost sections and
-    docs/deepspeed.md's tables is computed from the JSON it links (bench/readme_results.py): each section is exactly
-    what that module writes from bench/results/ today."""
+    """Every figure of the README's Results section, docs/benchmarks.md's end-to-end and step-cost sections,
+    docs/deepspeed.md's tables and docs/nvme.md's measured section is computed from the JSON it links
+    (bench/readme_results.py): each section is exactly what that module writes from bench/results/ today."""
     from bench import readme_results
 
     assert set(readme_results.SECTIONS) == {"readme", "e2e", "deepspeed_choices", "deepspeed_rounding",
                                             "step_overhead", "zero", "overlap", "rules_step", "seam", "cpu_adam",
                                             "kernels_cpu", "cpu_rules", "fsdp2", "scale",
-                                            "nvme_timeline", "gpt_repeat"}
+                                            "nvme_timeline", "gpt_repeat", "nvme"}
     path = readme_results.SECTIONS[name][0]
     assert readme_results.current(path.read_text(), name) == readme_results.section(name), (
         f"{path.name}'s results differ from bench/results: run python -m bench.readme_results")
@@ -104,21 +104,9 @@ def _results(name: str) -> dict:
     return json.loads((ROOT / "bench" / "results" / name).read_text())
 
 
-def _streamed_pass(mode: str, key) -> list[float]:
-    runs = ("nvme_cpu.json", "nvme_cpu_repeat.json", "nvme_cpu_devacc.json", "nvme_cpu_1b.json")
-    return [key(r) for name in runs for r in _results(name)["results"] if r["mode"] == mode]
-
-
-def _span(values, fmt: str) -> str:
-    return f"{min(values):{fmt}}-{max(values):{fmt}}"
-
-
 def _doc_figures() -> list[tuple[str, str]]:
     """(doc, text it must hold) for the figures in docs/ outside the generated sections, each computed here from
     the JSON the text names."""
-    direct = _streamed_pass("direct", lambda r: r["streamed_over_roofline"])
-    gbps = _streamed_pass("direct", lambda r: r["streamed"]["gb_per_s"])
-    buffered = _streamed_pass("buffered", lambda r: r["streamed_over_roofline"])
     scale = _results("scale_cpu.json")
     rss = max(abs(r["rss"]["growth_over_run"] - r["rss"]["reported"]) / r["params"] for r in scale["runs"])
     fingerprint = _results("fingerprint_cpu.json")["rows"]
@@ -132,12 +120,6 @@ def _doc_figures() -> list[tuple[str, str]]:
                           "`bench/results/fingerprint_cpu.json`"),
         ("design.md", f"host fingerprint takes {at16['float32']:.2f}x (fp32) and {at16['bfloat16']:.2f}x (bf16) the "
                       "fold's time"),
-        ("design.md", f"the streamed pass at {_span(direct, '.2f')}x of a plain read+write pass"),
-        ("design.md", f"({_span(gbps, '.1f')} GB/s of traffic, 1-256 M parameters, over the four runs) and "
-                      f"{_span(buffered, '.2f')}x buffered"),
-        ("nvme.md", f"pass at {_span(direct, '.2f')}x of a plain read+write pass over the same bytes "
-                    f"({_span(gbps, '.1f')} GB/s of traffic"),
-        ("benchmarks.md", f"pass at {_span(direct, '.2f')}x of a plain read+write of the same bytes over the four"),
         ("benchmarks.md", f"RSS grows within {rss:.2f} bytes per parameter of the report in each run of"),
     ]
 
@@ -186,8 +168,8 @@ def test_figures_in_the_readme_are_what_their_results_say():
 
 
 def test_figures_in_the_docs_are_what_their_results_say():
-    """The docs' figures outside the generated sections that name their JSON (the streamed pass over the four NVMe
-    runs, RSS against host_bytes(), the host Adam's ratios): recomputed here from those JSONs."""
+    """The docs' figures outside the generated sections that name their JSON (RSS against host_bytes(), the
+    fingerprint's rates, the collective bytes): recomputed here from those JSONs."""
     missing = []
     for doc, text in _doc_figures():
         page = " ".join((ROOT / "docs" / doc).read_text().split())  # (line breaks as spaces)
