@@ -640,6 +640,26 @@ def test_overlap_quick(tmp_path):
     assert set(result["summary"]) == {f"{b}/{v}" for b in ("pcie", "slow") for v in ("handover", "at_step")}
 
 
+def test_overlap_model_keeps_its_gradients_out_of_the_subnormal_range():
+    """bench.overlap's MLP at the depth of its largest size (256 layers): every layer's weight gradient has no
+    subnormal entry and a norm within 10^3 of the last layer's. (With torch's default init the gradient shrinks
+    about 0.4x a layer and crosses the subnormal range near layer 170, where backward runs ~100x slower per layer:
+    the 64x size's gradients then came in a burst at the end of backward.)"""
+    import torch
+
+    from bench.overlap import build_model
+
+    model = build_model(256, 512)
+    x, y = torch.randn(32, 512, generator=torch.Generator().manual_seed(0)), torch.zeros(32, 512)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    grads = [m.weight.grad for m in model if isinstance(m, torch.nn.Linear)]
+    tiny = torch.finfo(torch.float32).tiny
+    subnormal = [i for i, g in enumerate(grads) if ((g != 0) & (g.abs() < tiny)).any()]
+    assert not subnormal, subnormal[:5]
+    norms = torch.stack([g.norm() for g in grads])
+    assert torch.isfinite(norms).all() and (norms / norms[-1]).min() > 1e-3 and (norms / norms[-1]).max() < 1e3, norms
+
+
 def test_overlap_gpu_runs_its_code_path_on_cpu(tmp_path):
     """bench.overlap_gpu is for a lent GPU (bench/gpu_suite.sh); on CPU with --device cpu --quick the same code
     runs every variant end to end (nothing is hidden on CPU: the JSON's structure only)."""
