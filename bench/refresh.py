@@ -65,10 +65,6 @@ RESULTS: dict[str, Result] = {
     "concentration_study.json": Result("bench.concentration_study"),
     "quality_ablations_study.json": Result("bench.quality_ablations --task study"),
     "quality_ablations_gpt.json": Result("bench.quality_ablations --task gpt"),
-    # the same command on another CPU (an Intel Xeon; the one above ran on an AMD EPYC): how far the byte GPT's
-    # shares move with the machine's rounding
-    "quality_ablations_gpt_xeon.json": Result("bench.quality_ablations --task gpt",
-                                              writes="quality_ablations_gpt.json"),
     "deepspeed_semantics.json": Result("bench.deepspeed_semantics"),
     "plan_cpu.json": Result("bench.plan"),
     "suite_time.json": Result("bench.suite_time"),
@@ -79,10 +75,8 @@ RESULTS: dict[str, Result] = {
 
 # Results made before the record existed (no command, a dirty tree or no clean commit named): each stays listed here
 # until it is made again by this module (tests/test_results.py fails for a listed result whose record is complete, so
-# the list only shrinks). The H200 results need the GPU machine; quality_ablations_gpt.json is the AMD EPYC run the
-# docs' table shows, kept beside its Xeon repeat.
+# the list only shrinks). The H200 results need the GPU machine.
 NOT_YET_REMADE = frozenset({
-    "quality_ablations_gpt.json",
     "h200-2026-11-30/kernels_gpu.json",
 })
 

@@ -268,30 +268,3 @@ def nvme_timeline_section() -> str:
         f"{min(updates):.1f} to {max(updates):.1f} s for the same work). For a 7 B rank on a GPU node (28 GB of sums "
         "at ~25 GB/s, 1.1 s, against a 168 GB disk pass, ~28 s at 6 GB/s) the fetch is ~4% of the pass and this order "
         "hides it behind the reads: a prediction from the model, not measured on a GPU.")
-
-
-def gpt_repeat_section() -> str:
-    """docs/benchmarks.md's note on the byte GPT's ablation made on two CPUs (``quality_ablations_gpt.json`` and
-    ``quality_ablations_gpt_xeon.json``): how far its shares move with the machine."""
-    from bench import quality_ablations as qa
-
-    table, again = ({s["variant"]: s for s in qa.summarise(load(name)["runs"])}
-                    for name in ("quality_ablations_gpt.json", "quality_ablations_gpt_xeon.json"))
-    common = [v for v in table if v in again]
-    moved = {v: again[v]["recovered"] - table[v]["recovered"] for v in common}
-    worst = max(common, key=lambda v: abs(moved[v]))
-    picks = [v for v in ("base", "deepspeed", "lr_times_interval") if v in common]
-    return (
-        "The byte GPT's column depends on the CPU at three seeds. The same command on another machine "
-        "([`quality_ablations_gpt_xeon.json`](../bench/results/quality_ablations_gpt_xeon.json), "
-        f"{where(load('quality_ablations_gpt_xeon.json'))}; the table's run: "
-        f"{where(load('quality_ablations_gpt.json'))}) moves the recovered shares by up to {abs(moved[worst]):.2f} "
-        f"(`{worst}`): "
-        + ", ".join(f"`{v}` {table[v]['recovered']:.2f} in the table against {again[v]['recovered']:.2f} (gap "
-                    f"{again[v]['gap_vs_adamw']:+.4f})" for v in picks)
-        + ". torch's kernels round by CPU, training carries that along, and single seeds' shares range from "
-        f"{min(again[v]['recovered_range'][0] for v in common):.2f} to "
-        f"{max(again[v]['recovered_range'][1] for v in common):.2f} on that machine, so read the byte GPT's shares as "
-        "a ranking with wide error bars. The study's columns, made again on that machine "
-        "([`quality_ablations_study.json`](../bench/results/quality_ablations_study.json)), agree with the table to "
-        "its two decimals.")
