@@ -139,6 +139,62 @@ def _doc_figures() -> list[tuple[str, str]]:
     ]
 
 
+def _notebook_output(name: str) -> str:
+    """The text a committed notebook printed in its saved (full) run."""
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())
+    text = lambda t: t if isinstance(t, str) else "".join(t)  # noqa: E731
+    return "".join(text(o["text"]) for c in nb["cells"] for o in c.get("outputs", []) if o["output_type"] == "stream")
+
+
+def _notebook_figures() -> list[str]:
+    """docs/benchmarks.md's figures from the notebooks (its Ablations list), each computed here from what the
+    notebook it links printed in its saved run."""
+    def grab(pattern: str, text: str) -> list[float]:
+        found = re.search(pattern, text)
+        assert found, pattern
+        return [float(g) for g in found.groups()]
+
+    dyn = _notebook_output("selection_dynamics")
+    top1, = grab(r"top 1% of columns: ([\d.]+)%", dyn)
+    top10, = grab(r"top 10% of columns: ([\d.]+)% on average", dyn)
+    near, rand = grab(r"sets +1 step\(s\) apart: Jaccard ([\d.]+) \(random sets: ([\d.]+)\)", dyn)
+    succ, = grab(r"successive selections \(10 steps apart\): Jaccard ([\d.]+) mean", dyn)
+    pol = _notebook_output("selection_policy")
+    gap = {name: grab(rf"{re.escape(name)} +gap to AdamW ([+-][\d.]+) \(seeds ([+-][\d.]+)\.\.([+-][\d.]+)\)", pol)
+           for name in ("top-k by l2", "top-k by l1", "random", "first k", "topk_ratio=0")}
+    floor = {name: grab(rf"{re.escape(name)} +gap to AdamW .*?, (\d+)% of the floor's gap; l2 energy at selection "
+                        r"([\d.]+)%", pol) for name in ("top-k by l2", "random")}
+    model = _notebook_output("timeline_model")
+    host, gpu = grab(r"model: ([\d.]+)x \(host accumulation\), ([\d.]+)x \(GPU accumulation\)", model)
+    cost, = grab(r"Adam cost ratio = ([\d.]+)", model)
+    g = lambda name, k=0: f"{gap[name][k]:+.4f}"  # noqa: E731
+    return [
+        f"the top 10% of columns carry {top10:.0f}% of the gradient energy (top 1%: {top1:.1f}%), and top-10% sets "
+        f"one step apart overlap with Jaccard {near:.2f} against {rand:.2f} for random sets (successive selections "
+        f"10 steps apart: {succ:.2f})",
+        f"top-k by l2 {g('top-k by l2')} ({g('top-k by l2', 1)}..{g('top-k by l2', 2)}), l1 {g('top-k by l1')}, "
+        f"random columns {g('random')} ({g('random', 1)}..{g('random', 2)}), a fixed set (the first k columns, "
+        f"never re-selected) {g('first k')}, no fast columns (`topk_ratio=0`) {g('topk_ratio=0')}",
+        f"The l2 columns hold {floor['top-k by l2'][1]:.0f}% of the gradient energy when chosen, random ones "
+        f"{floor['random'][1]:.0f}%",
+        f"already removes {100 - floor['random'][0]:.0f}% of the no-fast-path gap (l2: "
+        f"{100 - floor['top-k by l2'][0]:.0f}%)",
+        f"a modelled {host:.1f}x speed-up at `update_interval=4` with host-side accumulation",
+        f"is measured when the notebook runs, {cost:.2f} this time), {gpu:.1f}x if the gradient is accumulated on "
+        "the GPU",
+    ]
+
+
+def test_notebook_figures_in_the_docs_are_what_the_notebooks_printed():
+    """docs/benchmarks.md's Ablations list quotes the saved notebooks: each figure is recomputed here from the
+    output it comes from (a notebook run again with other results fails this until the text follows)."""
+    page = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    missing = [text for text in _notebook_figures() if text not in page]
+    assert not missing, missing
+
+
 def _readme_figures() -> list[str]:
     """The README's figures outside its generated section: the concentration study and the quality ablations."""
     import json
