@@ -115,12 +115,16 @@ def _doc_figures() -> list[tuple[str, str]]:
     fingerprint_gbps = [r["fingerprint_gbps"] for r in fingerprint]
     at16 = {r["dtype"]: r["fingerprint_s"] / r["fold_s"] for r in fingerprint if r["n"] == 1 << 24}
     zero = _results("zero_cpu.json")["summary"]["2"]["collective_bytes_per_step"]
+    reader = {p["bandwidth"]: p["serial_over_beside"] for p in _results("nvme_timeline_cpu.json")["reader_pipeline"]}
     from bench.sections_quality import summaries
 
     study, gpt = summaries()
     rec = lambda a, v: f"{study[(a, v)]['recovered']:.2f}"  # noqa: E731
     gap = lambda v: f"{gpt[v]['gap_vs_adamw']:+.4f}"  # noqa: E731
     return [
+        ("nvme.md", f"({reader['disk rate']:.2f}x faster than fetching after each read where the fetches take as long "
+                    f"as the disk; {reader['slow']:.2f}x, inside this disk's noise, at `slow`: `python -m "
+                    "bench.nvme_timeline`, `bench/results/nvme_timeline_cpu.json`)"),
         ("deepspeed.md", f"recover {rec(0.0, 'deepspeed')} of AdamW's improvement at equal steps on the controlled "
                          f"study with a flat gradient, where ours recovers {rec(0.0, 'base')}, and "
                          f"{rec(0.5, 'deepspeed')} against our {rec(0.5, 'base')} at "
