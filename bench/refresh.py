@@ -70,6 +70,9 @@ RESULTS: dict[str, Result] = {
     "suite_time.json": Result("bench.suite_time"),
     "seam_speed.json": Result("bench.seam_speed --rounds 7"),
     "seam_speed_fused_rules.json": Result("bench.seam_speed --base eb8e975 --rounds 3", writes="seam_speed.json"),
+    # step()'s ratio to foreach for the commit of an earlier step_overhead run and the head, side by side: whether a
+    # goal met there and missed here is the code or the machine
+    "seam_speed_vs_89d3e24.json": Result("bench.seam_speed --base 89d3e24 --rounds 3", writes="seam_speed.json"),
     "h200-2026-11-30/kernels_gpu.json": Result("bench.kernels", gpu=True),
 }
 

@@ -16,6 +16,17 @@ def step_overhead_section() -> str:
     limits = result["summary"]["goal"]["limits"]
     goal = " and ".join(f"{v}x at {k}" for k, v in limits.items()) + (
         ", met" if result["summary"]["goal"]["met"] else ", missed")
+    if not result["summary"]["goal"]["met"]:
+        name = "seam_speed_vs_89d3e24.json"
+        side = load(name)
+        ratio = lambda n, tree: side["summary"][f"step_vs_foreach_at_{n}"][tree]  # noqa: E731
+        goal += (f"; the same ratio for {side['base']} and for {side['record']['commit'][:7]} side by side "
+                 f"([`{name}`](../bench/results/{name}), {where(side)}, {side['rounds']} rounds): "
+                 f"{ratio(150, 'base'):.2f}x and {ratio(150, 'head'):.2f}x at 150, {ratio(600, 'base'):.2f}x and "
+                 f"{ratio(600, 'head'):.2f}x at 600, "
+                 + ("so the miss is this machine's, not a slower step()"
+                    if all(ratio(n, "head") <= 1.05 * ratio(n, "base") for n in (150, 600))
+                    else "so step() is slower than at that commit"))
     rows = load("host_multi_cpu.json")["rows"]
     span_of = lambda op, dtype: span([r["speedup_unchecked"] for r in rows  # noqa: E731
                                       if r["op"] == op and (dtype is None or r["dtype"] == dtype)])

@@ -96,6 +96,29 @@ def test_the_probe_measures_this_hosts_passes():
     assert 0 < probe.accumulate_s_per_param < 1e-6 and 0 < probe.update_s_per_param < 1e-6
     with pytest.raises(ValueError, match="params=100 is invalid"):
         probe_host(params=100)
+    for bad in (-0.001, float("nan"), "0.02", True):
+        with pytest.raises(ValueError, match=r"pause_s=.* is invalid: allowed None or a number >= 0"):
+            probe_host(params=1 << 16, pause_s=bad)
+
+
+def test_the_probe_pauses_as_told_between_steps(monkeypatch):
+    """``pause_s``: every pause between the overlapped probe's steps is that long (the default: a third of the last
+    update, which varies)."""
+    import threading
+
+    import zenflow_kernels.planner as planner_module
+
+    pauses = []
+    real_sleep = planner_module.time.sleep
+
+    def sleep(seconds):  # the training thread's pauses only (the copy threads sleep through the same module)
+        if threading.current_thread() is threading.main_thread():
+            pauses.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(planner_module.time, "sleep", sleep)
+    probe_host(params=1 << 14, seconds=0.1, pause_s=0.003)
+    assert len(pauses) >= 12 and pauses[0] == 0.0 and set(pauses[1:]) == {0.003}, pauses
 
 
 def run_cli(*args):

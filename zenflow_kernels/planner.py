@@ -60,13 +60,15 @@ class HostProbe:
 
 
 def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dtype = torch.bfloat16,
-               rule=None) -> HostProbe:
+               rule=None, pause_s: float | None = None) -> HostProbe:
     """Time this host's passes with the optimizer itself for about ``seconds`` (at least 12 steps): one matrix of
     ``params`` parameters, every column on the host, ``update_interval=4`` with ``overlap_step``, on the asynchronous
-    link without delays, a pause between steps standing in for the device's compute (a third of the last update,
-    so each update runs beside the steps as beside a GPU's), its timeline read per step (:class:`HostProbe`).
-    ``rule``: a ``zenflow_kernels.rules`` rule (AdamW by default); ``grad_dtype``: the gradients' (and
-    parameters') dtype."""
+    link without delays, a pause between steps standing in for the device's compute, its timeline read per step
+    (:class:`HostProbe`). ``pause_s``: that pause; by default a third of the last update, so each update runs beside
+    the steps as beside a GPU's. Give the device's step time where ``step_work`` must be what a step() does after
+    that long idle: on a shared two-core VM a step() after 20 ms of sleep did 2.5x the work of one after 5 ms (caches
+    and idle thread pools gone cold). ``rule``: a ``zenflow_kernels.rules`` rule (AdamW by default); ``grad_dtype``:
+    the gradients' (and parameters') dtype."""
     from . import ZenFlow, rules
     from .testing import Timeline, chaos
 
@@ -74,6 +76,9 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
         raise ValueError(f"probe_host: params={params!r} is invalid: allowed an integer >= 4096")
     if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"probe_host: seconds={seconds!r} is invalid: allowed a number > 0")
+    if pause_s is not None and not (isinstance(pause_s, (int, float)) and not isinstance(pause_s, bool)
+                                    and math.isfinite(pause_s) and pause_s >= 0):
+        raise ValueError(f"probe_host: pause_s={pause_s!r} is invalid: allowed None or a number >= 0")
     cols = 1024
     rows = max(4, params // cols)
     generator = torch.Generator().manual_seed(0)
@@ -100,7 +105,7 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
             if t >= 4 and (t + 1) % 4:  # the first interval builds the state
                 steps.append((start, time.perf_counter()))
             updates = [b - a for lane, _, a, b, _ in timeline.spans if lane == "update"]
-            pause = max(updates[-3:], default=0.0) / 3
+            pause = max(updates[-3:], default=0.0) / 3 if pause_s is None else pause_s
             t += 1
         threads = host_threads(opt.run.cores, weight.device)
     # without overlap: a boundary's step() takes the update and the write-back more than a step between boundaries
