@@ -74,7 +74,9 @@ def findings(study: dict, gpt: dict) -> list[str]:
     """What the table shows, each claim computed from it."""
     flat, mid, top = LEVELS
     rec = lambda a, v: study[(a, v)]["recovered"]  # noqa: E731
-    steps, ui = load(STUDY)["config"]["steps"], 4  # the base's update interval
+    from bench.concentration_study import ZENFLOW  # the study's base settings (the byte GPT's base: the same interval)
+
+    steps, ui = load(STUDY)["config"]["steps"], ZENFLOW["update_interval"]
     base_gap = gpt["base"]["gap_vs_adamw"]
     config = load(GPT)["config"]["variants"]
     interval = lambda v: config[v].get("zenflow", {}).get("update_interval", ui)  # noqa: E731
@@ -96,7 +98,8 @@ def findings(study: dict, gpt: dict) -> list[str]:
     overlap_study = max(abs(rec(a, "overlap") - rec(a, "base")) for a in LEVELS)
     at_top = [study[(top, v)]["recovered"] for (a, v) in study if a == top]
     return [
-        f"- **On the byte GPT, {len(close)} variants leave under a third of the base's gap to AdamW "
+        f"- **On the byte GPT, {len(close)} variant{' leaves' if len(close) == 1 else 's leave'} under a third of "
+        "the base's gap to AdamW "
         f"({base_gap:+.4f}):** " + ", ".join(f"`{v}` {_gap(gpt, v)}" for v in close) + ". "
         + ("`lr_times_interval` (the host update's learning rate times its interval) gets there with the base's "
            "columns and interval. " if "lr_times_interval" in close else "")

@@ -62,13 +62,14 @@ class HostProbe:
 def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dtype = torch.bfloat16,
                rule=None, pause_s: float | None = None) -> HostProbe:
     """Time this host's passes with the optimizer itself for about ``seconds`` (at least 12 steps): one matrix of
-    ``params`` parameters, every column on the host, ``update_interval=4`` with ``overlap_step``, on the asynchronous
-    link without delays, a pause between steps standing in for the device's compute, its timeline read per step
-    (:class:`HostProbe`). ``pause_s``: that pause; by default a third of the last update, so each update runs beside
-    the steps as beside a GPU's. Give the device's step time where ``step_work`` must be what a step() does after
-    that long idle: on a shared two-core VM a step() after 20 ms of sleep did 2.5x the work of one after 5 ms (caches
-    and idle thread pools gone cold). ``rule``: a ``zenflow_kernels.rules`` rule (AdamW by default); ``grad_dtype``:
-    the gradients' (and parameters') dtype."""
+    ``params`` parameters, every column on the host, ``update_interval=4`` with ``overlap_step``, on the
+    asynchronous link without delays, a pause between steps standing in for the device's compute, its timeline read
+    per step (:class:`HostProbe`). ``pause_s``: that pause; by default a third of the last update, so each update
+    runs beside the steps as beside a GPU's. Give the device's step time where ``step_work`` must be what a step()
+    does after that long idle: on a shared two-core VM a step() after 20 ms of sleep did about twice the work of one
+    after 4 ms (caches and idle thread pools gone cold; ``bench/results/plan_cpu.json``, ``step_work_s_by_pause``).
+    ``rule``: a ``zenflow_kernels.rules`` rule (AdamW by default); ``grad_dtype``: the gradients' (and parameters')
+    dtype."""
     from . import ZenFlow, rules
     from .testing import Timeline, chaos
 
