@@ -43,14 +43,24 @@ def end(name: str) -> str:
     return f"<!-- /results:{name} -->"
 
 
+KERNELS_GPU = "h200-2026-11-30/kernels_gpu.json"
+
+
+def selective_adamw_ratios(rows: list[dict]) -> tuple[list[tuple[str, str]], dict]:
+    """The H200 run's (shape, dtype) cases of the selective AdamW and, per (case, "foreach" | "fused"), DeepSpeed's
+    gather / AdamW / scatter path's time over the Triton kernel's."""
+    ms = {(r["shape"], r["dtype"], r["impl"]): r["ms"] for r in rows if r["op"] == "selective_adamw"}
+    cases = sorted({(shape, dtype) for shape, dtype, _ in ms})
+    return cases, {(c, path): ms[c + (f"deepspeed path ({path} AdamW)",)] / ms[c + ("triton",)] for c in cases
+                   for path in ("foreach", "fused")}
+
+
 def kernels_gpu() -> str:
-    name = "h200-2026-11-30/kernels_gpu.json"
+    name = KERNELS_GPU
     rows = load(name)["rows"]
-    sel = [r for r in rows if r["op"] == "selective_adamw"]
-    ms = {(r["shape"], r["dtype"], r["impl"]): r["ms"] for r in sel}
-    cases = sorted({(r["shape"], r["dtype"]) for r in sel})
-    vs_foreach = [ms[c + ("deepspeed path (foreach AdamW)",)] / ms[c + ("triton",)] for c in cases]
-    vs_fused = [ms[c + ("deepspeed path (fused AdamW)",)] / ms[c + ("triton",)] for c in cases]
+    cases, ratio = selective_adamw_ratios(rows)
+    vs_foreach = [ratio[(c, "foreach")] for c in cases]
+    vs_fused = [ratio[(c, "fused")] for c in cases]
     selection = next(r for r in rows if r["op"] == "selection" and r["impl"] == "triton multi")
     return (f"- **Kernels, H200** ({link(name)}; Triton kernels of `6d4eb75`, changed since: "
             f"[README](bench/results/h200-2026-11-30/README.md)): the fused selective AdamW at `topk_ratio="
@@ -62,13 +72,9 @@ def kernels_gpu() -> str:
 
 def kernels_gpu_doc() -> str:
     """docs/benchmarks.md's paragraph on the H200 kernel run: each ratio from ``kernels_gpu.json``."""
-    name = "h200-2026-11-30/kernels_gpu.json"
-    result = load(name)
+    result = load(KERNELS_GPU)
     rows = result["rows"]
-    ms = {(r["shape"], r["dtype"], r["impl"]): r["ms"] for r in rows if r["op"] == "selective_adamw"}
-    cases = sorted({(shape, dtype) for shape, dtype, _ in ms})
-    ratio = {(c, path): ms[c + (f"deepspeed path ({path} AdamW)",)] / ms[c + ("triton",)] for c in cases
-             for path in ("foreach", "fused")}
+    cases, ratio = selective_adamw_ratios(rows)
     fused_worst = min(cases, key=lambda c: ratio[(c, "fused")])
     goal = sorted({shape for (shape, _), path in ratio if path == "foreach" and all(
         ratio[((shape, d), "foreach")] >= 3 for d in ("float32", "bfloat16"))})

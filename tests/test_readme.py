@@ -201,14 +201,10 @@ def test_notebook_figures_in_the_docs_are_what_the_notebooks_printed():
 
 def _readme_figures() -> list[str]:
     """The README's figures outside its generated section: the concentration study and the quality ablations."""
-    import json
-
-    from bench import quality_ablations as qa
+    from bench.sections_quality import summaries
 
     study = {round(r["alpha"], 2): r for r in _results("concentration_study.json")["summary"]}
-    ablations = {(s["alpha"], s["variant"]): s for s in qa.summarise(_results("quality_ablations_study.json")["runs"])}
-    gpt = {s["variant"]: s for s in qa.summarise(
-        json.loads((ROOT / "bench" / "results" / "quality_ablations_gpt.json").read_text())["runs"])}
+    ablations, gpt = summaries()
     rec = lambda a: f"{study[a]['zenflow_overlap_recovered']:.0%}"  # noqa: E731
     top = lambda a: f"{study[a]['top10_share']:.0%}"  # noqa: E731
     q = lambda name: (f"{ablations[(0.0, name)]['recovered']:.2f}", f"{gpt[name]['recovered']:.2f}")  # noqa: E731

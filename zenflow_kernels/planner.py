@@ -105,8 +105,11 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
             opt.step()
             if t >= 4 and (t + 1) % 4:  # the first interval builds the state
                 steps.append((start, time.perf_counter()))
-            updates = [b - a for lane, _, a, b, _ in timeline.spans if lane == "update"]
-            pause = max(updates[-3:], default=0.0) / 3 if pause_s is None else pause_s
+            if pause_s is None:
+                updates = [b - a for lane, _, a, b, _ in timeline.spans if lane == "update"]
+                pause = max(updates[-3:], default=0.0) / 3
+            else:
+                pause = pause_s
             t += 1
         threads = host_threads(opt.run.cores, weight.device)
     # without overlap: a boundary's step() takes the update and the write-back more than a step between boundaries
