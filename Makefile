@@ -50,7 +50,7 @@ test: install
 
 # the edit-test loop (docs/testing.md): every single-process case; the modules that start rank processes or run
 # benchmarks, notebooks or examples in subprocesses are left out (CI runs them all with `make test`)
-FAST_SKIP ?= --ignore=tests/test_zero.py --ignore=tests/test_fsdp2.py --ignore=tests/test_bench.py \
+FAST_SKIP ?= --ignore=tests/test_zero.py --ignore=tests/test_fsdp2.py --ignore=tests/test_sharded_sweep.py --ignore=tests/test_bench.py \
 	--ignore=tests/test_notebooks.py --ignore=tests/test_examples.py --ignore=tests/test_gpu_checklist.py \
 	--ignore=tests/test_rank_cores.py --ignore=tests/test_score_determinism.py --ignore=tests/test_host_memory.py \
 	--deselect=tests/test_checkpoint_fixtures.py::test_old_zero_and_fsdp2_checkpoints_load_and_continue_bit_identically_at_the_same_world_size

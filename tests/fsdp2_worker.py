@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import sys
 import time
@@ -119,16 +120,67 @@ def rank_slice(batch, rank: int, world: int):
     return tokens[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n]
 
 
-def backward(model, batch, rank, world, micro: int = 1, declare: bool = False):
+def backward(model, batch, rank, world, micro: int = 1, declare: bool = False, scaler=None, autocast=None):
     """``micro`` backward passes over this rank's slice; ``declare``: all but the last without FSDP2's
-    gradient sync (``set_requires_gradient_sync(False)``: no reduce-scatter, so no hook fires for them)."""
+    gradient sync (``set_requires_gradient_sync(False)``: no reduce-scatter, so no hook fires for them);
+    ``scaler``: the loss scaled by a GradScaler; ``autocast``: the forward under CPU autocast to that dtype
+    (a name: "float16", "bfloat16")."""
     tokens, targets = rank_slice(batch, rank, world)
+    cast = torch.autocast("cpu", dtype=getattr(torch, autocast)) if autocast else contextlib.nullcontext()
     for m in range(micro):
         if declare:
             model.set_requires_gradient_sync(m == micro - 1)
         n = tokens.shape[0] // micro
-        loss = loss_of(model, tokens[m * n : (m + 1) * n], targets[m * n : (m + 1) * n]) / micro
-        loss.backward()
+        with cast:
+            loss = loss_of(model, tokens[m * n : (m + 1) * n], targets[m * n : (m + 1) * n]) / micro
+        (loss if scaler is None else scaler.scale(loss)).backward()
+
+
+def grad_scaler(case: dict):
+    """The case's ``torch.amp.GradScaler`` on CPU (``case["scaler"]``: its init_scale and growth_interval), or
+    None."""
+    spec = case.get("scaler")
+    if not spec:
+        return None
+    return torch.amp.GradScaler("cpu", init_scale=spec["init_scale"], growth_interval=spec["growth_interval"])
+
+
+def inject_inf(model, case: dict, t: int) -> bool:
+    """``case["inf"]`` = ``[step, name, row, col]``: after that step's backward, that element of parameter
+    ``name``'s (averaged) gradient becomes inf. Under FSDP2 only the rank holding that row writes it: the
+    gradient of one rank is non-finite, the others' are not. Whether this process wrote it."""
+    spec = case.get("inf")
+    if not spec or spec[0] != t:
+        return False
+    _, name, row, col = spec
+    from torch.distributed.tensor import DTensor
+
+    p = dict(model.named_parameters())[name]
+    with torch.no_grad():
+        if isinstance(p, DTensor):
+            local, first = p.grad.to_local(), _row_offset(p)
+            if not first <= row < first + local.shape[0]:
+                return False
+            local[row - first, col] = math.inf
+        else:
+            p.grad[row, col] = math.inf
+    return True
+
+
+def scaler_step(model, opt, scaler, case: dict) -> None:
+    """``opt.step()``, or under a GradScaler its recipe: ``scaler.step(opt)`` (the optimizer unscales inside,
+    the fused-optimizer protocol) or, with ``case["scaler"]["unscale"]``, the user's ``scaler.unscale_(opt)``
+    and ``clip_grad_norm_`` (``clip``) first; then ``scaler.update()``."""
+    if scaler is None:
+        opt.step()
+        return
+    spec = case["scaler"]
+    if spec.get("unscale"):
+        scaler.unscale_(opt)
+        if spec.get("clip") is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
+    scaler.step(opt)
+    scaler.update()
 
 
 def wrap(model, case):
@@ -162,8 +214,11 @@ def optimizer(groups, case: dict, **kwargs):
 def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     """``save``: train ``save_at`` steps, save model and optimizer with torch.distributed.checkpoint, train on
     to ``steps``; ``load``: a fresh model and optimizer load that checkpoint (at this world size) and train
-    from ``save_at`` to ``steps``. Saves the live weights after each step."""
+    from ``save_at`` to ``steps``. Saves the live weights after each step. ``frozen`` (:func:`freeze`) applies to
+    both; a load's ``load_frozen`` replaces it; ``expect_error``: a load that is refused saves its error and whether
+    the optimizer is as it was, and trains no further."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -181,15 +236,30 @@ def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> Non
     checkpoint = Path(case["checkpoint"])
     result: dict = {"weights": {}}
     start = 0
+    # the frozen parameters (``frozen``; a load's ``load_frozen``: another set than the save's)
+    frozen = dict(case, frozen=case.get("load_frozen", case.get("frozen"))) if case["kind"] == "load" else case
     if case["kind"] == "load":
+        freeze(model, frozen, case["save_at"])  # (those of the step the run resumes at)
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-        dcp.load(state, checkpoint_id=checkpoint)
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, opt, optim_state_dict=state["optim"])
+        before = (opt.t, opt.state_dict())
+        try:
+            dcp.load(state, checkpoint_id=checkpoint)
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, opt, optim_state_dict=state["optim"])
+        except (Exception, CheckpointException) as exc:  # a refused load (``expect_error``): its message, and
+            # whether it changed the optimizer
+            if not case.get("expect_error"):
+                raise
+            after = (opt.t, opt.state_dict())
+            result.update(error=f"{type(exc).__name__}: {exc}", unchanged=_same_state(before, after))
+            opt.close()
+            torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
+            return
         start = case["save_at"]
         result["loaded_t"] = opt.t
     with opt:
         for t in range(start, case["steps"]):
+            freeze(model, frozen, t)
             backward(model, data[t], rank, world)
             opt.step()
             opt.zero_grad()
@@ -216,6 +286,23 @@ def run_checkpoint_case(case: dict, rank: int, world: int, out_dir: Path) -> Non
     torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
 
 
+def _same_state(a, b) -> bool:
+    """Two optimizer state dicts (and step counts) hold the same values, DTensors by their local shards
+    ("unflushed" aside: outside ``flushed()`` a copy of the live weights, which loading the model changes)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(_same_state(a[k], b[k]) for k in a
+                                                                if k != "unflushed")
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same_state, a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(_local(a), _local(b))
+    return a == b
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _row_offset(p) -> int:
     """The first global row of this rank's shard of DTensor ``p``."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -236,10 +323,14 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
     with ctx:
         opt = optimizer(param_groups(model, case), case, zenflow=zenflow_settings(case, out_dir),
                         max_grad_norm=case.get("max_grad_norm"), collective_timeout=case.get("timeout", 60.0))
+    scaler = grad_scaler(case)
     with opt:
         for t, batch in enumerate(data):
             freeze(model, case, t)
-            backward(model, batch, rank, world, micro=case.get("micro", 1), declare=case.get("declare", False))
+            backward(model, batch, rank, world, micro=case.get("micro", 1), declare=case.get("declare", False),
+                     scaler=scaler, autocast=case.get("autocast"))
+            if inject_inf(model, case, t):
+                result["wrote_inf"] = t
             # the asynchronous link starts each gradient's copy from the hook FSDP2 calls after its
             # reduce-scatter: how many are staged before step() runs
             result.setdefault("staged_by_hooks", []).append(len(getattr(opt.link, "_staged", {})) if t else None)
@@ -248,7 +339,9 @@ def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:
                     time.sleep(case["hang_s"])
                     os._exit(3)
                 raise RuntimeError(f"rank {rank} fails at step {t} on purpose")
-            opt.step()
+            scaler_step(model, opt, scaler, case)
+            if scaler is not None:
+                result.setdefault("scales", []).append(scaler.get_scale())
             opt.zero_grad()
             result["selections"].append([None if (s := opt.selected_columns(p)) is None else s.tolist()
                                          for p in params])

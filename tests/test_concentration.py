@@ -104,3 +104,47 @@ def test_the_report_says_what_the_shares_imply(top10, words):
     assert f"{min(0.5, top10):.0%}-{max(0.5, top10):.0%}" in report
     assert SPREAD_TOP10 < PREMISE_TOP10
     assert "not measured" in concentration_report({"concentration": {"top10": []}})
+
+
+def test_a_model_of_vectors_only_says_no_matrix_is_selected():
+    """Selections run (the counter says 2) but none selects from a matrix: the report says that, not "no selection
+    has run"."""
+    v, w = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(7))
+    zen = dict(topk_ratio=0.1, select_strategy="step", select_interval=2, update_interval=2)
+    with ZenFlowAdamW([v, w], lr=1e-3, zenflow=zen) as opt:
+        for _ in range(4):
+            v.grad, w.grad = torch.ones(5), torch.ones(7)
+            opt.step()
+        stats = opt.stats()
+    assert stats["selections"] == 2 and stats["concentration"]["top10"] == []
+    report = concentration_report(stats)
+    assert report.startswith("gradient concentration: not measured (2 selection(s) ran, but no matrix was selected")
+    assert "no selection has run" not in report
+    assert concentration_report({"selections": 0, "concentration": {"top10": []}}).endswith("(no selection has run)")
+    with pytest.raises(TypeError, match=r"^concentration_report: stats=ZenFlowAdamW is invalid: allowed the dict "):
+        concentration_report(opt)
+
+
+def test_a_single_tensor_is_one_matrix():
+    e = torch.arange(10.0)
+    one = gradient_concentration(e)
+    assert repr(one) == repr(gradient_concentration([e]))  # (NaN: no selection given, compared as printed)
+    both = gradient_concentration(e, torch.tensor([8, 9]))
+    assert both == gradient_concentration([e], [torch.tensor([8, 9])])
+    assert both["selected"] == pytest.approx(17 / 45)
+
+
+@pytest.mark.parametrize("energies, selected, exc, message", [
+    (torch.ones(4, 3), None, TypeError, "gradient_concentration: energies[0] is (4, 3): allowed a 1-D tensor of one "
+                                        "matrix's per-column squared L2 norms"),
+    ([torch.ones(3), 2.0], None, TypeError, "gradient_concentration: energies[1] is float: allowed a 1-D tensor"),
+    ({"a": torch.ones(3)}, None, TypeError, "gradient_concentration: energies=dict is invalid: allowed a list of "
+                                            "1-D tensors"),
+    ([torch.ones(3)], 5, TypeError, "gradient_concentration: selected=int is invalid: allowed None, or a list"),
+    ([torch.ones(3), torch.ones(4)], [None], ValueError, "gradient_concentration: selected has 1 entries, energies 2"),
+    ([torch.ones(3), torch.ones(4)], torch.tensor([0]), ValueError, "selected has 1 entries, energies 2"),
+])
+def test_bad_arguments_are_named(energies, selected, exc, message):
+    with pytest.raises(exc) as err:
+        gradient_concentration(energies, selected)
+    assert message in str(err.value)

@@ -388,6 +388,67 @@ def test_bad_sources(source, match):
         ZenFlowConfig.from_dict(source)
 
 
+# DeepSpeed settings ZenFlow reads but cannot honour: refused, naming the field, the value and what is allowed (they
+# used to be read as host offload, or ZeRO-3 as nothing at all)
+DEEPSPEED_REFUSED = [
+    ({"offload_optimizer": {"device": "gpu"}}, "zero_optimization.offload_optimizer.device='gpu' in the config dict "
+                                               "is not supported: allowed 'cpu' or 'nvme'"),
+    ({"offload_optimizer": {"device": "none"}}, "zero_optimization.offload_optimizer.device='none' in the config dict "
+                                                "is not supported: allowed 'cpu' or 'nvme'"),
+    ({"offload_optimizer": {"device": 1}}, "zero_optimization.offload_optimizer.device=1 in the config dict"),
+    ({"offload_optimizer": "nvme"}, "zero_optimization.offload_optimizer='nvme' in the config dict is invalid: allowed "
+                                    "an object such as {\"device\": \"cpu\"}"),
+    ({"offload_optimizer": ["cpu"]}, "zero_optimization.offload_optimizer=['cpu'] in the config dict is invalid"),
+    ({"offload_param": {"device": "gpu"}}, "zero_optimization.offload_param.device='gpu' in the config dict is not "
+                                           "supported: allowed 'cpu' or 'none'"),
+    ({"offload_param": "cpu"}, "zero_optimization.offload_param='cpu' in the config dict is invalid"),
+    ({"stage": 3}, "zero_optimization.stage=3 in the config dict is not supported: allowed 0, 1 or 2"),
+    ({"stage": "2"}, "zero_optimization.stage='2' in the config dict is not supported"),
+    ({"stage": True}, "zero_optimization.stage=True in the config dict is not supported"),
+]
+
+
+@pytest.mark.parametrize("zero, message", DEEPSPEED_REFUSED)
+def test_deepspeed_settings_that_cannot_be_honoured_are_refused(zero, message):
+    with pytest.raises(ZenFlowConfigError) as err:
+        ZenFlowConfig.from_dict({"zero_optimization": {**zero, "zenflow": {"update_interval": 4}}})
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("zero", [
+    {}, {"stage": 0}, {"stage": 1}, {"stage": 2}, {"offload_optimizer": None}, {"offload_optimizer": {}},
+    {"offload_optimizer": {"device": "cpu", "pin_memory": True}}, {"offload_optimizer": {"device": "CPU"}},
+    {"offload_param": {"device": "none"}}, {"offload_param": {"device": "cpu"}},
+])
+def test_deepspeed_settings_zenflow_honours_are_read(zero):
+    cfg = ZenFlowConfig.from_dict({"zero_optimization": {**zero, "zenflow": {"update_interval": 4}}})
+    assert cfg == ZenFlowConfig(update_interval=4) and cfg.offload_device == "cpu"
+
+
+@pytest.mark.parametrize("source, message", [
+    ({"zero_optimisation": {"zenflow": {}}, "gradient_accumulation_steps": 4},
+     "unknown key 'zero_optimisation' in the config dict (did you mean 'zero_optimization'?)"),
+    ({"zero_optimizaton": {"stage": 2, "zenflow": {}}}, "unknown key 'zero_optimizaton' in the config dict (did you "
+                                                        "mean 'zero_optimization'?)"),
+    ({"zenflw": {"topk_ratio": 0.1}}, "unknown key 'zenflw' in the config dict (did you mean 'zenflow'?)"),
+    ({"train_batch_size": 8, "gradient_accumulation_steps": 4}, "the config dict is a DeepSpeed config (it has "
+     "'gradient_accumulation_steps', 'train_batch_size') without a zero_optimization block"),
+])
+def test_a_misspelt_or_missing_zero_optimization_is_named(source, message):
+    """A misspelt wrapper is named as such, never read as a zenflow block whose DeepSpeed keys get zenflow
+    suggestions (gradient_accumulation_steps -> device_accumulation)."""
+    with pytest.raises(ZenFlowConfigError) as err:
+        ZenFlowConfig.from_dict(source)
+    assert message in str(err.value) and "device_accumulation" not in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["gradient_accumulation_steps", "gradient_clipping", "steps_per_print"])
+def test_unrelated_keys_get_no_suggestion(key):
+    with pytest.raises(ZenFlowConfigError) as err:
+        ZenFlowConfig.from_dict({"zenflow": {key: 1}})
+    assert f"unknown zenflow key(s): {key!r}; allowed keys:" in str(err.value) and "did you mean" not in str(err.value)
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(ZenFlowConfigError, match="does not exist"):
         ZenFlowConfig.from_dict(tmp_path / "missing.json")

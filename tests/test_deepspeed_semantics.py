@@ -22,6 +22,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ from tolerance import TYPICAL, assert_all_within_stated_bound
 
 from bench.deepspeed_semantics import SETTINGS, recorded, replay, variants
 from zenflow_kernels import ZenFlowAdamW, ZenFlowConfig, ZenFlowConfigError
-from zenflow_kernels.config import CHOICES
+from zenflow_kernels.config import CHOICES, ZenFlowWarning
 from zenflow_kernels.reference import ReferenceZenFlow
 from zenflow_kernels.testing import chaos
 
@@ -69,20 +70,101 @@ def test_semantics_deepspeed_sets_the_six_choices_and_ours_is_the_default():
     (dict(reselect_state="keep"), "zenflow.reselect_state='keep' is invalid: allowed 'carry' or 'reset'"),
     (dict(vector_state="zero"), "zenflow.vector_state='zero' is invalid: allowed 'continuous' or 'reset'"),
     (dict(select_anchor="epoch"), "zenflow.select_anchor='epoch' is invalid: allowed 'warm_up' or 'absolute'"),
-    (dict(semantics="deepspeed", importance="random"),
-     "zenflow.importance='random' conflicts with semantics='deepspeed', which sets importance='l1'"),
-    (dict(semantics="deepspeed", reselect_state="carry", update_interval=2), None),  # ours' value: DeepSpeed's set
     (dict(gradient_scale="interval"), "zenflow.gradient_scale='interval' is invalid: allowed 'raw' with "
                                       "update_interval='auto'"),
-    (dict(semantics="deepspeed"), "zenflow.gradient_scale='interval' is invalid"),  # update_interval 'auto'
+    # the preset's gradient_scale="interval" with the default update_interval: the error names semantics, which the
+    # user set, and what to set (an explicit gradient_scale="interval" is named itself, as above)
+    (dict(semantics="deepspeed"), "zenflow.semantics='deepspeed' with update_interval='auto' is invalid: "),
+    (dict(semantics="deepspeed", gradient_scale="interval"), "zenflow.gradient_scale='interval' is invalid"),
 ])
 def test_bad_choices_are_refused_naming_the_field(kwargs, fragment):
-    if fragment is None:
-        assert ZenFlowConfig(**kwargs).reselect_state == "reset"
-        return
     with pytest.raises(ZenFlowConfigError) as err:
         ZenFlowConfig(**kwargs)
     assert fragment in str(err.value)
+
+
+def _quiet(**kwargs) -> ZenFlowConfig:
+    """A config made with no warning at all (an error if one is raised)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return ZenFlowConfig(**kwargs)
+
+
+@pytest.mark.parametrize("name", list(CHOICES))
+def test_semantics_deepspeed_keeps_a_field_set_explicitly_with_one_warning(name):
+    """The preset fills only the fields not set: one set explicitly to our default keeps it (it used to become
+    DeepSpeed's silently), with a ZenFlowWarning naming the field, the value kept and DeepSpeed's."""
+    ours, theirs = CHOICES[name][:2]
+    with pytest.warns(ZenFlowWarning) as caught:
+        cfg = ZenFlowConfig(update_interval=2, semantics="deepspeed", **{name: ours})
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert f"{name}={ours!r} (DeepSpeed's: {theirs!r})" in message and "semantics='deepspeed'" in message
+    assert getattr(cfg, name) == ours and cfg.notes == (message,)
+    others = {n: getattr(cfg, n) for n in CHOICES if n != name}
+    assert others == {n: v[1] for n, v in CHOICES.items() if n != name}  # the rest: DeepSpeed's
+    # DeepSpeed's own value set explicitly: no warning, the same config as the preset alone
+    assert _quiet(update_interval=2, semantics="deepspeed", **{name: theirs}) == _quiet(update_interval=2,
+                                                                                           semantics="deepspeed")
+    # the same from a DeepSpeed JSON's zenflow block
+    block = {"zero_optimization": {"stage": 2, "zenflow": {"update_interval": 2, "semantics": "deepspeed", name: ours}}}
+    with pytest.warns(ZenFlowWarning, match=name):
+        assert ZenFlowConfig.from_dict(block) == cfg
+
+
+def test_semantics_deepspeed_warns_once_for_every_field_kept():
+    with pytest.warns(ZenFlowWarning) as caught:
+        cfg = ZenFlowConfig(update_interval=2, semantics="deepspeed", importance="random", vector_state="continuous")
+    assert len(caught) == 1
+    assert "importance='random' (DeepSpeed's: 'l1')" in str(caught[0].message)
+    assert "vector_state='continuous' (DeepSpeed's: 'reset')" in str(caught[0].message)
+    assert (cfg.importance, cfg.vector_state, cfg.reselect_state) == ("random", "continuous", "reset")
+    assert _quiet(update_interval=2).notes == () and _quiet(update_interval=2, semantics="deepspeed").notes == ()
+
+
+def test_semantics_deepspeed_with_update_interval_auto_keeps_raw_when_set():
+    with pytest.warns(ZenFlowWarning, match="gradient_scale='raw'"):
+        cfg = ZenFlowConfig(semantics="deepspeed", gradient_scale="raw")
+    assert (cfg.update_interval, cfg.gradient_scale, cfg.reselect_state) == ("auto", "raw", "reset")
+
+
+def test_replace_keeps_what_was_set_and_resolves_the_rest_again():
+    ours = _quiet(update_interval=2)
+    assert ours.replace(semantics="deepspeed") == _quiet(update_interval=2, semantics="deepspeed")
+    assert _quiet(update_interval=2, semantics="deepspeed").replace(semantics="zenflow_kernels") == ours
+    with pytest.warns(ZenFlowWarning):
+        kept = ZenFlowConfig(update_interval=2, semantics="deepspeed", reselect_state="carry")
+    with pytest.warns(ZenFlowWarning, match="reselect_state='carry'"):
+        again = kept.replace(topk_ratio=0.3)
+    assert again.reselect_state == "carry" and again.topk_ratio == 0.3
+    assert ZenFlowConfig.from_dict(_quiet(update_interval=2, semantics="deepspeed").to_dict()).notes == ()
+
+
+def test_a_field_kept_against_the_preset_runs_as_set_against_the_reference():
+    """The numeric effect: semantics="deepspeed" with reselect_state="carry" set runs as DeepSpeed's other five choices
+    with ours for reselect_state (bit for bit in the reference), not as the preset alone; the optimizer follows the
+    reference, and a checkpoint of it resumes bit-identically without warning again."""
+    base = dict(topk_ratio=0.25, select_strategy="step", select_interval=4, update_interval=2, full_warm_up_rounds=1,
+                overlap_step=True)
+    with pytest.warns(ZenFlowWarning, match="reselect_state='carry'"):
+        kept = ZenFlowConfig(**base, semantics="deepspeed", reselect_state="carry")
+    spelled_out = _quiet(**base, **{n: v[1] for n, v in CHOICES.items() if n != "reselect_state"},
+                         reselect_state="carry")
+    preset = _quiet(**base, semantics="deepspeed")
+    m0 = small_model()
+    want, counters = run(m0, "reference", kept, scaled=False)
+    same, _ = run(m0, "reference", spelled_out, scaled=False)
+    other, _ = run(m0, "reference", preset, scaled=False)
+    assert all(torch.equal(x, y) for a, b in zip(want, same, strict=True) for x, y in zip(a, b, strict=True))
+    assert max((x - y).abs().max().item() for x, y in zip(want[-1], other[-1], strict=True)) > 1e-4
+    got, got_counters = run(m0, "sync", kept, scaled=False)
+    assert got_counters == counters
+    for t, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert_all_within_stated_bound(a, b, lr=HYPER["lr"], steps=t + 1, what=f"kept step {t}")
+    saved = run(m0, "sync", kept, scaled=False, stop=5)
+    resumed, _ = run(m0, "sync", kept, scaled=False, resume=saved)  # (a warning here would be an error)
+    for t, (a, b) in enumerate(zip(resumed, got[5:], strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {5 + t}"
 
 
 # -- against DeepSpeed's own run ---------------------------------------------------------------------------------

@@ -621,3 +621,98 @@ def _adam_state_of(model):
     adam = torch.optim.AdamW(copies, **HYPER)
     drive(adam, copies, [[torch.ones_like(p) for p in copies]] * 2)
     return adam.state_dict()
+
+
+# -- host_timeout, and a tensor lr ------------------------------------------------------------------------------------
+
+
+def _facade_and_lion(params, **kwargs):
+    from zenflow_kernels import ZenFlow, rules
+
+    zen = dict(select_strategy="step", select_interval=4, update_interval=2)
+    return [("ZenFlowAdamW", lambda: ZenFlowAdamW(params, zenflow=zen, **kwargs)),
+            ("ZenFlow(Lion)", lambda: ZenFlow(params, rules.Lion(), zenflow=zen, **kwargs))]
+
+
+@pytest.mark.parametrize("value, exc", [
+    (-1, ValueError), (0, ValueError), (0.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+    (-float("inf"), ValueError), ("10", TypeError), (True, TypeError), ([10], TypeError),
+    (torch.tensor(10.0), TypeError),
+])
+def test_host_timeout_is_checked_at_construction(value, exc):
+    """A real number of seconds > 0, or None (no limit, as documented): -1 used to fail later as a stuck worker, '10'
+    as a bare TypeError, NaN turned the limit off. The message names host_timeout, its value and what is allowed."""
+    for name, make in _facade_and_lion(make_params(), host_timeout=value):
+        with pytest.raises(exc) as err:
+            make()
+        assert str(err.value) == (f"{name}: host_timeout={value!r} is invalid: allowed None (no limit) or a finite "
+                                  "number of seconds > 0")
+
+
+@pytest.mark.parametrize("value", [None, 0.5, 30, 600.0])
+def test_host_timeouts_accepted(value):
+    for _, make in _facade_and_lion(make_params(), host_timeout=value):
+        with make() as opt:
+            assert opt.host_timeout == value
+
+
+@pytest.mark.parametrize("lr", [torch.tensor([1e-3, 2e-3]), torch.tensor(1, dtype=torch.int64), torch.tensor(-1e-3),
+                                torch.tensor(float("nan")), "0.001"])
+def test_a_bad_lr_is_refused_alike_by_the_facade_and_zenflow(lr):
+    for name, make in _facade_and_lion(make_params(), lr=lr):
+        with pytest.raises(ValueError) as err:
+            make()
+        assert str(err.value).startswith(f"{name}: lr={lr!r} is invalid: allowed a finite number >= 0, or a "
+                                         "1-element floating-point tensor")
+
+
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_a_tensor_lr_with_a_scheduler_follows_torch_adamw(shape):
+    """A 1-element float tensor lr, as torch.optim.AdamW takes it (ZenFlowAdamW used to refuse it, ZenFlow(rule)
+    took it): every column on the device (topk_ratio=1) follows torch.optim.AdamW at the same tensor lr under the
+    same scheduler, which writes into the tensor in place; ZenFlow(rules.AdamW()) alike."""
+    from zenflow_kernels import ZenFlow, rules
+
+    grads = grad_sequence(12)
+    hyper = {k: v for k, v in HYPER.items() if k != "lr"}
+    zen = dict(topk_ratio=1.0, select_strategy="step", select_interval=4, update_interval=2)
+
+    def history(make):
+        params = make_params()
+        opt = make(params, torch.full(shape, HYPER["lr"]))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        out, lrs = [], []
+        for step_grads in grads:
+            out += drive(opt, params, [step_grads])
+            sched.step()
+            lrs.append(float(opt.param_groups[0]["lr"]))
+        assert torch.is_tensor(opt.param_groups[0]["lr"])  # (still the tensor, written in place)
+        if hasattr(opt, "close"):
+            opt.close()
+        return out, lrs
+
+    want, want_lrs = history(lambda ps, lr: torch.optim.AdamW(ps, lr=lr, **hyper, foreach=False))
+    assert want_lrs[2] == pytest.approx(HYPER["lr"] / 2) and want_lrs[-1] == pytest.approx(HYPER["lr"] / 16)
+    for make in (lambda ps, lr: ZenFlowAdamW(ps, lr=lr, **hyper, zenflow=zen),
+                 lambda ps, lr: ZenFlow(ps, rules.AdamW(hyper["betas"], hyper["eps"], hyper["weight_decay"]), lr=lr,
+                                        zenflow=zen)):
+        got, lrs = history(make)
+        assert lrs == want_lrs
+        for t, (a, b) in enumerate(zip(got, want, strict=True)):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=lambda m, t=t, i=i: f"step {t} p{i}: {m}")
+
+
+def test_a_tensor_lr_checkpoint_is_copied_on_load():
+    params = make_params()
+    zen = dict(select_strategy="step", select_interval=4, update_interval=2)
+    with ZenFlowAdamW(params, lr=torch.tensor(0.01), zenflow=zen) as opt:
+        drive(opt, params, grad_sequence(2))
+        saved = copy.deepcopy(opt.state_dict())
+    assert torch.is_tensor(saved["param_groups"][0]["lr"])
+    with ZenFlowAdamW(make_params(), lr=torch.tensor(0.5), zenflow=zen) as opt:
+        opt.load_state_dict(saved)
+        lr = opt.param_groups[0]["lr"]
+        assert torch.is_tensor(lr) and float(lr) == pytest.approx(0.01)
+        lr.fill_(0.02)  # (a scheduler's write) leaves the caller's state dict as it was
+        assert float(saved["param_groups"][0]["lr"]) == pytest.approx(0.01)

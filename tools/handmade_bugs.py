@@ -15,7 +15,8 @@ tree, applies one bug at a time there, runs the bug's test files with ``-x`` and
     python tools/handmade_bugs.py --list
 
 caught: the tests failed (or timed out) with the bug in; missed: they passed; stale: the snippet is no
-longer in the file (the code moved: update the entry, do not drop it). The exit status is 0 when every
+longer in the file, or its ``-k`` selects no test (the code or the tests moved: update the entry, do not drop
+it). The exit status is 0 when every
 bug that applied was caught. The tests that run in-process use the repository's interpreter; the ZeRO
 tests' rank processes import the package from the copy (tests/zero_worker.py puts the copy first).
 """
@@ -43,6 +44,9 @@ HANDOVER = ("tests/test_handover.py",)
 ORACLE = ("tests/test_oracle_sweep.py",)
 FINETUNING = ("tests/test_finetuning.py",)
 RULES = ("tests/test_rules.py", "tests/test_cpu_rules.py")
+SWEEP = ("tests/test_sharded_sweep.py",)  # every loop on every sharding, against the reference fed the average
+ORACLES = ("tests/test_rule_oracles.py",)  # every rule against torch's optimizer (Lion: the paper's loop)
+UNCOVERED = ("tests/test_uncovered.py",)  # DeepSpeed's switches offloaded, thawing, old checkpoints, planner
 # the spawned two-rank cases against one rank and the reference, ZeRO-2's hooks and reloads
 ZERO_K = "two_ranks_match or stage2_keeps or spans_start_past"
 
@@ -57,6 +61,7 @@ class Bug:
     tests: tuple[str, ...] = FAST
     k: str | None = FAST_K
     judged: str | None = None  # why no test can catch it (equivalent, or only on a GPU): a miss is not counted
+    env: tuple[tuple[str, str], ...] = ()  # more environment for its test run (a narrower sweep)
 
 
 BUGS = [
@@ -446,8 +451,8 @@ BUGS = [
     Bug(
         "fsdp2-placeholder-by-local-size",
         "zenflow_kernels/sharding/fsdp2.py",
-        '            if tuple(st["host_master"].shape) == (0,) and self.params[i].numel():',
-        '            if st["host_master"].to_local().numel() == 0 and self.params[i].numel():',
+        '"host_master" in st and tuple(st["host_master"].shape) == (0,) and self.params[i].numel()):',
+        '"host_master" in st and st["host_master"].to_local().numel() == 0 and self.params[i].numel()):',
         "FSDP2: a rank holding none of a parameter's rows takes its empty shard for a frozen parameter's placeholder "
         "and the ranks diverge after a load at another world size",
         tests=("tests/test_fsdp2.py",), k="resumes or continue",
@@ -481,8 +486,8 @@ BUGS = [
     Bug(
         "replaced-optimizer-keeps-its-hooks",
         "zenflow_kernels/optim/build.py",
-        "    check_params(params)\n    release_hooks(params)\n",
-        "    check_params(params)\n",
+        "    check_params(params, name)\n    release_hooks(params)\n",
+        "    check_params(params, name)\n",
         "a new optimizer over the same parameters leaves the old one's hooks copying until its own first step",
         tests=FINETUNING, k="replaced",
     ),
@@ -580,6 +585,429 @@ BUGS = [
         "(entering columns and staying ones share one bias correction)",
         tests=RULES, k=None,
     ),
+    # -- issue 54: the sharded paths through the loops people write ----------------------------------------
+    Bug(
+        "zero2-change-told-by-identity",
+        "zenflow_kernels/sharding/zero_context.py",
+        "                           or not torch.equal(ops.multi_fingerprint(now, self._key), fingerprints))\n",
+        "                           or False)\n",
+        "ZeRO-2 keeping .grad tells a changed bucket only by which gradients it holds, not by their bits: a .data "
+        "write after the hook started the bucket reaches the selected columns but not the owner's average",
+        tests=SWEEP, k="matches_one_process", env=(("ZENFLOW_SWEEP_ONLY", "zero2_keep-data_all"),),
+    ),
+    Bug(
+        "zero2-change-decided-alone",
+        "zenflow_kernels/sharding/zero.py",
+        "        self._averaged = self.reducer.finish(chosen, summed[1:])\n",
+        "        self._averaged = self.reducer.finish(chosen, votes[1:])\n",
+        "each rank re-sends the buckets it alone saw change: an edit on one rank leaves the ranks' reductions "
+        "mismatched (a hang until collective_timeout)",
+        tests=SWEEP, k="matches_one_process", env=(("ZENFLOW_SWEEP_ONLY", "zero2_keep-edit_one_rank-Lion"),),
+    ),
+    Bug(
+        "zero2-refusal-decided-alone",
+        "zenflow_kernels/sharding/zero.py",
+        "        if int(summed[0]):\n",
+        "        if refuse:\n",
+        "a loop that changed released gradients is refused only on the rank that saw it: the others go on into "
+        "collectives the refusing rank never joins",
+        tests=SWEEP, k="matches_one_process", env=(("ZENFLOW_SWEEP_ONLY", "zero2_release-nan_repair-SGD"),),
+    ),
+    Bug(
+        "zero2-unscale-not-told",
+        "zenflow_kernels/optim/step_inputs.py",
+        "    shard.user_unscaled = getattr(opt, \"found_inf\", None) is not None and getattr(opt, \"grad_scale\", "
+        "None) is None\n",
+        "    shard.user_unscaled = False\n",
+        "the user's scaler.unscale_ under ZeRO-2's released gradients goes unseen on a model of matrices only: the "
+        "released matrices are stepped at the loss scale",
+        tests=SWEEP, k="matches_one_process",
+        env=(("ZENFLOW_SWEEP_ONLY", "zero2_release-amp_unscale_clip-AdamW-bare"),),
+    ),
+    Bug(
+        "zero2-vectors-not-watched",
+        "zenflow_kernels/sharding/zero.py",
+        "        return bool(now) and not torch.equal(",
+        "        return False and not torch.equal(",
+        "a NaN repair or edit after backward under ZeRO-2's released gradients is not refused: it reaches the "
+        "vectors and not the matrices",
+        tests=SWEEP, k="matches_one_process", env=(("ZENFLOW_SWEEP_ONLY", "zero2_release-nan_repair-AdamW"),),
+    ),
+    Bug(
+        "scaler-not-told-on-other-ranks",
+        "zenflow_kernels/optim/step_inputs.py",
+        "        tell_scaler_found_inf(opt)\n",
+        "        pass\n",
+        "an overflow on one rank skips the step everywhere but only that rank's GradScaler backs off: the ranks' "
+        "scales part, and the next averages mix gradients at two scales",
+        tests=SWEEP, k="backs_off", env=(("ZENFLOW_SWEEP_ONLY", "zero1-amp_inf_one_rank-AdamW"),),
+    ),
+    Bug(
+        "dropped-batch-reductions-kept",
+        "zenflow_kernels/sharding/zero.py",
+        "        if self.reducer is not None and self.reducer.pending():\n",
+        "        if False:\n",
+        "a batch dropped with zero_grad() under ZeRO-2's released gradients stays in the owners' sums: the next "
+        "step adds it",
+        tests=SWEEP, k="matches_one_process", env=(("ZENFLOW_SWEEP_ONLY", "zero2_release-dropped_batch-Lion"),),
+    ),
+    Bug(
+        "zero_grad-forgets-the-sharding",
+        "zenflow_kernels/optim/optimizer.py",
+        "            self._shard.drop_step()  # (ZeRO-2: reductions a dropped batch's backward started)\n",
+        "",
+        "zero_grad() before step() does not tell the sharding: a dropped batch's reductions are kept",
+        tests=SWEEP, k="matches_one_process", env=(("ZENFLOW_SWEEP_ONLY", "zero2_release-dropped_batch-AdamW"),),
+    ),
+    Bug(
+        "zero2-vectors-left-local",
+        "zenflow_kernels/sharding/zero.py",
+        "        self.ctx.average_([self.params[i].grad for i in active if self.params[i].dim() != 2], \"vector "
+        "gradients\")\n",
+        "",
+        "ZeRO-2 never averages the vectors' gradients: each replica steps its biases and norms with its own "
+        "half batch",
+        tests=SWEEP, k="matches_one_process", env=(("ZENFLOW_SWEEP_ONLY", "zero2_keep-plain-SGD"),),
+    ),
+    Bug(
+        "zero2-kept-columns-summed",
+        "zenflow_kernels/sharding/zero.py",
+        "        self.ctx.average_(compact, \"selected columns\")\n",
+        "        self.ctx.sum_(compact, \"selected columns\")\n",
+        "ZeRO-2 keeping .grad sums the selected columns over the ranks instead of averaging them: the fast step "
+        "takes twice the gradient",
+        tests=SWEEP, k="matches_one_process", env=(("ZENFLOW_SWEEP_ONLY", "zero2_keep-routed_clip-SGD"),),
+    ),
+    Bug(
+        "zero2-micro-batch-rounds-not-divided",
+        "zenflow_kernels/sharding/zero_context.py",
+        "            total.div_(self.ctx.world)\n",
+        "",
+        "ZeRO-2 with released gradients adds the ranks' sums and never divides by the world: the owner's "
+        "matrices see the sum, not the average",
+        tests=SWEEP, k="matches_one_process", env=(("ZENFLOW_SWEEP_ONLY", "zero2_release-plain-SGD"),),
+    ),
+    Bug(
+        "scaler-not-told-under-release",
+        "zenflow_kernels/optim/step_inputs.py",
+        "    if not overflow and not math.isfinite(norm) and getattr(opt, \"found_inf\", None) is not None:\n",
+        "    if False:\n",
+        "one rank overflows under ZeRO-2's released gradients: every rank skips the step, but only that rank's "
+        "GradScaler backs off (the others checked the finite vectors they still hold)",
+        tests=SWEEP, k="backs_off", env=(("ZENFLOW_SWEEP_ONLY", "zero2_release-amp_inf_one_rank-SGD"),),
+    ),
+    # -- issue 54: the ground the last run left uncovered (rules against torch, bf16 state, schedules, DeepSpeed's switches, freeze/thaw, old checkpoints, planner, concentration)  # noqa: E501
+    Bug(
+        "bf16-state-not-written-back",
+        "zenflow_kernels/rules/base.py",
+        "                t.copy_(w)\n",
+        "                pass\n",
+        "a rule without a host kernel (UpdateRule's torch host_step_) and bf16 state steps fp32 copies of its state "
+        "and never writes them back: its host state stays zero",
+        tests=ORACLES, k="bf16 and torch-host",
+    ),
+    Bug(
+        "sgd-group-nesterov-ignored",
+        "zenflow_kernels/rules/sgd.py",
+        'nesterov=group["nesterov"]',
+        "nesterov=self.nesterov",
+        "a param group's own nesterov is ignored: every group steps with the rule's",
+        tests=ORACLES, k="sgd-groups",
+    ),
+    Bug(
+        "adam-default-weight-decay",
+        "zenflow_kernels/rules/adamw.py",
+        "weight_decay: float = 0.0,",
+        "weight_decay: float = 0.01,",
+        "rules.Adam() decays by default (AdamW's 0.01 as L2), where torch.optim.Adam's default is 0",
+        tests=ORACLES, k="adam-defaults or defaults_are_torchs",
+    ),
+    Bug(
+        "sgd-steps-along-the-rounded-buffer",
+        "zenflow_kernels/cpu_ops/_kernels.py",
+        "        return fma(b, momentum, d) if nesterov else b\n",
+        "        return fma(b, momentum, d) if nesterov else load_f32(buf, i)\n",
+        "SGD's numba kernels without Nesterov step along the stored momentum buffer: with bf16 state, the buffer "
+        "rounded to bf16 instead of the fp32 momentum just computed",
+        tests=ORACLES, k="bf16 and sgd and numba-host",
+    ),
+    Bug(
+        "rule-plan-keeps-the-first-lr",
+        "zenflow_kernels/cpu_ops/_rule_plan.py",
+        "        if numbers != self.numbers:  # a scheduler changes lr at every step\n",
+        "        if self.numbers is None:  # a scheduler changes lr at every step\n",
+        "Lion's and SGD's numba fast path keeps the lr (and weight decay) of the selection's first step while the "
+        "layout is kept: an LR scheduler is followed only at re-selections",
+        tests=ORACLES, k="scheduler and numba and (lion or sgd)",
+    ),
+    Bug(
+        "reset-offloaded-columns-restart-at-zero",
+        "zenflow_kernels/optim/selection.py",
+        "            steps.fill_(count)\n",
+        "            steps.fill_(0)\n",
+        "reselect_state=\"reset\" with the fast path's state offloaded: the selected columns restart their step "
+        "count at 0 instead of the matrix's count (bias correction restarts)",
+        tests=UNCOVERED, k="reselect_state-offload or semantics-offload",
+    ),
+    Bug(
+        "thaw-holds-only-this-steps-params",
+        "zenflow_kernels/optim/optimizer.py",
+        "            self._held = set(self.run.host_params).union(active)\n",
+        "            self._held = set(active)\n",
+        "the re-layout when a frozen parameter is thawed gives host state only to that step's parameters: a "
+        "parameter frozen again meanwhile loses its host master and moments",
+        tests=UNCOVERED, k="thaw",
+    ),
+    Bug(
+        "old-checkpoint-holds-no-host-state",
+        "zenflow_kernels/optim/checkpoint.py",
+        'zenflow.get("host_params", range(len(local)))',
+        'zenflow.get("host_params", ())',
+        "a format-1 checkpoint (written before host_params existed, holding every parameter's host state) is read "
+        "as holding none: a parameter frozen at the load loses its host state",
+        tests=UNCOVERED, k="old_checkpoint",
+    ),
+    Bug(
+        "planner-writes-back-vectors",
+        "zenflow_kernels/planner.py",
+        "    written_back = round((1.0 - topk_ratio) * matrix_params)\n",
+        "    written_back = round((1.0 - topk_ratio) * everything)\n",
+        "the planner's write-back counts the vector parameters too (they stay on the device): the predicted "
+        "write-back and stall are too high",
+        tests=UNCOVERED, k="planner",
+    ),
+    Bug(
+        "concentration-of-scorer-output",
+        "zenflow_kernels/optim/selection.py",
+        'if callable(imp) or imp == "l1"]',
+        'if imp == "l1"]',
+        "a callable importance's scores are taken as the concentration's energies (not the gradient's squared "
+        "column norms)",
+        tests=UNCOVERED, k="concentration",
+    ),
+    Bug(
+        "lion-decay-after-update",
+        "zenflow_kernels/rules/lion.py",
+        "        if weight_decay != 0:\n            param.mul_(1 - lr * weight_decay)\n"
+        "        param.add_(update, alpha=-lr)\n",
+        "        param.add_(update, alpha=-lr)\n        if weight_decay != 0:\n"
+        "            param.mul_(1 - lr * weight_decay)\n",
+        "Lion's torch step decays the weight after the sign update instead of before (the decay also shrinks "
+        "the update): the torch fast path and a host without the kernel drift from the paper's step",
+        tests=ORACLES, k="lion-groups and (torchfast or torchhost) or lion-torch-",
+    ),
+    Bug(
+        "lion-group-betas-ignored",
+        "zenflow_kernels/rules/lion.py",
+        'beta1=group["betas"][0], beta2=group["betas"][1],',
+        "beta1=self.betas[0], beta2=self.betas[1],",
+        "a param group's own Lion betas are ignored: every group interpolates with the rule's",
+        tests=ORACLES, k="lion-groups",
+    ),
+    Bug(
+        "adam-host-kernel-decoupled",
+        "zenflow_kernels/rules/adamw.py",
+        "zero_grad=zero_grad, adamw=self.decoupled, **numbers)",
+        "zero_grad=zero_grad, adamw=True, **numbers)",
+        "Adam's host pass runs the numba kernel as AdamW: the host decays the weight decoupled while the fast path "
+        "adds the L2 term to the gradient",
+        tests=ORACLES, k="adam-groups-host-every-step-numbafast-numbahost or adam-numba-host",
+    ),
+    Bug(
+        "sgd-nesterov-lookahead-swapped",
+        "zenflow_kernels/rules/sgd.py",
+        "            d = d.add(buf, alpha=momentum) if nesterov else buf\n",
+        "            d = buf.add(d, alpha=momentum) if nesterov else buf\n",
+        "SGD's torch step takes Nesterov's look-ahead as buf + momentum * d instead of d + momentum * buf",
+        tests=ORACLES, k="sgd-groups and (torchfast or torchhost) or sgd-nesterov-torch-",
+    ),
+    Bug(
+        "lion-host-decay-without-lr",
+        "zenflow_kernels/cpu_ops/lion.py",
+        "    return 1.0 / grad_scale, 1.0 - lr * weight_decay, -lr,",
+        "    return 1.0 / grad_scale, 1.0 - weight_decay, -lr,",
+        "the host Lion launcher decays by 1 - weight_decay instead of 1 - lr * weight_decay",
+        tests=ORACLES, k="lion-groups-host-every-step-numbafast-numbahost or lion-numba-host",
+    ),
+    Bug(
+        "reference-columns-at-the-largest-count",
+        "zenflow_kernels/reference.py",
+        "        rule.step_(p, grad[:, cols], held, step=int(s), **numbers)\n",
+        "        rule.step_(p, grad[:, cols], held, step=int(steps.max()), **numbers)\n",
+        "the reference steps a matrix's selected columns at the largest count among them: entering columns take "
+        "the staying ones' bias correction",
+        tests=ORACLES, k="scheduler and adamw and not triton",
+    ),
+    # -- issue 54: the messages and settings (the optimizer as built, semantics presets, DeepSpeed JSON, host_timeout,
+    # tensor lr, concentration, the planner CLI) and FSDP2 resumed with a parameter frozen again
+    # -- messages and config: semantics="deepspeed" keeps what was set, DeepSpeed JSON refusals, check_lr -------------
+    Bug(
+        "deepspeed-preset-overrides-our-default",
+        "zenflow_kernels/config.py",
+        "            if name not in self._given:\n",
+        "            if isinstance(value, str) and value == _ours:\n",
+        "semantics=\"deepspeed\" tells a field left unset by its value (equal to our default) instead of by whether "
+        "the caller set it, so a field set explicitly to our default silently becomes DeepSpeed's, with no warning",
+        tests=("tests/test_deepspeed_semantics.py",), k="keeps_a_field",
+    ),
+    Bug(
+        "replace-pins-the-resolved-fields",
+        "zenflow_kernels/config.py",
+        "        given = getattr(self, \"_given\", self.field_names())\n",
+        "        given = self.field_names()\n",
+        "ZenFlowConfig.replace passes every field on as if set explicitly, so the values the deepspeed preset filled "
+        "in (or our defaults) are pinned: replace(semantics=\"deepspeed\") keeps ours with a warning, and switching "
+        "back keeps DeepSpeed's",
+        tests=("tests/test_deepspeed_semantics.py",), k="replace_keeps",
+    ),
+    Bug(
+        "offload-optimizer-none-read-as-host",
+        "zenflow_kernels/config.py",
+        "\"offload_optimizer\", where, (\"cpu\", \"nvme\")",
+        "\"offload_optimizer\", where, (\"cpu\", \"nvme\", \"none\")",
+        "a DeepSpeed config with zero_optimization.offload_optimizer.device=\"none\" (the optimizer state kept on the "
+        "device) is accepted and run with the state offloaded to host memory instead of refused",
+        tests=("tests/test_config.py",), k="cannot_be_honoured",
+    ),
+    Bug(
+        "offload-section-string-ignored",
+        "zenflow_kernels/config.py",
+        "    if value is None:\n        return {}\n",
+        "    if value is None or isinstance(value, str):\n        return {}\n",
+        "a bare string offload section (zero_optimization.offload_optimizer=\"nvme\") is read as no section, so the "
+        "state silently stays in host memory instead of the config being refused",
+        tests=("tests/test_config.py",), k="cannot_be_honoured",
+    ),
+    Bug(
+        "zero-stage-true-read-as-one",
+        "zenflow_kernels/config.py",
+        "(isinstance(stage, bool) or stage not in (0, 1, 2))",
+        "stage not in (0, 1, 2)",
+        "zero_optimization.stage=true in a DeepSpeed JSON passes as stage 1 (True == 1) instead of being refused",
+        tests=("tests/test_config.py",), k="cannot_be_honoured",
+    ),
+    Bug(
+        "suggestions-at-difflibs-cutoff",
+        "zenflow_kernels/config.py",
+        "_SUGGEST_CUTOFF = 0.8",
+        "_SUGGEST_CUTOFF = 0.6",
+        "\"did you mean\" uses difflib's default similarity, so unrelated DeepSpeed keys get zenflow suggestions "
+        "(gradient_accumulation_steps -> device_accumulation)",
+        tests=("tests/test_config.py",), k="no_suggestion",
+    ),
+    Bug(
+        "integer-tensor-lr-accepted",
+        "zenflow_kernels/config.py",
+        "lr.numel() != 1 or not lr.dtype.is_floating_point or lr.is_complex()",
+        "lr.numel() != 1 or lr.is_complex()",
+        "an integer tensor lr (torch.tensor(1)) is accepted as a learning rate of 1.0; torch.optim refuses it",
+        tests=("tests/test_optim_api.py",), k="bad_lr",
+    ),
+    Bug(
+        "display-name-of-an-unnamed-rule",
+        "zenflow_kernels/optim/build.py",
+        "getattr(rule, 'name', '') or type(rule).__name__",
+        "getattr(rule, 'name', type(rule).__name__)",
+        "a rule whose name is empty is called ZenFlow() in every message, not by its class's name",
+        tests=("tests/test_messages.py",), k="display_name",
+    ),
+    Bug(
+        "host-timeout-true-is-one-second",
+        "zenflow_kernels/optim/build.py",
+        "isinstance(host_timeout, bool) or not isinstance(host_timeout, numbers.Real)",
+        "not isinstance(host_timeout, numbers.Real)",
+        "host_timeout=True is taken as a limit of 1 second instead of refused",
+        tests=("tests/test_optim_api.py",), k="host_timeout",
+    ),
+    Bug(
+        "plan-count-truncates-a-fraction",
+        "zenflow_kernels/__main__.py",
+        "    if not value.is_integer():\n"
+        "        raise argparse.ArgumentTypeError(f\"{text!r} is not an integer (allowed e.g. 4096 or 1e6)\")\n",
+        "",
+        "the planner's integer arguments written as floats are truncated (--probe-params 4096.5 runs as 4096, "
+        "--update-interval 2.5 as 2) instead of refused",
+        tests=("tests/test_cli.py",), k="plan_refuses",
+    ),
+    Bug(
+        "tokens-per-step-checked-against-step-ms",
+        "zenflow_kernels/__main__.py",
+        "    if args.tokens_per_step is not None and args.device_tflops is None:\n",
+        "    if args.tokens_per_step is not None and args.device_step_ms is None:\n",
+        "plan's --tokens-per-step check looks at the wrong member of the exclusive pair: --tokens-per-step with "
+        "--device-step-ms (where it means nothing) is accepted, and with --device-tflops (which needs it) refused",
+        tests=("tests/test_cli.py",), k="plan_refuses",
+    ),
+    Bug(
+        "explain-leaves-out-the-kept-fields",
+        "zenflow_kernels/__main__.py",
+        "    found = [*config.notes, *s.warnings]",
+        "    found = list(s.warnings)",
+        "`explain` lists only the schedule's warnings, not the fields kept against semantics=\"deepspeed\" (their "
+        "warning is silenced there), so the report says \"none\"",
+        tests=("tests/test_cli.py",), k="kept_against_semantics",
+    ),
+    Bug(
+        "explain-warns-outside-the-report",
+        "zenflow_kernels/__main__.py",
+        "        with warnings.catch_warnings():\n"
+        "            warnings.simplefilter(\"ignore\")  # the report prints them itself, once\n"
+        "            config = ZenFlowConfig.from_dict(args.config)\n",
+        "        config = ZenFlowConfig.from_dict(args.config)\n"
+        "        with warnings.catch_warnings():\n"
+        "            warnings.simplefilter(\"ignore\")  # the report prints them itself, once\n",
+        "`explain` reads the config outside the silenced block, so a field kept against semantics=\"deepspeed\" is "
+        "warned on stderr as well as listed in the report",
+        tests=("tests/test_cli.py",), k="kept_against_semantics",
+    ),
+    Bug(
+        "concentration-zero-selections-ran",
+        "zenflow_kernels/concentration.py",
+        "        if stats.get(\"selections\"):\n",
+        "        if stats.get(\"selections\") is not None:\n",
+        "concentration_report says \"0 selection(s) ran, but no matrix was selected\" before any selection has run "
+        "(a count of 0 taken as selections having run)",
+        tests=("tests/test_concentration.py",), k="vectors_only",
+    ),
+    Bug(
+        "concentration-tensor-iterated",
+        "zenflow_kernels/concentration.py",
+        "        return [value]\n",
+        "        return list(value)\n",
+        "gradient_concentration iterates a single tensor as if it were a list, so one matrix's energies [C] is read "
+        "as C scalars and refused (and one index tensor as one entry per index)",
+        tests=("tests/test_concentration.py",), k="single_tensor",
+    ),
+    # -- FSDP2: a parameter frozen again, saved with DCP and resumed ------------------------------------------------
+    Bug(
+        "fsdp2-frozen-again-state-left-out",
+        "zenflow_kernels/sharding/fsdp2.py",
+        "                if \"host_master\" in st:\n"
+        "                    again[i] = self._entry(i, st, local, topk, sharded, fast)\n",
+        "",
+        "FSDP2: a parameter frozen again after training (it keeps its host state) is saved as an empty entry only, "
+        "its host state never put whole into the zenflow[\"frozen\"] header record, so the resumed optimizer has "
+        "no host state for it and its pending host result is never written back",
+        tests=("tests/test_fsdp2.py",), k="frozen_again",
+    ),
+    Bug(
+        "fsdp2-frozen-rows-from-zero",
+        "zenflow_kernels/sharding/fsdp2.py",
+        "v[first:first + count]",
+        "v[:count]",
+        "FSDP2: a rank resuming a frozen-again parameter takes the first rows of its whole host state from the header, "
+        "not its own rows, so every rank but the first resumes with rank 0's state",
+        tests=("tests/test_fsdp2.py",), k="frozen_again",
+    ),
+    Bug(
+        "fsdp2-newly-frozen-not-refused",
+        "zenflow_kernels/sharding/fsdp2.py",
+        "if i not in state and i in frozen[\"trainable\"] and not self.params[i].requires_grad]",
+        "if i not in state and i not in frozen[\"trainable\"] and not self.params[i].requires_grad]",
+        "FSDP2: the refusal of a parameter frozen now but trainable (with host state) when saved looks at the "
+        "parameters frozen when saved instead, so the resume goes on silently without that parameter's host state",
+        tests=("tests/test_fsdp2.py",), k="other_parameters_frozen",
+    ),
 ]
 
 
@@ -604,12 +1032,13 @@ def run_bug(bug: Bug, tree: Path, tests: tuple[str, ...], k: str | None, timeout
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     if k:
         cmd += ["-k", k]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": str(tree), **dict(bug.env)}
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
-        outcome = "missed" if proc.returncode == 0 else ("caught" if proc.returncode == 1 else
-                                                         f"caught (pytest exit {proc.returncode})")
+        # exit 5: the -k selected no test (a renamed test, a stale expression): nothing ran, nothing was caught
+        outcome = ("missed" if proc.returncode == 0 else "stale (no test selected)" if proc.returncode == 5 else
+                   "caught" if proc.returncode == 1 else f"caught (pytest exit {proc.returncode})")
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
     except subprocess.TimeoutExpired:
         outcome, tail = "caught (timeout)", ""

@@ -23,15 +23,50 @@ from .config import (
 )
 from .schedule import Schedule, resolve_schedule
 
+MAX_PARAMS = 10**13
+"""The most ``plan --params`` (and ``--vector-params``) takes: 10 trillion parameters per rank, far above any model's
+(beyond it the predictions are numbers without a machine to run them)."""
 
-def _positive_int(text: str) -> int:
+
+def _integer(text: str) -> int:
+    """An integer written as one (``1000000``) or as an integral float (``1e6``), as every count here takes it."""
     try:
-        value = int(text)
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (allowed e.g. 4096 or 1e6)")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
     return value
+
+
+def _probe_params(text: str) -> int:
+    value = _integer(text)
+    if value < 1 << 12:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 4096 (the probe's matrix)")
+    return value
+
+
+def _param_count(text: str, *, zero: bool) -> int:
+    """``--params`` / ``--vector-params``: a whole number of parameters (``7e9`` or ``7000000000``), > 0 (or >= 0
+    with ``zero``), at most :data:`MAX_PARAMS`."""
+    value = _number(text, zero=zero)
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of parameters (allowed e.g. 7e9)")
+    if value > MAX_PARAMS:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large: allowed at most {MAX_PARAMS:.0e} parameters per "
+                                         "rank")
+    return int(value)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,15 +88,18 @@ def _build_parser() -> argparse.ArgumentParser:
         "--steps-per-epoch", type=_positive_int, default=None, help="epoch length, as a dataloader would give it"
     )
     plan = sub.add_parser("plan", help="predict the stall of offload and of ZenFlow on a GPU from this host's speed")
-    plan.add_argument("--params", type=_positive_number, required=True,
-                      help="the model's matrix (2-D) parameters per rank, e.g. 7e9 (ZeRO: divided by the ranks)")
-    plan.add_argument("--vector-params", type=_nonnegative_number, default=0, help="its vector parameters (default 0)")
+    plan.add_argument("--params", type=_params, required=True,
+                      help="the model's matrix (2-D) parameters per rank, e.g. 7e9 (ZeRO: divided by the ranks; at "
+                           f"most {MAX_PARAMS:.0e})")
+    plan.add_argument("--vector-params", type=_vector_params, default=0,
+                      help="its vector parameters (default 0)")
     step = plan.add_mutually_exclusive_group(required=True)
     step.add_argument("--device-step-ms", type=_positive_number,
                       help="the device's forward + backward (+ fast path) per step, in ms, as measured there")
     step.add_argument("--device-tflops", type=_positive_number,
                       help="the device's achieved TFLOP/s: the step is 6 * params * --tokens-per-step FLOPs")
-    plan.add_argument("--tokens-per-step", type=_positive_number, default=None, help="with --device-tflops")
+    plan.add_argument("--tokens-per-step", type=_positive_number, default=None,
+                      help="with --device-tflops (only): the tokens of one optimizer step")
     plan.add_argument("--pcie-gbps", type=_positive_number, default=25.0,
                       help="host <-> device bandwidth each way, GB/s (default 25: PCIe 4 x16)")
     plan.add_argument("--topk-ratio", type=float, default=0.1)
@@ -69,7 +107,8 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-overlap", action="store_true", help="overlap_step=False")
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="parameters and gradients")
     plan.add_argument("--probe-seconds", type=_positive_number, default=3.0)
-    plan.add_argument("--probe-params", type=_positive_int, default=1 << 22)
+    plan.add_argument("--probe-params", type=_probe_params, default=1 << 22,
+                      help="the probe's matrix size, an integer >= 4096 (default 4194304)")
     return parser
 
 
@@ -87,8 +126,12 @@ def _positive_number(text: str) -> float:
     return _number(text, zero=False)
 
 
-def _nonnegative_number(text: str) -> float:
-    return _number(text, zero=True)
+def _params(text: str) -> int:
+    return _param_count(text, zero=False)
+
+
+def _vector_params(text: str) -> int:
+    return _param_count(text, zero=True)
 
 
 def plan_report(args) -> str:
@@ -99,6 +142,9 @@ def plan_report(args) -> str:
 
     if args.device_tflops is not None and args.tokens_per_step is None:
         raise ValueError("--device-tflops needs --tokens-per-step (the step's FLOPs: 6 * params * tokens)")
+    if args.tokens_per_step is not None and args.device_tflops is None:
+        raise ValueError(f"--tokens-per-step {args.tokens_per_step:g} needs --device-tflops (it sizes the step from "
+                         "the device's TFLOP/s); with --device-step-ms the step time is given: leave it out")
     if not 0.0 <= args.topk_ratio <= 1.0:
         raise ValueError(f"--topk-ratio {args.topk_ratio!r} is invalid: allowed a number in [0, 1]")
     matrix, vector = int(args.params), int(args.vector_params)
@@ -165,7 +211,8 @@ def explain(config: ZenFlowConfig, schedule: Schedule, steps: int) -> str:
         lines.append(f"  update_interval   = {s.update_interval} steps")
     lines.append(f"  warm-up           = {s.warmup} steps of synchronous host AdamW")
     lines.append("warnings:")
-    lines.extend(f"  - {w}" for w in s.warnings) if s.warnings else lines.append("  none")
+    found = [*config.notes, *s.warnings]  # the config's (fields kept against semantics) and the schedule's
+    lines.extend(f"  - {w}" for w in found) if found else lines.append("  none")
 
     selects = s.select_steps(steps)
     updates = s.update_steps(steps)
@@ -227,9 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return 0
     try:
-        config = ZenFlowConfig.from_dict(args.config)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the report prints them itself, once
+            config = ZenFlowConfig.from_dict(args.config)
             schedule = resolve_schedule(config, steps_per_epoch=args.steps_per_epoch)
     except ZenFlowConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -40,11 +40,36 @@ def top_count(columns: int, fraction: float) -> int:
     return min(columns, max(1, math.ceil(fraction * columns))) if columns else 0
 
 
-def gradient_concentration(energies: list[torch.Tensor], selected: list[torch.Tensor | None] | None = None) -> dict:
-    """The energy shares of ``energies`` (each matrix's per-column squared L2 norms, fp32, [C]) and of the
-    ``selected`` columns (int64 indices per matrix, or None), as floats: ``{"top1", "top10", "selected",
-    "per_matrix": [{"top1", "top10", "selected", "energy"}, ...]}`` (``selected`` None where no selection is given;
-    a share is NaN where the energy is 0)."""
+def _as_list(value, name: str, what: str) -> list:
+    """``value`` as a list of per-matrix entries: a list or tuple as it is, one tensor as a list of one (a single
+    matrix), or a TypeError naming the argument."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise TypeError(f"gradient_concentration: {name}={type(value).__name__} is invalid: allowed {what}")
+
+
+def gradient_concentration(energies: list[torch.Tensor] | torch.Tensor,
+                           selected: list[torch.Tensor | None] | torch.Tensor | None = None) -> dict:
+    """The energy shares of ``energies`` (each matrix's per-column squared L2 norms, fp32, [C]: for a gradient ``g``
+    [R, C], ``g.float().square().sum(0)``; one tensor: one matrix) and of the ``selected`` columns (int64 indices per
+    matrix, or None; one tensor with one matrix), as floats: ``{"top1", "top10", "selected", "per_matrix": [{"top1",
+    "top10", "selected", "energy"}, ...]}`` (``selected`` None where no selection is given; a share is NaN where the
+    energy is 0)."""
+    energies = _as_list(energies, "energies", "a list of 1-D tensors (each matrix's per-column squared L2 norms), "
+                                              "or one such tensor")
+    for n, e in enumerate(energies):
+        if not torch.is_tensor(e) or e.dim() != 1:
+            shape = tuple(e.shape) if torch.is_tensor(e) else type(e).__name__
+            raise TypeError(f"gradient_concentration: energies[{n}] is {shape}: allowed a 1-D tensor of one matrix's "
+                            "per-column squared L2 norms ([C]; of a gradient g [R, C]: g.float().square().sum(0))")
+    if selected is not None:
+        selected = [selected] if torch.is_tensor(selected) and len(energies) == 1 else _as_list(
+            selected, "selected", "None, or a list of int64 column indices (or None) per matrix")
+        if len(selected) != len(energies):
+            raise ValueError(f"gradient_concentration: selected has {len(selected)} entries, energies "
+                             f"{len(energies)}: allowed one per matrix (None where a matrix has no selection)")
     if not energies:
         return {name: float("nan") for name in (*SHARES, "selected")} | {"per_matrix": []}
     selected = [None] * len(energies) if selected is None else selected
@@ -87,8 +112,15 @@ def verdict(top10: float) -> str:
 def concentration_report(stats: dict) -> str:
     """A few lines on the run's gradient concentration from ``stats()`` (its ``concentration`` entry): the shares at
     the last selection, the top-10% share's range over the run, and what they mean for ZenFlow."""
+    if not isinstance(stats, dict):
+        raise TypeError(f"concentration_report: stats={type(stats).__name__} is invalid: allowed the dict "
+                        "opt.stats() returns")
     c = stats.get("concentration") or {}
     if not c.get("top10"):
+        if stats.get("selections"):
+            return (f"gradient concentration: not measured ({stats['selections']} selection(s) ran, but no matrix "
+                    "was selected from: ZenFlow selects columns of matrices (2-D parameters) only; vectors are on "
+                    "the fast path every step)")
         return "gradient concentration: not measured yet (no selection has run)"
     last = {n: c[n][-1] for n in ("top1", "top10", "selected")}
     lo, hi = min(c["top10"]), max(c["top10"])

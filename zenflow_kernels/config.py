@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import numbers
 import os
+import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
@@ -45,7 +48,7 @@ _SELECT_STRATEGIES = ("auto", "step", "epoch")
 _IMPORTANCES = ("l2", "l1", "random")
 SEMANTICS = ("zenflow_kernels", "deepspeed")
 # the choices where DeepSpeed's ZenFlow differs from ours (docs/deepspeed.md): field -> (ours, DeepSpeed's, allowed);
-# semantics="deepspeed" sets all of them to DeepSpeed's
+# semantics="deepspeed" sets each of them the user did not set to DeepSpeed's
 CHOICES = {
     "gradient_scale": ("raw", "interval", ("raw", "interval")),
     "host_step_count": ("updates", "steps", ("updates", "steps")),
@@ -164,8 +167,11 @@ class ZenFlowConfig:
     select_anchor: re-selections after the first, at step ``t``: ``"warm_up"``: every ``select_interval`` steps
         counted from the end of the warm-up; ``"absolute"`` (DeepSpeed's): where ``t`` is a multiple of
         ``select_interval``.
-    semantics: ``"zenflow_kernels"`` (the default: the fields above as given) or ``"deepspeed"``: the five above and
-        ``importance="l1"`` set to DeepSpeed's choices (a field given a third value is refused).
+    semantics: ``"zenflow_kernels"`` (the default: the fields above as given) or ``"deepspeed"``: a preset that
+        fills each of the five above and ``importance`` that was not set explicitly with DeepSpeed's choice
+        (``importance="l1"``). A field set explicitly keeps its value, with a :class:`ZenFlowWarning` naming it
+        where it differs from DeepSpeed's. DeepSpeed's ``gradient_scale="interval"`` needs an integer
+        ``update_interval``.
 
     ``topk_ratio`` and ``importance`` may also be set per param group (``PER_GROUP_FIELDS``).
     """
@@ -196,7 +202,7 @@ class ZenFlowConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise values once, here
-        self._apply_semantics()
+        kept = self._apply_semantics()
         set_(self, "topk_ratio", _check_fraction("topk_ratio", self.topk_ratio))
         if self.select_strategy not in _SELECT_STRATEGIES:
             raise _fail("select_strategy", self.select_strategy, "one of 'auto', 'step', 'epoch'")
@@ -243,25 +249,43 @@ class ZenFlowConfig:
         ):
             raise interval_order_error(self.select_interval, self.update_interval)
         if self.gradient_scale == "interval" and not is_int(self.update_interval):
+            if self.semantics == "deepspeed" and "gradient_scale" not in self._given:
+                raise ZenFlowConfigError(
+                    f"zenflow.semantics='deepspeed' with update_interval={self.update_interval!r} is invalid: "
+                    "DeepSpeed divides each gradient by its accumulation count, which ZenFlow sets to "
+                    "update_interval (gradient_scale='interval'), and 'auto' fixes none. Allowed: an integer "
+                    "update_interval >= 1 (DeepSpeed's gradient_accumulation_steps), or gradient_scale='raw' to keep "
+                    "update_interval='auto' (or semantics='zenflow_kernels')")
             raise _fail("gradient_scale", "interval", "'raw' with update_interval='auto' ('interval' divides the "
                         "gradients by update_interval, which 'auto' does not fix)")
+        # (valid: warned once, after every check passed; `explain` reports it too)
+        set_(self, "notes", ("zenflow: semantics='deepspeed' fills the fields not set with DeepSpeed's choices; "
+                             "these were set explicitly and keep their value: " + "; ".join(kept),) if kept else ())
+        for note in self.notes:
+            warnings.warn(note, ZenFlowWarning, stacklevel=4)  # (the caller of __init__)
 
-    def _apply_semantics(self) -> None:
-        """``semantics``: checked; with "deepspeed", each of the six choices set to DeepSpeed's (one left at our
-        default takes DeepSpeed's; another value is refused, naming it)."""
+    # ``notes`` (not a field: no annotation): what was warned of at construction (fields set explicitly against
+    # semantics="deepspeed"), set by __post_init__; ``explain`` prints it
+    notes = ()
+
+    def _apply_semantics(self) -> list[str]:
+        """``semantics``: checked; with "deepspeed", each of the six choices the caller did not set takes
+        DeepSpeed's value. Returns those set explicitly to another value than DeepSpeed's (they keep it), described
+        for the warning."""
         if not isinstance(self.semantics, str) or self.semantics not in SEMANTICS:
             raise _fail("semantics", self.semantics, "'zenflow_kernels' or 'deepspeed'")
-        for name, (ours, theirs, allowed) in CHOICES.items():
+        kept = []
+        for name, (_ours, theirs, allowed) in CHOICES.items():
             value = getattr(self, name)
             if allowed is not None and (not isinstance(value, str) or value not in allowed):
                 raise _fail(name, value, " or ".join(map(repr, allowed)))
             if self.semantics != "deepspeed":
                 continue
-            if isinstance(value, str) and value == ours:
+            if name not in self._given:
                 object.__setattr__(self, name, theirs)
             elif not (isinstance(value, str) and value == theirs):
-                raise ZenFlowConfigError(f"zenflow.{name}={value!r} conflicts with semantics='deepspeed', which sets "
-                                         f"{name}={theirs!r}: allowed {theirs!r} (or semantics='zenflow_kernels')")
+                kept.append(f"{name}={value!r} (DeepSpeed's: {theirs!r})")
+        return kept
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -299,11 +323,13 @@ class ZenFlowConfig:
         return cls.from_dict(value)
 
     def replace(self, **changes: Any) -> ZenFlowConfig:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). The fields set explicitly stay so, the others are
+        resolved again (a ``semantics`` changed here fills them anew)."""
         unknown = [key for key in changes if key not in self.field_names()]
         if unknown:
             raise ZenFlowConfigError(_unknown_keys_message(unknown, self.field_names()))
-        return dataclasses.replace(self, **changes)
+        given = getattr(self, "_given", self.field_names())
+        return type(self)(**{name: getattr(self, name) for name in given if name not in changes}, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``zenflow`` block as a plain, JSON-serialisable dict."""
@@ -319,6 +345,22 @@ class ZenFlowConfig:
     def num_selected(self, num_columns: int) -> int:
         """``k`` for a matrix of ``num_columns`` columns at this config's ``topk_ratio`` (:func:`num_selected`)."""
         return num_selected(self.topk_ratio, num_columns)
+
+
+def _recording_init(init: Callable) -> Callable:
+    """The dataclass ``__init__``, noting first which fields the caller set explicitly (``_given``): a default cannot
+    be told from a value equal to it afterwards, and ``semantics="deepspeed"`` fills only the others
+    (``_apply_semantics``; ``replace`` keeps them so). Its signature stays the dataclass's (``functools.wraps``)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        object.__setattr__(self, "_given", frozenset(ZenFlowConfig.field_names()[: len(args)]) | frozenset(kwargs))
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+ZenFlowConfig.__init__ = _recording_init(ZenFlowConfig.__init__)
 
 
 def reserved_cores_perc(value: float | str, device_type: str) -> float:
@@ -388,7 +430,7 @@ def interval_order_error(select_interval: int, update_interval: int) -> ZenFlowC
 def _unknown_keys_message(unknown: list[str], known: tuple[str, ...]) -> str:
     parts = []
     for key in unknown:
-        close = difflib.get_close_matches(str(key), known, n=1)
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=_SUGGEST_CUTOFF)
         parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     return f"unknown zenflow key(s): {', '.join(parts)}; allowed keys: {', '.join(known)}"
 
@@ -412,33 +454,89 @@ def _read_json(path: str | os.PathLike) -> dict:
     return data
 
 
+# the top-level keys of a DeepSpeed config (besides zero_optimization) that a zenflow block never holds: a dict with
+# one of them and no zero_optimization is a DeepSpeed config without ZenFlow, not a zenflow block with unknown keys
+DEEPSPEED_KEYS = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
+    "fp16", "bf16", "amp", "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "prescale_gradients",
+    "gradient_predivide_factor", "zero_allow_untested_optimizer", "activation_checkpointing", "flops_profiler",
+    "communication_data_type", "tensorboard", "wandb", "csv_monitor", "comms_logger", "aio", "checkpoint",
+    "data_types", "compression_training", "elasticity", "pipeline", "sparse_attention", "dump_state",
+})
+_WRAPPERS = ("zero_optimization", "zenflow")
+_SUGGEST_CUTOFF = 0.8  # difflib similarity for "did you mean": typos, not merely related names
+
+
+def _section(zero: dict, key: str, where: str) -> dict:
+    """``zero_optimization.<key>`` (offload_param / offload_optimizer): an object, or {} where absent (or null)."""
+    value = zero.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ZenFlowConfigError(
+            f"zero_optimization.{key}={value!r} in {where} is invalid: allowed an object such as "
+            '{"device": "cpu"} (DeepSpeed\'s form; a bare string is not read as a device)')
+    return value
+
+
+def _device(section: dict, key: str, where: str, allowed: tuple[str, ...], why: str) -> str | None:
+    """``zero_optimization.<key>.device``, lower-cased: one of ``allowed``, None where absent, or an error naming it."""
+    device = section.get("device")
+    if device is None:
+        return None
+    if not isinstance(device, str) or device.lower() not in allowed:
+        raise ZenFlowConfigError(
+            f"zero_optimization.{key}.device={device!r} in {where} is not supported: allowed "
+            f"{' or '.join(map(repr, allowed))} ({why})")
+    return device.lower()
+
+
+def _deepspeed_zero(zero: Any, where: str) -> dict:
+    """The zenflow block of a DeepSpeed config's ``zero_optimization``, with what ZenFlow reads of the rest (the
+    offload devices and ``stage``) checked: a setting it cannot honour is refused, naming it, rather than read as
+    something else."""
+    if not isinstance(zero, dict) or "zenflow" not in zero:
+        raise ZenFlowConfigError(f"{where} is a DeepSpeed config without a zero_optimization.zenflow block")
+    stage = zero.get("stage")
+    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2)):
+        raise ZenFlowConfigError(
+            f"zero_optimization.stage={stage!r} in {where} is not supported: allowed 0, 1 or 2 (ZenFlow's ZeRO-1/2 "
+            "is the optimizer's zero_stage argument, docs/torchrun.md; for ZeRO-3's sharded parameters use FSDP2, "
+            "docs/fsdp2.md)")
+    _device(_section(zero, "offload_param", where), "offload_param", where, ("cpu", "none"),
+            "ZenFlow keeps the parameters on the device; NVMe would otherwise be silently ignored. The "
+            "optimizer's state can go to NVMe: offload_optimizer.device=\"nvme\"")
+    optimizer = _section(zero, "offload_optimizer", where)
+    device = _device(optimizer, "offload_optimizer", where, ("cpu", "nvme"),
+                     "ZenFlow keeps the optimizer's state in host memory, or with \"nvme\" in files under nvme_path; "
+                     "it cannot keep it on the device")
+    block = dict(zero["zenflow"]) if isinstance(zero["zenflow"], dict) else zero["zenflow"]
+    if isinstance(block, dict) and device == "nvme":
+        # DeepSpeed's form of offload_device="nvme" (the zenflow block's own keys win)
+        block.setdefault("offload_device", "nvme")
+        block.setdefault("nvme_path", optimizer.get("nvme_path"))
+    return block
+
+
 def _zenflow_block(data: dict, where: str) -> dict:
     """The zenflow block of a DeepSpeed config, a {"zenflow": ...} wrapper, or the block itself."""
     if "zero_optimization" in data:
-        zero = data["zero_optimization"]
-        if not isinstance(zero, dict) or "zenflow" not in zero:
-            raise ZenFlowConfigError(f"{where} is a DeepSpeed config without a zero_optimization.zenflow block")
-        def section(key: str) -> dict:  # zero_optimization.offload_param / offload_optimizer, or {}
-            value = zero.get(key)
-            return value if isinstance(value, dict) else {}
-
-        device = section("offload_param").get("device")
-        if isinstance(device, str) and device.lower() == "nvme":
-            # read, so it must act or be refused: ZenFlow keeps the parameters on the device
-            raise ZenFlowConfigError(
-                f"zero_optimization.offload_param.device={device!r} in {where} is not supported: allowed \"cpu\" or "
-                "\"none\" (ZenFlowAdamW keeps the parameters on the device; NVMe would otherwise be silently "
-                "ignored). The optimizer's state can go to NVMe: offload_optimizer.device=\"nvme\"")
-        block = dict(zero["zenflow"]) if isinstance(zero["zenflow"], dict) else zero["zenflow"]
-        optimizer = section("offload_optimizer")
-        device = optimizer.get("device")
-        if isinstance(block, dict) and isinstance(device, str) and device.lower() == "nvme":
-            # DeepSpeed's form of offload_device="nvme" (the zenflow block's own keys win)
-            block.setdefault("offload_device", "nvme")
-            block.setdefault("nvme_path", optimizer.get("nvme_path"))
+        block = _deepspeed_zero(data["zero_optimization"], where)
     elif "zenflow" in data:
         block = data["zenflow"]
     else:
+        for key in data:  # a misspelt wrapper would otherwise read as a zenflow block with unknown keys
+            close = difflib.get_close_matches(str(key), _WRAPPERS, n=1, cutoff=_SUGGEST_CUTOFF)
+            if close:
+                raise ZenFlowConfigError(
+                    f"unknown key {key!r} in {where} (did you mean {close[0]!r}?): allowed a DeepSpeed config with a "
+                    "zero_optimization.zenflow block, a {'zenflow': ...} wrapper, or the zenflow block itself")
+        deepspeed = sorted(str(key) for key in data if key in DEEPSPEED_KEYS)
+        if deepspeed:
+            raise ZenFlowConfigError(
+                f"{where} is a DeepSpeed config (it has {', '.join(map(repr, deepspeed))}) without a "
+                "zero_optimization block: allowed a DeepSpeed config with a zero_optimization.zenflow block, a "
+                "{'zenflow': ...} wrapper, or the zenflow block itself")
         block = data
     if not isinstance(block, dict):
         raise ZenFlowConfigError(
@@ -458,8 +556,7 @@ def check_adamw_hyperparameters(
     def real(value: Any) -> bool:
         return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
-    if not real(lr) or lr < 0:
-        raise bad("lr", lr, "a finite number >= 0")
+    check_lr(lr, where)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(real(b) and 0 <= b < 1 for b in betas):
         raise bad("betas", betas, "a pair of numbers in [0, 1)")
     if not real(eps) or eps < 0:
@@ -467,6 +564,24 @@ def check_adamw_hyperparameters(
     if not real(weight_decay) or weight_decay < 0:
         raise bad("weight_decay", weight_decay, "a finite number >= 0")
     check_max_grad_norm(max_grad_norm, where)
+
+
+LR_ALLOWED = "a finite number >= 0, or a 1-element floating-point tensor holding one (as torch.optim takes it)"
+
+
+def check_lr(lr: Any, where: str) -> float:
+    """A learning rate as ``torch.optim.AdamW`` takes it: a finite real number >= 0, or a 1-element floating-point
+    tensor holding one (a scheduler then writes into it in place). Its value as a float, or a ValueError naming
+    ``lr``, its value and what is allowed (for every update rule and the AdamW facade alike)."""
+    value = lr
+    torch = sys.modules.get("torch")  # (a tensor exists only if torch was imported: no import here)
+    if torch is not None and isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.dtype.is_floating_point or lr.is_complex():
+            raise ValueError(f"{where}: lr={lr!r} is invalid: allowed {LR_ALLOWED}")
+        value = float(lr)
+    if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{where}: lr={lr!r} is invalid: allowed {LR_ALLOWED}")
+    return float(value)
 
 
 def check_max_grad_norm(max_grad_norm: Any, where: str) -> None:

@@ -54,14 +54,15 @@ class HandOver:
         if not self._rewrites_off:
             self.mode, self.why = mode, why
 
-    def declare(self, requires_sync) -> None:
-        """``ZenFlowAdamW.set_requires_gradient_sync``: True, False, or a callable answering it at each backward."""
+    def declare(self, requires_sync, where: str = "ZenFlow.set_requires_gradient_sync") -> None:
+        """``ZenFlowAdamW.set_requires_gradient_sync``: True, False, or a callable answering it at each backward
+        (``where``: what an error calls the method)."""
         if isinstance(requires_sync, bool):
             self.requires_sync, self.sync_source = requires_sync, None
         elif callable(requires_sync):
             self.requires_sync, self.sync_source = True, requires_sync
         else:
-            raise TypeError(f"ZenFlowAdamW.set_requires_gradient_sync: requires_gradient_sync={requires_sync!r} is "
+            raise TypeError(f"{where}: requires_gradient_sync={requires_sync!r} is "
                             "invalid: allowed True, False or a callable returning one")
 
     @contextlib.contextmanager
@@ -191,8 +192,9 @@ def grad_ready_hook(method: weakref.WeakMethod, i: int):
     def hook(p) -> None:
         autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # (imported by whoever enables it)
         if autograd is not None and autograd.in_compiled_autograd_region:
+            name = getattr(getattr(method(), "__self__", None), "display_name", "ZenFlow")
             raise RuntimeError(
-                "ZenFlowAdamW: a backward traced by compiled autograd (torch._dynamo.config.compiled_autograd) is "
+                f"{name}: a backward traced by compiled autograd (torch._dynamo.config.compiled_autograd) is "
                 "not supported: the optimizer's gradient hooks copy to the host and keep books in Python, which a "
                 "graph cannot hold. Run backward eagerly; torch.compile(model) still compiles forward and backward")
         ready = method()

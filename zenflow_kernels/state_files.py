@@ -73,10 +73,12 @@ class StateFiles:
         io: the system calls (tests pass a faulty one).
         fields: the fp32 fields of each block, in order (default ``FIELDS``, AdamW's: an update rule's ``master``
             and ``state_names``).
+        owner: what the errors call the optimizer whose state this is (``ZenFlowAdamW``, ``ZenFlow(Lion)``, ...).
     """
 
     def __init__(self, nvme_path, numel: int, *, block_numel: int = 1 << 20, rank: int = 0, direct: bool = False,
-                 io=None, fields: tuple[str, ...] = FIELDS):
+                 io=None, fields: tuple[str, ...] = FIELDS, owner: str = "ZenFlow"):
+        self.owner = owner
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"StateFiles: numel={numel!r} is invalid: allowed an int >= 0")
         if isinstance(block_numel, bool) or not isinstance(block_numel, int) or block_numel <= 0 or \
@@ -106,7 +108,7 @@ class StateFiles:
             self._fd = os.open(self.path, flags, 0o600)
         except OSError as exc:
             shutil.rmtree(self.folder, ignore_errors=True)
-            raise StateFileError(exc.errno, f"ZenFlowAdamW NVMe state: creating {self.path} "
+            raise StateFileError(exc.errno, f"{self.owner} NVMe state: creating {self.path} "
                                  f"{'with O_DIRECT ' if direct else ''}failed: {exc.strerror or exc}") from exc
         self._finalizer = weakref.finalize(self, _remove, self._fd, self.folder)
         try:
@@ -126,12 +128,12 @@ class StateFiles:
         free = stat.f_bavail * stat.f_frsize
         need = f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB: {what})"
         if nbytes > free:
-            raise StateFileError(errno.ENOSPC, f"ZenFlowAdamW NVMe state: {path} needs {need}, the filesystem "
+            raise StateFileError(errno.ENOSPC, f"{self.owner} NVMe state: {path} needs {need}, the filesystem "
                                  f"has {free} bytes free")
         try:
             self._io.fallocate(fd, 0, nbytes)
         except OSError as exc:
-            raise StateFileError(exc.errno, f"ZenFlowAdamW NVMe state: reserving {need} for {path} failed: "
+            raise StateFileError(exc.errno, f"{self.owner} NVMe state: reserving {need} for {path} failed: "
                                  f"{exc.strerror or exc} ({free} bytes were free)") from exc
 
     @property
@@ -175,7 +177,7 @@ class StateFiles:
 
     def _transfer(self, op: str, j: int, bufs: list[torch.Tensor]) -> None:
         if self.released or (op == "write" and self.closed):
-            raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: {op} of block {j} after "
+            raise StateFileError(errno.EBADF, f"{self.owner} NVMe state: {op} of block {j} after "
                                  f"{'release' if self.released else 'close'} ({self.path})")
         self._move(op, self._fd, self.path, j * self.block_numel * _ITEM * len(self.fields), [_bytes(b) for b in bufs])
 
@@ -192,7 +194,7 @@ class StateFiles:
                     raise OSError(errno.EIO, "end of file" if op == "read" else "nothing written")
                 done += n
         except OSError as exc:
-            raise StateFileError(exc.errno, f"ZenFlowAdamW NVMe state: {op} of {want} bytes at offset {offset + done} "
+            raise StateFileError(exc.errno, f"{self.owner} NVMe state: {op} of {want} bytes at offset {offset + done} "
                                  f"of {path} failed: {exc.strerror or exc}") from exc
 
     def read_block(self, j: int, bufs: list[torch.Tensor]) -> None:
@@ -208,7 +210,7 @@ class StateFiles:
         that field's part of each block is read (rounded out to 4 KiB, as ``O_DIRECT`` requires), a third of the
         block's bytes."""
         if self.released:
-            raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: read after release ({self.path})")
+            raise StateFileError(errno.EBADF, f"{self.owner} NVMe state: read after release ({self.path})")
         k = self.fields.index(field)
         out = torch.empty(hi - lo, dtype=torch.float32)
         buf = self.new_block()[0]
@@ -282,7 +284,7 @@ class StateFiles:
         name, mode 0600, visible only while it is written), so that it works after :meth:`close` too."""
         n, rows = self.numel, len(self.fields) + (extra is not None)
         if self.released:
-            raise StateFileError(errno.EBADF, f"ZenFlowAdamW NVMe state: a snapshot after release ({self.path})")
+            raise StateFileError(errno.EBADF, f"{self.owner} NVMe state: a snapshot after release ({self.path})")
         if extra is not None and tuple(extra.shape) != (n,):
             raise ValueError(f"StateFiles.snapshot: extra has shape {tuple(extra.shape)}, allowed ({n},)")
         if n == 0:

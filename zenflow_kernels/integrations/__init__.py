@@ -67,9 +67,10 @@ def give_epoch_length(optimizers: Iterable, batches_per_epoch, accumulation_step
         if sched.select_strategy != "epoch" or sched.steps_per_epoch is not None:
             continue
         if not isinstance(batches_per_epoch, int) or batches_per_epoch <= 0:
+            name = getattr(opt, "display_name", "ZenFlowAdamW")
             warnings.warn(
-                f"{where}: the epoch length is unknown ({batches_per_epoch!r} batches per epoch), so ZenFlowAdamW "
-                "keeps its columns and never re-selects them; pass steps_per_epoch to ZenFlowAdamW",
+                f"{where}: the epoch length is unknown ({batches_per_epoch!r} batches per epoch), so {name} "
+                f"keeps its columns and never re-selects them; pass steps_per_epoch to {name}",
                 stacklevel=3,
             )
             continue

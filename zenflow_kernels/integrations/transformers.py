@@ -58,7 +58,8 @@ class ZenFlowCallback(TrainerCallback):
         opt = find_zenflow(kwargs.get("optimizer"))
         if opt is None and kwargs.get("optimizer") is not None and not getattr(self, "_warned", False):
             self._warned = True
-            warnings.warn("ZenFlowCallback: the Trainer's optimizer is not a ZenFlowAdamW; the callback does nothing",
+            warnings.warn("ZenFlowCallback: the Trainer's optimizer is not a ZenFlow optimizer (ZenFlowAdamW, or "
+                          "ZenFlow with an update rule); the callback does nothing",
                           stacklevel=3)
         return opt
 

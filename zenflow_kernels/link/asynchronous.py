@@ -102,7 +102,7 @@ class AsyncLink(_Link):
         self._overwritten += self._staged.pop(i, 0)  # (re-inserted: the order is the last firing's)
         self._staged[i] = nbytes
         if not self._ordered:
-            self._ordered = _at_backward_end(self._after_backward)
+            self._ordered = at_backward_end(self._after_backward)
 
     def _after_backward(self) -> None:
         """End of a backward whose hooks copied gradients: the device's later work (a user's in-place write to a
@@ -289,7 +289,7 @@ class AsyncLink(_Link):
         self.engine.close()
 
 
-def _at_backward_end(callback: Callable[[], None]) -> bool:
+def at_backward_end(callback: Callable[[], None]) -> bool:
     """Run ``callback`` when the backward pass running now ends (autograd's final callbacks, as FSDP2 uses);
     False outside a backward pass (nothing queued)."""
     try:

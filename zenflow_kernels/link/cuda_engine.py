@@ -18,8 +18,9 @@ class CudaEngine:
     workers: tuple = ()  # streams, not threads: nothing to check or close
     delays = None  # no chaos delays: the streams' own timing
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, owner: str = "ZenFlow"):
         self.device = device
+        self.owner = owner  # what errors call the optimizer (ZenFlowAdamW, ZenFlow(Lion), ...)
         self._d2h = torch.cuda.Stream(device)
         self._h2d = torch.cuda.Stream(device)
         self.pinned: list[tuple[torch.Tensor, int]] = []  # (buffer, bytes) page-locked by this engine, until close
@@ -29,13 +30,12 @@ class CudaEngine:
         """Run first on every worker thread that waits on this engine's events."""
         torch.cuda.set_device(self.device)
 
-    @staticmethod
-    def refuse_capture() -> None:
+    def refuse_capture(self) -> None:
         """A backward hook is about to copy: not inside a CUDA graph capture (its copies to page-locked memory, event
         records and host waits would invalidate it)."""
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                "ZenFlowAdamW: a backward captured in a CUDA graph is not supported: the optimizer's gradient hooks "
+                f"{self.owner}: a backward captured in a CUDA graph is not supported: the optimizer's gradient hooks "
                 "copy to the host and wait on host work (page-locked memory, events), which invalidates the capture. "
                 "Do not capture backward, or capture it with another optimizer")
 

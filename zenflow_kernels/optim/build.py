@@ -4,6 +4,7 @@ training and of the host worker, and at the first step the host shard, the link 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -19,7 +20,8 @@ from ..sharding import FSDP2, Sharding, Zero1, Zero2, fsdp2_mesh
 from .run import Run
 from .sums import host_buffers, make_sums
 
-__all__ = ["Tunables", "PARAM_DTYPES", "check_arguments", "check_nvme_path", "take_params", "device_of", "check_params",
+__all__ = ["Tunables", "PARAM_DTYPES", "display_name", "check_arguments", "check_host_timeout", "check_nvme_path",
+           "take_params", "device_of", "check_params",
            "choose_sharding", "rank_cores", "trained", "make_host_and_link", "make_run", "make_parts", "grad_hooks",
            "shutdown", "training_threads"]
 
@@ -46,49 +48,71 @@ class Tunables:
     """With ``offload``, the fast-path state moves to the device in buckets of at most this many elements."""
 
 
-def check_arguments(rule, lr, max_grad_norm, zero_stage, collective_timeout, release_gradients) -> None:
-    """ZenFlow's update rule (its defaults with ``lr``), ``max_grad_norm`` and ZeRO arguments, or an error naming the
-    argument, its value and what is allowed."""
+def display_name(rule, facade: str | None = None) -> str:
+    """What the optimizer's messages call it: the facade's name (``ZenFlowAdamW``), else ``ZenFlow(<rule name>)``
+    (``ZenFlow(Lion)``; a rule without a ``name``: its class's)."""
+    if facade:
+        return facade
+    return f"ZenFlow({getattr(rule, 'name', '') or type(rule).__name__})"
+
+
+def check_host_timeout(host_timeout, name: str = "ZenFlow") -> None:
+    """``host_timeout``: None (no limit) or a finite number of seconds > 0, or an error naming it."""
+    if host_timeout is None:
+        return
+    if isinstance(host_timeout, bool) or not isinstance(host_timeout, numbers.Real):
+        raise TypeError(f"{name}: host_timeout={host_timeout!r} is invalid: allowed None (no limit) or a finite "
+                        "number of seconds > 0")
+    if not (math.isfinite(host_timeout) and host_timeout > 0):
+        raise ValueError(f"{name}: host_timeout={host_timeout!r} is invalid: allowed None (no limit) or a finite "
+                         "number of seconds > 0")
+
+
+def check_arguments(rule, lr, max_grad_norm, zero_stage, collective_timeout, release_gradients, host_timeout=None,
+                    name: str = "ZenFlow") -> None:
+    """ZenFlow's update rule (its defaults with ``lr``), ``max_grad_norm``, ``host_timeout`` and ZeRO arguments, or an
+    error naming the argument, its value and what is allowed (``name``: the optimizer's, :func:`display_name`)."""
     if not isinstance(rule, UpdateRule):
         raise TypeError(f"ZenFlow: rule={rule!r} is invalid: allowed an update rule (zenflow_kernels.rules.AdamW, "
                         "Adam, Lion, SGD, or a subclass of rules.UpdateRule)")
-    rule.check_group(dict(rule.group_defaults(), lr=lr), "ZenFlow")  # (lr with the rule's own)
-    check_max_grad_norm(max_grad_norm, "ZenFlow")
+    rule.check_group(dict(rule.group_defaults(), lr=lr), name)  # (lr with the rule's own)
+    check_max_grad_norm(max_grad_norm, name)
+    check_host_timeout(host_timeout, name)
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
-        raise ValueError(f"ZenFlowAdamW: zero_stage={zero_stage!r} is invalid: allowed 0, 1 or 2")
+        raise ValueError(f"{name}: zero_stage={zero_stage!r} is invalid: allowed 0, 1 or 2")
     if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or not (
             math.isfinite(collective_timeout) and collective_timeout > 0):
-        raise ValueError(f"ZenFlowAdamW: collective_timeout={collective_timeout!r} is invalid: allowed a "
+        raise ValueError(f"{name}: collective_timeout={collective_timeout!r} is invalid: allowed a "
                          "positive number of seconds")
     if release_gradients is not None and (not isinstance(release_gradients, bool) or (
             release_gradients and zero_stage != 2)):
-        raise ValueError(f"ZenFlowAdamW: release_gradients={release_gradients!r} with zero_stage={zero_stage} is "
+        raise ValueError(f"{name}: release_gradients={release_gradients!r} with zero_stage={zero_stage} is "
                          "invalid: allowed None, or True/False with zero_stage=2 (only stage 2 reduces each "
                          "gradient to one owner)")
 
 
-def check_nvme_path(config, rule=None) -> None:
+def check_nvme_path(config, rule=None, name: str = "ZenFlow") -> None:
     """``offload_device="nvme"``: ``nvme_path`` is an existing folder this process may write, or an error naming it
     (at construction: before any thread, hook or file exists); the state file holds fp32 fields only."""
     if config.offload_device != "nvme":
         return
     if rule is not None and rule.state_dtype != torch.float32:
-        raise ValueError(f"ZenFlow: {rule!r} keeps its state in {rule.state_dtype} with zenflow.offload_device="
+        raise ValueError(f"{name}: {rule!r} keeps its state in {rule.state_dtype} with zenflow.offload_device="
                          "'nvme': allowed float32 state on disk (bf16 state is for host memory: "
                          "offload_device='cpu')")
     path = config.nvme_path
     problem = ("does not exist" if not os.path.exists(path) else "is not a folder" if not os.path.isdir(path) else
                "is not writable by this process" if not os.access(path, os.W_OK | os.X_OK) else None)
     if problem:
-        raise ValueError(f"ZenFlowAdamW: zenflow.nvme_path={path!r} {problem}: allowed an existing, writable folder "
+        raise ValueError(f"{name}: zenflow.nvme_path={path!r} {problem}: allowed an existing, writable folder "
                          "(the host state's files are created in it at the first step)")
 
 
-def take_params(param_groups: list[dict]) -> tuple[list[torch.Tensor], list[int]]:
+def take_params(param_groups: list[dict], name: str = "ZenFlow") -> tuple[list[torch.Tensor], list[int]]:
     """The parameters of every group in order, and each one's group, checked (:func:`check_params`); an optimizer
     that hooked them before (the one this replaces) no longer copies their gradients (``handover.release_hooks``)."""
     params = [p for g in param_groups for p in g["params"]]
-    check_params(params)
+    check_params(params, name)
     release_hooks(params)
     return params, [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
 
@@ -98,35 +122,43 @@ def device_of(params: list[torch.Tensor]) -> torch.device:
     return params[0].device if params else torch.device("cpu")
 
 
-def check_params(params: list[torch.Tensor]) -> None:
+def check_params(params: list[torch.Tensor], name: str = "ZenFlow") -> None:
     devices = {p.device for p in params}
     if len(devices) > 1:
-        raise ValueError(f"ZenFlowAdamW: parameters on several devices {sorted(map(str, devices))}: allowed one")
+        raise ValueError(f"{name}: parameters on several devices {sorted(map(str, devices))}: allowed one")
     for p in params:
         if p.dtype not in PARAM_DTYPES:
-            raise TypeError(f"ZenFlowAdamW: parameter dtype {p.dtype} is invalid: allowed float32, bfloat16, float16")
+            raise TypeError(f"{name}: parameter dtype {p.dtype} is invalid: allowed float32, bfloat16, float16")
     if len({id(p) for p in params}) != len(params):
-        raise ValueError("ZenFlowAdamW: a parameter appears more than once")
+        raise ValueError(f"{name}: a parameter appears more than once")
 
 
 def choose_sharding(params, *, world: int, zero_stage: int, process_group, timeout: float, release: bool,
-                    bucket_numel: int) -> Sharding:
-    """One process, ZeRO-1/2 over ``torch.distributed`` or FSDP2 (DTensor parameters)."""
-    mesh = fsdp2_mesh(params)
+                    bucket_numel: int, name: str = "ZenFlow") -> Sharding:
+    """One process, ZeRO-1/2 over ``torch.distributed`` or FSDP2 (DTensor parameters); its messages say ``name``."""
+    shard = _sharding(params, world=world, zero_stage=zero_stage, process_group=process_group, timeout=timeout,
+                      release=release, bucket_numel=bucket_numel, name=name)
+    shard.name = name
+    return shard
+
+
+def _sharding(params, *, world: int, zero_stage: int, process_group, timeout: float, release: bool,
+              bucket_numel: int, name: str) -> Sharding:
+    mesh = fsdp2_mesh(params, name)
     if mesh is not None:
         if zero_stage:
             raise ValueError(
-                f"ZenFlowAdamW: zero_stage={zero_stage} with FSDP2 (DTensor) parameters is invalid: allowed 0 "
+                f"{name}: zero_stage={zero_stage} with FSDP2 (DTensor) parameters is invalid: allowed 0 "
                 "(FSDP2 already shards the parameters and gradients; the host state follows its shards)")
         if process_group is not None:
-            raise ValueError("ZenFlowAdamW: process_group with FSDP2 (DTensor) parameters is invalid: allowed "
+            raise ValueError(f"{name}: process_group with FSDP2 (DTensor) parameters is invalid: allowed "
                              "None (the parameters' device mesh is the group)")
-        return FSDP2(mesh, timeout)
+        return FSDP2(mesh, timeout, name)
     if world == 1:
         return Sharding()
     if zero_stage == 0:
         raise ValueError(
-            f"ZenFlowAdamW: torch.distributed runs {world} ranks and zero_stage=0: pick zero_stage=1 or 2 (each "
+            f"{name}: torch.distributed runs {world} ranks and zero_stage=0: pick zero_stage=1 or 2 (each "
             "rank holds 1/world of the host state; the optimizer averages the gradients itself, without DDP)"
         )
     if zero_stage == 1:
@@ -134,13 +166,13 @@ def choose_sharding(params, *, world: int, zero_stage: int, process_group, timeo
     return Zero2(process_group, timeout, release=release, bucket_numel=bucket_numel)
 
 
-def rank_cores(config) -> tuple[list[int], str]:
+def rank_cores(config, name: str = "ZenFlow") -> tuple[list[int], str]:
     """The CPUs this rank's training and host worker share out (``zenflow.cores``), and why."""
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     if config.cores != "auto":
         outside = sorted(set(config.cores) - affinity)
         if outside:
-            raise ValueError(f"ZenFlowAdamW: zenflow.cores={list(config.cores)!r} is invalid: CPUs {outside} "
+            raise ValueError(f"{name}: zenflow.cores={list(config.cores)!r} is invalid: CPUs {outside} "
                              f"are outside this process's affinity {sorted(affinity)} (allowed: a subset of it; "
                              "never widened)")
         return list(config.cores), "zenflow.cores as given"
@@ -148,9 +180,9 @@ def rank_cores(config) -> tuple[list[int], str]:
     return cpu_ops.physical_cores(cores), why
 
 
-def split_cores(config, device: torch.device) -> dict:
+def split_cores(config, device: torch.device, name: str = "ZenFlow") -> dict:
     """``{"train": cores, "host": cores, "why": ...}``: training's and the host worker's CPUs."""
-    cores, why = rank_cores(config)
+    cores, why = rank_cores(config, name)
     train, host = cpu_ops.split_cores(config.reserved_cores_perc(device.type), cores)
     return dict(train=train, host=host, why=why)
 
@@ -187,12 +219,12 @@ def trained(params, kept=()) -> set[int]:
 
 
 def make_run(params, group_of, param_groups, state, config, shard, telemetry, *, timeout, chaos, nvme_block: int,
-             nvme_direct: bool, host_params: set[int], rule) -> Run:
+             nvme_direct: bool, host_params: set[int], rule, name: str = "ZenFlow") -> Run:
     """The first step's setup: the CPUs of training and of the host worker, the sharding started, the host shard
     of ``host_params`` (those of them this rank holds) laid out, the link and the context the parts share
     (:class:`Run`). A failure leaves nothing running: training's thread count restored, no worker started."""
     device = device_of(params)
-    cores = split_cores(config, device)
+    cores = split_cores(config, device, name)
     shard.start(params, group_of, device, chaos)
     shard.hold(host_params)
     local = [shard.local(p) for p in params]  # the parameters, or (FSDP2) this rank's rows
@@ -206,17 +238,18 @@ def make_run(params, group_of, param_groups, state, config, shard, telemetry, *,
 
             path, rank, fields = config.nvme_path, shard.rank, ("master", *rule.state_names)
             disk = lambda numel: StateFiles(path, numel, block_numel=nvme_block, rank=rank, direct=nvme_direct,  # noqa: E731
-                                            fields=fields)
+                                            fields=fields, owner=name)
         owned = sorted(host_params if shard.owned is None else host_params.intersection(shard.owned))
         host, link = make_host_and_link(local, group_of, device, config=config, cores=cores, timeout=timeout,
-                                        chaos=chaos, owned=owned, num_acc=host_buffers(config), disk=disk, rule=rule)
+                                        chaos=chaos, owned=owned, num_acc=host_buffers(config), disk=disk, rule=rule,
+                                        name=name)
     except BaseException:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         raise
     shard.use_host_memory(link.alloc)  # ZeRO: the write-back's receive buffers (pinned on a GPU)
     return Run(params, local, group_of, param_groups, state, config, device, shard, link, host, telemetry, cores,
-               torch_threads, frozenset(host_params), rule)
+               torch_threads, frozenset(host_params), rule, name=name)
 
 
 def make_parts(run: Run, classes, handover, *, seed_from_host: bool, hyper, grad_ready) -> tuple:
@@ -244,11 +277,13 @@ def make_parts(run: Run, classes, handover, *, seed_from_host: bool, hyper, grad
 
 
 def make_host_and_link(local, group_of, device, *, config, cores: dict, timeout, chaos, owned, num_acc: int, disk,
-                       rule=None):
+                       rule=None, name: str = "ZenFlow"):
     """The host shard of this rank's parameters ``owned`` (laid out by the optimizer) and the link that moves data
     between it and the device: CUDA streams and pinned memory, plain CPU copies, or (``chaos``) the asynchronous
     CPU link. A failure stops the engine's threads and removes the state file made so far."""
     engine = link_module.make_engine(device, chaos=chaos, timeout=timeout)
+    if engine is not None:
+        engine.owner = name  # what its errors call the optimizer (CudaEngine.refuse_capture)
     host = None
     try:
         # an asynchronous link's gradients cross through a landing area, except where the sums are on the device

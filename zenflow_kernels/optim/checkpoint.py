@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 
 import torch
 
-from ..config import CHOICES, ZenFlowConfig, check_adamw_hyperparameters
+from ..config import CHOICES, ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters
 from ..schedule import Schedule
 from .interval import HostInterval
 from .run import Run
@@ -55,10 +56,13 @@ def header(counters: dict, *, config: ZenFlowConfig, schedule: Schedule, max_gra
 def config_record(config: ZenFlowConfig) -> dict:
     """The config as a checkpoint records it: every field, but DeepSpeed's choices (``config.CHOICES``, and
     ``semantics``) only where they are not ours, so a checkpoint of a run with our choices has the keys it had
-    before they existed (a DCP load plans by the keys of the state dict it loads into)."""
+    before they existed (a DCP load plans by the keys of the state dict it loads into). Under
+    ``semantics="deepspeed"`` every choice is recorded: one kept at ours against it must not read back as
+    DeepSpeed's."""
     record = config.to_dict()
     for name in (*CHOICES, "semantics"):
-        if name != "importance" and record[name] == ZenFlowConfig.__dataclass_fields__[name].default:
+        if name != "importance" and record[name] == ZenFlowConfig.__dataclass_fields__[name].default and (
+                name == "semantics" or config.semantics != "deepspeed"):
             del record[name]
     return record
 
@@ -132,60 +136,67 @@ class Loaded:
     host_params: set[int]  # the parameters that had host state (they keep it whatever requires_grad says now)
 
 
-def check_form(state_dict, n_groups: int, group_sizes: list[int]) -> None:
-    """A state dict with ``state`` and ``param_groups`` matching this optimizer's groups, or an error."""
+def check_form(state_dict, n_groups: int, group_sizes: list[int], name: str = "ZenFlow") -> None:
+    """A state dict with ``state`` and ``param_groups`` matching this optimizer's groups, or an error naming the
+    optimizer (``name``: ``build.display_name``)."""
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) or not \
             isinstance(state_dict.get("state"), dict):
         raise ValueError(
-            "ZenFlowAdamW.load_state_dict: expected a state dict with 'state' and 'param_groups' (from "
-            f"ZenFlowAdamW.state_dict() or torch.optim.AdamW/Adam.state_dict()), got {type(state_dict).__name__}"
+            f"{name}.load_state_dict: expected a state dict with 'state' and 'param_groups' (from "
+            f"{name}.state_dict() or torch.optim.AdamW/Adam.state_dict()), got {type(state_dict).__name__}"
             + (f" with keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict) else "")
         )
     groups = state_dict["param_groups"]
     if len(groups) != n_groups:
         raise ValueError(
-            f"ZenFlowAdamW.load_state_dict: the state dict has {len(groups)} param groups, this optimizer "
+            f"{name}.load_state_dict: the state dict has {len(groups)} param groups, this optimizer "
             f"{n_groups}: the param groups do not match this optimizer's"
         )
     for gi, (saved, size) in enumerate(zip(groups, group_sizes, strict=True)):
         if len(saved.get("params", ())) != size:
-            raise ValueError(f"ZenFlowAdamW.load_state_dict: param group {gi}'s size does not match")
+            raise ValueError(f"{name}.load_state_dict: param group {gi} holds {len(saved.get('params', ()))} "
+                             f"parameters in the state dict, {size} in this optimizer: the param groups do not match")
 
 
 def read(state_dict, *, params: list[torch.Tensor], group_of: list[int], group_sizes: list[int], shard,
-         config: ZenFlowConfig, schedule: Schedule, max_grad_norm, rule) -> Loaded:
+         config: ZenFlowConfig, schedule: Schedule, max_grad_norm, rule, name: str | None = None) -> Loaded:
     """Check a state dict for the loading optimizer (its ``params``, their param groups, its ``shard``ing and
     settings): a ZenFlowAdamW one (:func:`unpack`), a torch AdamW/Adam one (:func:`unpack_adam`), or an error.
-    FSDP2: the dict is in torch.distributed.checkpoint's form first."""
+    FSDP2: the dict is in torch.distributed.checkpoint's form first. ``name``: what errors call the optimizer
+    (``build.display_name``; by default ``ZenFlow(<rule name>)``)."""
+    name = name or f"ZenFlow({rule.name})"
     state_dict = shard.import_state_dict(state_dict)
-    check_form(state_dict, len(group_sizes), group_sizes)
+    check_form(state_dict, len(group_sizes), group_sizes, name)
     if "zenflow" not in state_dict:  # a torch AdamW/Adam run to continue
         if rule.name != "AdamW":
-            raise ValueError(f"ZenFlow({rule.name}).load_state_dict: the state dict has no 'zenflow' entry (a torch "
+            raise ValueError(f"{name}.load_state_dict: the state dict has no 'zenflow' entry (a torch "
                              "optimizer's): continuing a torch optimizer's run is supported for rules.AdamW only")
-        return unpack_adam(state_dict, params, config, schedule, max_grad_norm)
+        return unpack_adam(state_dict, params, config, schedule, max_grad_norm, name)
     saved_rule = state_dict["zenflow"].get("rule", {"name": "AdamW", "state_names": ["exp_avg", "exp_avg_sq"]})
     if saved_rule.get("name") != rule.name or tuple(saved_rule.get("state_names", ())) != rule.state_names:
-        raise ValueError(f"ZenFlow({rule.name}).load_state_dict: the state dict was saved by an optimizer with the "
+        raise ValueError(f"{name}.load_state_dict: the state dict was saved by an optimizer with the "
                          f"update rule {saved_rule.get('name')!r} ({saved_rule}); this one's is {rule!r}: its "
                          "state (the host and fast-path fields) cannot continue another rule's run")
     return unpack(state_dict, config=config, max_grad_norm=max_grad_norm, local=[shard.local(p) for p in params],
-                  will_hold=shard.will_hold(params, group_of), rank=shard.rank, world=shard.world)
+                  will_hold=shard.will_hold(params, group_of), rank=shard.rank, world=shard.world, name=name)
 
 
 def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: list[torch.Tensor],
-           will_hold: list[int], rank: int, world: int) -> Loaded:
+           will_hold: list[int], rank: int, world: int, name: str = "ZenFlow") -> Loaded:
     """Check a ZenFlowAdamW state dict against the loading optimizer (its ``config``, ``max_grad_norm``, the
     tensors ``local`` it updates and the parameters ``will_hold`` whose host state this rank will hold)."""
     zenflow = state_dict["zenflow"]
     version = int(zenflow.get("format", 1))
     if version > FORMAT:
-        raise ValueError(f"ZenFlowAdamW.load_state_dict: the state dict has format {version}, this version of "
+        raise ValueError(f"{name}.load_state_dict: the state dict has format {version}, this version of "
                          f"zenflow_kernels reads formats 1 to {FORMAT}: load it with the version that saved it")
     # where the host state lives and which CPUs run it are this optimizer's, not the checkpoint's (memory <-> disk
     # both ways; another machine)
-    saved_config = ZenFlowConfig.from_dict({**zenflow["config"], "offload_device": config.offload_device,
-                                            "nvme_path": config.nvme_path, "cores": config.cores})
+    # (a field kept against semantics="deepspeed" was reported when the saved run's config was made: not again)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ZenFlowWarning)
+        saved_config = ZenFlowConfig.from_dict({**zenflow["config"], "offload_device": config.offload_device,
+                                                "nvme_path": config.nvme_path, "cores": config.cores})
     schedule = dict(zenflow["schedule"])  # the optimizer makes it (make_schedule: its schedule_class)
     saved_state = state_dict["state"]
     held = set(zenflow.get("host_params", range(len(local))))
@@ -194,7 +205,7 @@ def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: lis
         for key in ("host_master", "unflushed"):
             if key in st and tuple(st[key].shape) != tuple(p.shape):
                 raise ValueError(
-                    f"ZenFlowAdamW.load_state_dict: parameter {idx} was saved with shape "
+                    f"{name}.load_state_dict: parameter {idx} was saved with shape "
                     f"{tuple(st[key].shape)} ({key}), this one is {tuple(p.shape)}"
                 )
     if zenflow.get("built"):
@@ -205,7 +216,7 @@ def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: lis
         if missing:
             saved = zenflow.get("zero", {})
             raise ValueError(
-                f"ZenFlowAdamW.load_state_dict: the state dict (saved by rank {saved.get('rank', 0)} of "
+                f"{name}.load_state_dict: the state dict (saved by rank {saved.get('rank', 0)} of "
                 f"{saved.get('world', 1)}) holds no host state for parameters {missing[:8]}, which rank "
                 f"{rank} of {world} holds: load each rank's own state_dict() at the same world size, or a "
                 "consolidated_state_dict() at any world size"
@@ -214,7 +225,10 @@ def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: lis
                for k, v in saved_config.to_dict().items() if getattr(config, k) != v]
     if zenflow["max_grad_norm"] != max_grad_norm:
         changed.append(f"max_grad_norm={zenflow['max_grad_norm']!r} (this optimizer: {max_grad_norm!r})")
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]]
+    # (a tensor setting, such as a tensor lr a scheduler writes into, is copied: the optimizer must not share storage
+    # with the caller's state dict)
+    groups = [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
+              for g in state_dict["param_groups"]]
     return Loaded(saved_config, schedule, zenflow["max_grad_norm"], bool(zenflow.get("seed_from_host", False)), groups,
                   {name: int(zenflow[name]) for name in COUNTERS}, bool(zenflow.get("built")),
                   functools.partial(restore, saved_state), changed, held if zenflow.get("built") else set())
@@ -252,26 +266,27 @@ def restore(saved_state: dict, run: Run, interval: HostInterval, to_state: Calla
     host.set_fields(writes)
 
 
-def unpack_adam(state_dict: dict, params: list[torch.Tensor], config, schedule, max_grad_norm) -> Loaded:
+def unpack_adam(state_dict: dict, params: list[torch.Tensor], config, schedule, max_grad_norm,
+                name: str = "ZenFlow(AdamW)") -> Loaded:
     """Check a ``torch.optim.AdamW`` (or ``Adam``) state dict: the host takes its moments and step counts as if
     warm-up had produced them, vectors join the fast path with them, and each matrix's first selection takes its
     columns' moments and steps from the host (``seed_from_host``). The param groups' hyper-parameters are the saved
     ones, as torch's own ``load_state_dict`` does; ZenFlow's schedule starts at step 0 (warm-up rounds included)."""
-    where = "ZenFlowAdamW.load_state_dict"
+    where = f"{name}.load_state_dict"
     groups = state_dict["param_groups"]
     for gi, g in enumerate(groups):
         missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in g]
         if missing:
-            raise ValueError(f"{where}: param group {gi} has no {missing}: neither a ZenFlowAdamW nor a "
+            raise ValueError(f"{where}: param group {gi} has no {missing}: neither a {name} nor a "
                              "torch.optim.AdamW/Adam state dict")
         for flag in ("amsgrad", "maximize"):
             if g.get(flag):
-                raise ValueError(f"{where}: param group {gi} was saved with {flag}=True, which ZenFlowAdamW "
+                raise ValueError(f"{where}: param group {gi} was saved with {flag}=True, which {name} "
                                  f"does not do: only plain AdamW/Adam state can be continued")
         if not g.get("decoupled_weight_decay", True) and g["weight_decay"] != 0:
             raise ValueError(
                 f"{where}: param group {gi} is torch.optim.Adam with weight_decay={g['weight_decay']} (an L2 "
-                "term in the gradient); ZenFlowAdamW decays decoupled (AdamW) and cannot continue it exactly: "
+                f"term in the gradient); {name} decays decoupled (AdamW) and cannot continue it exactly: "
                 "continue from a torch.optim.AdamW run, or an Adam run without weight decay"
             )
         check_adamw_hyperparameters(float(g["lr"]), g["betas"], g["eps"], g["weight_decay"],
@@ -293,7 +308,8 @@ def unpack_adam(state_dict: dict, params: list[torch.Tensor], config, schedule, 
                                  f"parameter {tuple(p.shape)}")
         step = int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"])
         imported[i] = (st["exp_avg"], st["exp_avg_sq"], step)
-    updates = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"]) for g in groups]
+    updates = [dict(lr=g["lr"].clone() if torch.is_tensor(g["lr"]) else g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
+                    weight_decay=g["weight_decay"]) for g in groups]
     return Loaded(config, schedule, max_grad_norm, True, updates, dict.fromkeys(COUNTERS, 0), True,
                   lambda run, interval, to_state: restore_adam(imported, run), [], set(imported))
 

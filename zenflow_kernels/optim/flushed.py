@@ -20,7 +20,8 @@ class FlushedWeights:
     flushed weights between two callbacks. Each call is given the optimizer's interval (None before the first step:
     nothing to flush)."""
 
-    def __init__(self):
+    def __init__(self, name: str = "ZenFlow"):
+        self.name = name  # what the messages call the optimizer (build.display_name)
         self.depth = 0
         self.held = False
         self._warned = False
@@ -48,12 +49,12 @@ class FlushedWeights:
         restores them before the next forward) are restored, with a warning the first time."""
         if self.depth:
             raise RuntimeError(
-                "ZenFlowAdamW.step() inside opt.flushed(): the parameters hold the flushed weights, which training "
+                f"{self.name}.step() inside opt.flushed(): the parameters hold the flushed weights, which training "
                 "does not continue from; step after the with-block")
         if self.held:
             if not self._warned:
                 self._warned = True
-                warnings.warn("ZenFlowAdamW.step(): the weights flushed for a save or an evaluation were still in "
+                warnings.warn(f"{self.name}.step(): the weights flushed for a save or an evaluation were still in "
                               "place when this step's forward ran (no callback restored them); restored now. The run "
                               "differs from one without the save/evaluation from here on", ZenFlowWarning,
                               stacklevel=4)

@@ -64,24 +64,17 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
             parameters of a model sharded with FSDP2 (docs/fsdp2.md).
         rule: the update rule (``zenflow_kernels.rules``: ``AdamW``, ``Adam``, ``Lion``, ``SGD`` or a subclass of
             ``UpdateRule``); its hyper-parameters are the param groups' defaults.
-        lr: the learning rate.
+        lr: the learning rate: a number >= 0, or a 1-element float tensor (as ``torch.optim.AdamW`` takes it).
         zenflow: a :class:`ZenFlowConfig`, a ``zenflow`` dict, or a DeepSpeed JSON (dict or path).
-        max_grad_norm: clip by global norm (fast path: the step's gradient; host: the mean
-            accumulated gradient), or None.
+        max_grad_norm: clip by global norm (fast path: the step's gradient; host: the interval's mean), or None.
         steps_per_epoch, dataloader: the epoch length for ``select_strategy="epoch"``/``"auto"``.
-        host_timeout: longest wait in seconds for one host update before an error (None: no limit;
-            a dead worker is detected regardless).
-        zero_stage: 0, 1 or 2: ZeRO under ``torch.distributed`` (docs/torchrun.md). Each rank's host holds
-            the fp32 master, moments and accumulation of its own run of parameters, and the optimizer
-            averages the gradients itself (do not wrap the model in DDP): stage 1 all-reduces them,
-            stage 2 reduces each matrix's gradient to its owner only, from backward hooks, in buckets.
-            With one rank (or without ``torch.distributed``) every stage runs as 0. Several ranks need
-            a stage.
-        release_gradients: stage 2 only (its default: True): a matrix's ``.grad`` is set to None as its
-            bucket's reduction starts, during backward, so a rank holds only its own range of the
-            gradient; do not read or change the matrices' gradients between backward and ``step()``
-            (clip with ``max_grad_norm``; use bf16 autocast rather than a GradScaler). False keeps
-            every ``.grad`` (the local, un-averaged one) at the cost of a whole gradient per rank.
+        host_timeout: seconds one host update may take before an error (> 0), or None: no limit.
+        zero_stage: 0, 1 or 2: ZeRO under ``torch.distributed`` (docs/torchrun.md): each rank's host holds its own
+            run of parameters; the optimizer averages the gradients itself (no DDP): stage 1 all-reduces them,
+            stage 2 reduces each matrix's to its owner from backward hooks. One rank runs as stage 0.
+        release_gradients: stage 2 (default True): a matrix's ``.grad`` is let go as its bucket's reduction starts,
+            so a rank holds only its range; a loop that then changes gradients (``unscale_``, clipping in place)
+            is refused at ``step()``. False keeps every ``.grad``, at a whole gradient per rank.
         process_group: the ranks to partition over (default: the default group).
         collective_timeout: longest wait in seconds for one collective; a rank that fails or stops
             stepping ends the others with an error naming the collective instead of a hang.
@@ -94,10 +87,11 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
     bit), use :meth:`flush` to land the last host update at the end of training or before an export, and
     :meth:`close` (or ``with ZenFlowAdamW(...) as opt:``) to stop the background worker.
 
-    The parts (docs/hacking.md) are made at the first step from the classes ``selection_class``,
-    ``fast_path_class`` and ``interval_class``: a subclass that sets one changes that part only. The schedule is
-    made as ``schedule_class``, only by :meth:`make_schedule` (so a subclass's schedule survives a load).
+    The parts (docs/hacking.md) are made at the first step from ``selection_class``, ``fast_path_class`` and
+    ``interval_class``; the schedule as ``schedule_class``, only by :meth:`make_schedule` (it survives a load).
     """
+
+    facade_name: str | None = None  # messages' name for the class (None: ``ZenFlow(Lion)``; ``display_name``)
 
     selection_class = Selection
     fast_path_class = FastPath
@@ -125,25 +119,28 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         collective_timeout: float = 300.0,
         release_gradients: bool | None = None,
     ):
-        build.check_arguments(rule, lr, max_grad_norm, zero_stage, collective_timeout, release_gradients)
-        world = world_of(process_group)
+        self.display_name = name = build.display_name(rule, self.facade_name)  # what every message calls it
+        build.check_arguments(rule, lr, max_grad_norm, zero_stage, collective_timeout, release_gradients, host_timeout,
+                              name)
+        world = world_of(process_group, name)
         self._built = False
         self.rule = rule  # (before torch's __init__: add_param_group checks each group with it)
         super().__init__(params, dict(lr=lr, **rule.group_defaults()))
         self.config = ZenFlowConfig.coerce(zenflow)
-        build.rank_cores(self.config)  # a cores list outside this process's CPUs is an error now, not at a step
-        build.check_nvme_path(self.config, rule)  # (so is an nvme_path that cannot hold the state files)
+        build.rank_cores(self.config, name)  # a cores list outside this process's CPUs is an error now, not at a step
+        build.check_nvme_path(self.config, rule, name)  # (so is an nvme_path that cannot hold the state files)
         self.schedule: Schedule = self.make_schedule(steps_per_epoch=steps_per_epoch, dataloader=dataloader)
         self.max_grad_norm = max_grad_norm
         self.host_timeout = host_timeout
         self.zero_stage = zero_stage
         self.release_gradients = zero_stage == 2 and release_gradients is not False
-        self._params, self._group_of = build.take_params(self.param_groups)
+        self._params, self._group_of = build.take_params(self.param_groups, name)
         # how the ranks hold gradients and host state (sharding/): the one thing that differs between one process,
         # ZeRO and FSDP2; the algorithm is the same for all
         self._shard: Sharding = build.choose_sharding(
             self._params, world=world, zero_stage=zero_stage, process_group=process_group,
-            timeout=float(collective_timeout), release=self.release_gradients, bucket_numel=self.ZERO_BUCKET_NUMEL)
+            timeout=float(collective_timeout), release=self.release_gradients, bucket_numel=self.ZERO_BUCKET_NUMEL,
+            name=name)
         self._shard.accept(self._params)
         self.t = self.skipped_steps = self.host_updates = self.selections = self.steps_accumulated = 0
         self._closed = False
@@ -159,20 +156,20 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         # this step's numbers: GradScaler's scale and its float32 reciprocal (the fused-optimizer protocol), and
         # the clipping norm in force (max_grad_norm, or a clip_grad_norm_() request for this step, the smaller)
         self._amp, self._inv_amp, self._max_norm = 1.0, 1.0, max_grad_norm
-        self._clips = ClipRequests()
-        self.flushed_weights = FlushedWeights()  # who holds the flushed weights: flushed() contexts, hold_flushed
+        self._clips = ClipRequests(name)
+        self.flushed_weights = FlushedWeights(name)  # who holds the flushed weights: flushed() contexts, hold_flushed
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_built", False):
             raise RuntimeError(
-                "ZenFlowAdamW.add_param_group after the first step() is not supported: the host buffers are laid out "
-                "at the first step; create the optimizer with every param group instead"
+                f"{self.display_name}.add_param_group after the first step() is not supported: the host buffers are "
+                "laid out at the first step; create the optimizer with every param group instead"
             )
         super().add_param_group(param_group)
         try:
-            check_group(self.param_groups[-1], len(self.param_groups) - 1, self.rule)
+            check_group(self.param_groups[-1], len(self.param_groups) - 1, self.rule, self.display_name)
             if hasattr(self, "_params"):  # a group added after __init__ but before the first step
-                params, group_of = build.take_params(self.param_groups)
+                params, group_of = build.take_params(self.param_groups, self.display_name)
                 self._shard.accept(params)
                 self._params, self._group_of = params, group_of
         except Exception:
@@ -185,11 +182,12 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         self.run = run = build.make_run(self._params, self._group_of, self.param_groups, self.state, self.config,
                                         self._shard, self._stats, timeout=self.host_timeout, chaos=self._chaos,
                                         nvme_block=self.NVME_BLOCK_NUMEL, nvme_direct=self.NVME_DIRECT,
-                                        host_params=build.trained(self._params, self._held), rule=self.rule)
-        self.device, self._grad_checks = run.device, GradChecks(run.local, run.device)
+                                        host_params=build.trained(self._params, self._held), rule=self.rule,
+                                        name=self.display_name)
+        self.device, self._grad_checks = run.device, GradChecks(run.local, run.device, self.display_name)
         try:  # (the parts hold the param groups and state, never the optimizer: no cycle delays its finalizer)
             parts = build.make_parts(run, type(self), self.handover, seed_from_host=self._seed_from_host,
-                                     hyper=functools.partial(hyper, self.param_groups, self.rule),
+                                     hyper=functools.partial(hyper, self.param_groups, self.rule, self.display_name),
                                      grad_ready=weakref.WeakMethod(self._grad_ready))
         except BaseException:
             self.run = None
@@ -235,10 +233,11 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         self.close()
 
     def __reduce_ex__(self, protocol):
+        name = getattr(self, "display_name", "ZenFlow")
         raise TypeError(
-            "ZenFlowAdamW cannot be copied or pickled (copy.copy, copy.deepcopy, pickle, torch.save(opt)): it owns "
+            f"{name} cannot be copied or pickled (copy.copy, copy.deepcopy, pickle, torch.save(opt)): it owns "
             "background threads, host buffers and, on a GPU, streams. Save opt.state_dict() and load it into a new "
-            "ZenFlowAdamW with load_state_dict() instead"
+            f"{name} with load_state_dict() instead"
         )
 
     def __repr__(self) -> str:
@@ -264,7 +263,7 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         to the host while it is False, so only the last micro-batch's gradients cross, during its backward
         (docs/design.md section 5.1). Results never depend on it: undeclared micro-batches are exact too (the
         optimizer learns how many backward passes a step has), declaring only saves copies."""
-        self.handover.declare(requires_gradient_sync)
+        self.handover.declare(requires_gradient_sync, where=f"{self.display_name}.set_requires_gradient_sync")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -373,7 +372,7 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         if self._closed:
-            raise RuntimeError("ZenFlowAdamW.step() after close()")
+            raise RuntimeError(f"{self.display_name}.step() after close()")
         self.flushed_weights.before_step(self.interval)
         loss = None
         if closure is not None:
@@ -426,8 +425,8 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         compact = self.selection.compact_gradients(matrices)  # (ZeRO-2's released gradients)
         grad_scale = self._amp if coef is None else self._amp / coef  # GradScaler's scale, clipping
         with self._stats.timed_fast_step():
-            self.fast_path.step(active, grads, hyper(self.param_groups, self.rule), grad_scale=grad_scale,
-                                compact=compact)
+            self.fast_path.step(active, grads, hyper(self.param_groups, self.rule, self.display_name),
+                                grad_scale=grad_scale, compact=compact)
         self.steps_accumulated += 1
         trigger = self.selection.auto_vote(matrices, self._amp) if self.schedule.is_auto else False
         boundary = self.schedule.is_update_boundary(t, steps_accumulated=self.steps_accumulated, auto_trigger=trigger)
@@ -464,6 +463,7 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         backward's hooks copied to the host is dropped (none of it reached the sums), the hand-over stays as it
         was, and no clipping requested for the step applies."""
         if self._built:
+            self._shard.drop_step()  # (ZeRO-2: reductions a dropped batch's backward started)
             if self.handover.fired:  # a batch dropped before step() (a gradient-norm guard, say): a skip
                 self.run.link.discard()
                 self.run.link.step_bytes()  # (not a step: nothing to learn from its copies)
@@ -516,16 +516,16 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         ``register_load_state_dict_pre_hook`` (which may return a new dict) and ``..._post_hook`` hooks run around
         it."""
         if self._built and self.interval.unflushed is not None:
-            raise RuntimeError("ZenFlowAdamW.load_state_dict() inside opt.flushed() (or while an integration holds the "
-                               "flushed weights): leave the context first")
+            raise RuntimeError(f"{self.display_name}.load_state_dict() inside opt.flushed() (or while an integration "
+                               "holds the flushed weights): leave the context first")
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         loaded = checkpoint.read(state_dict, params=self._params, group_of=self._group_of,
                                  group_sizes=[len(g["params"]) for g in self.param_groups], shard=self._shard,
                                  config=self.config, schedule=self.schedule, max_grad_norm=self.max_grad_norm,
-                                 rule=self.rule)
+                                 rule=self.rule, name=self.display_name)
         if loaded.changed:
-            warnings.warn("ZenFlowAdamW.load_state_dict: the checkpoint's settings replace this optimizer's: "
+            warnings.warn(f"{self.display_name}.load_state_dict: the checkpoint's settings replace this optimizer's: "
                           + "; ".join(loaded.changed) + ". The saved run continues as it was configured",
                           ZenFlowWarning, stacklevel=2)
         self._reset()

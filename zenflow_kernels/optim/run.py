@@ -41,6 +41,7 @@ class Run:
     host_params: frozenset  # the parameters with host state, on some rank (build.trained): the others are frozen
     rule: UpdateRule  # the update rule (rules): the names of its per-element state, its step and kernels
     t: int = 0  # the optimizer's step number (steps taken before this one), set by step() before the parts run
+    name: str = "ZenFlow"  # what messages call the optimizer: ZenFlowAdamW, ZenFlow(Lion), ... (build.display_name)
 
     def setting(self, i: int, name: str):
         """Parameter ``i``'s ``topk_ratio`` or ``importance``: its param group's, else the optimizer's."""

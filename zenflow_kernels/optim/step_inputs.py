@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..config import check_group_settings
-from .build import PARAM_DTYPES
+from .build import PARAM_DTYPES, display_name
 
 __all__ = ["ClipRequests", "grad_scaler", "check_group", "hyper", "GradChecks", "StepInputs", "read_step"]
 
@@ -24,7 +24,8 @@ def grad_scaler(opt, divide: int = 1) -> tuple[float, float, bool]:
     scale, found = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
     amp = 1.0 if scale is None else float(scale)
     if not (math.isfinite(amp) and amp > 0):
-        raise ValueError(f"ZenFlowAdamW.step(): grad_scale={amp!r} (set by a GradScaler) is invalid: allowed a "
+        name = getattr(opt, "display_name", "ZenFlow")
+        raise ValueError(f"{name}.step(): grad_scale={amp!r} (set by a GradScaler) is invalid: allowed a "
                          "finite number > 0")
     amp *= divide
     return amp, float(np.float32(1.0 / amp)), found is not None and float(found) != 0.0
@@ -32,18 +33,19 @@ def grad_scaler(opt, divide: int = 1) -> tuple[float, float, bool]:
 
 class ClipRequests:
     """``clip_grad_norm_()`` calls since the last step: the smallest norm asked, and the tensors handed out that
-    ``step()`` fills with the gradient norm."""
+    ``step()`` fills with the gradient norm. ``name``: what the errors call the optimizer."""
 
-    def __init__(self):
+    def __init__(self, name: str = "ZenFlow"):
+        self.name = name
         self.request: float | None = None
         self.norms: list[torch.Tensor] = []
 
     def ask(self, max_norm: float, norm_type: float, device) -> torch.Tensor:
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-            raise ValueError(f"ZenFlowAdamW.clip_grad_norm_: max_norm={max_norm!r} is invalid: allowed a number > 0 "
+            raise ValueError(f"{self.name}.clip_grad_norm_: max_norm={max_norm!r} is invalid: allowed a number > 0 "
                              "(inf: no clipping)")
         if norm_type != 2:
-            raise ValueError(f"ZenFlowAdamW.clip_grad_norm_: norm_type={norm_type!r} is invalid: allowed 2 (the "
+            raise ValueError(f"{self.name}.clip_grad_norm_: norm_type={norm_type!r} is invalid: allowed 2 (the "
                              "optimizer clips by the global L2 norm)")
         if math.isfinite(max_norm):
             self.request = min(float(max_norm), self.request or math.inf)
@@ -64,27 +66,29 @@ class ClipRequests:
         self.request, self.norms = None, []
 
 
-def check_group(g: dict, gi: int, rule) -> None:
-    """Param group ``gi``'s update-rule numbers and ZenFlow settings, or an error naming the group."""
-    rule.check_group(g, f"ZenFlowAdamW group {gi}" if rule.name == "AdamW" else f"ZenFlow({rule.name}) group {gi}")
-    check_group_settings(g, f"ZenFlowAdamW param group {gi}")
+def check_group(g: dict, gi: int, rule, name: str | None = None) -> None:
+    """Param group ``gi``'s update-rule numbers and ZenFlow settings, or an error naming the optimizer (``name``,
+    ``build.display_name``; by default ``ZenFlow(<rule name>)``) and the group."""
+    name = name or display_name(rule)
+    rule.check_group(g, f"{name} group {gi}")
+    check_group_settings(g, f"{name} param group {gi}")
 
 
-def hyper(param_groups: list[dict], rule) -> list[dict]:
+def hyper(param_groups: list[dict], rule, name: str | None = None) -> list[dict]:
     """Each param group's update-rule numbers as they are now (a scheduler may have changed them; ``rule.numbers``),
     checked: the kernels are called without per-tensor validation."""
     out = []
     for gi, g in enumerate(param_groups):
-        check_group(g, gi, rule)
+        check_group(g, gi, rule, name)
         out.append(rule.numbers(g))
     return out
 
 
-def check_grad(i: int, g: torch.Tensor, p: torch.Tensor, device: torch.device) -> None:
+def check_grad(i: int, g: torch.Tensor, p: torch.Tensor, device: torch.device, name: str = "ZenFlow") -> None:
     """Parameter ``i``'s gradient ``g``: dense, an allowed dtype, ``p``'s shape, on ``device``; or an error."""
     if g.is_sparse or g.shape != p.shape or g.device != device or g.dtype not in PARAM_DTYPES:
         raise ValueError(
-            f"ZenFlowAdamW: gradient of parameter {i} ({tuple(g.shape)}, {g.dtype}, {g.device}, "
+            f"{name}: gradient of parameter {i} ({tuple(g.shape)}, {g.dtype}, {g.device}, "
             f"sparse={g.is_sparse}) is invalid: allowed a dense float32, bfloat16 or float16 gradient of "
             f"shape {tuple(p.shape)} on {device}"
         )
@@ -94,12 +98,12 @@ class GradChecks:
     """One pass over a step's gradients: dense, on the device, an allowed dtype, the parameter's shape; otherwise
     the first that is not is named. The parameters' shapes are kept per set of indices."""
 
-    def __init__(self, local: list[torch.Tensor], device: torch.device):
-        self.local, self.device = local, device
+    def __init__(self, local: list[torch.Tensor], device: torch.device, name: str = "ZenFlow"):
+        self.local, self.device, self.name = local, device, name
         self._shapes: tuple[list[int], list] | None = None
 
     def one(self, i: int, g: torch.Tensor) -> None:
-        check_grad(i, g, self.local[i], self.device)
+        check_grad(i, g, self.local[i], self.device, self.name)
 
     def all(self, grads: list[tuple[int, torch.Tensor]]) -> None:
         indices = [i for i, _ in grads]
@@ -143,9 +147,39 @@ def read_step(opt, shard, clips: ClipRequests, checks: GradChecks) -> StepInputs
     active = shard.active()
     own = [(i, g) for i in active if (g := shard.own_grad(i)) is not None]
     checks.all(own)
+    # the user's scaler.unscale_(opt) ran (GradScaler's protocol: found_inf set, grad_scale None)
+    shard.user_unscaled = getattr(opt, "found_inf", None) is not None and getattr(opt, "grad_scale", None) is None
     shard.gather(active)
     # (every active parameter's gradient read once; ZeRO-2's released matrices are not among them: it uses its own)
     norm = shard.grad_norm(active, [g for _, g in own] if len(own) == len(active) else None) / amp
     for out in norms_out:
         out.fill_(norm)
+    if not overflow and not math.isfinite(norm) and getattr(opt, "found_inf", None) is not None:
+        # the ranks' gradient holds an inf or NaN that this rank's GradScaler did not see (it checked this rank's
+        # own gradients before they were averaged, or only those ZeRO-2 had not let go): the step is skipped on
+        # every rank, and this rank's scaler must back off as well, as one process's scaler fed the average does
+        tell_scaler_found_inf(opt)
     return StepInputs(amp, inv_amp, max_norm, active, dict(own), norm, overflow or not math.isfinite(norm))
+
+
+def tell_scaler_found_inf(opt) -> None:
+    """Make the ``torch.amp.GradScaler`` stepping ``opt`` now count this step as an overflow (its ``update()``
+    then backs off the scale). The scaler is the caller of ``step()`` (``GradScaler.step``, found on the stack);
+    its per-device ``found_inf`` of ``opt`` is set to 1."""
+    import sys
+
+    from torch.amp.grad_scaler import GradScaler
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        scaler = frame.f_locals.get("self")
+        if isinstance(scaler, GradScaler) and frame.f_locals.get("optimizer") is opt:
+            for found in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values():
+                found.fill_(1.0)
+            return
+        frame = frame.f_back
+    name = getattr(opt, "display_name", type(opt).__name__)
+    raise RuntimeError(
+        f"{name}.step(): the gradient averaged over the ranks holds an inf or NaN that this rank's "
+        "GradScaler did not find, and the scaler stepping this optimizer is not torch.amp.GradScaler.step: its "
+        "scale would now differ from the other ranks'. Step with torch.amp.GradScaler, or check for infs yourself")

@@ -14,7 +14,10 @@ __all__ = ["ZenFlowAdamW"]
 
 class ZenFlowAdamW(ZenFlow):
     """AdamW with ZenFlow's split: ``ZenFlow(params, rules.AdamW(betas, eps, weight_decay), lr, ...)`` with
-    ``torch.optim.AdamW``'s signature (decoupled weight decay). The other arguments are :class:`ZenFlow`'s."""
+    ``torch.optim.AdamW``'s signature (decoupled weight decay). The other arguments are :class:`ZenFlow`'s. ``lr``
+    may be a 1-element floating-point tensor, as for ``torch.optim.AdamW`` (a scheduler writes into it in place)."""
+
+    facade_name = "ZenFlowAdamW"
 
     def __init__(
         self,
@@ -34,7 +37,7 @@ class ZenFlowAdamW(ZenFlow):
         collective_timeout: float = 300.0,
         release_gradients: bool | None = None,
     ):
-        check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm)
+        check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm, where=self.facade_name)
         super().__init__(params, AdamW(betas, eps, weight_decay), lr, zenflow=zenflow, max_grad_norm=max_grad_norm,
                          steps_per_epoch=steps_per_epoch, dataloader=dataloader, host_timeout=host_timeout,
                          zero_stage=zero_stage, process_group=process_group, collective_timeout=collective_timeout,

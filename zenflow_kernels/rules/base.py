@@ -27,6 +27,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..config import check_lr
+
 __all__ = ["UpdateRule", "check_real", "check_betas", "check_state_dtype"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -83,8 +85,7 @@ class UpdateRule:
     def check_group(self, group: dict, where: str) -> None:
         """A param group's numbers (``lr`` included), or a ValueError naming the key, its value and what is
         allowed."""
-        lr = group.get("lr")
-        check_real(where, "lr", float(lr) if torch.is_tensor(lr) and lr.numel() == 1 else lr)
+        check_lr(group.get("lr"), where)  # a number, or a 1-element float tensor (as torch.optim takes it)
 
     def numbers(self, group: dict) -> dict:
         """The floats ``step_`` and the kernels read of a (checked) param group: ``lr`` and the rule's own."""

@@ -20,16 +20,17 @@ def is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def column_scores(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], importances: Sequence) -> list:
+def column_scores(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], importances: Sequence,
+                  name: str = "ZenFlowAdamW") -> list:
     """Each gradient's column scores ([C] fp32 or the kernels' dtype) by its importance: the kernels for
     ``"l2"``/``"l1"`` (one multi-tensor call per kind), ``"random"`` scored as ``"l2"`` (the telemetry and
     the zen-auto vote read the scores; the choice itself is random), a callable as
-    ``scorer(grad, param)``, checked to return C finite-or-not floats."""
+    ``scorer(grad, param)``, checked to return C finite-or-not floats (``name``: the optimizer, for the message)."""
     out: list = [None] * len(grads)
     by_kind: dict[str, list[int]] = {}
     for n, importance in enumerate(importances):
         if callable(importance):
-            out[n] = _call_scorer(importance, grads[n], params[n])
+            out[n] = _call_scorer(importance, grads[n], params[n], name)
         else:
             by_kind.setdefault("l1" if importance == "l1" else "l2", []).append(n)
     for kind, chosen in by_kind.items():
@@ -61,12 +62,12 @@ def _foreach_sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device)
     return squares
 
 
-def _call_scorer(scorer, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def _call_scorer(scorer, grad: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
     columns = grad.shape[1]
     s = scorer(grad, param)
     if not torch.is_tensor(s) or tuple(s.shape) != (columns,) or s.is_complex() or s.dtype == torch.bool:
         got = f"a tensor of shape {tuple(s.shape)} and dtype {s.dtype}" if torch.is_tensor(s) else type(s).__name__
-        raise ValueError(f"ZenFlowAdamW: the importance scorer {getattr(scorer, '__name__', scorer)!r} returned "
+        raise ValueError(f"{name}: the importance scorer {getattr(scorer, '__name__', scorer)!r} returned "
                          f"{got}: allowed a real tensor of shape ({columns},), one score per column")
     return s.detach().to(device=grad.device, dtype=torch.float32)
 
@@ -83,6 +84,8 @@ class Sharding:
     consumes_hooks = False  # backward hooks feed this sharding (ZeRO-2) rather than the link
     final_at_backward = True  # a gradient is final when backward produced it (ZeRO averages it in step())
     exchanges_selected = False  # selected_gradients() does something (else the fast step reads .grad alone)
+    name = "ZenFlowAdamW"  # the optimizer as built, for messages (build.choose_sharding sets it)
+    user_unscaled = False  # this step's gradients were unscaled by the user's GradScaler.unscale_ (read_step sets it)
 
     def __init__(self):
         self.bytes: dict[str, int] = {}  # payload bytes each kind of collective carried
@@ -95,7 +98,7 @@ class Sharding:
     def accept(self, params: Sequence[torch.Tensor]) -> None:
         """Refuse parameters this way of holding them cannot take (at construction)."""
         if any(is_dtensor(p) for p in params):
-            raise ValueError("ZenFlowAdamW: some parameters are DTensors (FSDP2) and others are not: allowed all of "
+            raise ValueError(f"{self.name}: some parameters are DTensors (FSDP2) and others are not: allowed all of "
                              "one kind (a model wrapped with fully_shard throughout, or plain parameters)")
 
     def start(self, params: Sequence[torch.Tensor], groups: Sequence[int], device: torch.device, chaos) -> None:
@@ -132,6 +135,9 @@ class Sharding:
         """A backward hook (only when :attr:`consumes_hooks`): parameter ``i``'s gradient is complete for this
         backward; ``final``: no later backward adds to it before ``step()`` (declared)."""
 
+    def drop_step(self) -> None:
+        """``zero_grad()``: a batch dropped before ``step()`` leaves nothing behind (one process: nothing held)."""
+
     def active(self) -> list[int]:
         """The parameters taking part in this step (those with a gradient)."""
         return [i for i, p in enumerate(self.params) if p.grad is not None]
@@ -157,7 +163,7 @@ class Sharding:
         """Column scores of these matrices' step gradients, each by its importance (:func:`column_scores`);
         every rank gets the same."""
         return column_scores([self.grad(i) for i in indices], [self.local(self.params[i]) for i in indices],
-                             importances)
+                             importances, self.name)
 
     def selected_gradients(self, chosen: list[tuple[int, torch.Tensor]]) -> dict[int, torch.Tensor] | None:
         """The selected columns' gradients of these matrices (``(index, selected)``), as every replica's fast

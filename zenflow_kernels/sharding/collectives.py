@@ -19,11 +19,12 @@ class ZeroCollectiveError(RuntimeError):
     """A collective failed or timed out (another rank failed, hung or left)."""
 
 
-def world_of(process_group) -> int:
-    """The number of ranks ZenFlowAdamW partitions over: 1 without ``torch.distributed``."""
+def world_of(process_group, name: str = "ZenFlowAdamW") -> int:
+    """The number of ranks the optimizer (``name``, for the message) partitions over: 1 without
+    ``torch.distributed``."""
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
-            raise ValueError("ZenFlowAdamW: process_group was given but torch.distributed is not initialised")
+            raise ValueError(f"{name}: process_group was given but torch.distributed is not initialised")
         return 1
     return dist.get_world_size(process_group)
 
@@ -42,6 +43,7 @@ class Collectives:
         chaos: ``testing.chaos`` settings: each rank sleeps a seeded random time (its own sequence) before
             starting each collective, so the ranks arrive out of step and an asynchronous collective
             completes late: a result read before its wait then differs on CPU.
+        name: the optimizer as built, for messages (``ZenFlowAdamW``, ``ZenFlow(Lion)``).
         partition: the ranks of every group of a partition of the world, ``process_group``'s among them
             (HSDP: each replica's shard group). ``dist.new_group`` is collective over every rank of the world,
             so every rank creates every group of the partition, in the same order, and keeps its own.
@@ -51,14 +53,15 @@ class Collectives:
     """
 
     def __init__(self, *, process_group, timeout: float, chaos: Chaos | None = None,
-                 partition: Sequence[Sequence[int]] | None = None):
+                 partition: Sequence[Sequence[int]] | None = None, name: str = "ZenFlowAdamW"):
+        self.name = name
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self.timeout = timeout
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
         every = None if partition is None else [sorted(int(r) for r in group) for group in partition]
         if every is not None and (ranks is None or sorted(ranks) not in every):
-            raise ValueError(f"ZenFlowAdamW: ranks {ranks} are not one of the groups {every}")
+            raise ValueError(f"{name}: ranks {ranks} are not one of the groups {every}")
         self.where = "" if every is None else f" (of global ranks {sorted(ranks)})"
         delta = datetime.timedelta(seconds=timeout)
 
@@ -91,7 +94,7 @@ class Collectives:
     def _fail(self, kind: str, op: str, nbytes: int, exc: Exception) -> ZeroCollectiveError:
         self.failed = True
         return ZeroCollectiveError(
-            f"ZenFlowAdamW rank {self.rank} of {self.world}{self.where}: {op} of {kind} ({nbytes} bytes) failed or "
+            f"{self.name} rank {self.rank} of {self.world}{self.where}: {op} of {kind} ({nbytes} bytes) failed or "
             f"took longer than {self.timeout:g} s; another rank probably failed or stopped calling step() "
             f"({type(exc).__name__}: {exc})"
         )
@@ -147,22 +150,28 @@ class Collectives:
 
     # -- what the optimizer asks for ---------------------------------------------------------------
 
-    def check_presence(self, active: Sequence[int], num_params: int) -> None:
+    def check_presence(self, active: Sequence[int], num_params: int,
+                       flags: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every rank must have a gradient for the same parameters: one missing on some rank would leave
-        the ranks' collectives mismatched. One all-reduce of an int32 per parameter (its own group)."""
-        mask = torch.zeros(num_params, dtype=torch.int32)
+        the ranks' collectives mismatched. One all-reduce of an int32 per parameter (its own group), which also
+        carries ``flags`` (int32, this rank's votes on the step: ZeRO-2's buckets to send again, a loop to
+        refuse), so the ranks decide together; returns the flags summed over the ranks (None without)."""
+        mask = torch.zeros(num_params + (0 if flags is None else flags.numel()), dtype=torch.int32)
         mask[list(active)] = 1
+        if flags is not None:
+            mask[num_params:] = flags
         group = self._meta
         self._run("gradient presence", "all_reduce", mask, lambda: dist.all_reduce(mask, group=group, async_op=True),
                   group=group)
-        bad = ((mask != 0) & (mask != self.world)).nonzero().flatten().tolist()
+        bad = ((mask[:num_params] != 0) & (mask[:num_params] != self.world)).nonzero().flatten().tolist()
         if bad:
             self.failed = True
             raise ValueError(
-                f"ZenFlowAdamW rank {self.rank}: parameters {bad[:8]} have a gradient on some ranks and not on "
+                f"{self.name} rank {self.rank}: parameters {bad[:8]} have a gradient on some ranks and not on "
                 "others; under ZeRO every rank must produce a gradient for the same parameters each step "
                 "(set unused parameters' .grad to zeros, or to None on every rank)"
             )
+        return None if flags is None else mask[num_params:]
 
     def average_(self, grads: Sequence[torch.Tensor], kind: str) -> None:
         """Average these tensors over the ranks, in place: one flat all-reduce per dtype."""

@@ -3,9 +3,13 @@ zero_context.py; docs/design.md section 7)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
+from .. import ops
+from ..link.asynchronous import at_backward_end
 from .base import Sharding, column_scores, sum_of_squares
 from .zero_context import BucketReducer, ZeroContext, check_not_ddp, owners
 
@@ -27,13 +31,13 @@ class Zero1(Sharding):
 
     def accept(self, params) -> None:
         super().accept(params)
-        check_not_ddp(params)
+        check_not_ddp(params, self.name)
 
     def start(self, params, groups, device, chaos) -> None:
         super().start(params, groups, device, chaos)
         if self.ctx is None:  # once: creating its groups is collective (a reload keeps it)
             self.ctx = ZeroContext(params, groups, process_group=self._group, timeout=self._timeout,
-                                   chaos=chaos if device.type == "cpu" else None)
+                                   chaos=chaos if device.type == "cpu" else None, name=self.name)
             self.bytes = self.ctx.bytes
         self.owned = self.ctx.owned
 
@@ -101,6 +105,11 @@ class Zero2(Zero1):
         super().__init__(process_group, timeout)
         self.release, self._bucket_numel = release, bucket_numel
         self._averaged: dict[int, torch.Tensor] = {}
+        # release: the vectors' gradients as the last backward left them ((indices, fingerprints), taken when it
+        # ended), to tell whether the loop changed gradients after the matrices' were let go
+        self._vectors_at_backward: tuple[list[int], torch.Tensor] | None = None
+        self._end_queued = False
+        self._key = int.from_bytes(os.urandom(8), "little")
 
     def start(self, params, groups, device, chaos) -> None:
         super().start(params, groups, device, chaos)
@@ -111,12 +120,42 @@ class Zero2(Zero1):
 
     def grad_ready(self, i, check, final=True) -> None:
         p = self.params[i]
+        if self.release and not self._end_queued:
+            self._end_queued = at_backward_end(self._note_vectors)
         if p.dim() == 2 and p.grad is not None:  # (None: a hook of the user's before ours took it)
-            if self.release:  # checked now: step() will not see it
-                check(i, p.grad)
-            elif not final:  # declared: a later micro-batch changes it; step() reduces what no hook started
+            check(i, p.grad)  # now: step() will not see it (release), and its fingerprint reads it
+            if not self.release and not final:  # declared: a later micro-batch changes it; step() reduces it
                 return
             self.reducer.grad_ready(i)
+
+    def _note_vectors(self) -> None:
+        """At the end of a backward (release): the vectors' gradients, fingerprinted."""
+        self._end_queued = False
+        vectors = [i for i, p in enumerate(self.params) if p.dim() != 2 and p.grad is not None]
+        grads = [self.params[i].grad for i in vectors]
+        self._vectors_at_backward = (vectors, ops.multi_fingerprint(grads, self._key) if grads else None)
+
+    def _loop_changed_gradients(self) -> bool:
+        """release: whether gradients changed between backward and ``step()`` after matrices' gradients were let
+        go during backward (the loop's ``unscale_``, clipping, NaN repair or edits cannot have reached those)."""
+        if not self.reducer.arrivals:
+            return False  # nothing let go before step(): the buckets carry the gradients as step() sees them
+        if self.user_unscaled:
+            return True
+        if self._vectors_at_backward is None:
+            return False
+        vectors, fingerprints = self._vectors_at_backward
+        now = [i for i, p in enumerate(self.params) if p.dim() != 2 and p.grad is not None]
+        if now != vectors:
+            return True
+        return bool(now) and not torch.equal(ops.multi_fingerprint([self.params[i].grad for i in now], self._key),
+                                             fingerprints)
+
+    def drop_step(self) -> None:
+        # a batch dropped before step() (every rank drops it: the ranks' reductions stay matched)
+        self._vectors_at_backward = None
+        if self.reducer is not None and self.reducer.pending():
+            self.reducer.abandon()
 
     def active(self) -> list[int]:
         # released gradients: a matrix whose bucket the hooks started has .grad None
@@ -124,8 +163,27 @@ class Zero2(Zero1):
         return [i for i, p in enumerate(self.params) if p.grad is not None or i in arrived]
 
     def gather(self, active: list[int]) -> None:
-        self.ctx.check_presence(active, len(self.params))
-        self._averaged = self.reducer.finish(set(active))
+        # one collective decision a step: which buckets any rank saw change (sent again by every rank), and
+        # whether any rank's loop changed gradients the hooks had let go already (the step refused on every rank)
+        chosen = set(active)
+        refuse = self.release and self._loop_changed_gradients()
+        votes = torch.cat([torch.tensor([int(refuse)], dtype=torch.int32),
+                           torch.zeros(len(self.reducer.buckets), dtype=torch.int32) if self.release
+                           else self.reducer.changed(chosen)])
+        summed = self.ctx.check_presence(active, len(self.params), votes)
+        self._vectors_at_backward = None
+        if int(summed[0]):
+            self.reducer.abandon()
+            raise ValueError(
+                f"{self.name} rank {self.rank}: the loop changed gradients between backward and step() (GradScaler's "
+                "unscale_, clip_grad_norm_, a NaN repair or an edit of .grad) on some rank, but ZeRO-2 with "
+                "release_gradients=True let go of the matrices' gradients during backward (each went to its owner "
+                "as its bucket's reduction started), so the change cannot reach them and the step would be "
+                "silently wrong. Nothing was applied. Ways out: release_gradients=False (every .grad kept; such "
+                "loops are exact), clipping with max_grad_norm= or opt.clip_grad_norm_() (clips the averaged "
+                "gradient inside the optimizer), a GradScaler without unscale_ (scaler.step(opt) unscales inside "
+                "the optimizer), or bf16 autocast without a GradScaler")
+        self._averaged = self.reducer.finish(chosen, summed[1:])
         self.ctx.average_([self.params[i].grad for i in active if self.params[i].dim() != 2], "vector gradients")
 
     def grad(self, i: int) -> torch.Tensor:
@@ -144,7 +202,7 @@ class Zero2(Zero1):
         kind = dict(zip(indices, importances, strict=True))
         mine = [i for i in indices if i in self._averaged]
         own = dict(zip(mine, column_scores([self._averaged[i] for i in mine], [self.params[i] for i in mine],
-                                           [kind[i] for i in mine]), strict=True))
+                                           [kind[i] for i in mine], self.name), strict=True))
         flat = torch.cat([
             own[i].float() if i in own else torch.zeros(self.params[i].shape[1], device=self.device)
             for i in indices

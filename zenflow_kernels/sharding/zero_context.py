@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .. import ops
 from ..device_model import Chaos
 from ..host import ALIGN, layout, out_sizes
 from .collectives import Collectives
@@ -70,7 +72,7 @@ def owners(params: Sequence[torch.Tensor], groups: Sequence[int], world: int) ->
     return owner
 
 
-def check_not_ddp(params: Sequence[torch.Tensor]) -> None:
+def check_not_ddp(params: Sequence[torch.Tensor], name: str = "ZenFlowAdamW") -> None:
     """Refuse parameters of a module wrapped in DistributedDataParallel: DDP already averages the
     gradients in backward, and the optimizer's own reduction would then run on top of it."""
     from torch.nn.parallel import DistributedDataParallel
@@ -79,8 +81,8 @@ def check_not_ddp(params: Sequence[torch.Tensor]) -> None:
     for obj in gc.get_objects():
         if isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters()):
             raise ValueError(
-                "ZenFlowAdamW(zero_stage>0): the parameters belong to a model wrapped in DistributedDataParallel. "
-                "ZenFlowAdamW reduces the gradients itself; with DDP they would be reduced twice. Pass the "
+                f"{name}(zero_stage>0): the parameters belong to a model wrapped in DistributedDataParallel. "
+                f"{name} reduces the gradients itself; with DDP they would be reduced twice. Pass the "
                 "unwrapped model's parameters (model.module.parameters()) and do not wrap it in DDP"
             )
 
@@ -97,8 +99,8 @@ class ZeroContext(Collectives):
     """
 
     def __init__(self, params: Sequence[torch.Tensor], groups: Sequence[int], *, process_group, timeout: float,
-                 chaos: Chaos | None = None):
-        super().__init__(process_group=process_group, timeout=timeout, chaos=chaos)
+                 chaos: Chaos | None = None, name: str = "ZenFlowAdamW"):
+        super().__init__(process_group=process_group, timeout=timeout, chaos=chaos, name=name)
         order = self.order = layout(params, groups)[0]  # every parameter, host layout order
         self.owner = owners(params, groups, self.world)
         self.owned = [i for i in order if self.owner[i] == self.rank]  # this rank's shard, layout order
@@ -204,8 +206,12 @@ class BucketReducer:
     gradient, the buckets not yet started and those in flight, never the whole gradient. Another
     micro-batch's backward then starts a second round of the buckets, which the owner adds up.
     Without ``release`` every ``.grad`` stays (the local, un-averaged gradient, for code that reads it)
-    and a bucket whose gradients changed after it started (another micro-batch, unscaling) is reduced
-    again in :meth:`finish`.
+    and a bucket whose gradients changed after it started (another micro-batch, unscaling, a ``.data``
+    write, an in-place edit on one rank) is reduced again in :meth:`finish`. What changed is told by a
+    fingerprint of each gradient's bits taken as its bucket starts (``_version`` misses ``.data`` writes and
+    GradScaler's unscale, and moves on a no-op edit), and decided together: :meth:`changed` gives this
+    rank's view, the ranks sum their views in one all-reduce (``Collectives.check_presence``), and every rank
+    sends again the buckets any rank saw change, so the reductions stay matched.
     """
 
     def __init__(self, ctx: ZeroContext, params: Sequence[torch.Tensor], matrices: Sequence[int],
@@ -223,6 +229,7 @@ class BucketReducer:
             size += p.numel()
         self.bucketed = {i for bucket in self.buckets for i in bucket}
         self.grad_dtype: dict[int, torch.dtype] = {}  # release: each matrix's gradient dtype, as last seen
+        self._key = int.from_bytes(os.urandom(8), "little")  # the fingerprints' weights (ops.multi_fingerprint)
         self.started_in_backward = 0  # buckets the hooks started (overlapping backward)
         self.restarted = 0  # buckets started again because a gradient changed after its start
         self._reset()
@@ -230,7 +237,7 @@ class BucketReducer:
     def _reset(self) -> None:
         self._ready: set[int] = set()
         self._next = 0  # the first bucket not started by the hooks (release: of the current round)
-        self._started: dict[int, tuple] = {}  # bucket -> (handle, flat, members, [(grad, version)])
+        self._started: dict[int, tuple] = {}  # bucket -> (handle, flat, members, fingerprints of their grads)
         # release: gradients seen per matrix this step, the current round, each bucket's reductions
         self.arrivals: dict[int, int] = {}
         self._round = 0
@@ -266,7 +273,34 @@ class BucketReducer:
         # always a copy (flatten_dense_tensors returns a view of a lone tensor): the reduction writes into
         # its buffer (and may use it as scratch off the owner), and the local gradient is read again later
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._started[b] = (self._reduce(flat, members), flat, members, [(g, g._version) for g in grads])
+        self._started[b] = (self._reduce(flat, members), flat, members, ops.multi_fingerprint(grads, self._key))
+
+    def changed(self, active: set[int]) -> torch.Tensor:
+        """Without ``release``: this rank's view of which started buckets must be sent again at ``step()``, an
+        int32 flag per bucket (its active matrices are not those it started with, or a gradient's bits differ
+        from when it started)."""
+        flags = torch.zeros(len(self.buckets), dtype=torch.int32)
+        for b, (_, _, was, fingerprints) in self._started.items():
+            now = [self.params[i].grad for i in was]
+            flags[b] = int(was != [i for i in self.buckets[b] if i in active] or any(g is None for g in now)
+                           or not torch.equal(ops.multi_fingerprint(now, self._key), fingerprints))
+        return flags
+
+    def pending(self) -> bool:
+        """Whether reductions of this step were started (by the hooks) and not finished."""
+        return bool(self._started or self._sent or self._ready or self.arrivals)
+
+    def abandon(self) -> None:
+        """Let every reduction in flight complete, unused, and forget the step (a refused step: every rank calls
+        it at the same point, so the ranks stay matched)."""
+        try:
+            for started in self._started.values():
+                self.ctx.finish(started[0])
+            for sent in self._sent.values():
+                for handle, _ in sent:
+                    self.ctx.finish(handle)
+        finally:
+            self._reset()
 
     def _reduce(self, flat: torch.Tensor, members: list[int]) -> tuple:
         group = self.ctx.train_group
@@ -303,10 +337,11 @@ class BucketReducer:
                     if flat is not None and handle[0].is_completed():
                         sent[n] = (handle, None)
 
-    def finish(self, active: set[int]) -> dict[int, torch.Tensor]:
+    def finish(self, active: set[int], resend: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
         """Reduce every active matrix's gradient to its owner; returns ``{i: averaged gradient}`` for
         the matrices this rank owns (an active matrix in no bucket, frozen when the buckets were made, is
-        reduced alone, after the buckets)."""
+        reduced alone, after the buckets). ``resend`` (without ``release``): the ranks' summed :meth:`changed`
+        flags; a started bucket any rank flagged is sent again."""
         try:
             outside = sorted(i for i in active if self.params[i].dim() == 2 and i not in self.bucketed)
             if self.release:
@@ -315,10 +350,7 @@ class BucketReducer:
                 members = [i for i in bucket if i in active]
                 started = self._started.get(b)
                 if started is not None:
-                    _, _, was, seen = started
-                    now = [self.params[i].grad for i in was]
-                    same = all(g is g0 and g._version == v for g, (g0, v) in zip(now, seen, strict=True))
-                    if was == members and same:
+                    if resend is None or not int(resend[b]):
                         continue
                     self.ctx.finish(started[0])  # superseded: the ranks still complete it in order
                     del self._started[b]
