@@ -68,6 +68,20 @@ def ds_zen(switch, storage, overlap, tmp_path):
 _DS_WANT: dict = {}
 
 
+def stepped_history(opt, params) -> list:
+    """``opt`` (ours or the reference) stepped through the DeepSpeed cases' gradients: the weights after each step,
+    then after ``flush()``."""
+    history = []
+    for step in grad_sequence(DS_STEPS):
+        for p, g in zip(params, step, strict=True):
+            p.grad = g.clone()
+        opt.step()
+        history.append(snapshot(params))
+    opt.flush()
+    history.append(snapshot(params))
+    return history
+
+
 def ds_reference(switch, overlap):
     """The reference's weights (where the state lives is no part of the algorithm: one run for every storage)."""
     key = (switch, overlap)
@@ -75,15 +89,7 @@ def ds_reference(switch, overlap):
         params = make_params()
         ref = ReferenceZenFlow(params, **HYPER, zenflow=dict(DS_ZEN, overlap_step=overlap, **SWITCHES[switch]),
                                max_grad_norm=2.0)
-        history = []
-        for step in grad_sequence(DS_STEPS):
-            for p, g in zip(params, step, strict=True):
-                p.grad = g.clone()
-            ref.step()
-            history.append(snapshot(params))
-        ref.flush()
-        history.append(snapshot(params))
-        _DS_WANT[key] = history, (ref.t, ref.host_updates, ref.selections)
+        _DS_WANT[key] = stepped_history(ref, params), (ref.t, ref.host_updates, ref.selections)
     return _DS_WANT[key]
 
 
@@ -100,14 +106,7 @@ def test_deepspeed_choices_with_offloaded_state_match_the_reference(switch, stor
     with chaos(seed=3, max_delay=0.001):
         opt = ZenFlowAdamW(params, **HYPER, zenflow=ds_zen(switch, storage, overlap, tmp_path), max_grad_norm=2.0)
     with opt:
-        got = []
-        for step in grad_sequence(DS_STEPS):
-            for p, g in zip(params, step, strict=True):
-                p.grad = g.clone()
-            opt.step()
-            got.append(snapshot(params))
-        opt.flush()
-        got.append(snapshot(params))
+        got = stepped_history(opt, params)
         assert (opt.t, opt.host_updates, opt.selections) == counters
         assert opt.fast_path.offload == (storage == "offload")
     assert_close_history(got, want, f"{switch} with {storage}")
