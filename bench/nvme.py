@@ -11,7 +11,7 @@ and the disk; ``direct``: ``O_DIRECT``), two passes over the same bytes with the
 system calls:
 
 * ``roofline``: a plain sequential pass, read a block then write it back, one thread, nothing computed;
-* ``streamed``: ``streamed_adam_``, the host update's AdamW over the file (read ahead, the numba kernel,
+* ``streamed``: ``streamed_host_step_``, the host update (here AdamW's) over the file (read ahead, the numba kernel,
   write behind; the in-memory host's bits, tests/test_state_files.py).
 
 Reported per pass: seconds, GB/s of disk traffic (read + write), the streamed pass over the roofline (goal
@@ -148,12 +148,14 @@ def timed_passes(files, fn, repeats: int, flush: bool) -> dict:
 def measure(size_m: int, mode: str, where: str, repeats: int) -> dict:
     import torch
 
+    from zenflow_kernels.rules import AdamW
     from zenflow_kernels.state_files import StateFileError, StateFiles
-    from zenflow_kernels.streamed_adam import Run, streamed_adam_
+    from zenflow_kernels.streamed_host import Run, streamed_host_step_
 
-    numel = size_m * (1 << 20)
+    numel, rule = size_m * (1 << 20), AdamW()
     try:
-        files = StateFiles(where, numel, block_numel=min(BLOCK_NUMEL, numel), direct=mode == "direct")
+        files = StateFiles(where, numel, fields=("master", *rule.state_names), block_numel=min(BLOCK_NUMEL, numel),
+                           direct=mode == "direct")
     except (StateFileError, ValueError) as exc:
         return dict(size_m=size_m, mode=mode, skipped=str(exc))
     try:
@@ -161,11 +163,12 @@ def measure(size_m: int, mode: str, where: str, repeats: int) -> dict:
         run = Run(0, numel, None, dict(step=1, grad_scale=1.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                                        weight_decay=0.01))
         plain_pass(files)  # every block written once (allocated space reads as zeros but may be unwritten)
-        small = Run(0, min(numel, 1024), None, run.adam)
-        streamed_adam_(files, acc, [small])  # the numba kernel compiled (or loaded) before anything is timed
+        small = Run(0, min(numel, 1024), None, run.step_args)
+        # the numba kernel compiled (or loaded) before anything is timed
+        streamed_host_step_(files, acc, [small], rule=rule)
         out = dict(size_m=size_m, mode=mode, file_bytes=files.nbytes, traffic_bytes=2 * files.nbytes)
         for name, fn in (("roofline", lambda: plain_pass(files)),
-                         ("streamed", lambda: streamed_adam_(files, acc, [run]))):
+                         ("streamed", lambda: streamed_host_step_(files, acc, [run], rule=rule))):
             out[name] = timed_passes(files, fn, repeats, flush=mode == "buffered")
         out["streamed_over_roofline"] = out["roofline"]["best_s"] / out["streamed"]["best_s"]
         return out
@@ -176,9 +179,10 @@ def measure(size_m: int, mode: str, where: str, repeats: int) -> dict:
 def disk_roofline(where: str, numel: int, block_numel: int, direct: bool, repeats: int) -> dict:
     """The plain read+write pass over a state file of ``numel`` elements a field, opened as the optimizer
     opens its own (block size, ``O_DIRECT``): the roofline of a host update's disk pass."""
+    from zenflow_kernels.rules import AdamW
     from zenflow_kernels.state_files import StateFiles
 
-    files = StateFiles(where, numel, block_numel=block_numel, direct=direct)
+    files = StateFiles(where, numel, fields=("master", *AdamW.state_names), block_numel=block_numel, direct=direct)
     try:
         plain_pass(files)  # every block written once, as the optimizer's first step writes its file
         return dict(file_bytes=files.nbytes, **timed_passes(files, lambda: plain_pass(files), repeats,

@@ -165,11 +165,13 @@ def reader_pipeline(numel: int, bw_name: str, bandwidth: float | None, repeats: 
     from zenflow_kernels import ZenFlowAdamW
     from zenflow_kernels.ablations import ablations
     from zenflow_kernels.link import ThreadEngine
+    from zenflow_kernels.rules import AdamW
     from zenflow_kernels.state_files import StateFiles
-    from zenflow_kernels.streamed_adam import DeviceSums, Run, streamed_adam_
+    from zenflow_kernels.streamed_host import DeviceSums, Run, streamed_host_step_
 
-    block = ZenFlowAdamW.NVME_BLOCK_NUMEL
-    files = StateFiles(folder, numel, block_numel=block, direct=ZenFlowAdamW.NVME_DIRECT)
+    block, rule = ZenFlowAdamW.NVME_BLOCK_NUMEL, AdamW()
+    files = StateFiles(folder, numel, fields=("master", *rule.state_names), block_numel=block,
+                       direct=ZenFlowAdamW.NVME_DIRECT)
     engine = ThreadEngine(timeout=600.0, delays=None, d2h_bytes_per_s=bandwidth)
     flat = torch.full((numel,), 1e-3)  # the device's sums (left as they are: the update only reads them)
     acc = torch.empty(numel)
@@ -185,9 +187,9 @@ def reader_pipeline(numel: int, bw_name: str, bandwidth: float | None, repeats: 
                 with ablations.changed(fetch_beside_read=name != "serial"):
                     t0 = time.perf_counter()
                     if name == "no fetch":
-                        streamed_adam_(files, acc, runs)
+                        streamed_host_step_(files, acc, runs, rule=rule)
                     else:
-                        streamed_adam_(files, None, runs, sums=sums)
+                        streamed_host_step_(files, None, runs, rule=rule, sums=sums)
                     times[name].append(time.perf_counter() - t0)
     finally:
         engine.close()

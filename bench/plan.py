@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=int_at_least(1 << 14), default=None, help="parameters (default 2^22)")
     ap.add_argument("--steps", type=int_at_least(16), default=None, help="steps per configuration (default 32)")
     args = ap.parse_args(argv)
-    from zenflow_kernels import planner
+    from zenflow_kernels import planner, rules
 
     params = args.params or (1 << 16 if args.quick else 1 << 22)
     steps = args.steps or (16 if args.quick else 32)
@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     seconds = 1.0 if args.quick else 4.0
     # a first probe, discarded: numba's cache is per checkout, so a fresh clone compiles its kernels here
-    planner.probe_host(params=params, seconds=min(seconds, 1.0))
-    probes = {None: planner.probe_host(params=params, seconds=seconds)}  # the default pause, for the record
+    rule = rules.AdamW()  # measure()'s optimizer: ZenFlowAdamW
+    planner.probe_host(rule, params=params, seconds=min(seconds, 1.0))
+    probes = {None: planner.probe_host(rule, params=params, seconds=seconds)}  # the default pause, for the record
     for compute_ms in dict.fromkeys(ms for _, _, ms in CONFIGS):
-        probes[compute_ms] = planner.probe_host(params=params, seconds=seconds, pause_s=compute_ms / 1e3)
+        probes[compute_ms] = planner.probe_host(rule, params=params, seconds=seconds, pause_s=compute_ms / 1e3)
     rows = []
     for name, zen, compute_ms in CONFIGS:
         got = measure(name, zen, compute_ms / 1e3, params, steps)
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         step_work = probe.step_work_s_per_param * params
         plan = planner.predict(matrix_params=params, device_step_s=got["compute_s"] + step_work,
                                d2h_bytes_per_s=BANDWIDTH, h2d_bytes_per_s=BANDWIDTH, probe=probe, handover="step",
-                               **zen)
+                               state_bytes=planner.state_bytes_per_param(rule), **zen)
         predicted = step_work + (plan.sync_offload_stall_s if name == "sync_offload" else plan.zenflow_stall_s)
         error = got["measured_stall_s"] - predicted
         rows.append(dict(got, predicted_stall_s=predicted, error_s=error,

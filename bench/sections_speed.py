@@ -76,7 +76,20 @@ def rules_step_section() -> str:
         f"{pair('zenflow_async_link_adam_torch')}: the fused kernels take a Lion step {fused['lion']} faster, SGD's "
         f"{fused['sgd']} and Adam's {fused['adam']} (the 1-minute load average was {load_before:.1f} before the run"
         + (f"; other processes took {result['record']['load']['other_processes_share_of_cores']:.0%} of the cores "
-           "during it)." if "record" in result else ")."))
+           "during it)." if "record" in result else ").")
+        + _custom_rules_step(pair, cpu))
+
+
+def _custom_rules_step(pair, cpu: dict) -> str:
+    """The rules of one's own in ``step_overhead_rules_cpu.json``, where the run had them (empty otherwise)."""
+    names = ("rmsprop_compiled", "rmsprop_eager", "ademamix_compiled", "from_torch_rmsprop")
+    if not all(f"zenflow_async_link_{name}" in cpu for name in names):
+        return ""
+    p = {name: pair(f"zenflow_async_link_{name}") for name in names}
+    return (" Rules of one's own, a plain-torch `step_` and no kernel (`bench/custom_rules.py`), their device step "
+            f"compiled by Inductor: RMSprop {p['rmsprop_compiled']} (eager, `compile=False`: "
+            f"{p['rmsprop_eager']}), an AdEMAMix without schedulers (three state tensors) {p['ademamix_compiled']}, "
+            f"`rules.from_torch(torch.optim.RMSprop)` {p['from_torch_rmsprop']}.")
 
 
 def seam_section() -> str:
@@ -181,7 +194,28 @@ def cpu_rules_section() -> str:
         f"elements Lion {one[0]:.2f}x, SGD (momentum 0.9) {one[1]:.2f}x and Adam {one[2]:.2f}x of that roofline on one "
         f"thread, {two[0]:.2f}x, {two[1]:.2f}x and {two[2]:.2f}x on two; at 2^{mid.bit_length() - 1} "
         f"{span(at(mid, 1), 2)} on one thread, {span(at(mid, 2), 2)} on two (the 2^{sizes[0].bit_length() - 1} rows "
-        "sit in L3).")
+        "sit in L3)." + _custom_rules_host(result, top))
+
+
+def _custom_rules_host(result: dict, size: int) -> str:
+    """The compiled rules of one's own in ``cpu_rules.json`` at ``size``, where the run had them (empty otherwise)."""
+    rows = {(r["threads"], r["candidate"]): r for r in result["rows"] if r["size"] == size}
+    names = ("rmsprop_compiled", "rmsprop_eager", "ademamix_compiled", "from_torch_rmsprop")
+    threads = sorted({k for k, _ in rows})
+    if not all((k, name) in rows for k in threads for name in names):
+        return ""
+    frac = {name: " and ".join(f"{rows[k, name]['fraction_of_roofline']:.2f}x" for k in threads) for name in names}
+    lion = " and ".join(f"{rows[k, 'rmsprop_compiled']['vs_lion']:.2f}x" for k in threads)
+    on = " and ".join(str(k) for k in threads)
+    fallback = [name for name in names if rows[threads[-1], name]["rule_path"] not in ("compiled", "eager")]
+    return (" Rules of one's own, a plain-torch `step_` and no kernel (`bench/custom_rules.py`), their host pass "
+            f"compiled by Inductor, in the same run at 2^{size.bit_length() - 1} on {on} threads: RMSprop "
+            f"{frac['rmsprop_compiled']} of its roofline ({lion} Lion's time), eager (`compile=False`) "
+            f"{frac['rmsprop_eager']}; an AdEMAMix without schedulers (three state tensors, 42 bytes per element) "
+            f"{frac['ademamix_compiled']}; `rules.from_torch(torch.optim.RMSprop)` {frac['from_torch_rmsprop']}"
+            + (f" ({', '.join(fallback)}: calls {', '.join(rows[threads[-1], n]['rule_path'] for n in fallback)}, "
+               "a fall-back to eager after recompiles)" if fallback else "")
+            + ".")
 
 
 def scale_section() -> str:

@@ -18,8 +18,13 @@ with tiny tensors, so that compute nearly vanishes: alternating fp32 [64, 64] ma
 * with ``--rules``, also ``zenflow_async_link_lion``, ``_sgd`` and ``_adam``: ``ZenFlow`` with ``rules.Lion()``,
   ``rules.SGD(momentum=0.9)`` and ``rules.Adam()`` on the asynchronous link, their device step the fused multi-tensor
   kernel (``ops.fused_kernels``), and each again with ``_torch``: the same rule with its device step in plain torch
-  (``UpdateRule.reference_fast_step_``, what a rule without a fused kernel costs a step); results then in
-  ``step_overhead_rules_cpu.json``.
+  (``UpdateRule.reference_fast_step_``, what a rule without a fused kernel costs a step), and rules of one's own
+  (``bench.custom_rules``: a plain-torch ``step_``, no kernel), their device step compiled by Inductor
+  (``zenflow_kernels.rules.compiled``): ``zenflow_async_link_rmsprop_compiled``, ``_ademamix_compiled`` (three
+  state tensors) and ``_from_torch_rmsprop`` (``rules.from_torch(torch.optim.RMSprop)``), with
+  ``_rmsprop_eager`` (the same RMSprop, ``compile=False``: what it cost before); each compiles in the untimed
+  warm-up steps, and ``rule_paths`` records each one's ``stats()["rule_paths"]`` at each count (the path taken,
+  the compiles and their seconds); results then in ``step_overhead_rules_cpu.json``.
 
 Two clocks around ``step()``: ``time.thread_time()`` of the training thread (CPU time: what a step costs the
 thread that drives the device; the workers' own work and the waits do not count) and ``time.perf_counter()``
@@ -53,9 +58,24 @@ LR = 1e-3
 CANDIDATES = ("zenflow_cpu_link", "zenflow_async_link", "zenflow_async_link_hooks", "torch_adamw_foreach",
               "torch_adamw_fused")
 RULE_CANDIDATES = ("zenflow_async_link_lion", "zenflow_async_link_sgd", "zenflow_async_link_adam",
-                   "zenflow_async_link_lion_torch", "zenflow_async_link_sgd_torch", "zenflow_async_link_adam_torch")
+                   "zenflow_async_link_lion_torch", "zenflow_async_link_sgd_torch", "zenflow_async_link_adam_torch",
+                   "zenflow_async_link_rmsprop_compiled", "zenflow_async_link_rmsprop_eager",
+                   "zenflow_async_link_ademamix_compiled", "zenflow_async_link_from_torch_rmsprop")
 BASE = "torch_adamw_foreach"
 GOALS = {150: 0.5, 600: 0.6}  # the asynchronous link's CPU time per step over torch's foreach AdamW's, at most
+
+
+def _rule(name: str):
+    """The update rule of a ``RULE_CANDIDATES`` name (a fresh instance: each candidate's paths are its own)."""
+    from bench import custom_rules
+    from zenflow_kernels import rules
+
+    kind = name.removeprefix("zenflow_async_link_").removesuffix("_torch")
+    return {"lion": rules.Lion, "sgd": lambda: rules.SGD(momentum=0.9), "adam": rules.Adam,
+            "rmsprop_compiled": lambda: custom_rules.RMSprop(compile=True),
+            "rmsprop_eager": lambda: custom_rules.RMSprop(compile=False),
+            "ademamix_compiled": lambda: custom_rules.AdEMAMix(compile=True),
+            "from_torch_rmsprop": custom_rules.from_torch_rmsprop}[kind]()
 
 
 def _tensors(count: int, seed: int = 0):
@@ -75,7 +95,7 @@ class _Candidate:
     def __init__(self, name: str, count: int):
         import torch
 
-        from zenflow_kernels import ZenFlow, ZenFlowAdamW, rules
+        from zenflow_kernels import ZenFlow, ZenFlowAdamW
         from zenflow_kernels.testing import chaos
 
         self.name, self.count = name, count
@@ -85,8 +105,7 @@ class _Candidate:
             kind = name.rsplit("_", 1)[1]
             self.opt = torch.optim.AdamW(self.params, lr=LR, **{kind: True})
         elif name in RULE_CANDIDATES:
-            kind = name.removesuffix("_torch").rsplit("_", 1)[1]
-            rule = {"lion": rules.Lion(), "sgd": rules.SGD(momentum=0.9), "adam": rules.Adam()}[kind]
+            rule = _rule(name)
             if name.endswith("_torch"):  # the device step in plain torch, as a rule without a fused kernel has it
                 rule.fast_step_ = rule.reference_fast_step_
             with chaos(seed=0, max_delay=0):
@@ -98,6 +117,7 @@ class _Candidate:
             self.opt = ZenFlowAdamW(self.params, lr=LR, zenflow=ZENFLOW)
         self.samples: list[tuple[int, float, float]] = []  # (repeat, CPU seconds, wall seconds)
         self.boundaries = 0
+        self.rule_paths = None  # stats()["rule_paths"] at close, for a rule of one's own
 
     def _counters(self) -> tuple:
         return (getattr(self.opt, "selections", 0), getattr(self.opt, "host_updates", 0))
@@ -130,8 +150,24 @@ class _Candidate:
         else:
             self.samples.append((repeat, cpu, wall))
 
+    def settle_compiles(self) -> None:
+        """Untimed steps until a step compiles nothing more (a rule whose compiled step reads a number as a constant
+        compiles again at each new step count, up to ``rules.compiled.MAX_COMPILES``, then runs eager)."""
+        from zenflow_kernels.rules import compiled
+
+        if self.name not in RULE_CANDIDATES:
+            return
+        for _ in range(compiled.MAX_COMPILES + 1):
+            before = self.opt.stats()["rule_paths"]["fast"].get("compiles", 0)
+            self.step(None)
+            if self.opt.stats()["rule_paths"]["fast"].get("compiles", 0) == before:
+                return
+
     def close(self) -> None:
         if hasattr(self.opt, "close"):
+            paths = self.opt.stats().get("rule_paths", {})
+            if any(place.get("path") != "kernel" for place in paths.values()) and self.name in RULE_CANDIDATES:
+                self.rule_paths = paths
             self.opt.close()
 
 
@@ -161,6 +197,7 @@ def measure(counts: list[int], steps: int, warmup: int, block: int, repeats: int
             for c in candidates:
                 for _ in range(warmup):
                     c.step(None)
+                c.settle_compiles()
             for repeat in range(repeats):
                 for _ in range(-(-steps // block)):
                     for c in candidates:
@@ -178,7 +215,11 @@ def measure(counts: list[int], steps: int, warmup: int, block: int, repeats: int
                 rows.append(dict(tensors=c.count, candidate=c.name, clock=clock, repeat=repeat,
                                  median_ms=statistics.median(s) * 1e3, p25_ms=q[0] * 1e3, p75_ms=q[2] * 1e3,
                                  min_ms=s[0] * 1e3, steps=len(s), boundary_steps_left_out=c.boundaries))
-    return dict(rows=rows, torch_threads=torch.get_num_threads())
+    rule_paths = {}
+    for c in candidates:
+        if c.rule_paths is not None:
+            rule_paths.setdefault(c.name, {})[str(c.count)] = c.rule_paths
+    return dict(rows=rows, torch_threads=torch.get_num_threads(), rule_paths=rule_paths)
 
 
 def summarise(rows: list[dict], counts: list[int], repeats: int, names=CANDIDATES) -> dict:
@@ -237,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps of one candidate per turn (default 10)")
     ap.add_argument("--repeats", type=int_at_least(1), default=None, help="rounds of the schedule (default 3)")
     ap.add_argument("--rules", action="store_true",
-                    help="also ZenFlow with Lion, SGD and Adam (their fused device step, and their torch step)")
+                    help="also ZenFlow with Lion, SGD and Adam (their fused device step, and their torch step) and "
+                         "with rules of one's own compiled (bench.custom_rules)")
     args = ap.parse_args(argv)
     names = CANDIDATES + (RULE_CANDIDATES if args.rules else ())
     stem = "step_overhead_rules_cpu" if args.rules else "step_overhead_cpu"
@@ -247,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup or (2 if args.quick else 20)
     block = args.block or (4 if args.quick else 10)
     repeats = args.repeats or (2 if args.quick else 3)
-    if warmup + repeats * -(-steps // block) * block >= ZENFLOW["update_interval"]:
+    from zenflow_kernels.rules.compiled import MAX_COMPILES
+
+    settle = MAX_COMPILES + 1 if args.rules else 0  # (_Candidate.settle_compiles's steps, at most)
+    if warmup + settle + repeats * -(-steps // block) * block >= ZENFLOW["update_interval"]:
         ap.error(f"argument --steps: warmup + repeats * steps must stay below update_interval="
                  f"{ZENFLOW['update_interval']}")
 
@@ -262,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                     shapes="alternating fp32 [64, 64] matrices and [64] vectors", goals={str(n): g for n, g in
                                                                                           GOALS.items()}),
         rows=result["rows"], summary=summary, total_s=time.perf_counter() - started, machine=machine_info_light(),
+        rule_paths=result["rule_paths"],  # the rules of one's own: compiled or eager, compiles and their seconds
         load_average=dict(before=load_before, after=_load()),  # the machine is shared: others' work slows ours
     )
     path = write_json_light(out_dir / f"{stem}.json", payload)
@@ -270,16 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     for clock in ("cpu", "wall"):
         print(f"{'training-thread CPU' if clock == 'cpu' else 'wall'} time per step() that is not a boundary, ms "
               f"(median of {repeats} repeats), and x torch's foreach AdamW in the same repeat")
-        print(f"{'candidate':<26}" + "".join(f"{f'{n} tensors':>20}" for n in counts) + f"{'us/tensor':>11}")
+        print(f"{'candidate':<38}" + "".join(f"{f'{n} tensors':>20}" for n in counts) + f"{'us/tensor':>11}")
         for cand in names:
             e = summary[cand][clock]
             cells = "".join(f"{e[f'ms_at_{n}']:>12.3f}" + (f" ({e[f'vs_{BASE}_at_{n}']:.2f}x)" if cand != BASE
                                                            else " " * 8) for n in counts)
             slope = e["us_per_tensor"]
-            print(f"{cand:<26}" + cells + (f"{slope:>11.2f}" if slope is not None else f"{'-':>11}"))
+            print(f"{cand:<38}" + cells + (f"{slope:>11.2f}" if slope is not None else f"{'-':>11}"))
     if "goal" in summary:
         limits = ", ".join(f"{g}x at {n}" for n, g in summary["goal"]["limits"].items())
         print(f"goal (zenflow_async_link CPU time at most {limits}): {'met' if summary['goal']['met'] else 'not met'}")
+    for cand, by_count in result["rule_paths"].items():
+        print(f"{cand}: " + "; ".join(f"{n} tensors: fast path {p['fast']['path']} ({p['fast']['compiles']} compiles, "
+                                      f"{p['fast']['compile_s']:.1f} s)" for n, p in by_count.items()))
     print(f"wrote {path}")
     return 0
 

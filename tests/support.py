@@ -16,7 +16,7 @@ import torch
 
 from bench.harness import free_port
 from zenflow_kernels.config import ZenFlowWarning
-from zenflow_kernels.streamed_adam import DeviceSums
+from zenflow_kernels.streamed_host import DeviceSums
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO_WORKER = Path(__file__).resolve().parent / "zero_worker.py"
@@ -33,6 +33,15 @@ def make_params(dtype=torch.float32, seed=0, device="cpu", shapes=SHAPES):
 
 def snapshot(params):
     return [p.detach().to("cpu", copy=True) for p in params]
+
+
+def params_at(weights):
+    """``make_params()`` holding ``weights`` (a :func:`snapshot`): a fresh model to load a checkpoint into."""
+    params = make_params()
+    with torch.no_grad():
+        for p, w in zip(params, weights, strict=True):
+            p.copy_(w)
+    return params
 
 
 def grad_sequence(steps, seed=1, dtype=torch.float32):

@@ -449,19 +449,43 @@ def test_step_overhead_quick(tmp_path):
 
 
 def test_cpu_rules_quick(tmp_path):
-    """Every rule, the roofline passes, both thread counts: the JSON's structure and its plot (timings are the
-    machine's)."""
+    """Every rule (the hand-written kernels and the compiled rules of one's own), the roofline passes, both thread
+    counts: the JSON's structure and its plot (timings are the machine's); each rule's fraction of the roofline is
+    its bytes over its time against the roofline pass's, from the recorded numbers."""
     proc = run_module("bench.cpu_rules", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "cpu_rules.json").read_text())
     assert (tmp_path / "cpu_rules.png").read_bytes()[:8] == PNG_MAGIC
     assert result["config"]["quick"] is True and result["machine"]
     assert result["command"] == f"python -m bench.cpu_rules --quick --out {tmp_path}"
-    candidates = {r["candidate"] for r in result["rows"]}
-    assert {"lion", "sgd", "adam"} <= candidates, candidates
+    custom = ("rmsprop_compiled", "rmsprop_eager", "ademamix_compiled", "from_torch_rmsprop")
+    rules = ("lion", "sgd", "adam", *custom)
+    assert result["bytes_per_element"] == {"lion": 26, "sgd": 26, "adam": 34, "rmsprop_compiled": 26,
+                                           "rmsprop_eager": 26, "ademamix_compiled": 42, "from_torch_rmsprop": 26}
+    threads = result["config"]["threads"]
+    by = {(r["threads"], r["candidate"]): r for r in result["rows"]}
+    assert {(k, rule) for k in threads for rule in rules} <= set(by), sorted(by)
     for r in result["rows"]:
         assert r["size"] == 2**16 and r["gbps"] > 0 and math.isfinite(r["gbps"]), r
-    assert all(r["fraction_of_roofline"] > 0 for r in result["rows"] if r["candidate"] in ("lion", "sgd", "adam"))
+        assert r["median_s"] > 0 and math.isfinite(r["median_s"]), r
+    for k in threads:
+        for rule in rules:
+            r = by[k, rule]
+            per_element = result["bytes_per_element"][rule]
+            roof = by[k, f"rmw_{per_element}"]  # (the in-place pass over the same bytes per element)
+            assert r["roofline"] == roof["candidate"] and roof["bytes_per_element"] == per_element
+            bandwidth = per_element * r["size"] / r["median_s"], per_element * roof["size"] / roof["median_s"]
+            assert r["gbps"] == pytest.approx(bandwidth[0] / 1e9) and roof["gbps"] == pytest.approx(bandwidth[1] / 1e9)
+            assert r["fraction_of_roofline"] == pytest.approx(bandwidth[0] / bandwidth[1]) and bandwidth[0] > 0
+        for rule in custom:
+            r = by[k, rule]
+            assert r["vs_lion"] == pytest.approx(r["median_s"] / by[k, "lion"]["median_s"])
+            # (from_torch's step may fall back to eager after recompiles: its path then "compiled and eager")
+            expected = {"rmsprop_eager": ("eager",), "from_torch_rmsprop": ("compiled", "compiled and eager")}
+            assert r["rule_path"] in expected.get(rule, ("compiled",)), r
+            assert r["compiles"] >= 0 and r["compile_s"] >= 0 and r["first_call_s"] > 0
+    for rule in custom:  # compiled outside the timed blocks: the first block's warm-up paid for it
+        assert sum(by[k, rule]["compiles"] for k in threads) >= (0 if rule == "rmsprop_eager" else 1)
 
 
 # -- bench.seam_speed --------------------------------------------------------------------------------------
@@ -495,9 +519,19 @@ def test_step_overhead_rules_quick(tmp_path):
     result = json.loads((tmp_path / "step_overhead_rules_cpu.json").read_text())
     assert (tmp_path / "step_overhead_rules_cpu.png").read_bytes()[:8] == PNG_MAGIC
     rules = {f"zenflow_async_link_{name}{path}" for name in ("lion", "sgd", "adam") for path in ("", "_torch")}
+    custom = {f"zenflow_async_link_{name}" for name in ("rmsprop_compiled", "rmsprop_eager", "ademamix_compiled",
+                                                        "from_torch_rmsprop")}
+    rules |= custom
     assert rules <= set(result["summary"]) and rules <= set(result["config"]["candidates"])
     for name in rules:
         assert result["summary"][name]["cpu"]["vs_torch_adamw_foreach_at_16"] > 0
+        for r in (r for r in result["rows"] if r["candidate"] == name):
+            assert r["steps"] > 0 and 0 < r["min_ms"] <= r["median_ms"] and math.isfinite(r["median_ms"]), r
+    assert set(result["rule_paths"]) == custom
+    for name in custom:  # the device step compiled (in the untimed warm-up), or eager where compile=False
+        fast = [result["rule_paths"][name][n]["fast"] for n in ("8", "16")]
+        assert all(f["path"] == ("eager" if name.endswith("_eager") else "compiled") for f in fast), fast
+        assert sum(f["compiles"] for f in fast) >= (0 if name.endswith("_eager") else 1)
 
 
 # -- bench.concentration_study -------------------------------------------------------------------------------
@@ -855,3 +889,80 @@ def test_nvme_timeline_quick(tmp_path):
         assert finite([t for v in r["seconds"].values() for t in v]) and min(r["median_s"].values()) > 0, r
         # a fetched pass cannot beat its modeled copies (each waited for before its block is stepped)
         assert min(r["seconds"]["beside"] + r["seconds"]["serial"]) >= 0.999 * r["fetch_model_s"], r
+
+
+# -- bench.worker_gil ---------------------------------------------------------------------------------------
+
+
+def test_worker_gil_quick(tmp_path):
+    """bench.worker_gil at narrow layers, one round, every tensor count: the JSON's structure, and what holds whatever
+    the speed: each hold is a job's time outside its kernels, the percentages are the recorded intervals' (per-round
+    ratios, their median), the profile names the host update and leaves the GIL-free kernels out."""
+    import statistics
+
+    proc = run_module("bench.worker_gil", "--quick", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "worker_gil_cpu.json").read_text())
+    assert result["config"]["quick"] is True and result["record"]["command"].startswith("python -m bench.worker_gil")
+    assert [(r["rule"], r["tensors"]) for r in result["rows"]] == [("adamw", n) for n in (150, 600, 2000)]
+    assert 0.0 <= result["other_processes_share_of_cores"] <= 1.0
+    for r in result["rows"]:
+        assert r["rounds"] == len(r["intervals"]) == len(r["holds"]) == 1, r["rounds"]
+        holds = [h["wall_s"] - h["kernel_s"] for h in r["holds"]]
+        assert min(holds) >= 0 and finite(holds) and r["hold_kernel_ms"] > 0, r["holds"]
+        assert math.isclose(r["hold_ms"], statistics.median(holds) * 1e3), r["hold_ms"]
+        assert math.isclose(r["hold_us_per_tensor"], r["hold_ms"] * 1e3 / r["tensors"])
+        for mode in ("update", "kernel", "idle"):
+            walls = [x[mode]["wall_s"] for x in r["intervals"]]
+            assert finite(walls) and min(walls) > 0
+            assert all(0 <= x[mode]["cpu_s"] <= x[mode]["wall_s"] * 1.01 for x in r["intervals"]), r["intervals"]
+            assert math.isclose(r["interval_ms"][mode], statistics.median(walls) * 1e3)
+            assert math.isclose(r["step_ms"][mode], r["interval_ms"][mode] / 4)
+        ratio = statistics.median(x["update"]["wall_s"] / x["kernel"]["wall_s"] for x in r["intervals"])
+        assert math.isclose(r["added_pct_gil"], 100 * (ratio - 1), abs_tol=1e-9)
+        assert math.isclose(r["added_pct_gil_of_medians"],
+                            100 * (r["interval_ms"]["update"] / r["interval_ms"]["kernel"] - 1), abs_tol=1e-9)
+        assert math.isclose(r["predicted_pct"], 100 * r["hold_ms"] / r["interval_ms"]["kernel"])
+        assert finite([r["added_pct_total"], r["waited_ms"], r["waited_pct"], *r["job_wall_ms"].values()]), r
+        functions = [p["function"] for p in r["profile"]]
+        assert any("host.py" in f and "(update)" in f for f in functions), functions
+        assert not any(f.startswith("_kernels.py") for f in functions), functions
+    summary = result["summary"]
+    assert summary["max_added_pct_gil"] == max(r["added_pct_gil"] for r in result["rows"])
+    assert summary["exceeds_goal"] == (summary["max_added_pct_gil"] > result["config"]["goal_pct"])
+
+
+# -- bench.compiled_rules ---------------------------------------------------------------------------------------
+
+
+def test_compiled_rules_quick(tmp_path):
+    """bench.compiled_rules at small sizes, one round: every candidate in every section with finite positive times,
+    the compiled candidates compiled (and the eager one eager), the built-ins on their kernels, and the ratios the
+    recorded medians' (recomputed here)."""
+    proc = run_module("bench.compiled_rules", "--quick", "--out", str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "compiled_rules_cpu_quick.json").read_text())
+    assert result["record"]["command"] == f"python -m bench.compiled_rules --quick --out {tmp_path}"
+    mine = ("rmsprop_compiled", "rmsprop_eager", "from_torch_rmsprop")
+    stripped = ("lion_compiled", "adamw_compiled")
+    assert set(result["host"]) == {"lion", "adamw", *mine}
+    assert set(result["fast"]) == set(result["host"]) | set(stripped)
+    assert {k for k in result["host_pass"] if k not in ("numel", "threads")} == set(result["fast"])
+    for name, row in result["host"].items():
+        assert finite([row["host_update_ms"], row["worker_wait_ms"], row["step_ms"]]) and row["step_ms"] > 0, row
+        want = "kernel" if name in ("lion", "adamw") else "eager" if name == "rmsprop_eager" else "compiled"
+        assert row["paths"]["host"]["path"] == want, (name, row["paths"])
+    for name in result["fast"]:
+        assert result["fast"][name]["fast_path_ms"] > 0 and result["host_pass"][name]["median_ms"] > 0
+        want = "kernel" if name in ("lion", "adamw") else "eager" if name == "rmsprop_eager" else "compiled"
+        assert result["fast"][name]["paths"]["fast"]["path"] == want, (name, result["fast"][name]["paths"])
+    ratios = result["ratios_to_lion"]
+    for name, row in result["host_pass"].items():
+        if isinstance(row, dict):
+            assert math.isclose(ratios["host_pass"][name], row["median_ms"] / result["host_pass"]["lion"]["median_ms"])
+    for key, section, field in (("fast_path", "fast", "fast_path_ms"), ("training_step", "host", "step_ms"),
+                                ("worker_wait", "host", "worker_wait_ms")):
+        base = result[section]["lion"][field]
+        assert {n: None if r is None else round(r, 9) for n, r in ratios[key].items()} == {
+            n: round(row[field] / base, 9) if base > 0 else None for n, row in result[section].items()}, key
+    assert result["accuracy"]["host"]["param"]["max_ulps"] <= 4 and result["accuracy"]["fast_param"]["max_ulps"] <= 4

@@ -24,6 +24,7 @@ from zenflow_kernels import link as link_module
 from zenflow_kernels.host import HostShard
 from zenflow_kernels.optim import sums as sums_module
 from zenflow_kernels.optim.interval import HostInterval
+from zenflow_kernels.rules import AdamW
 
 REAL_MAKE_ENGINE = link_module.make_engine  # (the cuda fixture replaces the package's)
 HYPER = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -211,7 +212,7 @@ def test_receive_spans_of_the_zero_write_back_are_the_links_pinned_buffers_reuse
         return made[-1]
 
     ctx.use_host_memory(alloc)
-    host = HostShard(params, groups, num_acc=1, indices=[i for i in order if ctx.owner[i] == 0])
+    host = HostShard(params, groups, rule=AdamW(), num_acc=1, indices=[i for i in order if ctx.owner[i] == 0])
     theirs = [i for i in range(4) if ctx.owner[i] == 1]
     spans = []
     for _ in range(3):
@@ -272,7 +273,7 @@ def test_sums_ready_waits_on_every_access_until_the_zeroing_ran(cuda):
     is known to have run: a first access under a side stream (``state_dict()`` inside ``torch.cuda.stream(s)``) must
     not leave the default stream's next add racing it."""
     params = [torch.nn.Parameter(torch.zeros(4, 4))]
-    host = HostShard(params, [0], num_acc=1)
+    host = HostShard(params, [0], rule=AdamW(), num_acc=1)
     engine = link_module.CudaEngine(torch.device("cuda", 0))
     link = link_module.AsyncLink(host, engine, kind="cuda", overlap=False, host_threads=1, cores=None, timeout=10)
     try:

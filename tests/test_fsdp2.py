@@ -113,8 +113,10 @@ def _one_process(case: dict, reference: bool):
     model = W.make_model(dtype=dtype)
     params = list(model.parameters())
     if reference:
-        opt = ReferenceZenFlow(W.param_groups(model, case), **W.HYPER, zenflow=case["zenflow"],
-                               max_grad_norm=case.get("max_grad_norm"), rule=W.make_rule(case))
+        rule = W.make_rule(case)
+        hyper = W.HYPER if rule is None else dict(lr=W.HYPER["lr"])  # (a rule has its own)
+        opt = ReferenceZenFlow(W.param_groups(model, case), **hyper, zenflow=case["zenflow"],
+                               max_grad_norm=case.get("max_grad_norm"), rule=rule)
     else:
         opt = W.optimizer(W.param_groups(model, case), case, zenflow=case["zenflow"],
                           max_grad_norm=case.get("max_grad_norm"))

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-from support import HYPER, adamw_tol, drive, grad_sequence, make_params, snapshot
+from support import HYPER, adamw_tol, drive, grad_sequence, make_params, params_at, snapshot
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.ops import use_backend
@@ -157,10 +157,7 @@ def test_a_subclass_schedule_is_made_once_and_survives_a_load():
     with OddStepsOptimizer(params, **HYPER, zenflow=zen) as opt:
         drive(opt, params, grads[:6])
         saved, weights = opt.state_dict(), snapshot(params)
-    params = make_params()
-    with torch.no_grad():
-        for p, w in zip(params, weights, strict=True):
-            p.copy_(w)
+    params = params_at(weights)
     with OddStepsOptimizer(params, **HYPER, zenflow=zen) as opt:
         opt.load_state_dict(saved)
         assert type(opt.schedule) is OddStepsToo

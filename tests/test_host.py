@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from zenflow_kernels.host import HostShard, HostWorker, HostWorkerError, _Job, layout
+from zenflow_kernels.rules import AdamW
 
 
 def test_jobs_run_in_order_and_return_their_results():
@@ -110,7 +111,7 @@ def test_submit_after_close_is_a_clear_error():
 
 def test_host_shard_buffers_have_their_dtypes():
     params = [torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(5), torch.zeros(2, 2, dtype=torch.float16)]
-    host = HostShard(params, [0, 0, 0], num_acc=2)
+    host = HostShard(params, [0, 0, 0], rule=AdamW(), num_acc=2)
     for flat in (host.master, host.exp_avg, host.exp_avg_sq, *host.acc):
         assert flat.dtype == torch.float32 and flat.numel() == host.numel and not flat.any()
     assert sorted(host.out, key=str) == sorted([torch.bfloat16, torch.float32, torch.float16], key=str)
@@ -130,7 +131,7 @@ def test_copy_out_buffers_are_sized_by_their_dtype_and_views_do_not_overlap():
     shapes = [(40, 8), (8,), (8, 40), (40,), (33,)]
     dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32, torch.float32]
     params = [torch.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
-    host = HostShard(params, [0] * 5, num_acc=1)
+    host = HostShard(params, [0] * 5, rule=AdamW(), num_acc=1)
     assert host.out[torch.bfloat16].numel() == 640 and host.out[torch.float32].numel() == 16 + 48 + 48
     for dtype, flat in host.out.items():
         seen = torch.zeros(flat.numel(), dtype=torch.int32)
@@ -186,7 +187,7 @@ def test_close_returns_within_its_timeout_even_with_a_stuck_job():
 
 def test_a_fused_last_gradient_and_clipping_do_not_mix():
     params = [torch.zeros(4, 4)]
-    host = HostShard(params, [0], num_acc=1)
+    host = HostShard(params, [0], rule=AdamW(), num_acc=1)
     hyper = [dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)]
     with pytest.raises(ValueError, match=r"^HostShard.update: last= cannot be combined with max_grad_norm"):
         host.update(0, {0: 1}, hyper, 1.0, last={0: torch.ones(4, 4)})
@@ -197,7 +198,7 @@ def test_update_merges_flat_neighbours_that_share_group_step_and_count():
     """One AdamW call per run of flat neighbours with the same group, dtype, step and gradient count; a
     fused last gradient takes its own pass. The result says how the work was split, and how long it took."""
     params = [torch.zeros(4, 4), torch.zeros(2, 8), torch.zeros(3, 3), torch.zeros(5)]
-    host = HostShard(params, [0, 0, 0, 0], num_acc=1)
+    host = HostShard(params, [0, 0, 0, 0], rule=AdamW(), num_acc=1)
     hyper = [dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)]
     t0 = time.perf_counter()
     out = host.update(0, {0: 1, 1: 1, 2: 2, 3: 1}, hyper, None)
@@ -210,12 +211,39 @@ def test_update_merges_flat_neighbours_that_share_group_step_and_count():
     assert host.host_step == [2, 2, 2, 1]
 
 
+def test_the_usual_intervals_runs_are_kept_and_are_the_general_merges():
+    """Every parameter, one count, one step: the layout's runs (group, dtype) merged once and kept; the same runs and
+    bits as the general merge (forced here on a second shard), through groups, dtypes and a non-uniform interval."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4, 4), (2, 8), (3, 3), (6, 2), (5,), (7,)]
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]
+    groups = [0, 0, 1, 1, 0, 1]
+    params = [torch.randn(s, generator=g).to(d) for s, d in zip(shapes, dtypes, strict=True)]
+    hyper = [dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0),
+             dict(lr=0.05, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)]
+    kept, general = (HostShard(params, groups, rule=AdamW(), num_acc=1) for _ in range(2))
+    general._indices = frozenset()  # (never the usual interval: the general merge every time)
+    for counts in ({i: 2 for i in range(6)}, {i: 1 + (i == 3) for i in range(6)}, {i: 1 for i in range(6)}):
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        outs = []
+        for host in (kept, general):
+            for i, grad in enumerate(grads):
+                host.view(host.acc[0], i).copy_(grad)
+            outs.append(host.update(0, counts, hyper, None)["runs"])
+        assert outs[0] == outs[1]
+        assert torch.equal(kept.master, general.master) and kept.host_step == general.host_step
+        assert all(torch.equal(kept.out[d], general.out[d]) for d in kept.out)
+    # flat order 0 1 4 | 2 3 5 (group 0 | group 1, matrices first): 0 and 1 merge; 4 and 2 share a dtype, not a group
+    assert [[s.index for s in run] for run in kept._layout_runs] == [[0, 1], [4], [2], [3, 5]]
+    assert general._layout_runs is None
+
+
 def test_a_shard_of_some_parameters_lays_out_only_those():
     """ZeRO: each rank's shard holds its own run of parameters, laid out as a single-rank shard of them."""
     params = [torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(5), torch.zeros(2, 20), torch.zeros(7)]
     order, slots, numel = layout(params, [0, 0, 0, 0])
     assert order == [0, 2, 1, 3] and numel == 16 + 48 + 16 + 16  # matrices first, 16-element aligned
-    shards = [HostShard(params, [0] * 4, num_acc=1, indices=part) for part in ([0, 2], [1, 3])]
+    shards = [HostShard(params, [0] * 4, rule=AdamW(), num_acc=1, indices=part) for part in ([0, 2], [1, 3])]
     assert [sorted(s.slots) for s in shards] == [[0, 2], [1, 3]]
     assert [s.numel for s in shards] == [16 + 48, 16 + 16] and sum(s.numel for s in shards) == numel
     assert [s.order[0].offset for s in shards] == [0, 0]  # each shard starts its own buffers
@@ -230,7 +258,7 @@ def test_update_clips_by_the_norm_summed_over_the_ranks():
     hyper = [dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)]
     results = []
     for factor in (1.0, 4.0):  # as if three more ranks held the same sum of squares
-        host = HostShard([torch.zeros(4, 4)], [0], num_acc=1)
+        host = HostShard([torch.zeros(4, 4)], [0], rule=AdamW(), num_acc=1)
         host.acc[0][:16] = 3.0  # norm 12 on this shard
         seen = []
         host.update(0, {0: 1}, hyper, 6.0, sum_over_ranks=lambda x, f=factor, seen=seen: seen.append(x) or f * x)
@@ -238,7 +266,7 @@ def test_update_clips_by_the_norm_summed_over_the_ranks():
         results.append(host.exp_avg[:16].clone())
     # Adam's first step moves every weight by about lr whatever the clipping: the moments show the scale
     for factor, got in zip((1.0, 4.0), results, strict=True):
-        manual = HostShard([torch.zeros(4, 4)], [0], num_acc=1)
+        manual = HostShard([torch.zeros(4, 4)], [0], rule=AdamW(), num_acc=1)
         manual.acc[0][:16] = 3.0
         manual.acc[0][:16] *= min(1.0, 6.0 / (12.0 * factor**0.5 + 1e-6))
         manual.update(0, {0: 1}, hyper, None)

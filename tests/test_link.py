@@ -20,6 +20,7 @@ from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.device_model import Chaos, Delays, current_chaos
 from zenflow_kernels.host import ALIGN, HostShard, out_sizes
 from zenflow_kernels.link import AsyncLink, CpuLink, host_alloc, make_engine, make_link
+from zenflow_kernels.rules import AdamW
 from zenflow_kernels.testing import chaos
 
 pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
@@ -33,7 +34,7 @@ def new_link(params, *, overlap, host_threads=1, cores=None, timeout=10, chaos=N
     """A link for CPU ``params`` (one group) as the optimizer builds it: engine, host shard (double-buffered
     accumulation with overlap), link."""
     engine = make_engine(torch.device("cpu"), chaos=chaos, timeout=timeout)
-    host = HostShard(params, [0] * len(params), num_acc=2 if overlap else 1, **host_alloc(engine),
+    host = HostShard(params, [0] * len(params), rule=AdamW(), num_acc=2 if overlap else 1, **host_alloc(engine),
                      landing=engine is not None)
     return make_link(host, engine, overlap=overlap, host_threads=host_threads, cores=cores, timeout=timeout)
 
@@ -441,7 +442,8 @@ def test_fold_merges_neighbours_in_the_layout(monkeypatch):
 
     params = [torch.zeros(s) for s in [(4, 8), (2, 8), (3, 3)]] + [torch.zeros(5, dtype=torch.bfloat16),
                                                                    torch.zeros(6)]
-    host = HostShard(params, [0] * 5, num_acc=1, landing=True)  # flat order: matrices 0, 1, 2, then vectors 3, 4
+    # flat order: matrices 0, 1, 2, then vectors 3, 4
+    host = HostShard(params, [0] * 5, rule=AdamW(), num_acc=1, landing=True)
     calls = []
     real = host_module.accumulate_unchecked
     monkeypatch.setattr(host_module, "accumulate_unchecked",
@@ -584,14 +586,14 @@ def test_engines_and_links_are_chosen_by_device_and_chaos():
         engine = make_engine(cpu, chaos=Chaos(seed=3, max_delay=max_delay), timeout=5)
         assert isinstance(engine, ThreadEngine) and host_alloc(engine) == {"alloc": engine.alloc}
         assert (engine.delays is None) == (max_delay == 0)
-        host = HostShard(params, [0] * len(params), num_acc=1, **host_alloc(engine), landing=True)
+        host = HostShard(params, [0] * len(params), rule=AdamW(), num_acc=1, **host_alloc(engine), landing=True)
         link = make_link(host, engine, overlap=False, host_threads=1, cores=None, timeout=5)
         try:
             assert isinstance(link, AsyncLink) and link.kind == "cpu-async" and link.host is host
             assert link.engine is engine and link._delays is engine.delays
         finally:
             link.close()
-    host = HostShard(params, [0] * len(params), num_acc=1)
+    host = HostShard(params, [0] * len(params), rule=AdamW(), num_acc=1)
     link = make_link(host, None, overlap=False, host_threads=1, cores=None, timeout=5)
     assert isinstance(link, CpuLink) and link.kind == "cpu" and link.host is host
     link.close()
@@ -626,7 +628,7 @@ def test_host_shard_layout_is_aligned_and_disjoint():
     shapes = [(3, 5), (7,), (1, 1), (13, 3), (2,), (17,), (5, 9)]
     params = [torch.zeros(s) for s in shapes]
     groups = [0, 0, 0, 1, 1, 0, 1]
-    host = HostShard(params, groups, num_acc=2)
+    host = HostShard(params, groups, rule=AdamW(), num_acc=2)
     spans = sorted((s.offset, s.offset + s.numel) for s in host.slots.values())
     for (_, hi), (next_lo, _) in zip(spans, spans[1:], strict=False):
         assert hi <= next_lo

@@ -215,7 +215,7 @@ def test_the_links_and_state_files_carry_the_name(tmp_path, monkeypatch):
     with opt:
         step_once(opt, params)
         assert opt.run.host.disk.owner == LION
-    files = StateFiles(tmp_path, 4096, block_numel=1024, owner=LION)
+    files = StateFiles(tmp_path, 4096, fields=("master", *rules.Lion.state_names), block_numel=1024, owner=LION)
     files.release()
     raises(StateFileError, LION, f"{LION} NVMe state: read after release", lambda: files.read("master", 0, 4))
 

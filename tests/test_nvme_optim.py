@@ -16,11 +16,13 @@ from support import HYPER, SWEEP, _ids, grad_sequence, make_params, quiet, recor
 
 from zenflow_kernels import ZenFlowAdamW, ZenFlowConfig, ZenFlowConfigError
 from zenflow_kernels.ops import use_backend
+from zenflow_kernels.rules import AdamW
 from zenflow_kernels.state_files import StateFileError
 from zenflow_kernels.testing import chaos
 
 STEPS, NAN_AT = 14, 7
 ZEN = dict(topk_ratio=0.25, select_strategy="step", select_interval=6, update_interval=2, full_warm_up_rounds=1)
+FIELDS = ("master", *AdamW.state_names)  # a state file's fields for AdamW's host state
 
 
 @pytest.fixture(autouse=True)
@@ -343,8 +345,9 @@ def test_columns_written_back_at_reselection_are_one_pass_and_the_in_memory_valu
             calls["write"].append(j)
             super().write_block(j, bufs)
 
-    memory = HostShard(params, groups, num_acc=1)
-    disk = HostShard(params, groups, num_acc=1, disk=lambda n: Counting(tmp_path, n, block_numel=1024))
+    memory = HostShard(params, groups, rule=AdamW(), num_acc=1)
+    disk = HostShard(params, groups, rule=AdamW(), num_acc=1,
+                     disk=lambda n: Counting(tmp_path, n, fields=FIELDS, block_numel=1024))
     items = []
     for i, p in enumerate(params):
         cols = torch.randperm(p.shape[1], generator=g)[: max(1, p.shape[1] // 3)]
@@ -382,8 +385,9 @@ def test_a_save_that_finds_the_disk_full_fails_alone_and_training_goes_on(tmp_pa
 
         with monkeypatch.context() as patch:
             patch.setattr(_PosixIO, "fallocate", staticmethod(full))
-            with pytest.raises(StateFileError, match=r"reserving \d+ bytes .*checkpoint's copy of the master and "
-                                                     r"both moments and the gradient sums\) for .*zenflow-snapshot-\w+ "
+            with pytest.raises(StateFileError, match=r"reserving \d+ bytes .*checkpoint's copy of the fields master, "
+                                                     r"exp_avg, exp_avg_sq and the gradient sums\) for "
+                                                     r".*zenflow-snapshot-\w+ "
                                                      r"failed: No space left on device \(\d+ bytes were free\)"):
                 opt.state_dict()
         [folder] = os.listdir(tmp_path)  # no copy left
@@ -484,7 +488,8 @@ def test_clipping_over_sums_fetched_in_pieces_has_the_bits_of_the_whole_buffer(t
              dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0)]
     shards = []
     for num_acc in (1, 0):
-        shard = HostShard(params, groups, num_acc=num_acc, disk=lambda n: StateFiles(tmp_path, n, block_numel=4096))
+        shard = HostShard(params, groups, rule=AdamW(), num_acc=num_acc,
+                          disk=lambda n: StateFiles(tmp_path, n, fields=FIELDS, block_numel=4096))
         shards.append(shard)
     sums = torch.randn(shards[0].numel, generator=g) * 5
     shards[0].acc[0].copy_(sums)

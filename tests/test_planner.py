@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zenflow_kernels import ZenFlowAdamW
-from zenflow_kernels.planner import HostProbe, host_bytes_per_param, predict, probe_host
+from zenflow_kernels import ZenFlowAdamW, rules
+from zenflow_kernels.planner import HostProbe, host_bytes_per_param, predict, probe_host, state_bytes_per_param
 from zenflow_kernels.testing import chaos
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ MS = 1e-3
 
 def plan(**kwargs):
     args = dict(matrix_params=10**6, device_step_s=10 * MS, d2h_bytes_per_s=1e9, probe=PROBE, topk_ratio=0.0,
-                handover="step")
+                handover="step", state_bytes=8)
     return predict(**{**args, **kwargs})
 
 
@@ -85,20 +85,21 @@ def test_host_bytes_per_param_is_what_the_optimizer_allocates(overlap, asynchron
         params[0].grad = torch.randn_like(params[0])
         opt.step()
         measured = opt.host_bytes()
-    want = host_bytes_per_param(overlap_step=overlap, on_gpu=asynchronous)
+    want = host_bytes_per_param(state_bytes=state_bytes_per_param(rules.AdamW()), overlap_step=overlap,
+                                on_gpu=asynchronous)
     assert measured["total"] == want * params[0].numel(), measured
     assert want == 4 + 8 + (8 if overlap else 4) + 2 + (2 if asynchronous else 0)
 
 
 def test_the_probe_measures_this_hosts_passes():
-    probe = probe_host(params=1 << 16, seconds=0.2)
+    probe = probe_host(rules.AdamW(), params=1 << 16, seconds=0.2)
     assert probe.params == 1 << 16 and probe.threads >= 1 and probe.grad_dtype == "bfloat16"
     assert 0 < probe.accumulate_s_per_param < 1e-6 and 0 < probe.update_s_per_param < 1e-6
     with pytest.raises(ValueError, match="params=100 is invalid"):
-        probe_host(params=100)
+        probe_host(rules.AdamW(), params=100)
     for bad in (-0.001, float("nan"), "0.02", True):
         with pytest.raises(ValueError, match=r"pause_s=.* is invalid: allowed None or a number >= 0"):
-            probe_host(params=1 << 16, pause_s=bad)
+            probe_host(rules.AdamW(), params=1 << 16, pause_s=bad)
 
 
 def test_the_probe_pauses_as_told_between_steps(monkeypatch):
@@ -117,7 +118,7 @@ def test_the_probe_pauses_as_told_between_steps(monkeypatch):
         real_sleep(seconds)
 
     monkeypatch.setattr(planner_module.time, "sleep", sleep)
-    probe_host(params=1 << 14, seconds=0.1, pause_s=0.003)
+    probe_host(rules.AdamW(), params=1 << 14, seconds=0.1, pause_s=0.003)
     assert len(pauses) >= 12 and pauses[0] == 0.0 and set(pauses[1:]) == {0.003}, pauses
 
 

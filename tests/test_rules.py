@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 import torch
-from support import HYPER, drive, grad_sequence, make_params, snapshot
+from support import HYPER, drive, grad_sequence, make_params, params_at, snapshot
 from tolerance import assert_within_stated_bound
 
 from zenflow_kernels import ZenFlow, ZenFlowAdamW, rules
@@ -191,10 +191,7 @@ def test_checkpoints_resume_bit_identically_per_rule(name, where, tmp_path):
     with make(params, rule(), zen, "chaos3") as opt:
         drive(opt, params, grads[:7])
         saved, weights = copy.deepcopy(opt.state_dict()), snapshot(params)
-    params = make_params()
-    with torch.no_grad():
-        for p, w in zip(params, weights, strict=True):
-            p.copy_(w)
+    params = params_at(weights)
     with make(params, rule(), zen, "sync") as opt:
         opt.load_state_dict(saved)
         got = drive(opt, params, grads[7:])
@@ -307,10 +304,7 @@ def test_a_rule_written_by_a_researcher_runs_on_both_paths_and_checkpoints(mode,
     with make(params, Signum(weight_decay=0.01), zen, mode) as opt:
         drive(opt, params, grads[:5])
         saved_at_5, weights = copy.deepcopy(opt.state_dict()), snapshot(params)
-    params = make_params()
-    with torch.no_grad():
-        for p, w in zip(params, weights, strict=True):
-            p.copy_(w)
+    params = params_at(weights)
     with make(params, Signum(weight_decay=0.01), zen, mode) as opt:
         opt.load_state_dict(saved_at_5)
         resumed = drive(opt, params, grads[5:])
@@ -397,10 +391,7 @@ def test_bf16_host_state_takes_4_bytes_less_and_resumes_bit_identically():
         drive(opt, params, grads[:7])
         saved, weights = copy.deepcopy(opt.state_dict()), snapshot(params)
     assert saved["state"][0]["host_exp_avg"].dtype == torch.float32  # (the stored bf16 values, exactly)
-    params = make_params()
-    with torch.no_grad():
-        for p, w in zip(params, weights, strict=True):
-            p.copy_(w)
+    params = params_at(weights)
     with make(params, rule(), zen, "sync") as opt:
         opt.load_state_dict(saved)
         got = drive(opt, params, grads[7:])

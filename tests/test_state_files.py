@@ -1,6 +1,7 @@
-"""The NVMe tier's storage layer (issue 25): host Adam state in a private file, streamed through
-the in-memory host's numba Adam block by block with the same bits, and every fault (no space, an I/O error
-at an offset, a short transfer) either handled or raised naming file and offset, with nothing left on disk."""
+"""The NVMe tier's storage layer (issue 25): an update rule's host state in a private file (here AdamW's), streamed
+through the in-memory host's kernel (the rule's ``host_step_``: AdamW's numba Adam) block by block with the same
+bits, and every fault (no space, an I/O error at an offset, a short transfer) either handled or raised naming file
+and offset, with nothing left on disk."""
 
 import errno
 import os
@@ -14,15 +15,18 @@ import torch
 from support import recording_device_sums
 
 from zenflow_kernels import cpu_ops
-from zenflow_kernels.state_files import FIELDS, StateFileError, StateFiles, _PosixIO
-from zenflow_kernels.streamed_adam import DeviceSums, Run, streamed_adam_
+from zenflow_kernels.rules import AdamW
+from zenflow_kernels.state_files import StateFileError, StateFiles, _PosixIO
+from zenflow_kernels.streamed_host import DeviceSums, Run, streamed_host_step_
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+ADAMW = AdamW()
+FIELDS = ("master", *ADAMW.state_names)  # the fields of AdamW's host state, in the file's order
 
 
 def test_files_are_private_unique_reserved_and_removed(tmp_path):
-    a = StateFiles(tmp_path, 5000, block_numel=1024)
-    b = StateFiles(tmp_path, 5000, block_numel=1024)  # the same path, the same rank: no collision
+    a = StateFiles(tmp_path, 5000, fields=FIELDS, block_numel=1024)
+    b = StateFiles(tmp_path, 5000, fields=FIELDS, block_numel=1024)  # the same path, the same rank: no collision
     assert a.path != b.path and os.path.dirname(a.path) != os.path.dirname(b.path)
     assert stat.S_IMODE(os.stat(a.folder).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(a.path).st_mode) == 0o600
@@ -39,7 +43,8 @@ def test_files_are_private_unique_reserved_and_removed(tmp_path):
 
 def test_files_are_removed_at_interpreter_exit(tmp_path):
     code = ("import sys; from zenflow_kernels.state_files import StateFiles\n"
-            f"f = StateFiles({str(tmp_path)!r}, 4096, block_numel=1024); print(f.folder); sys.stdout.flush()\n"
+            f"f = StateFiles({str(tmp_path)!r}, 4096, fields=('master',), block_numel=1024)\n"
+            "print(f.folder); sys.stdout.flush()\n"
             "import os; os.environ['KEEP_REF'] = f.folder\n")  # a live reference at exit
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -51,15 +56,15 @@ def test_files_are_removed_at_interpreter_exit(tmp_path):
 ])
 def test_bad_arguments_are_refused_naming_them(tmp_path, bad, match):
     with pytest.raises(ValueError, match=match):
-        StateFiles(tmp_path, **(dict(numel=10, block_numel=1024) | bad))
+        StateFiles(tmp_path, fields=FIELDS, **(dict(numel=10, block_numel=1024) | bad))
     with pytest.raises(ValueError, match="not an existing directory"):
-        StateFiles(tmp_path / "missing", 10, block_numel=1024)
+        StateFiles(tmp_path / "missing", 10, fields=FIELDS, block_numel=1024)
     assert os.listdir(tmp_path) == []
 
 
 def test_too_little_space_fails_at_creation_naming_path_needed_and_free(tmp_path):
     with pytest.raises(StateFileError, match=rf"needs {(1 << 46) * 12} bytes .* has \d+ bytes free") as info:
-        StateFiles(tmp_path, 1 << 46, block_numel=1 << 20)
+        StateFiles(tmp_path, 1 << 46, fields=FIELDS, block_numel=1 << 20)
     assert info.value.errno == errno.ENOSPC and str(tmp_path) in str(info.value)
     assert os.listdir(tmp_path) == []  # nothing left behind
 
@@ -69,7 +74,7 @@ def test_too_little_space_fails_at_creation_naming_path_needed_and_free(tmp_path
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with pytest.raises(StateFileError, match=r"reserving 61440 bytes .* failed: No space left") as info:
-        StateFiles(tmp_path, 5000, block_numel=1024, io=Full())
+        StateFiles(tmp_path, 5000, fields=FIELDS, block_numel=1024, io=Full())
     assert info.value.errno == errno.ENOSPC
     assert os.listdir(tmp_path) == []
 
@@ -78,7 +83,7 @@ def test_too_little_space_fails_at_creation_naming_path_needed_and_free(tmp_path
 def test_fields_read_and_write_across_blocks(tmp_path, direct):
     if direct and not _direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
-    files = StateFiles(tmp_path, 5000, block_numel=1024, direct=direct)
+    files = StateFiles(tmp_path, 5000, fields=FIELDS, block_numel=1024, direct=direct)
     for field in FIELDS:
         assert torch.equal(files.read(field, 0, 5000), torch.zeros(5000))  # reserved space reads as zeros
     data = {f: torch.randn(5000, generator=torch.Generator().manual_seed(k)) for k, f in enumerate(FIELDS)}
@@ -113,10 +118,10 @@ def _in_memory(state, runs):
     """The in-memory host's update of the same runs: one cpu_adam_ call per run."""
     s = {k: v.clone() for k, v in state.items()}
     outs = []
-    for lo, hi, dtype, adam in runs:
+    for lo, hi, dtype, args in runs:
         out = None if dtype is None else torch.empty(hi - lo, dtype=dtype)
         cpu_ops.cpu_adam_(s["master"][lo:hi], s["acc"][lo:hi], s["exp_avg"][lo:hi], s["exp_avg_sq"][lo:hi], out=out,
-                          zero_grad=True, **adam)
+                          zero_grad=True, **args)
         outs.append(out)
     return s, outs
 
@@ -134,7 +139,7 @@ RUN_SETS = {
 
 def _direct_supported(path) -> bool:
     try:
-        StateFiles(path, 1024, block_numel=1024, direct=True).close()
+        StateFiles(path, 1024, fields=FIELDS, block_numel=1024, direct=True).close()
         return True
     except (StateFileError, ValueError):
         return False
@@ -144,7 +149,7 @@ def _direct_supported(path) -> bool:
 @pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("block_numel, direct", [(1024, False), (2048, False), (2048, True)])
 @pytest.mark.parametrize("name", list(RUN_SETS))
-def test_streamed_adam_gives_the_in_memory_bits(tmp_path, name, block_numel, direct, depth, sums):
+def test_streamed_host_step_gives_the_in_memory_bits(tmp_path, name, block_numel, direct, depth, sums):
     """The sums in host memory (zeroed where stepped), or fetched from the device block by block (``device``:
     each stepped element fetched once, in order, into blocks that start out NaN; the device's sums untouched)."""
     if direct and not _direct_supported(tmp_path):
@@ -152,17 +157,17 @@ def test_streamed_adam_gives_the_in_memory_bits(tmp_path, name, block_numel, dir
     numel, runs = RUN_SETS[name]
     state = _state(numel, seed=len(name))
     expected, outs = _in_memory(state, runs)
-    files = StateFiles(tmp_path, numel, block_numel=block_numel, direct=direct)
+    files = StateFiles(tmp_path, numel, fields=FIELDS, block_numel=block_numel, direct=direct)
     for f in FIELDS:
         files.write(f, 0, state[f])
     acc, fetched = state["acc"].clone(), []
     got_outs = [None if dtype is None else torch.empty(hi - lo, dtype=dtype) for lo, hi, dtype, _ in runs]
-    work = [Run(lo, hi, o, adam) for (lo, hi, _, adam), o in zip(runs, got_outs, strict=True)]
+    work = [Run(lo, hi, o, args) for (lo, hi, _, args), o in zip(runs, got_outs, strict=True)]
     if sums == "host":
-        report = streamed_adam_(files, acc, work, depth=depth)
+        report = streamed_host_step_(files, acc, work, rule=ADAMW, depth=depth)
     else:
         sums = recording_device_sums(acc, block_numel, depth, fetched)
-        report = streamed_adam_(files, None, work, depth=depth, sums=sums)
+        report = streamed_host_step_(files, None, work, rule=ADAMW, depth=depth, sums=sums)
     touched = {j for lo, hi, _, _ in runs for j in range(lo // block_numel, -(-hi // block_numel))}
     assert report["blocks"] == len(touched)
     for f in FIELDS:
@@ -180,7 +185,7 @@ def test_streamed_adam_gives_the_in_memory_bits(tmp_path, name, block_numel, dir
 
 
 @pytest.mark.parametrize("beside", [True, False])
-def test_streamed_adam_reads_a_block_while_its_sums_are_fetched(tmp_path, monkeypatch, beside):
+def test_streamed_host_step_reads_a_block_while_its_sums_are_fetched(tmp_path, monkeypatch, beside):
     """A fetch that returns a wait (a copy engine): the reader starts each block's fetches, reads the block, then
     waits for them, so the link and the disk work side by side (``ablations.fetch_beside_read=False``: the former
     order, read, then fetch and wait). Either way the in-memory bits, and every wait called once."""
@@ -192,7 +197,7 @@ def test_streamed_adam_reads_a_block_while_its_sums_are_fetched(tmp_path, monkey
             (2000, numel, None, dict(HYPER, step=1, grad_scale=0.5))]
     state = _state(numel, seed=5)
     expected, outs = _in_memory(state, runs)
-    files = StateFiles(tmp_path, numel, block_numel=block)
+    files = StateFiles(tmp_path, numel, fields=FIELDS, block_numel=block)
     for f in FIELDS:
         files.write(f, 0, state[f])
     events = []
@@ -206,8 +211,9 @@ def test_streamed_adam_reads_a_block_while_its_sums_are_fetched(tmp_path, monkey
         return lambda: events.append(("wait", lo // block))
 
     got_outs = [None if dtype is None else torch.empty(hi - lo, dtype=dtype) for lo, hi, dtype, _ in runs]
-    work = [Run(lo, hi, o, adam) for (lo, hi, _, adam), o in zip(runs, got_outs, strict=True)]
-    streamed_adam_(files, None, work, sums=DeviceSums(fetch, [torch.full((block,), float("nan")) for _ in range(3)]))
+    work = [Run(lo, hi, o, args) for (lo, hi, _, args), o in zip(runs, got_outs, strict=True)]
+    streamed_host_step_(files, None, work, rule=ADAMW,
+                        sums=DeviceSums(fetch, [torch.full((block,), float("nan")) for _ in range(3)]))
     for f in FIELDS:
         assert torch.equal(files.read(f, 0, numel), expected[f]), f
     assert torch.equal(got_outs[0], outs[0])
@@ -220,10 +226,11 @@ def test_streamed_adam_reads_a_block_while_its_sums_are_fetched(tmp_path, monkey
     files.close()
 
 
-def test_streamed_adam_waits_for_started_fetches_before_a_read_error_and_raises_a_failed_wait(tmp_path, monkeypatch):
+def test_streamed_host_step_waits_for_started_fetches_before_a_read_error_and_raises_a_failed_wait(tmp_path,
+                                                                                                   monkeypatch):
     numel, block = 4096, 1024
     state = _state(numel, seed=11)
-    files = StateFiles(tmp_path, numel, block_numel=block)
+    files = StateFiles(tmp_path, numel, fields=FIELDS, block_numel=block)
     for f in FIELDS:
         files.write(f, 0, state[f])
     before = files.read("master", 0, numel)
@@ -242,7 +249,7 @@ def test_streamed_adam_waits_for_started_fetches_before_a_read_error_and_raises_
 
     buffers = [torch.empty(block) for _ in range(3)]
     with pytest.raises(RuntimeError, match="the copy at 3072 failed"):  # a failed copy raises at its wait
-        streamed_adam_(files, None, work, sums=DeviceSums(fetch, buffers))
+        streamed_host_step_(files, None, work, rule=ADAMW, sums=DeviceSums(fetch, buffers))
     after = files.read("master", 0, numel)
     assert not torch.equal(after[:3072], before[:3072]) and torch.equal(after[3072:], before[3072:])
     read_block, started[:], waited[:] = files.read_block, [], []
@@ -254,26 +261,27 @@ def test_streamed_adam_waits_for_started_fetches_before_a_read_error_and_raises_
 
     monkeypatch.setattr(files, "read_block", failing_read)
     with pytest.raises(StateFileError, match="injected read error in block 2"):
-        streamed_adam_(files, None, work, sums=DeviceSums(fetch, buffers))
+        streamed_host_step_(files, None, work, rule=ADAMW, sums=DeviceSums(fetch, buffers))
     assert started == [0, 1024, 2048] and waited == started  # block 2's copy was settled before the error came out
     files.close()
 
 
-def test_streamed_adam_refuses_ambiguous_sums_and_short_buffers_and_raises_a_failed_fetch(tmp_path):
+def test_streamed_host_step_refuses_ambiguous_sums_and_short_buffers_and_raises_a_failed_fetch(tmp_path):
     numel = 4096
     state = _state(numel, seed=9)
-    files = StateFiles(tmp_path, numel, block_numel=1024)
+    files = StateFiles(tmp_path, numel, fields=FIELDS, block_numel=1024)
     for f in FIELDS:
         files.write(f, 0, state[f])
     work = [Run(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))]
     sums = recording_device_sums(state["acc"], 1024, 3, [])
     with pytest.raises(ValueError, match="either as acc .* or as sums .* exactly one"):
-        streamed_adam_(files, state["acc"], work, sums=sums)
+        streamed_host_step_(files, state["acc"], work, rule=ADAMW, sums=sums)
     with pytest.raises(ValueError, match="either as acc .* or as sums .* exactly one"):
-        streamed_adam_(files, None, work)
+        streamed_host_step_(files, None, work, rule=ADAMW)
     with pytest.raises(ValueError, match=r"at least depth=3 fp32 buffers of min\(block_numel, numel\)=1024 elements, "
                                          r"got \[\(1024, torch.float32\), \(512, torch.float32\)\]"):
-        streamed_adam_(files, None, work, sums=DeviceSums(sums.fetch, [torch.empty(1024), torch.empty(512)]))
+        streamed_host_step_(files, None, work, rule=ADAMW,
+                            sums=DeviceSums(sums.fetch, [torch.empty(1024), torch.empty(512)]))
     before = files.read("master", 0, numel)
 
     def failing(dst, lo, hi):
@@ -282,7 +290,7 @@ def test_streamed_adam_refuses_ambiguous_sums_and_short_buffers_and_raises_a_fai
         dst.copy_(state["acc"][lo:hi])
 
     with pytest.raises(RuntimeError, match="illegal memory access at 2048"):
-        streamed_adam_(files, None, work, sums=DeviceSums(failing, sums.buffers))
+        streamed_host_step_(files, None, work, rule=ADAMW, sums=DeviceSums(failing, sums.buffers))
     after = files.read("master", 0, numel)  # the blocks before it were stepped, none from it on
     assert not torch.equal(after[:2048], before[:2048]) and torch.equal(after[2048:], before[2048:])
     files.close()
@@ -322,10 +330,10 @@ def test_short_transfers_continue_where_they_stopped(tmp_path):
     numel, runs = RUN_SETS["runs sharing blocks"]
     state = _state(numel, seed=3)
     expected, _ = _in_memory(state, runs)
-    files = StateFiles(tmp_path, numel, block_numel=1024, io=FailAt(short=5000))
+    files = StateFiles(tmp_path, numel, fields=FIELDS, block_numel=1024, io=FailAt(short=5000))
     for f in FIELDS:
         files.write(f, 0, state[f])
-    streamed_adam_(files, state["acc"].clone(), [Run(lo, hi, None, adam) for lo, hi, _, adam in runs])
+    streamed_host_step_(files, state["acc"].clone(), [Run(lo, hi, None, args) for lo, hi, _, args in runs], rule=ADAMW)
     for f in FIELDS:
         assert torch.equal(files.read(f, 0, numel), expected[f])
 
@@ -336,13 +344,14 @@ def test_an_io_error_during_the_stream_raises_naming_file_and_offset(tmp_path, o
     state = _state(numel, seed=5)
     block_bytes = 1024 * 12
     io = FailAt()
-    files = StateFiles(tmp_path, numel, block_numel=1024, io=io)
+    files = StateFiles(tmp_path, numel, fields=FIELDS, block_numel=1024, io=io)
     for f in FIELDS:
         files.write(f, 0, state[f])
     io.op, io.offset, io.code, io.writes = op, 3 * block_bytes, code, []
     with pytest.raises(StateFileError, match=rf"{op} of {block_bytes} bytes at offset {3 * block_bytes} of "
                                              rf".*rank0.state failed: {os.strerror(code)}") as info:
-        streamed_adam_(files, state["acc"].clone(), [Run(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))])
+        streamed_host_step_(files, state["acc"].clone(), [Run(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))],
+                            rule=ADAMW)
     assert info.value.errno == code
     # the blocks after the failed one were not written
     assert all(offset < 3 * block_bytes for offset in io.writes), io.writes
@@ -390,7 +399,7 @@ def test_many_writes_are_one_pass_over_the_blocks_they_touch(tmp_path, fresh):
     for f, lo, v in items:
         expected[f][lo : lo + v.numel()] = v.float().reshape(-1)
     io = Counting()
-    files = StateFiles(tmp_path, numel, block_numel=1024, io=io)
+    files = StateFiles(tmp_path, numel, fields=FIELDS, block_numel=1024, io=io)
     if not fresh:
         for f in FIELDS:
             files.write(f, 0, expected[f].clone())
@@ -413,7 +422,7 @@ def test_a_snapshot_is_a_file_backed_copy_that_outlives_close(tmp_path):
     like the state file's."""
     numel = 5000
     io = Counting()
-    files = StateFiles(tmp_path, numel, block_numel=1024, io=io)
+    files = StateFiles(tmp_path, numel, fields=FIELDS, block_numel=1024, io=io)
     data = {f: torch.randn(numel, generator=torch.Generator().manual_seed(k)) for k, f in enumerate(FIELDS)}
     files.write_many([(f, 0, data[f]) for f in FIELDS])
     snap = files.snapshot()
@@ -444,7 +453,7 @@ def test_a_snapshot_is_a_file_backed_copy_that_outlives_close(tmp_path):
     with pytest.raises(StateFileError, match="a snapshot after release"):
         files.snapshot()
     assert os.listdir(tmp_path) == []
-    assert StateFiles(tmp_path, 0, block_numel=1024).snapshot().shape == (3, 0)
+    assert StateFiles(tmp_path, 0, fields=FIELDS, block_numel=1024).snapshot().shape == (3, 0)
 
     class FullAtSnapshot(_PosixIO):  # the state file fits, its copy finds the disk full
         calls = 0
@@ -455,7 +464,7 @@ def test_a_snapshot_is_a_file_backed_copy_that_outlives_close(tmp_path):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return os.posix_fallocate(fd, offset, length)
 
-    files = StateFiles(tmp_path, numel, block_numel=1024, io=FullAtSnapshot())
+    files = StateFiles(tmp_path, numel, fields=FIELDS, block_numel=1024, io=FullAtSnapshot())
     with pytest.raises(StateFileError, match=rf"reserving {3 * numel * 4} bytes .* checkpoint's copy .* for "
                                              r".*zenflow-snapshot-\w+ failed: No space left") as info:
         files.snapshot()

@@ -277,7 +277,7 @@ def test_the_planner_writes_back_the_matrices_columns_off_the_fast_path_only(ove
     d2h, h2d, device, gb, pb = 1e9, 0.8e9, 10e-3, 2, 2
     plan = predict(matrix_params=M, vector_params=V, device_step_s=device, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
                    probe=probe, topk_ratio=k, update_interval=S, overlap_step=overlap, handover=handover,
-                   grad_bytes=gb, param_bytes=pb)
+                   grad_bytes=gb, param_bytes=pb, state_bytes=8)
     written = 900_000  # (1 - 0.1) x the matrices' parameters: no vector
     lanes = plan.zenflow_lanes
     assert lanes["write_back_s"] == pytest.approx(pb * written / h2d, rel=1e-12)

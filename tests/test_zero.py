@@ -53,7 +53,8 @@ def single_rank(case: dict, world: int, steps: int | None = None, state=None):
 def reference(case: dict, world: int):
     params = [torch.nn.Parameter(p.detach().float()) for p in zero_worker.make_params()]
     rule = getattr(rules, case["rule"][0])(**case["rule"][1]) if case.get("rule") else None
-    ref = ReferenceZenFlow(zero_worker.param_groups(params, case), **zero_worker.HYPER, zenflow=case["zenflow"],
+    hyper = zero_worker.HYPER if rule is None else dict(lr=zero_worker.HYPER["lr"])  # (a rule has its own)
+    ref = ReferenceZenFlow(zero_worker.param_groups(params, case), **hyper, zenflow=case["zenflow"],
                            max_grad_norm=case.get("max_grad_norm"), rule=rule)
     for t, step in enumerate(zero_worker.mean_grads(case["steps"], world)):
         zero_worker.set_grads(params, step, t, case, torch.float32)

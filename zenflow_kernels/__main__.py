@@ -138,7 +138,8 @@ def plan_report(args) -> str:
     """``plan``: probe this host, then the planner's prediction, as text."""
     import torch
 
-    from .planner import predict, probe_host
+    from .planner import predict, probe_host, state_bytes_per_param
+    from .rules import AdamW
 
     if args.device_tflops is not None and args.tokens_per_step is None:
         raise ValueError("--device-tflops needs --tokens-per-step (the step's FLOPs: 6 * params * tokens)")
@@ -151,11 +152,13 @@ def plan_report(args) -> str:
     step_s = args.device_step_ms / 1e3 if args.device_step_ms is not None else \
         6.0 * (matrix + vector) * args.tokens_per_step / (args.device_tflops * 1e12)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    probe = probe_host(params=args.probe_params, seconds=args.probe_seconds, grad_dtype=dtype)
+    rule = AdamW()  # the rule plan predicts for: ZenFlowAdamW's (the command has no choice of rule)
+    probe = probe_host(rule, params=args.probe_params, seconds=args.probe_seconds, grad_dtype=dtype)
     bandwidth = args.pcie_gbps * 1e9
     plan = predict(matrix_params=matrix, vector_params=vector, device_step_s=step_s, d2h_bytes_per_s=bandwidth,
                    probe=probe, topk_ratio=args.topk_ratio, update_interval=args.update_interval,
-                   overlap_step=not args.no_overlap, grad_bytes=dtype.itemsize, param_bytes=dtype.itemsize)
+                   overlap_step=not args.no_overlap, grad_bytes=dtype.itemsize, param_bytes=dtype.itemsize,
+                   state_bytes=state_bytes_per_param(rule))
     lanes = plan.zenflow_lanes
     hiding = plan.smallest_hiding_update_interval
     pct = lambda s: f"{1e3 * s:9.1f} ms/step ({100 * s / (step_s + s):.0f}% of the step)"  # noqa: E731
@@ -191,8 +194,9 @@ _AUTO_NOTES = {
 }
 
 
-def explain(config: ZenFlowConfig, schedule: Schedule, steps: int) -> str:
-    """The human-readable report printed by ``explain``."""
+def explain(config: ZenFlowConfig, schedule: Schedule, steps: int, rule_name: str | None = None) -> str:
+    """The human-readable report printed by ``explain``; ``rule_name``: the optimizer's update rule (``AdamW``,
+    ``Lion``, ...), None where only a config is known (the command line)."""
     lines = ["zenflow config:"]
     for key, value in config.to_dict().items():
         lines.append(f"  {key} = {value!r}" + (_AUTO_NOTES.get(key, "") if value == "auto" else ""))
@@ -209,7 +213,7 @@ def explain(config: ZenFlowConfig, schedule: Schedule, steps: int) -> str:
         lines.append(f"  update_interval   = auto (Zen-auto, bounded by {s.auto_bound} steps)")
     else:
         lines.append(f"  update_interval   = {s.update_interval} steps")
-    lines.append(f"  warm-up           = {s.warmup} steps of synchronous host AdamW")
+    lines.append(f"  warm-up           = {s.warmup} steps of synchronous host {rule_name or 'updates'}")
     lines.append("warnings:")
     found = [*config.notes, *s.warnings]  # the config's (fields kept against semantics) and the schedule's
     lines.extend(f"  - {w}" for w in found) if found else lines.append("  none")
@@ -235,7 +239,7 @@ def explain(config: ZenFlowConfig, schedule: Schedule, steps: int) -> str:
 
 
 def explain_optimizer(opt, steps: int) -> str:
-    """``ZenFlowAdamW.explain()``: :func:`explain`, the CPUs of training and of the host worker (and why: those the
+    """``ZenFlow.explain()``: :func:`explain`, the CPUs of training and of the host worker (and why: those the
     first step picks, before it), and per param group its ``topk_ratio`` and ``importance`` and each matrix's ``k``
     of ``C`` columns on the fast path."""
     from .optim import build
@@ -243,7 +247,8 @@ def explain_optimizer(opt, steps: int) -> str:
     config, param_groups = opt.config, opt.param_groups
     params = [p for g in param_groups for p in g["params"]]
     cores = opt.run.cores if opt.built else build.split_cores(config, build.device_of(params))
-    lines = [explain(config, opt.schedule, steps)]
+    rule_name = getattr(opt.rule, "name", "") or type(opt.rule).__name__  # (as build.display_name names it)
+    lines = [explain(config, opt.schedule, steps, rule_name)]
     lines += [f"cores: training {cores['train']}, host worker {cores['host']} ({cores['why']})", "param groups:"]
     for gi, g in enumerate(param_groups):
         ratio, importance = g.get("topk_ratio", config.topk_ratio), g.get("importance", config.importance)
@@ -255,7 +260,7 @@ def explain_optimizer(opt, steps: int) -> str:
             if p.dim() == 2:
                 C = p.shape[1]
                 k = num_selected(ratio, C)
-                what = "host only" if k == 0 else "every column on the device (AdamW)" if k == C else \
+                what = "host only" if k == 0 else f"every column on the device ({rule_name})" if k == C else \
                     f"{k} of {C} columns on the device"
                 lines.append(f"    matrix {tuple(p.shape)}: {what}")
         vectors = sum(1 for p in g["params"] if p.dim() != 2)

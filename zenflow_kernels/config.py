@@ -106,21 +106,21 @@ class ZenFlowConfig:
     below (ours; ``semantics="deepspeed"`` sets DeepSpeed's).
 
     topk_ratio: fraction of each matrix's columns on the fast path, ``k = max(1, floor(topk_ratio * C))``
-        (``num_selected``); 0 turns the fast path off, 1 makes ZenFlow plain AdamW.
+        (``num_selected``); 0 turns the fast path off, 1 makes ZenFlow its plain update rule (AdamW, ...).
     select_strategy: ``"auto"`` (= ``"epoch"`` with ``select_interval = 1``), ``"step"`` or ``"epoch"``.
     select_interval: ``"auto"`` or an integer >= 1, in steps (``"step"``) or epochs (``"epoch"``).
         An integer given with ``"auto"`` is ignored with a :class:`ZenFlowWarning` at resolution.
     update_interval: integer >= 1, or ``"auto"`` (Zen-auto: the host update is triggered by
         gradient magnitudes, bounded by ``max_update_interval`` and the select interval).
     overlap_step: run the host update of interval n in the background during interval n+1.
-    offload_device: where this rank's host Adam state (fp32 master, both moments) lives: ``"cpu"`` (host
+    offload_device: where this rank's host state (fp32 master, the rule's state) lives: ``"cpu"`` (host
         memory, the default) or ``"nvme"`` (a file under ``nvme_path``, streamed through the host update:
         docs/nvme.md; one process, ZeRO-1/2 and FSDP2). DeepSpeed's
         ``zero_optimization.offload_optimizer = {"device": "nvme", "nvme_path": ...}`` sets both.
     nvme_path: the directory for the state files with ``offload_device="nvme"`` (else None).
-    offload: keep the fast-path Adam state in host memory, streamed to the device around the step.
+    offload: keep the fast path's rule state in host memory, streamed to the device around the step.
     auto_ratio: Zen-auto triggers when at least this fraction of the matrices need an update.
-    full_warm_up_rounds: steps of plain synchronous host AdamW before selection starts.
+    full_warm_up_rounds: steps of plain synchronous host updates (the rule's) before selection starts.
     steps_per_epoch: optimizer steps in an epoch (None, or an integer >= 1).
     pt_reserved_cores_perc: fraction of this rank's cores reserved for training; the host worker
         gets the rest. ``"auto"`` (the default): 1.0 when the parameters are on the CPU (a CPU-only run:

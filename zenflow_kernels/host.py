@@ -34,8 +34,9 @@ import torch
 
 from .cpu_ops.accumulate import SUM_CHUNK, accumulate_unchecked, sum_squares_chunks_unchecked, sum_squares_unchecked
 from .host_fields import FieldsInMemory, FieldsOnDisk
-from .rules import AdamW, UpdateRule
-from .streamed_adam import DeviceSums, Run
+from .rules import UpdateRule
+from .rules.compiled import compiling
+from .streamed_host import DeviceSums, Run
 
 __all__ = ["HostShard", "HostWorker", "HostWorkerError", "Slot", "layout"]
 
@@ -110,8 +111,9 @@ class HostShard:
         landing: allocate the landing buffers (an asynchronous link's), one per parameter dtype.
         indices: the parameters this shard holds (ZeRO: this rank's run; default all of them).
             ``slots``, the views and every buffer cover these only; indices stay the optimizer's.
-        rule: the update rule (default ``rules.AdamW()``): its ``state_names`` are the fields beside ``master``
-            (``fields``), and :meth:`update` runs its host kernel.
+        rule: the update rule (``rules``; required: the shard's fields and its step are the rule's, whichever it
+            is): its ``state_names`` are the fields beside ``master`` (``fields``), and :meth:`update` runs its host
+            kernel.
 
     The shard holds data only. Which parameters were accumulated how often in an interval is the
     training thread's bookkeeping, handed to :meth:`update` as ``counts``.
@@ -123,18 +125,20 @@ class HostShard:
         groups: Sequence[int],
         *,
         num_acc: int,
+        rule: UpdateRule,
         alloc: Callable[[int, torch.dtype], torch.Tensor] = _zeros,
         indices: Sequence[int] | None = None,
         disk: Callable[[int], Any] | None = None,
         landing: bool = False,
-        rule: UpdateRule | None = None,
     ):
-        self.rule = rule = rule if rule is not None else AdamW()
+        self.rule = rule
         self.names = ("master", *rule.state_names)  # the fp32 fields, in the state file's order
         order, slots, offset = layout(params, groups, indices)
         self.numel = offset
         self.slots = slots  # by parameter index
         self.order = [slots[i] for i in order]  # by flat offset
+        self._indices = frozenset(s.index for s in self.order)
+        self._layout_runs: list[list[Slot]] | None = None  # (_runs: the usual interval's, merged once)
         # where the fields live, chosen once (host_fields): flat buffers in memory, or (disk, offload_device="nvme")
         # a state file, never whole in memory; every access goes through the store
         self.store = (FieldsOnDisk(disk(offset), self.names) if disk is not None else
@@ -255,7 +259,7 @@ class HostShard:
         sums: DeviceSums | None = None,
         step: int | None = None,
     ) -> dict:
-        """The rule's step (AdamW by default) on the host master of the parameters in ``counts`` with the mean of
+        """The rule's host step on the host master of the parameters in ``counts`` with the mean of
         acc[buf] (``counts[i]`` divides parameter i's sum).
 
         ``counts[i]`` (>= 1) is the number of gradients parameter ``i`` received in this interval, the one
@@ -267,9 +271,9 @@ class HostShard:
         buffers while a previous write-back copy may still read them.
 
         ``last`` maps parameters to the interval's last gradient (CPU tensors) not yet accumulated, added
-        in the same pass as the step, which also zeroes the buffer (``accumulate_adam_``: one pass instead
-        of three; a rule without such a kernel adds it first). Only without clipping: the clipping norm needs the
-        whole sum first.
+        in the same pass as the step, which also zeroes the buffer (the rule's ``host_accumulate_step_``, AdamW's
+        ``accumulate_adam_``: one pass instead of three; a rule without such a kernel adds it first). Only without
+        clipping: the clipping norm needs the whole sum first.
 
         ``sum_over_ranks`` (ZeRO: every rank's shard holds part of the model) turns this shard's sum of
         squares into the model's for the clipping norm; every rank calls ``update`` at each boundary.
@@ -323,18 +327,7 @@ class HostShard:
                 zero_acc=True,
                 **hyper[s.group],
             )
-        runs: list[list[Slot]] = []
-        prev = None  # the previous slot in flat order, if it is in the current run
-        for s in self.order:  # merge flat neighbours that share group, dtype, step and count
-            if s.index not in todo_set or s.index in last:
-                prev = None  # a run is one contiguous range: a slot left out ends it
-                continue
-            key = (s.group, s.dtype, self.host_step[s.index], counts[s.index])
-            if prev is not None and (prev.group, prev.dtype, self.host_step[prev.index], counts[prev.index]) == key:
-                runs[-1].append(s)
-            else:
-                runs.append([s])
-            prev = s
+        runs = self._runs(todo, todo_set, last, counts)
         steps = []  # the rule's host kernel over each run (zero_grad: never a torch op here, see cpu_adam_'s)
         for run in runs:
             lo, hi = run[0].offset, run[-1].offset + run[-1].numel
@@ -347,6 +340,37 @@ class HostShard:
                 self.host_step[s.index] = step
         self.store.step_runs(rule, acc, steps, sums)  # (on disk: every run in one pass over the file)
         return {"seconds": time.perf_counter() - t0, "params": len(todo), "runs": len(runs), "fused": len(last)}
+
+    def _runs(self, todo: list[int], todo_set: set[int], last: dict, counts: dict[int, int]) -> list[list[Slot]]:
+        """The update's runs: flat neighbours that share group, dtype, step and count. The usual interval (every
+        parameter of the shard, one count, one step) has the layout's runs, merged once and kept: the merge is Python
+        per parameter, and this runs on the host worker holding the GIL (bench.worker_gil: 0.9 us a parameter)."""
+        if not last and todo_set == self._indices and len(set(counts.values())) == 1 and len(
+                set(map(self.host_step.__getitem__, todo))) == 1:
+            if self._layout_runs is None:
+                self._layout_runs = self._merge(self.order, lambda s: (s.group, s.dtype))
+            return self._layout_runs
+        step = self.host_step
+        members = [s if s.index in todo_set and s.index not in last else None for s in self.order]
+        return self._merge(members, lambda s: (s.group, s.dtype, step[s.index], counts[s.index]))
+
+    @staticmethod
+    def _merge(members: list, key: Callable) -> list[list[Slot]]:
+        """``members`` (slots in flat order, None for one left out) merged into runs of neighbours of equal
+        ``key``; a slot left out ends a run (a run is one contiguous range)."""
+        runs: list[list[Slot]] = []
+        prev_key = None
+        for s in members:
+            if s is None:
+                prev_key = None
+                continue
+            k = key(s)
+            if prev_key is not None and k == prev_key:
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+            prev_key = k
+        return runs
 
     def _sum_squares(self, acc: torch.Tensor | None, sums: DeviceSums | None, index: int) -> float:
         """The float64 sum of squares of parameter ``index``'s gradient sums, in ``SUM_CHUNK`` pieces summed in
@@ -494,12 +518,17 @@ class HostWorker:
 
     def _until(self, event: threading.Event, late: str) -> bool:
         """Wait for ``event``, checking every ``poll`` seconds that the thread is alive: False if it died first;
-        past ``timeout``, :class:`HostWorkerError` with ``late`` (its ``{}`` the timeout)."""
-        start = time.perf_counter()
+        past ``timeout``, :class:`HostWorkerError` with ``late`` (its ``{}`` the timeout). Time while a rule's step
+        compiles (``rules.compiled.compiling``: a first compile takes seconds) does not count."""
+        last = time.perf_counter()
+        waited = 0.0
         while not event.wait(self.poll):
             if not self.alive:
                 return False
-            if self.timeout is not None and time.perf_counter() - start > self.timeout:
+            now = time.perf_counter()
+            waited += 0.0 if compiling() else now - last
+            last = now
+            if self.timeout is not None and waited > self.timeout:
                 raise HostWorkerError(late.format(self.timeout))
         return True
 

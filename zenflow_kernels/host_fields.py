@@ -4,7 +4,7 @@ gradient sums live); the shard and the host update go through the same methods e
 
 Both hold the fields ``names`` (``"master"`` and the rule's ``state_names``), flat over the shard's layout: ``read``
 a parameter's piece, ``write_many`` pieces, ``set_columns`` of matrices, ``snapshot`` for a checkpoint, and
-``step_runs``, the host update of runs of the layout (``streamed_adam.Run``) with the rule's host kernel.
+``step_runs``, the host update of runs of the layout (``streamed_host.Run``) with the rule's host kernel.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .streamed_adam import DeviceSums, Run, streamed_adam_
+from .streamed_host import DeviceSums, Run, streamed_host_step_
 
 __all__ = ["FieldsInMemory", "FieldsOnDisk"]
 
@@ -52,7 +52,7 @@ class FieldsInMemory:
         for run in runs:
             lo, hi = run.lo, run.hi
             rule.host_step_(master[lo:hi], acc[lo:hi], [t[lo:hi] for t in state], out=run.out, zero_grad=True,
-                            **run.adam)
+                            **run.step_args)
 
     def close(self) -> None:
         return None
@@ -60,7 +60,7 @@ class FieldsInMemory:
 
 class FieldsOnDisk:
     """The fields in a state file (:class:`~zenflow_kernels.state_files.StateFiles`), never whole in memory: every
-    access is a pass over the blocks it touches; the host update streams the file (``streamed_adam_``)."""
+    access is a pass over the blocks it touches; the host update streams the file (``streamed_host_step_``)."""
 
     on_disk = True
 
@@ -87,7 +87,7 @@ class FieldsOnDisk:
 
     def step_runs(self, rule, acc: torch.Tensor | None, runs: Sequence[Run], sums: DeviceSums | None = None) -> None:
         if runs:
-            streamed_adam_(self.files, acc, runs, sums=sums, rule=rule)
+            streamed_host_step_(self.files, acc, runs, rule=rule, sums=sums)
 
     def close(self) -> None:
         self.files.close()

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["HostProbe", "Plan", "predict", "probe_host", "host_bytes_per_param"]
+__all__ = ["HostProbe", "Plan", "predict", "probe_host", "host_bytes_per_param", "state_bytes_per_param"]
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,8 @@ class HostProbe:
         return asdict(self)
 
 
-def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dtype = torch.bfloat16,
-               rule=None, pause_s: float | None = None) -> HostProbe:
+def probe_host(rule, params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dtype = torch.bfloat16,
+               pause_s: float | None = None) -> HostProbe:
     """Time this host's passes with the optimizer itself for about ``seconds`` (at least 12 steps): one matrix of
     ``params`` parameters, every column on the host, ``update_interval=4`` with ``overlap_step``, on the
     asynchronous link without delays, a pause between steps standing in for the device's compute, its timeline read
@@ -68,9 +68,9 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
     runs beside the steps as beside a GPU's. Give the device's step time where ``step_work`` must be what a step()
     does after that long idle: on a shared two-core VM a step() after 20 ms of sleep did about twice the work of one
     after 4 ms (caches and idle thread pools gone cold; ``bench/results/plan_cpu.json``, ``step_work_s_by_pause``).
-    ``rule``: a ``zenflow_kernels.rules`` rule (AdamW by default); ``grad_dtype``: the gradients' (and parameters')
-    dtype."""
-    from . import ZenFlow, rules
+    ``rule``: the ``zenflow_kernels.rules`` rule whose host update is timed (required: its passes are the rule's,
+    e.g. ``rules.AdamW()``); ``grad_dtype``: the gradients' (and parameters') dtype."""
+    from . import ZenFlow
     from .testing import Timeline, chaos
 
     if isinstance(params, bool) or not isinstance(params, int) or params < 1 << 12:
@@ -86,7 +86,6 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
     weight = torch.nn.Parameter(torch.randn(rows, cols, generator=generator).to(grad_dtype))
     grads = [torch.randn(rows, cols, generator=generator).to(grad_dtype) for _ in range(2)]
     zen = dict(topk_ratio=0.0, update_interval=4, overlap_step=True, select_strategy="step", select_interval=10**6)
-    rule = rule if rule is not None else rules.AdamW()
     timeline = Timeline()
     # copies modeled at 2 GB/s: the gradients' crossing takes as long as the folds and the update, so these run after
     # it as they do beside a device, not inside a memcpy's time
@@ -143,12 +142,18 @@ def probe_host(params: int = 1 << 22, seconds: float = 3.0, grad_dtype: torch.dt
                      grad_dtype=str(grad_dtype).removeprefix("torch."))
 
 
-def host_bytes_per_param(*, state_bytes: int = 8, grad_bytes: int = 2, param_bytes: int = 2,
+def state_bytes_per_param(rule) -> int:
+    """Host bytes per parameter of ``rule``'s state: 4 per state tensor in fp32, 2 in bf16 (its ``state_names`` and
+    ``state_dtype``; AdamW's two fp32 moments: 8, Lion's one: 4)."""
+    return len(rule.state_names) * rule.state_dtype.itemsize
+
+
+def host_bytes_per_param(*, state_bytes: int, grad_bytes: int = 2, param_bytes: int = 2,
                          overlap_step: bool = True, device_accumulation: bool = False, on_gpu: bool = True) -> int:
     """Host bytes per offloaded parameter (docs/design.md section 9): the fp32 master (4), the rule's state
-    (``state_bytes``: AdamW 8 in fp32), the fp32 sums (4; two buffers with ``overlap_step``; none with
-    ``device_accumulation``), the copy-out in the parameters' dtype and, on a GPU, the landing area in the gradients'
-    dtype (none with ``device_accumulation``)."""
+    (``state_bytes``, :func:`state_bytes_per_param`: 4 per state tensor in fp32, 2 in bf16; AdamW 8), the fp32 sums
+    (4; two buffers with ``overlap_step``; none with ``device_accumulation``), the copy-out in the parameters' dtype
+    and, on a GPU, the landing area in the gradients' dtype (none with ``device_accumulation``)."""
     sums = 0 if device_accumulation else 4 * (2 if overlap_step else 1)
     landing = grad_bytes if on_gpu and not device_accumulation else 0
     return 4 + state_bytes + sums + param_bytes + landing
@@ -195,13 +200,14 @@ def _stall(host_params: float, written_back: float, probe: HostProbe, device_ste
 def predict(*, matrix_params: int, vector_params: int = 0, device_step_s: float, d2h_bytes_per_s: float,
             h2d_bytes_per_s: float | None = None, probe: HostProbe, topk_ratio: float = 0.1,
             update_interval: int = 4, overlap_step: bool = True, handover: str = "backward",
-            backward_share: float = 2 / 3, grad_bytes: int = 2, param_bytes: int = 2, state_bytes: int = 8,
+            backward_share: float = 2 / 3, grad_bytes: int = 2, param_bytes: int = 2, state_bytes: int,
             max_update_interval: int = 64) -> Plan:
     """The stall per step of synchronous offload and of ZenFlow at these settings (see the module docstring).
 
     ``device_step_s``: forward, backward and the fast path on the device, per step; ``backward_share``: backward's
     share of it (the window the gradients' crossing hides in with ``handover="backward"``); ``topk_ratio`` of each
-    matrix's columns stays on the device (vectors too), the rest is the host's."""
+    matrix's columns stays on the device (vectors too), the rest is the host's; ``state_bytes``: the update rule's
+    host state per parameter (:func:`state_bytes_per_param`), for the host memory."""
     for name, value in (("matrix_params", matrix_params), ("vector_params", vector_params)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"predict: {name}={value!r} is invalid: allowed an integer >= 0")

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from .config import ZenFlowConfig, check_adamw_hyperparameters, check_group_settings, check_max_grad_norm, num_selected
-from .rules import AdamW, UpdateRule, adamw_step_
+from .rules import AdamW, UpdateRule, adamw_step_, check_rule
 from .schedule import Schedule, resolve_schedule
 
 __all__ = ["ReferenceZenFlow", "adamw_step_"]
@@ -117,6 +117,31 @@ def column_scores(grad: torch.Tensor, importance: str) -> torch.Tensor:
     return grad.pow(2).sum(0) if importance == "l2" else grad.abs().sum(0)
 
 
+class _Default(float):
+    """A default argument's value (AdamW's ``eps``, ``weight_decay``), told apart from the same value passed."""
+
+
+class _DefaultPair(tuple):
+    """A default argument's value (AdamW's ``betas``), told apart from the same value passed."""
+
+
+def _check_explicit(rule: UpdateRule, given: dict) -> None:
+    """With ``rule=``, AdamW's ``betas``, ``eps`` and ``weight_decay`` passed explicitly: refused where the rule takes
+    no such hyper-parameter (it would be ignored) or has another value for it (set it on the rule)."""
+    takes = rule.group_defaults()
+    for key, value in given.items():
+        if isinstance(value, (_Default, _DefaultPair)):
+            continue
+        if key not in takes:
+            raise ValueError(f"ReferenceZenFlow: {key}={value!r} is invalid with rule={rule!r}: the rule takes no "
+                             f"{key} (its hyper-parameters: {', '.join(takes) or 'none but lr'}); leave it out")
+        mine = takes[key]
+        if (tuple(value) if isinstance(value, (tuple, list)) else value) != (
+                tuple(mine) if isinstance(mine, (tuple, list)) else mine):
+            raise ValueError(f"ReferenceZenFlow: {key}={value!r} conflicts with rule={rule!r}, whose {key} is "
+                             f"{mine!r}: set it on the rule")
+
+
 def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The k highest scores' indices, ties to the lower index, sorted ascending (int64)."""
     order = torch.sort(scores, descending=True, stable=True).indices
@@ -128,7 +153,9 @@ class ReferenceZenFlow(torch.optim.Optimizer):
 
     Same constructor as :class:`zenflow_kernels.ZenFlowAdamW`; ``rule=`` (an update rule, ``zenflow_kernels.rules``)
     runs ZenFlow with that rule instead (its hyper-parameters replace ``betas``, ``eps``, ``weight_decay``), as
-    :class:`zenflow_kernels.ZenFlow` does. ``step()`` reads ``p.grad``.
+    :class:`zenflow_kernels.ZenFlow` does (``betas``, ``eps`` or ``weight_decay`` passed beside it are refused where
+    the rule takes no such hyper-parameter or another value of it). The rule's step is its eager ``step_``, never a
+    kernel or its compiled form. ``step()`` reads ``p.grad``.
     Counters: ``t`` (steps taken), ``skipped_steps``, ``host_updates``, ``selections``.
     """
 
@@ -136,9 +163,9 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         self,
         params,
         lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
+        betas: tuple[float, float] = _DefaultPair((0.9, 0.999)),
+        eps: float = _Default(1e-8),
+        weight_decay: float = _Default(0.01),
         *,
         zenflow: ZenFlowConfig | dict | str | None = None,
         max_grad_norm: float | None = None,
@@ -153,8 +180,10 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             raise TypeError(f"ReferenceZenFlow: rule={rule!r} is invalid: allowed an update rule "
                             "(zenflow_kernels.rules)")
         else:
+            _check_explicit(rule, dict(betas=betas, eps=eps, weight_decay=weight_decay))
             rule.check_group(dict(rule.group_defaults(), lr=lr), "ReferenceZenFlow")
             check_max_grad_norm(max_grad_norm, "ReferenceZenFlow")
+        check_rule(rule, dict(rule.group_defaults(), lr=lr), "ReferenceZenFlow")
         self.rule = rule
         super().__init__(params, dict(lr=lr, **rule.group_defaults()))
         for group in self.param_groups:

@@ -3,7 +3,7 @@
 ``t`` counts optimizer steps from 0 (skipped non-finite steps do not count). ``Wu`` is
 ``full_warm_up_rounds`` and ``I`` the resolved select interval in steps (0 = never re-selected).
 
-* Warm-up: ``t < Wu``; every step is a synchronous host AdamW on everything.
+* Warm-up: ``t < Wu``; every step is a synchronous host update (the rule's) on everything.
 * Select boundary: ``t >= Wu and (t == Wu or (I != 0 and (t - Wu) % I == 0))``; with
   ``select_anchor="absolute"`` (DeepSpeed's) ``t % I == 0`` in place of ``(t - Wu) % I == 0``.
 * Update boundary (integer ``update_interval = U``): ``t >= Wu`` and either ``(t - Wu + 1) % U == 0``

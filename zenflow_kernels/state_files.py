@@ -1,8 +1,8 @@
-"""The host Adam state of one rank's shard in a file (issue 25's NVMe tier, its storage layer).
+"""The host state of an update rule for one rank's shard in a file (issue 25's NVMe tier, its storage layer).
 
-The fp32 master and both moments of a shard of ``numel`` elements live in one file, cut into blocks of
-``block_numel`` elements; block ``j`` holds ``master[jB:(j+1)B]``, ``exp_avg[...]`` and ``exp_avg_sq[...]``
-one after the other (12 B per element; an update rule other than AdamW has its own fields, ``fields``), so
+The fp32 fields of a shard of ``numel`` elements (``fields``: ``master`` and the rule's ``state_names``) live in one
+file, cut into blocks of ``block_numel`` elements; block ``j`` holds each field's elements ``[jB, (j+1)B)`` one
+after the other (4 B per element and field: AdamW's ``master``, ``exp_avg``, ``exp_avg_sq`` take 12 B), so
 streaming the shard is one sequential read and one sequential write of whole blocks, each a single
 ``os.preadv``/``os.pwritev`` of one buffer per field (both release the GIL).
 
@@ -30,9 +30,8 @@ import weakref
 import numpy as np
 import torch
 
-__all__ = ["FIELDS", "StateFileError", "StateFiles"]
+__all__ = ["StateFileError", "StateFiles"]
 
-FIELDS = ("master", "exp_avg", "exp_avg_sq")
 _ITEM = 4  # fp32
 _PAGE = 1024  # elements: 4 KiB, the alignment O_DIRECT needs of offsets and sizes
 
@@ -61,23 +60,23 @@ def _remove(fd: int, folder: str) -> None:
 
 
 class StateFiles:
-    """One shard's master and moments in a file under ``nvme_path`` (module docstring).
+    """One shard's master and update-rule state in a file under ``nvme_path`` (module docstring).
 
     Args:
         nvme_path: an existing directory (a local NVMe mount for speed; any filesystem works).
         numel: elements per field (the shard's flat fp32 size).
+        fields: the fp32 fields of each block, in order: the update rule's ``("master", *rule.state_names)``
+            (required: which fields there are is the rule's, never a default).
         block_numel: elements per block (a multiple of 1024, so that blocks stay 4 KiB-aligned).
         rank: names the file (``rank<r>.state``); ranks on one node share ``nvme_path`` safely anyway.
         direct: open with ``O_DIRECT`` (the page cache does not hold the file; block buffers are page-aligned
             and blocks 4 KiB multiples, as it requires); a filesystem without it (tmpfs) raises at creation.
         io: the system calls (tests pass a faulty one).
-        fields: the fp32 fields of each block, in order (default ``FIELDS``, AdamW's: an update rule's ``master``
-            and ``state_names``).
         owner: what the errors call the optimizer whose state this is (``ZenFlowAdamW``, ``ZenFlow(Lion)``, ...).
     """
 
-    def __init__(self, nvme_path, numel: int, *, block_numel: int = 1 << 20, rank: int = 0, direct: bool = False,
-                 io=None, fields: tuple[str, ...] = FIELDS, owner: str = "ZenFlow"):
+    def __init__(self, nvme_path, numel: int, *, fields: tuple[str, ...], block_numel: int = 1 << 20, rank: int = 0,
+                 direct: bool = False, io=None, owner: str = "ZenFlow"):
         self.owner = owner
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"StateFiles: numel={numel!r} is invalid: allowed an int >= 0")
@@ -118,10 +117,12 @@ class StateFiles:
             raise
 
     def _reserve(self, fd: int | None = None, path: str | None = None, nbytes: int | None = None,
-                 what: str = "master and both Adam moments, fp32") -> None:
-        """Space for ``nbytes`` in ``fd`` (default: the state file), refused with the bytes needed and free."""
+                 what: str | None = None) -> None:
+        """Space for ``nbytes`` in ``fd`` (default: the state file), refused with the bytes needed and free (and
+        ``what`` they hold; default: the fields, fp32)."""
         fd, path = (self._fd, self.path) if fd is None else (fd, path)
         nbytes = self.nbytes if nbytes is None else nbytes
+        what = f"the fields {', '.join(self.fields)}, fp32" if what is None else what
         if not nbytes:
             return
         stat = os.statvfs(self.nvme_path)
@@ -291,7 +292,7 @@ class StateFiles:
             return torch.zeros(rows, 0)
         fd, path = tempfile.mkstemp(prefix="zenflow-snapshot-", dir=self.nvme_path)  # O_EXCL, 0600
         try:
-            self._reserve(fd, path, rows * n * _ITEM, "a checkpoint's copy of the master and both moments"
+            self._reserve(fd, path, rows * n * _ITEM, f"a checkpoint's copy of the fields {', '.join(self.fields)}"
                           + (" and the gradient sums" if extra is not None else ""))
             bufs = self.new_block()
             for j in range(self.blocks):

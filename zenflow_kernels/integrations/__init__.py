@@ -61,13 +61,13 @@ def find_zenflow(optimizer):
 
 
 def give_epoch_length(optimizers: Iterable, batches_per_epoch, accumulation_steps: int, where: str) -> None:
-    """``set_steps_per_epoch`` on each ZenFlowAdamW whose epoch-based schedule has no epoch length yet."""
+    """``set_steps_per_epoch`` on each ZenFlow optimizer whose epoch-based schedule has no epoch length yet."""
     for opt in optimizers:
         sched = opt.schedule
         if sched.select_strategy != "epoch" or sched.steps_per_epoch is not None:
             continue
         if not isinstance(batches_per_epoch, int) or batches_per_epoch <= 0:
-            name = getattr(opt, "display_name", "ZenFlowAdamW")
+            name = getattr(opt, "display_name", "ZenFlow")
             warnings.warn(
                 f"{where}: the epoch length is unknown ({batches_per_epoch!r} batches per epoch), so {name} "
                 f"keeps its columns and never re-selects them; pass steps_per_epoch to {name}",

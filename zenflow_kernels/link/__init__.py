@@ -1,4 +1,4 @@
-"""Device <-> host movement for ZenFlowAdamW (docs/design.md sections 4-5): one protocol, three links.
+"""Device <-> host movement for ZenFlow (docs/design.md sections 4-5): one protocol, three links.
 
 The optimizer decides *what* moves and *when* (the algorithm); a link moves it and hands back
 completions. Every asynchronous operation returns or records a handle, and nothing is read before
@@ -14,7 +14,7 @@ One interval on a GPU (``overlap_step=True``), time running right::
     D2H stream          g_i -> landing[i] (own dtype) ...                 changed or unstaged g_j -> landing[j]
     accumulate worker                                                     wait copies; acc[b] += landing * scale
                                                                           (fold jobs, in the hooks' order)
-    update worker                                        wait last fold of b; AdamW(acc[b]); wait guard;
+    update worker                                        wait last fold of b; rule(acc[b]); wait guard;
                                                          write out; acc[b] = 0
     H2D stream                                       out -> non-selected columns -> event (= the guard);
                                                      the device's later work waits for it

@@ -13,7 +13,7 @@ from .._memory import gather_columns
 from ..cpu_ops.accumulate import SUM_CHUNK
 from ..device_model import Timeline
 from ..host import HostShard, HostWorker
-from ..streamed_adam import DeviceSums
+from ..streamed_host import DeviceSums
 from .completions import Future, new_worker
 
 
@@ -49,7 +49,7 @@ class _Link:
         self._sums_blocks: list[torch.Tensor] | None = None  # device_sums' host blocks (made at first use)
 
     SUMS_BLOCKS = 3
-    """Host blocks a streamed update fetches device-side sums into: ``streamed_adam_``'s depth."""
+    """Host blocks a streamed update fetches device-side sums into: ``streamed_host_step_``'s depth."""
 
     def device_sums(self, flat: torch.Tensor) -> DeviceSums:
         """``device_accumulation`` with the state on disk: the interval's sums in the device tensor ``flat``

@@ -26,7 +26,7 @@ class CpuLink(_Link):
     ) -> dict[int, torch.Tensor]:
         """acc[buf] += grad * ``scale`` for each ``(index, grad)``, now. With ``fuse_min_numel`` (and ``scale``
         1) the gradients of at least that many elements are returned instead, for a synchronous update to fold
-        into its AdamW pass (``HostShard.update(last=...)``)."""
+        into its host pass (``HostShard.update(last=...)``)."""
         t0 = time.perf_counter()
         last, sums, grads = {}, [], []
         for i, grad in items:

@@ -3,7 +3,7 @@
 The optimizer builds the host shard between the two calls, the engine's allocator for its buffers::
 
     engine = make_engine(device, chaos=chaos, timeout=timeout)
-    host = HostShard(params, groups, num_acc=num_acc, **host_alloc(engine), indices=indices, disk=disk,
+    host = HostShard(params, groups, num_acc=num_acc, rule=rule, **host_alloc(engine), indices=indices, disk=disk,
                      landing=landing and engine is not None)
     link = make_link(host, engine, overlap=overlap, host_threads=host_threads, cores=cores, timeout=timeout)
 

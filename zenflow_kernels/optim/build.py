@@ -15,7 +15,7 @@ from ..ablations import ablations
 from ..config import check_max_grad_norm
 from ..handover import GradHooks, handover_mode, release_hooks
 from ..host import HostShard
-from ..rules import UpdateRule
+from ..rules import UpdateRule, check_rule
 from ..sharding import FSDP2, Sharding, Zero1, Zero2, fsdp2_mesh
 from .run import Run
 from .sums import host_buffers, make_sums
@@ -76,6 +76,7 @@ def check_arguments(rule, lr, max_grad_norm, zero_stage, collective_timeout, rel
         raise TypeError(f"ZenFlow: rule={rule!r} is invalid: allowed an update rule (zenflow_kernels.rules.AdamW, "
                         "Adam, Lion, SGD, or a subclass of rules.UpdateRule)")
     rule.check_group(dict(rule.group_defaults(), lr=lr), name)  # (lr with the rule's own)
+    check_rule(rule, dict(rule.group_defaults(), lr=lr), name)  # the rule contract (rules.check_rule)
     check_max_grad_norm(max_grad_norm, name)
     check_host_timeout(host_timeout, name)
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
@@ -277,7 +278,7 @@ def make_parts(run: Run, classes, handover, *, seed_from_host: bool, hyper, grad
 
 
 def make_host_and_link(local, group_of, device, *, config, cores: dict, timeout, chaos, owned, num_acc: int, disk,
-                       rule=None, name: str = "ZenFlow"):
+                       rule, name: str):
     """The host shard of this rank's parameters ``owned`` (laid out by the optimizer) and the link that moves data
     between it and the device: CUDA streams and pinned memory, plain CPU copies, or (``chaos``) the asynchronous
     CPU link. A failure stops the engine's threads and removes the state file made so far."""

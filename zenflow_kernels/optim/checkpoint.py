@@ -1,5 +1,5 @@
-"""The checkpoint format of ``ZenFlowAdamW`` (docs/design.md section 2 item 7): what ``state_dict()`` writes and
-``load_state_dict()`` reads, as functions over the parts of a built optimizer.
+"""The checkpoint format of ``ZenFlow`` with any update rule (``ZenFlowAdamW`` too; docs/design.md section 2 item
+7): what ``state_dict()`` writes and ``load_state_dict()`` reads, as functions over the parts of a built optimizer.
 
 Format ``FORMAT`` (``state_dict()["zenflow"]["format"]``; dicts written before the key existed are format 1, the
 same layout): ``state`` by parameter position, each entry holding the fast path's state (``selected``, the update
@@ -28,8 +28,8 @@ from ..schedule import Schedule
 from .interval import HostInterval
 from .run import Run
 
-__all__ = ["FORMAT", "COUNTERS", "header", "pack", "before_pack", "Loaded", "read", "unpack", "restore", "unpack_adam",
-           "restore_adam"]
+__all__ = ["FORMAT", "COUNTERS", "header", "pack", "before_pack", "Loaded", "read", "unpack", "restore",
+           "unpack_torch_adamw", "restore_torch_adamw"]
 
 FORMAT = 2
 """The format this version writes; it reads formats 1 and 2."""
@@ -161,7 +161,8 @@ def check_form(state_dict, n_groups: int, group_sizes: list[int], name: str = "Z
 def read(state_dict, *, params: list[torch.Tensor], group_of: list[int], group_sizes: list[int], shard,
          config: ZenFlowConfig, schedule: Schedule, max_grad_norm, rule, name: str | None = None) -> Loaded:
     """Check a state dict for the loading optimizer (its ``params``, their param groups, its ``shard``ing and
-    settings): a ZenFlowAdamW one (:func:`unpack`), a torch AdamW/Adam one (:func:`unpack_adam`), or an error.
+    settings): a ZenFlow one (:func:`unpack`), a torch AdamW/Adam one (:func:`unpack_torch_adamw`: rules.AdamW
+    only), or an error.
     FSDP2: the dict is in torch.distributed.checkpoint's form first. ``name``: what errors call the optimizer
     (``build.display_name``; by default ``ZenFlow(<rule name>)``)."""
     name = name or f"ZenFlow({rule.name})"
@@ -171,7 +172,7 @@ def read(state_dict, *, params: list[torch.Tensor], group_of: list[int], group_s
         if rule.name != "AdamW":
             raise ValueError(f"{name}.load_state_dict: the state dict has no 'zenflow' entry (a torch "
                              "optimizer's): continuing a torch optimizer's run is supported for rules.AdamW only")
-        return unpack_adam(state_dict, params, config, schedule, max_grad_norm, name)
+        return unpack_torch_adamw(state_dict, params, config, schedule, max_grad_norm, name)
     saved_rule = state_dict["zenflow"].get("rule", {"name": "AdamW", "state_names": ["exp_avg", "exp_avg_sq"]})
     if saved_rule.get("name") != rule.name or tuple(saved_rule.get("state_names", ())) != rule.state_names:
         raise ValueError(f"{name}.load_state_dict: the state dict was saved by an optimizer with the "
@@ -183,7 +184,7 @@ def read(state_dict, *, params: list[torch.Tensor], group_of: list[int], group_s
 
 def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: list[torch.Tensor],
            will_hold: list[int], rank: int, world: int, name: str = "ZenFlow") -> Loaded:
-    """Check a ZenFlowAdamW state dict against the loading optimizer (its ``config``, ``max_grad_norm``, the
+    """Check a ZenFlow state dict against the loading optimizer (its ``config``, ``max_grad_norm``, the
     tensors ``local`` it updates and the parameters ``will_hold`` whose host state this rank will hold)."""
     zenflow = state_dict["zenflow"]
     version = int(zenflow.get("format", 1))
@@ -266,9 +267,10 @@ def restore(saved_state: dict, run: Run, interval: HostInterval, to_state: Calla
     host.set_fields(writes)
 
 
-def unpack_adam(state_dict: dict, params: list[torch.Tensor], config, schedule, max_grad_norm,
-                name: str = "ZenFlow(AdamW)") -> Loaded:
-    """Check a ``torch.optim.AdamW`` (or ``Adam``) state dict: the host takes its moments and step counts as if
+def unpack_torch_adamw(state_dict: dict, params: list[torch.Tensor], config, schedule, max_grad_norm,
+                       name: str) -> Loaded:
+    """Check a ``torch.optim.AdamW`` (or ``Adam``) state dict, for an optimizer with ``rules.AdamW`` (``name``: what
+    errors call it, ``build.display_name``): the host takes its moments and step counts as if
     warm-up had produced them, vectors join the fast path with them, and each matrix's first selection takes its
     columns' moments and steps from the host (``seed_from_host``). The param groups' hyper-parameters are the saved
     ones, as torch's own ``load_state_dict`` does; ZenFlow's schedule starts at step 0 (warm-up rounds included)."""
@@ -311,11 +313,12 @@ def unpack_adam(state_dict: dict, params: list[torch.Tensor], config, schedule, 
     updates = [dict(lr=g["lr"].clone() if torch.is_tensor(g["lr"]) else g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
                     weight_decay=g["weight_decay"]) for g in groups]
     return Loaded(config, schedule, max_grad_norm, True, updates, dict.fromkeys(COUNTERS, 0), True,
-                  lambda run, interval, to_state: restore_adam(imported, run), [], set(imported))
+                  lambda run, interval, to_state: restore_torch_adamw(imported, run), [], set(imported))
 
 
-def restore_adam(imported: dict[int, tuple], run: Run) -> None:
-    """The host takes an AdamW run's moments and step counts as if warm-up had produced them."""
+def restore_torch_adamw(imported: dict[int, tuple], run: Run) -> None:
+    """The host takes a torch AdamW/Adam run's moments and step counts (:func:`unpack_torch_adamw`'s) as if warm-up
+    had produced them."""
     host = run.host
     writes = []
     for i, (m, v, step) in imported.items():

@@ -35,7 +35,7 @@ class FastPath:
         return self._split[1], self._split[2]
 
     def to_state(self, t: torch.Tensor) -> torch.Tensor:
-        """Where fast-path Adam state is kept: the device, or host memory (the link's) with ``offload``."""
+        """Where the fast path's rule state is kept: the device, or host memory (the link's) with ``offload``."""
         return self.run.link.new_host_state(t) if self.offload else t.to(self.run.device)
 
     def join(self, vectors: list[int]) -> None:

@@ -16,7 +16,7 @@ __all__ = ["HostInterval"]
 
 
 class HostInterval:
-    """One optimizer's host interval. ``hyper()`` gives the param groups' AdamW numbers as they are now."""
+    """One optimizer's host interval. ``hyper()`` gives the param groups' rule numbers as they are now."""
 
     def __init__(self, run: Run, sums, *, overlap: bool, hyper: Callable[[], list[dict]]):
         self.run, self.sums, self.overlap, self.hyper = run, sums, overlap, hyper
@@ -92,15 +92,15 @@ class HostInterval:
         run.telemetry.host_update(result["seconds"], waited=True)
 
     def warmup(self, active: list[int], *, scale: float, max_norm: float | None, fuse_min_numel: int | None) -> None:
-        """ZeRO-Offload: every parameter gets a synchronous host AdamW step, then all of it is copied back."""
+        """ZeRO-Offload: every parameter gets a synchronous host step of the rule, then all of it is copied back."""
         last = self.add(active, scale=scale, fuse_min_numel=fuse_min_numel)
         self.sums.cross(self.run.shard.mine(active), self.buf)  # (device sums in memory cross at once)
         self.sync_update(self._divisors(self._take_counts(active)), last, max_norm)
         self.write_back(active)  # nothing is selected during warm-up: whole parameters
 
     def boundary(self, max_norm: float | None, last: dict | None = None) -> None:
-        """An update boundary: run the host AdamW now (sync) or hand it to the worker (overlap). ``last``: gradients
-        of this step not yet added (synchronous CPU runs fold them in)."""
+        """An update boundary: run the rule's host update now (sync) or hand it to the worker (overlap). ``last``:
+        gradients of this step not yet added (synchronous CPU runs fold them in)."""
         run = self.run
         matrices = [i for i, p in enumerate(run.params) if p.dim() == 2]
         if self.overlap:

@@ -348,7 +348,7 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         cores = dict(self.run.cores) if self._built else {}
         return self._stats.summary(counters=counters, link=self.link, overlap=self.config.overlap_step,
                                    host_bytes=self.host_bytes(), handover=self.handover, cores=cores,
-                                   collective_bytes=self._shard.bytes)
+                                   collective_bytes=self._shard.bytes, rule=self.rule)
 
     def explain(self, steps: int = 20) -> str:
         """What this optimizer will do, as ``python -m zenflow_kernels explain`` prints it for a config (the

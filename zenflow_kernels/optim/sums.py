@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..cpu_ops.accumulate import accumulate_unchecked
-from ..streamed_adam import DeviceSums
+from ..streamed_host import DeviceSums
 from .run import Run
 
 __all__ = ["SumsInHost", "SumsOnDevice", "SumsStreamed", "make_sums"]
@@ -25,7 +25,7 @@ __all__ = ["SumsInHost", "SumsOnDevice", "SumsStreamed", "make_sums"]
 class SumsInHost:
     """The sums in the host shard's accumulation buffers, added into by the link."""
 
-    fuses = True  # a synchronous CPU update may fold the interval's last gradient into its AdamW pass
+    fuses = True  # a synchronous CPU update may fold the interval's last gradient into its host pass
 
     def __init__(self, run: Run):
         self.run = run

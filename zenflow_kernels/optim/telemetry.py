@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ..rules.compiled import paths
+
 __all__ = ["Telemetry", "host_bytes"]
 
 _LINK_COUNTERS = ("waited_s", "accumulate_s", "fold_s", "d2h_bytes", "h2d_bytes", "early_bytes", "unused_bytes",
@@ -71,9 +73,11 @@ class Telemetry:
             self.sync_host_seconds += seconds
 
     def summary(self, *, counters: dict, link, overlap: bool, host_bytes: dict, handover, cores: dict,
-                collective_bytes: dict) -> dict:
+                collective_bytes: dict, rule) -> dict:
         """``ZenFlowAdamW.stats()``: ``counters`` are the optimizer's (:data:`checkpoint.COUNTERS`); ``link`` the
-        live one (None before the first step).
+        live one (None before the first step); ``rule`` the update rule (``rule_paths``: which path it runs on the
+        host and on the fast path, its own kernel, compiled or eager, and why:
+        :func:`zenflow_kernels.rules.compiled.paths`).
 
         ``stall_s``: time the training thread spent on the host path instead of training: synchronous
         host updates, gradient accumulation it does itself (CPU runs; ``accumulate_s``) and waits for the
@@ -96,6 +100,7 @@ class Telemetry:
         host_total = sum(self.host_seconds)
         hidden = max(0.0, host_total - waited) if overlap else 0.0
         return {
+            "rule_paths": paths(rule),
             "steps": t,
             "skipped_steps": counters["skipped_steps"],
             "host_updates": counters["host_updates"],

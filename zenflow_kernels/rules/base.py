@@ -14,24 +14,28 @@ names and never looks inside. A rule is:
   are tested against, and the implementation wherever a rule has no kernel;
 * kernels where speed matters: ``host_step_`` (the host pass over flat fp32 runs of the shard, the update ZenFlow
   hides behind the device's steps) and ``fast_step_`` (the device's multi-tensor update of selected columns). Their
-  defaults call ``step_``.
+  defaults run ``step_`` compiled (``rules/compiled.py``: Inductor's C++ on the host, Triton on a GPU; ``compile``),
+  or eager where compiling is off, impossible or not worth it (``eager_host_step_``, ``reference_fast_step_``).
 
-A rule of one's own subclasses :class:`UpdateRule` and writes ``step_`` (docs/hacking.md shows one).
+A rule of one's own subclasses :class:`UpdateRule` and writes ``step_`` (docs/hacking.md shows one); ``check_rule``
+checks its contract when an optimizer is made.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers as _numbers
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from ..config import check_lr
 
-__all__ = ["UpdateRule", "check_real", "check_betas", "check_state_dtype"]
+__all__ = ["FastItem", "UpdateRule", "check_betas", "check_real", "check_rule", "check_state_dtype", "unpack_item"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+RESERVED_STATE_NAMES = ("step", "selected", "master")  # the fast path's own entries beside the rule's state
 
 
 def check_real(where: str, name: str, value: Any, *, lo: float = 0.0, hi: float | None = None) -> None:
@@ -45,16 +49,101 @@ def check_real(where: str, name: str, value: Any, *, lo: float = 0.0, hi: float 
 
 
 def check_state_dtype(where: str, state_dtype: Any) -> torch.dtype:
+    """``state_dtype`` is torch.float32 or torch.bfloat16 (the host state's dtype), or a ValueError naming it."""
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"{where}: state_dtype={state_dtype!r} is invalid: allowed torch.float32 or torch.bfloat16")
     return state_dtype
 
 
 def check_betas(where: str, betas: Any) -> None:
+    """``betas`` is a pair of numbers in [0, 1), or a ValueError naming it."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(
             isinstance(b, _numbers.Real) and not isinstance(b, bool) and math.isfinite(b) and 0 <= b < 1
             for b in betas):
         raise ValueError(f"{where}: betas={betas!r} is invalid: allowed a pair of numbers in [0, 1)")
+
+
+def _number_names(rule) -> frozenset | None:
+    """The names of ``rule.numbers`` at the rule's defaults (None where they cannot be read so)."""
+    try:
+        return frozenset(rule.numbers(dict(rule.group_defaults(), lr=1e-3)))
+    except Exception:
+        return None
+
+
+class _DefaultPerTensor:
+    """``UpdateRule.per_tensor``'s default: ``("lr", "weight_decay")``, or ``("lr",)`` for a rule whose numbers have
+    no ``weight_decay`` (a rule without weight decay need not say so). A subclass that sets ``per_tensor`` replaces
+    it."""
+
+    def __get__(self, obj, cls=None) -> tuple[str, ...]:
+        if obj is None:
+            return ("lr", "weight_decay")
+        names = obj.__dict__.get("_zenflow_number_names", False)
+        if names is False:
+            names = obj.__dict__["_zenflow_number_names"] = _number_names(obj)
+        return ("lr", "weight_decay") if names is None or "weight_decay" in names else ("lr",)
+
+
+class FastItem(NamedTuple):
+    """One item of :meth:`UpdateRule.fast_step_`, by name (:func:`unpack_item`)."""
+
+    param: torch.Tensor  # [R, C] (a vector as [1, n])
+    grad: torch.Tensor  # [R, C], the parameter's dtype, not yet divided by grad_scale
+    columns: torch.Tensor | None  # [k] int64, or None: every column
+    state: tuple[torch.Tensor, ...]  # [R, k] each, in state_names order (fp32)
+    master: torch.Tensor | None  # [R, k] fp32 values of a low-precision parameter's columns, or None
+    step: Any  # an int, or the columns' int64 step counts [k]
+    numbers: dict  # the item's per_tensor numbers by name
+
+
+def unpack_item(rule: UpdateRule, item: tuple) -> FastItem:
+    """A fast-path item (the positional tuple :meth:`UpdateRule.fast_step_` receives) by name."""
+    n = len(rule.state_names)
+    return FastItem(item[0], item[1], item[2], tuple(item[3 : 3 + n]), item[3 + n], item[4 + n],
+                    dict(zip(rule.per_tensor, item[5 + n :], strict=True)))
+
+
+def check_rule(rule: UpdateRule, group: dict, where: str) -> None:
+    """The rule contract, checked when an optimizer is made (``group``: the rule's defaults with ``lr``): distinct
+    ``state_names`` (identifiers, none of the fast path's own ``step``, ``selected``, ``master``); every name the
+    parts read (``per_tensor``: per tensor, ``shared``: per launch) a key of ``numbers(group)``, and every key of it
+    named by one of them (the device's step receives only those); ``step_`` takes ``step`` and every number by
+    keyword. A ValueError (TypeError for ``step_``'s signature) names what is wrong."""
+    label = f"{where}: {rule!r}"
+    names = rule.state_names
+    if not isinstance(names, tuple) or not all(isinstance(n, str) and n.isidentifier() for n in names) or len(
+            set(names)) != len(names) or set(names) & set(RESERVED_STATE_NAMES):
+        raise ValueError(f"{label}: state_names={names!r} is invalid: allowed a tuple of distinct identifiers, none "
+                         f"of {', '.join(RESERVED_STATE_NAMES)} (the fast path's own entries)")
+    numbers = rule.numbers(group)
+    if not isinstance(numbers, dict) or not all(isinstance(k, str) for k in numbers):
+        raise ValueError(f"{label}: numbers() returned {type(numbers).__name__}: allowed a dict of numbers by name")
+    per_tensor, shared = tuple(rule.per_tensor), tuple(rule.shared)
+    given = ", ".join(map(repr, numbers)) or "nothing"
+    for part, read in (("per_tensor", per_tensor), ("shared", shared)):
+        missing = [n for n in read if n not in numbers]
+        if missing:
+            raise ValueError(f"{label}: {part} names {', '.join(map(repr, missing))}, which numbers() does not give "
+                             f"(it gives {given}): every name the parts read must be a key of numbers()")
+    both = sorted(set(per_tensor) & set(shared))
+    if both:
+        raise ValueError(f"{label}: {', '.join(map(repr, both))} is in both per_tensor and shared: allowed in one")
+    unread = [n for n in numbers if n not in per_tensor and n not in shared]
+    if unread:
+        raise ValueError(f"{label}: numbers() gives {', '.join(map(repr, unread))}, which neither per_tensor "
+                         f"{per_tensor!r} nor shared {shared!r} names: the device's step would not receive it")
+    try:
+        params = inspect.signature(rule.step_).parameters
+    except (TypeError, ValueError):  # a builtin or a C callable: nothing to read
+        return
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        takes = {n for n, p in params.items()
+                 if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+        missing = [n for n in ("step", *numbers) if n not in takes]
+        if missing:
+            raise TypeError(f"{label}: step_ does not take {', '.join(map(repr, missing))} by keyword: it is called "
+                            f"as step_(param, grad, state, step=..., {', '.join(f'{n}=...' for n in numbers)})")
 
 
 class UpdateRule:
@@ -69,12 +158,27 @@ class UpdateRule:
     """The dtype of that state in host memory: fp32, or bf16 (half the bytes; each step computes in fp32 from the
     stored values and rounds the new state to nearest even; the parameter's update uses the unrounded values).
     The fast path's state on the device stays fp32."""
-    per_tensor: ClassVar[tuple[str, ...]] = ("lr", "weight_decay")
-    """Numbers a multi-tensor launch takes per tensor (they may differ between param groups in one launch)."""
+    per_tensor: ClassVar[tuple[str, ...]] = _DefaultPerTensor()
+    """Numbers a multi-tensor launch takes per tensor (they may differ between param groups in one launch); by
+    default ``("lr", "weight_decay")``, or ``("lr",)`` where ``numbers`` gives no ``weight_decay``."""
     shared: ClassVar[tuple[str, ...]] = ()
     """The other numbers: one launch per distinct set of them."""
     uses_step: ClassVar[bool] = True
     """``step_`` reads its step count (False: the columns of a matrix need not be grouped by it)."""
+    step_tensor: ClassVar[bool] = False
+    """Compiled, ``step_`` receives its step count as a 0-dim float64 tensor instead of a number (a step that hands it
+    to torch code that reads it as a tensor, ``rules.from_torch``: else each count is a recompile)."""
+    compile: bool | str = "auto"
+    """Where the rule has no kernel of its own (``host_step_``, ``fast_step_`` not overridden), run ``step_``
+    compiled (``zenflow_kernels.rules.compiled``): True always, False never (eager), ``"auto"`` where a call is large
+    enough to repay a compile (a host run of ``compiled.HOST_MIN_NUMEL`` elements; a fast step of
+    ``compiled.FAST_MIN_ITEMS`` tensors or ``compiled.FAST_MIN_NUMEL`` elements). An instance may set its own."""
+
+    @classmethod
+    def own_kernel(cls, method: str) -> bool:
+        """The rule writes ``method`` (``"host_step_"`` or ``"fast_step_"``) itself, a kernel of its own, rather than
+        running ``step_`` compiled or eager."""
+        return getattr(cls, method) is not getattr(UpdateRule, method)
 
     # -- hyper-parameters ---------------------------------------------------------------------------
 
@@ -140,9 +244,22 @@ class UpdateRule:
                    grad_scale: float, out: torch.Tensor | None = None, zero_grad: bool = False, **numbers) -> None:
         """The host pass over flat fp32 runs: ``param`` (the master) stepped with ``grad / grad_scale`` (``grad``
         the sums, fp32), ``state`` in ``state_names`` order, the result rounded into ``out`` (fp32/bf16/fp16, the
-        copy-out) and ``grad`` zeroed with ``zero_grad``. The default is :meth:`step_` in torch (torch ops on the
-        host worker's thread start a second OpenMP team of torch's: a rule that runs often wants a numba kernel).
-        State in bf16 is stepped in fp32 copies and rounded back to nearest even, as the kernels do."""
+        copy-out) and ``grad`` zeroed with ``zero_grad``. The default is :meth:`step_` compiled into one pass
+        (``rules.compiled``, with the calling thread's numba thread count), or :meth:`eager_host_step_` where it
+        is not compiled (``compile``)."""
+        from .compiled import compiled_host_step_
+
+        if not compiled_host_step_(self, param, grad, state, step=step, grad_scale=grad_scale, out=out,
+                                   zero_grad=zero_grad, numbers=numbers):
+            self.eager_host_step_(param, grad, state, step=step, grad_scale=grad_scale, out=out, zero_grad=zero_grad,
+                                  **numbers)
+
+    def eager_host_step_(self, param: torch.Tensor, grad: torch.Tensor, state: list[torch.Tensor], *, step: int,
+                         grad_scale: float, out: torch.Tensor | None = None, zero_grad: bool = False,
+                         **numbers) -> None:
+        """:meth:`host_step_` as :meth:`step_` in eager torch (torch ops on the host worker's thread use torch's
+        thread count and start a second OpenMP team of torch's). State in bf16 is stepped in fp32 copies and
+        rounded back to nearest even, as the kernels do."""
         g = grad.float()
         g = g.clone() if grad_scale == 1.0 else g.mul(1.0 / grad_scale)  # the kernels' float32 reciprocal
         work = [t if t.dtype == torch.float32 else t.float() for t in state]
@@ -165,9 +282,14 @@ class UpdateRule:
         """The device's update of every item of one launch: ``(param [R, C], grad [R, C], columns [k] or None,
         *state ([R, k] each, in state_names order), master [R, k] fp32 or None, step, *per_tensor)``. ``columns``
         None: every column (a vector as [1, n]). ``master``: the fp32 values of a low-precision parameter's
-        columns, stepped and rounded into it. ``step``: an int, or the columns' int64 counts [k]. The default is
-        :meth:`reference_fast_step_`; the built-in rules launch fused kernels (``zenflow_kernels.ops``)."""
-        self.reference_fast_step_(items, grad_scale=grad_scale, **shared)
+        columns, stepped and rounded into it. ``step``: an int, or the columns' int64 counts [k]
+        (:func:`unpack_item` names the parts). The default is :meth:`step_` compiled over every item in one call
+        (``rules.compiled``), or :meth:`reference_fast_step_` where it is not compiled (``compile``); the
+        built-in rules launch fused kernels (``zenflow_kernels.ops``)."""
+        from .compiled import compiled_fast_step_
+
+        if not compiled_fast_step_(self, items, grad_scale=grad_scale, shared=shared):
+            self.reference_fast_step_(items, grad_scale=grad_scale, **shared)
 
     def reference_fast_step_(self, items: list[tuple], *, grad_scale: float, **shared) -> None:
         """:meth:`fast_step_` in plain torch: each item's gradient columns gathered, multiplied by

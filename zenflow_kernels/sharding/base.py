@@ -21,7 +21,7 @@ def is_dtensor(t) -> bool:
 
 
 def column_scores(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], importances: Sequence,
-                  name: str = "ZenFlowAdamW") -> list:
+                  name: str) -> list:
     """Each gradient's column scores ([C] fp32 or the kernels' dtype) by its importance: the kernels for
     ``"l2"``/``"l1"`` (one multi-tensor call per kind), ``"random"`` scored as ``"l2"`` (the telemetry and
     the zen-auto vote read the scores; the choice itself is random), a callable as
@@ -84,7 +84,7 @@ class Sharding:
     consumes_hooks = False  # backward hooks feed this sharding (ZeRO-2) rather than the link
     final_at_backward = True  # a gradient is final when backward produced it (ZeRO averages it in step())
     exchanges_selected = False  # selected_gradients() does something (else the fast step reads .grad alone)
-    name = "ZenFlowAdamW"  # the optimizer as built, for messages (build.choose_sharding sets it)
+    name = "ZenFlow"  # the optimizer as built, for messages (build.choose_sharding sets it: ZenFlowAdamW, ...)
     user_unscaled = False  # this step's gradients were unscaled by the user's GradScaler.unscale_ (read_step sets it)
 
     def __init__(self):

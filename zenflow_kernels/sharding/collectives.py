@@ -19,7 +19,7 @@ class ZeroCollectiveError(RuntimeError):
     """A collective failed or timed out (another rank failed, hung or left)."""
 
 
-def world_of(process_group, name: str = "ZenFlowAdamW") -> int:
+def world_of(process_group, name: str) -> int:
     """The number of ranks the optimizer (``name``, for the message) partitions over: 1 without
     ``torch.distributed``."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -52,8 +52,8 @@ class Collectives:
     point: creating its groups is collective.
     """
 
-    def __init__(self, *, process_group, timeout: float, chaos: Chaos | None = None,
-                 partition: Sequence[Sequence[int]] | None = None, name: str = "ZenFlowAdamW"):
+    def __init__(self, *, process_group, timeout: float, name: str, chaos: Chaos | None = None,
+                 partition: Sequence[Sequence[int]] | None = None):
         self.name = name
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)

@@ -1,4 +1,4 @@
-"""ZenFlowAdamW on FSDP2 (``torch.distributed.fsdp.fully_shard``): one more way of holding gradients behind
+"""ZenFlow on FSDP2 (``torch.distributed.fsdp.fully_shard``): one more way of holding gradients behind
 the seam (sharding/; docs/fsdp2.md).
 
 FSDP2 shards every parameter along dim 0 on a 1-D device mesh: a rank holds a block of rows of each
@@ -40,7 +40,7 @@ from .collectives import Collectives
 __all__ = ["FSDP2", "fsdp2_mesh"]
 
 
-def fsdp2_mesh(params: Sequence[torch.Tensor], name: str = "ZenFlowAdamW"):
+def fsdp2_mesh(params: Sequence[torch.Tensor], name: str):
     """The device mesh FSDP2 shards these parameters over, or None when none is a DTensor: a 1-D mesh (every
     parameter placed ``(Shard(0),)`` on it) or HSDP's 2-D mesh (every parameter placed ``(Replicate(),
     Shard(0))``: replicate x shard). Any other mix or placement is an error naming what was found (and the
@@ -72,7 +72,7 @@ class FSDP2(Sharding):
     """FSDP2's sharded parameters: this rank's rows of every parameter (module docstring); under HSDP the
     collectives run over the shard dimension (``world`` and ``rank`` are within it)."""
 
-    def __init__(self, mesh, timeout: float, name: str = "ZenFlowAdamW"):
+    def __init__(self, mesh, timeout: float, name: str):
         super().__init__()
         self.name = name
         self.mesh, self._timeout = mesh, timeout
@@ -120,7 +120,7 @@ class FSDP2(Sharding):
         kind = dict(zip(indices, importances, strict=True))
         rows = [i for i in indices if self.own_grad(i).shape[0]]
         scored = column_scores([self.own_grad(i) for i in rows], [self.local(self.params[i]) for i in rows],
-                               [kind[i] for i in rows])
+                               [kind[i] for i in rows], self.name)
         part = dict(zip(rows, scored, strict=True))
         widths = [self.params[i].shape[1] for i in indices]
         flat = torch.cat([

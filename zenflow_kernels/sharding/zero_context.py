@@ -1,4 +1,4 @@
-"""ZeRO-1/2 for ZenFlowAdamW over ``torch.distributed`` (docs/design.md section 7, docs/torchrun.md).
+"""ZeRO-1/2 for ZenFlow over ``torch.distributed`` (docs/design.md section 7, docs/torchrun.md).
 
 Ownership. The parameters, in the host layout's order (param group, matrices before vectors), are
 cut into ``world`` contiguous runs of whole parameters holding about the same number of elements;
@@ -72,7 +72,7 @@ def owners(params: Sequence[torch.Tensor], groups: Sequence[int], world: int) ->
     return owner
 
 
-def check_not_ddp(params: Sequence[torch.Tensor], name: str = "ZenFlowAdamW") -> None:
+def check_not_ddp(params: Sequence[torch.Tensor], name: str) -> None:
     """Refuse parameters of a module wrapped in DistributedDataParallel: DDP already averages the
     gradients in backward, and the optimizer's own reduction would then run on top of it."""
     from torch.nn.parallel import DistributedDataParallel
@@ -92,15 +92,15 @@ class ZeroContext(Collectives):
 
     Args:
         params, groups: the optimizer's flat parameter list and each parameter's param-group index.
-        process_group, timeout, chaos: as :class:`Collectives`.
+        process_group, timeout, name, chaos: as :class:`Collectives`.
 
     Every rank of ``process_group`` must build its context at the same point (the first ``step()``),
     since creating the module's groups is itself collective.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], groups: Sequence[int], *, process_group, timeout: float,
-                 chaos: Chaos | None = None, name: str = "ZenFlowAdamW"):
-        super().__init__(process_group=process_group, timeout=timeout, chaos=chaos, name=name)
+                 name: str, chaos: Chaos | None = None):
+        super().__init__(process_group=process_group, timeout=timeout, name=name, chaos=chaos)
         order = self.order = layout(params, groups)[0]  # every parameter, host layout order
         self.owner = owners(params, groups, self.world)
         self.owned = [i for i in order if self.owner[i] == self.rank]  # this rank's shard, layout order
@@ -201,7 +201,7 @@ class BucketReducer:
     did not, waits for all, and returns the averaged gradients of this rank's matrices (the other
     ranks' are not kept).
 
-    ``release`` (the default of ``ZenFlowAdamW(zero_stage=2)``): a bucket's gradients are copied into
+    ``release`` (the default with ``zero_stage=2``): a bucket's gradients are copied into
     its reduction and their ``.grad`` set to None as it starts, so a rank holds its own range of the
     gradient, the buckets not yet started and those in flight, never the whole gradient. Another
     micro-batch's backward then starts a second round of the buckets, which the owner adds up.

@@ -1,12 +1,13 @@
-"""AdamW over host state that lives in a file (:class:`~zenflow_kernels.state_files.StateFiles`), streamed
-through a bounded pipeline: a reader thread reads block ``j + 1`` while the calling thread runs the fused
-numba Adam (``cpu_ops.cpu_adam_``, the in-memory host's kernel; another update rule's ``host_step_``) on block
-``j`` and a writer thread writes
-block ``j - 1`` back. Adam is elementwise, so a block-by-block pass gives the bits of one pass over the whole
-range. Memory: ``depth`` blocks of buffers (12 B per element each), whatever the shard's size.
+"""An update rule's host step (its ``host_step_``, the kernel the in-memory host runs: AdamW's fused numba Adam
+``cpu_ops.cpu_adam_``, Lion's, SGD's, ...) over host state that lives in a file
+(:class:`~zenflow_kernels.state_files.StateFiles`: ``master`` and the rule's ``state_names``), streamed through a
+bounded pipeline: a reader thread reads block ``j + 1`` while the calling thread runs the rule's step on block ``j``
+and a writer thread writes block ``j - 1`` back. The host step is elementwise, so a block-by-block pass gives the
+bits of one pass over the whole range. Memory: ``depth`` blocks of buffers (4 B per element and field each: the
+master and one per state tensor, 12 B for AdamW), whatever the shard's size.
 
 With ``device_accumulation`` the gradient sums stay on the device (:class:`DeviceSums`): the reader also
-fetches each block's piece of them into a fourth buffer (``DeviceSums.buffers``, reused across updates), so no
+fetches each block's piece of them into one more buffer (``DeviceSums.buffers``, reused across updates), so no
 shard-sized host buffer of sums exists. It starts the fetch before reading the block and waits for it after,
 so the copy over the link runs beside the disk read (``ablations.fetch_beside_read`` False: read, then fetch,
 the former order; bench.nvme_timeline measures both).
@@ -28,22 +29,22 @@ from dataclasses import dataclass
 import torch
 
 from .ablations import ablations
-from .rules import AdamW, UpdateRule
+from .rules import UpdateRule
 from .state_files import StateFiles
 
-__all__ = ["DeviceSums", "Run", "streamed_adam_"]
+__all__ = ["DeviceSums", "Run", "streamed_host_step_"]
 
 
 @dataclass(frozen=True)
 class Run:
-    """Flat elements ``[lo, hi)`` of the shard stepped with one set of ``host_step_`` arguments (``adam``: step,
-    grad_scale and the rule's numbers: AdamW's lr, beta1, beta2, eps, weight_decay), their weights rounded into
-    ``out`` (``hi - lo`` elements)."""
+    """Flat elements ``[lo, hi)`` of the shard stepped with one set of ``host_step_`` keyword arguments
+    (``step_args``: step, grad_scale and the rule's numbers, e.g. AdamW's lr, beta1, beta2, eps, weight_decay), their
+    weights rounded into ``out`` (``hi - lo`` elements)."""
 
     lo: int
     hi: int
     out: torch.Tensor | None
-    adam: dict
+    step_args: dict
 
 
 @dataclass(frozen=True)
@@ -80,25 +81,24 @@ def _settle(waits: list[Callable[[], None]]) -> None:
 
 _STOP = object()
 
-def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[Run], *, depth: int = 3,
-                   sums: DeviceSums | None = None, rule: UpdateRule | None = None) -> dict:
-    """One step of ``rule`` (default AdamW; the file holds ``master`` and its ``state_names``) over ``runs`` (disjoint,
+def streamed_host_step_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[Run], *, rule: UpdateRule,
+                        depth: int = 3, sums: DeviceSums | None = None) -> dict:
+    """One host step of ``rule`` (the file holds ``master`` and its ``state_names``) over ``runs`` (disjoint,
     ascending) of the state in ``files``, with the gradient sums in ``acc`` (flat fp32, the shard's size; zeroed where
     used, as the in-memory update does) or, with ``acc`` None, fetched block by block from ``sums`` (left as they are:
     their owner zeroes them). Returns the blocks and bytes moved."""
-    rule = rule if rule is not None else AdamW()
     if tuple(files.fields) != ("master", *rule.state_names):
-        raise ValueError(f"streamed_adam_: the file holds {tuple(files.fields)}, the rule {rule.name} steps "
+        raise ValueError(f"streamed_host_step_: the file holds {tuple(files.fields)}, the rule {rule.name} steps "
                          f"{('master', *rule.state_names)}")
     if depth < 2:
-        raise ValueError(f"streamed_adam_: depth={depth!r} is invalid: allowed >= 2 (one block read ahead)")
+        raise ValueError(f"streamed_host_step_: depth={depth!r} is invalid: allowed >= 2 (one block read ahead)")
     if (acc is None) == (sums is None):
-        raise ValueError("streamed_adam_: pass the gradient sums either as acc (host memory) or as sums (fetched "
+        raise ValueError("streamed_host_step_: pass the gradient sums either as acc (host memory) or as sums (fetched "
                          "from the device), exactly one of them")
     need = min(files.block_numel, files.numel)  # the largest block
     if sums is not None and (len(sums.buffers) < depth or any(
             b.numel() < need or b.dtype != torch.float32 for b in sums.buffers)):
-        raise ValueError(f"streamed_adam_: sums.buffers must hold at least depth={depth} fp32 buffers of "
+        raise ValueError(f"streamed_host_step_: sums.buffers must hold at least depth={depth} fp32 buffers of "
                          f"min(block_numel, numel)={need} elements, got {[(b.numel(), b.dtype) for b in sums.buffers]}")
     plan: dict[int, list[tuple[Run, int, int]]] = {}
     for run in runs:
@@ -172,7 +172,7 @@ def streamed_adam_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[R
                 grads = acc[s:e] if fetched is None else fetched[s - a : e - a]
                 rule.host_step_(master[s - a : e - a], grads, [t[s - a : e - a] for t in state],
                                 out=None if run.out is None else run.out[s - run.lo : e - run.lo],
-                                zero_grad=fetched is None, **run.adam)
+                                zero_grad=fetched is None, **run.step_args)
             written.put((j, pair))
     finally:
         stop.set()
