@@ -75,6 +75,8 @@ RESULTS: dict[str, Result] = {
     # step()'s ratio to foreach for the commit of an earlier step_overhead run and the head, side by side: whether a
     # goal met there and missed here is the code or the machine
     "seam_speed_vs_89d3e24.json": Result("bench.seam_speed --base 89d3e24 --rounds 3", writes="seam_speed.json"),
+    # the built-ins' speed across issue 55 (compiled rules, AdamW gone below the facade, the host's kept runs)
+    "seam_speed_vs_2e88542.json": Result("bench.seam_speed --base 2e88542 --rounds 3", writes="seam_speed.json"),
     "h200-2026-11-30/kernels_gpu.json": Result("bench.kernels", gpu=True),
 }
 

@@ -123,7 +123,7 @@ def test_a_builtins_step_compiled_is_its_hand_written_kernel_within_the_bound_an
 @pytest.mark.parametrize("name, hyper", [("RMSprop", {}), ("Adagrad", dict(lr_decay=0.05))])
 def test_a_rule_from_torch_does_not_recompile_as_its_step_count_grows(name, hyper):
     """torch's functional reads its step count (Adagrad's ``lr_decay``) or not (RMSprop): one compile either way over
-    steps 2..6 (the count a graph input, or a constant where no output reads it), within the bound of the eager
+    steps 2..6 (the count a symbolic integer, which torch's step makes a tensor of), within the bound of the eager
     step at each."""
     rule = rules.from_torch(getattr(torch.optim, name), **hyper)
     rule.compile = True

@@ -1008,6 +1008,41 @@ BUGS = [
         "parameters frozen when saved instead, so the resume goes on silently without that parameter's host state",
         tests=("tests/test_fsdp2.py",), k="other_parameters_frozen",
     ),
+    # -- issue 55: a rule in plain torch, compiled --------------------------------------------------------------------
+    Bug(
+        "compiled-step-count-a-float",
+        "zenflow_kernels/rules/compiled.py",
+        "    return int(step)\n",
+        "    return float(step)\n",
+        "the compiled step's count passed as a float: torch code that makes a tensor of it (a rule from torch) is "
+        "specialized on it, a recompile per host update and eager after eight",
+        tests=("tests/test_compiled_rules.py",), k="does_not_recompile_as",
+    ),
+    Bug(
+        "compile-counted-against-host-timeout",
+        "zenflow_kernels/host.py",
+        "            waited += 0.0 if compiling() else now - last\n",
+        "            waited += now - last\n",
+        "a first compile on the worker counts against host_timeout: a slow compile fails the run as a stuck worker",
+        tests=("tests/test_compiled_rules.py",), k="host_timeout",
+    ),
+    Bug(
+        "layout-runs-kept-for-any-interval",
+        "zenflow_kernels/host.py",
+        " and len(set(counts.values())) == 1 and len(",
+        " and len(",
+        "the host update's kept runs are used when the parameters' gradient counts differ: a run divides every "
+        "parameter's sum by its first parameter's count",
+        tests=("tests/test_host.py",), k="usual_intervals",
+    ),
+    Bug(
+        "reference-takes-hyper-its-rule-lacks",
+        "zenflow_kernels/reference.py",
+        "            _check_explicit(rule, dict(betas=betas, eps=eps, weight_decay=weight_decay))\n",
+        "",
+        "ReferenceZenFlow(weight_decay=0.5, rule=RMSprop()) silently ignores the 0.5",
+        tests=("tests/test_compiled_rules.py",), k="refuses_hyperparameters",
+    ),
 ]
 
 

@@ -165,9 +165,6 @@ class UpdateRule:
     """The other numbers: one launch per distinct set of them."""
     uses_step: ClassVar[bool] = True
     """``step_`` reads its step count (False: the columns of a matrix need not be grouped by it)."""
-    step_tensor: ClassVar[bool] = False
-    """Compiled, ``step_`` receives its step count as a 0-dim float64 tensor instead of a number (a step that hands it
-    to torch code that reads it as a tensor, ``rules.from_torch``: else each count is a recompile)."""
     compile: bool | str = "auto"
     """Where the rule has no kernel of its own (``host_step_``, ``fast_step_`` not overridden), run ``step_``
     compiled (``zenflow_kernels.rules.compiled``): True always, False never (eager), ``"auto"`` where a call is large

@@ -358,15 +358,11 @@ def _own(rule, method: str) -> bool:
     return type(rule).own_kernel(method)
 
 
-def _step_input(rule, step):
-    """The step count as the compiled function takes it: an int, a symbolic integer to Dynamo (as a float it would be
-    a 0-dim tensor, and Python math on it, ``math.sqrt``, a constant: a recompile per step); a constant for a rule
-    that does not read it (a number that reaches no output is specialized: a recompile per value); a 0-dim float64
-    tensor for a rule that takes it as one (``step_tensor``: ``rules.from_torch``, whose torch functional reads it
-    with ``.item()`` eager and as a tensor compiled)."""
-    if not rule.uses_step:
-        return 1
-    return torch.tensor(float(step), dtype=torch.float64) if getattr(rule, "step_tensor", False) else int(step)
+def _step_input(step) -> int:
+    """The step count as the compiled function takes it: an int, a symbolic integer to Dynamo (Python math on it,
+    ``math.sqrt(1 - beta2 ** step)``, stays symbolic; a float would be specialized where torch code makes a tensor of
+    it, as ``rules.from_torch``'s step does: a recompile per count)."""
+    return int(step)
 
 
 def compiled_host_step_(rule, param, grad, state, *, step, grad_scale, out, zero_grad, numbers: dict) -> bool:
@@ -378,7 +374,7 @@ def compiled_host_step_(rule, param, grad, state, *, step, grad_scale, out, zero
         return _eager(rule, "host", why)
     entry = _entry(rule, "flat", param.device.type, _threads(param.device, param.numel()))
     names = tuple(numbers)
-    return _call(rule, "host", entry, (rule, param, grad, tuple(state), out, bool(zero_grad), _step_input(rule, step),
+    return _call(rule, "host", entry, (rule, param, grad, tuple(state), out, bool(zero_grad), _step_input(step),
                                        1.0 / grad_scale, names, tuple(numbers[n] for n in names)))
 
 
@@ -430,7 +426,7 @@ def compiled_fast_step_(rule, items: list, *, grad_scale: float, shared: dict) -
         runs = packed.runs(part, groups, _item_steps([it[4 + n] for it in part]) if rule.uses_step else None)
         for lo, hi, g, step in runs:
             args = (rule, packed.P[lo:hi], packed.G[lo:hi], tuple(packed.S[i, lo:hi] for i in range(n)), None, False,
-                    _step_input(rule, step), inv, names, (*numbers[g], *shared.values()))
+                    _step_input(step), inv, names, (*numbers[g], *shared.values()))
             if not _call(rule, "fast", entry, args):
                 if first:
                     return False  # (nothing was written: the caller runs the launch eager)

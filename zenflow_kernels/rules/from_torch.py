@@ -174,7 +174,6 @@ class TorchRule(UpdateRule):
     step, its state and its hyper-parameters."""
 
     torch_class: type = torch.optim.Optimizer
-    step_tensor = True  # (torch's functional reads its count with .item() eager and as a tensor compiled)
     _layout: _Layout
 
     def __init__(self, hyper: dict, defaults: dict, mapping: dict, layout: _Layout, state_dtype: torch.dtype,
@@ -260,8 +259,7 @@ class TorchRule(UpdateRule):
             elif kind == "state":
                 args[arg] = [state[how[1]]]
             elif kind == "step":  # (the functional adds one; a CPU scalar, as torch keeps it)
-                args[arg] = [(step.to(self._layout.step_dtype) if torch.is_tensor(step) else
-                              torch.zeros((), dtype=self._layout.step_dtype) + step) - 1]
+                args[arg] = [torch.zeros((), dtype=self._layout.step_dtype) + (step - 1)]
             elif kind == "empty":
                 args[arg] = []
         args.update(self._fixed)
