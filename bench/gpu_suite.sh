@@ -7,7 +7,8 @@
 #      tests/test_gpu_link.py: the accumulate worker blocks on events, zeroing gradients in place after step,
 #      device_accumulation with the state on disk fetching its sums exactly;
 #      the oracle sweep, AdamW identities, checkpoints, NaN skip, faults; compiled Triton kernels,
-#      the CUDA link's streams, events and pinned landing area)                 -> OUTDIR/optim_tests.txt
+#      the CUDA link's streams, events and pinned landing area; a rule in plain torch compiled to Triton on the
+#      fast path, tests/test_compiled_rules.py)                                    -> OUTDIR/optim_tests.txt
 #   1b. the CUDA path's checklist (python -m bench.gpu_checklist: gradient memory after zero_grad and at the
 #      forward's peak against the synchronous path, a slow D2H, GradScaler overflowing at step 0, pinned D2H
 #      destinations, FSDP2's hook stream, device sums on disk under a slow compute stream, close() during an
@@ -82,8 +83,8 @@ have_pytest=1
 # 1. the optimizer tests with CUDA parameters
 if [[ $have_pytest == 1 ]]; then
     export ZENFLOW_TRITON_AUTOTUNE=0
-    stage optim_tests 100 \
-        "$PY" -m pytest tests/test_optim.py tests/test_gpu_link.py -k "cuda or gpu_link" -q -p no:cacheprovider --durations=10 -rs \
+    stage optim_tests 130 \
+        "$PY" -m pytest tests/test_optim.py tests/test_gpu_link.py tests/test_compiled_rules.py -k "cuda or gpu_link" -q -p no:cacheprovider --durations=10 -rs \
         > "$OUT/optim_tests.txt" 2>&1
     tail -n 25 "$OUT/optim_tests.txt"
 else
@@ -118,7 +119,7 @@ stage bench 30 "$PY" -m bench.kernels --out "$OUT" > "$OUT/bench.txt" 2>&1
 tail -n 40 "$OUT/bench.txt"
 
 # 5. the transfer hidden behind backward, on real PCIe
-stage overlap_gpu 120 "$PY" -m bench.overlap_gpu --out "$OUT" > "$OUT/overlap_gpu.txt" 2>&1
+stage overlap_gpu 90 "$PY" -m bench.overlap_gpu --out "$OUT" > "$OUT/overlap_gpu.txt" 2>&1
 cat "$OUT/overlap_gpu.txt"
 
 # 6. the fingerprint's cost beside the copy it protects

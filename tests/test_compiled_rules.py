@@ -94,6 +94,66 @@ def test_the_compiled_host_pass_is_the_eager_one_within_the_bound_and_an_lr_sche
     assert host["path"] == "compiled" and host["compiled_calls"] == 3 and host["compiles"] == compiles  # no recompile
 
 
+def test_the_packing_work_items_cover_every_row_of_every_block_once():
+    """Whole rows of one block per work item, about ROW_BLOCK_ELEMENTS elements each (one row at least): every row of
+    every block exactly once, blocks of no column included."""
+    import numpy as np
+
+    from zenflow_kernels.cpu_ops.column_packing import ROW_BLOCK_ELEMENTS, row_blocks
+
+    b_rows = np.array([1, 128, 4096, 7, 300, 2, 5000], dtype=np.int64)
+    b_len = np.array([13, 13, 400, 0, 2049, 1, 3], dtype=np.int64)
+    w_block, w_row, w_nrows = row_blocks(b_rows, b_len)
+    covered = [np.zeros(r, dtype=np.int64) for r in b_rows]
+    for b, r0, n in zip(w_block, w_row, w_nrows, strict=True):
+        assert n >= 1 and (n == 1 or n * b_len[b] <= ROW_BLOCK_ELEMENTS), (b, r0, n)
+        covered[b][r0 : r0 + n] += 1
+    assert all((c == 1).all() for c in covered)
+
+
+class Literals(rules.UpdateRule):
+    """Every op the compiled path rewrites (a number as a Scalar argument), each with a literal number, not a graph
+    input: Inductor's own decomposition there."""
+
+    name = "Literals"
+    state_names = ("avg", "sq")
+    uses_step = False
+    compile = True
+
+    def group_defaults(self):
+        return {}
+
+    def numbers(self, group):
+        return dict(lr=float(group["lr"]))
+
+    def step_(self, param, grad, state, *, step, lr):
+        avg, sq = state["avg"], state["sq"]
+        avg.lerp_(grad, 0.1)
+        sq.mul_(0.9).addcmul_(grad, grad, value=0.1)
+        update = avg.addcdiv(avg, sq.sqrt().add(1e-8), value=0.5).sub(avg, alpha=0.5).clamp(-1.0, 1.0)
+        param.add_(update.pow(3.0), alpha=-lr).add_(param, alpha=-0.001)
+
+
+def test_the_ops_rewritten_for_changing_numbers_compile_with_literal_numbers_too():
+    """A literal number where the rewrites expect a changing one (lerp's weight, alpha=, value=, pow, clamp): Inductor's
+    own decomposition of the op, compiled once, within the bound of the eager step (before the fix: 'both a fallback
+    and a decomp for same op', eager)."""
+    rule = Literals()
+    g = torch.Generator().manual_seed(9)
+    n = 2048
+    p0, g0 = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    s0 = [torch.rand(n, generator=g) for _ in range(2)]
+    runs = []
+    for kernel in (rule.host_step_, rule.eager_host_step_):
+        p, state = p0.clone(), [s.clone() for s in s0]
+        kernel(p, g0.clone(), state, step=1, grad_scale=1.0, lr=LR)
+        runs.append((p, *state))
+    for x, y, before in zip(*runs, (p0, *s0), strict=True):
+        assert ulps(x, y, before) <= ULPS, ulps(x, y, before)
+    host = compiled.paths(rule)["host"]
+    assert host["path"] == "compiled" and host["compiles"] == 1, host
+
+
 @pytest.mark.parametrize("name", ["AdamW", "Lion"])
 def test_a_builtins_step_compiled_is_its_hand_written_kernel_within_the_bound_and_compiles_once(name):
     """A built-in with its kernels taken away runs its plain-torch ``step_`` compiled (as bench.compiled_rules
@@ -477,3 +537,33 @@ def test_the_compiled_steps_thread_count_follows_the_numba_kernels():
         wanted = numel // MIN_ELEMENTS_PER_THREAD
         got = compiled._threads(torch.device("cpu"), numel)
         assert got == (most if wanted >= most else 1 << (wanted.bit_length() - 1)), (numel, got)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by bench/gpu_suite.sh)")
+def test_the_compiled_fast_path_on_cuda_is_the_reference_within_the_bound():
+    """On a GPU the compiled fast path is Inductor's Triton over columns packed by torch ops: within the bound of the
+    reference (``reference_fast_step_``, eager torch on the same device), one compile over steps 1..4."""
+    rule = RMSprop(weight_decay=0.01, compile=True)
+    gen = torch.Generator().manual_seed(8)
+    shapes = [(64, 48, 9), (32, 80, 11), (1, 37, None)] * 4
+
+    def items(step):
+        out = []
+        for rows, cols, k in shapes:
+            p = torch.randn(rows, cols, generator=gen).cuda()
+            idx = None if k is None else torch.sort(torch.randperm(cols, generator=gen)[:k]).values.cuda()
+            out.append((p, torch.randn(rows, cols, generator=gen).cuda(), idx,
+                        torch.rand(rows, cols if k is None else k, generator=gen).cuda(), None, step, LR, 0.01))
+        return out
+
+    for step in range(1, 5):
+        a = items(step)
+        b = [(it[0].clone(), it[1], it[2], it[3].clone(), *it[4:]) for it in a]
+        before = [(it[0].clone(), it[3].clone()) for it in a]
+        rule.fast_step_(a, grad_scale=2.0, alpha=0.99, eps=1e-8)
+        rule.reference_fast_step_(b, grad_scale=2.0, alpha=0.99, eps=1e-8)
+        for x, y, z in zip(a, b, before, strict=True):
+            for at, was in ((0, z[0]), (3, z[1])):  # the parameter, its state
+                assert ulps(x[at].cpu(), y[at].cpu(), was.cpu()) <= ULPS, (step, at)
+    fast = compiled.paths(rule)["fast"]
+    assert fast["path"] == "compiled" and fast["compiles"] == 1, fast

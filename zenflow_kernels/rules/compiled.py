@@ -110,11 +110,17 @@ def _decompositions() -> dict:
     aten, prims = torch.ops.aten, torch.ops.prims
     from torch._inductor.decomposition import select_decomp_table
 
-    table = {}
+    table, inductors = {}, select_decomp_table()
 
     def register(op):
         def deco(fn):
-            table[op] = fn
+            base = inductors.get(op)
+
+            def decomposed(*args, **kwargs):  # (not a changing number: Inductor's own decomposition, where it has
+                out = fn(*args, **kwargs)  # one; an op it decomposes has no lowering to fall back to)
+                return base(*args, **kwargs) if out is NotImplemented and base is not None else out
+
+            table[op] = decomposed
             return fn
 
         return deco
@@ -170,7 +176,7 @@ def _decompositions() -> dict:
         return torch.clamp(self, _scalar_tensor(self, min) if _sym(min) else min,
                            _scalar_tensor(self, max) if _sym(max) else max)
 
-    return {**select_decomp_table(), **table}
+    return {**inductors, **table}
 
 
 # -- the compiled functions -------------------------------------------------------------------------------------------

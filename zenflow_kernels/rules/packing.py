@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..cpu_ops.column_packing import MAX_STATE, ColumnTable, numba_dtype
+from ..cpu_ops.column_packing import MAX_STATE, ColumnTable, numba_dtype, row_blocks
 from ..launch_plan import LaunchItems, PlannedFor
 
 __all__ = ["Packed", "dtype_parts", "packed_for"]
@@ -110,10 +110,7 @@ class Packed:
         b_off = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         b_start = np.concatenate(([0], np.cumsum(b_len)[:-1])).astype(np.int64)
         block_cols = np.concatenate(cols) if cols else np.zeros(0, dtype=np.int64)
-        w_block = np.repeat(np.arange(len(blocks), dtype=np.int64), b_rows)
-        row_starts = np.concatenate(([0], np.cumsum(b_rows)[:-1])).astype(np.int64)
-        w_row = np.arange(w_block.size, dtype=np.int64) - np.repeat(row_starts, b_rows)
-        self.work = (w_block, w_row, b_item, b_start, b_len, b_off, block_cols)
+        self.work = (*row_blocks(b_rows, b_len), b_item, b_start, b_len, b_off, block_cols)
         self.segments = []  # (lo, hi, group, an item and column of the run: where its step count is read)
         for (g, st, t, js), lo, size in zip(blocks, b_off, sizes, strict=True):
             last = self.segments[-1] if self.segments else None
