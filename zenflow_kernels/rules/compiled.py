@@ -30,10 +30,10 @@ warning. Inductor's caches (``TORCHINDUCTOR_CACHE_DIR``) make a second process's
 
 Known cost: numbers a ``step_`` derives from its numbers (``1 - beta1 ** step``, ``lr / bias_correction1``) are
 scalar computations that Inductor fuses into the elementwise loop, recomputed once per vector of elements; a ``pow``
-there costs more than the bytes (2^22 elements, one thread, x86 AVX2: AdamW's own ``step_`` compiled 56 ms against
-its numba kernel's 7.2, a three-state rule with two bias corrections 44 ms against a one-state rule's 7.5;
-bench.compiled_rules). A rule whose ``step_`` reads no step-dependent number (RMSprop, Lion) runs at the memory's
-speed.
+there costs more than the bytes (2^22 elements, one thread: AdamW's own ``step_`` compiled 55 ms against its numba
+kernel's 7.5, bench/results/compiled_rules_cpu.json; a three-state rule with two bias corrections 48 ms against
+RMSprop's 8.7, cpu_rules.json). A rule whose ``step_`` reads no step-dependent number (RMSprop, Lion) runs at
+0.7-0.75x of the memory roofline.
 
 The compiled step is not bit-identical to the eager one: Inductor's C++ contracts multiply-adds that ATen rounds
 twice (``add_(x, alpha=a)``: ATen ``fmadd``, compiled ``x * a`` then ``+``, or the reverse), evaluates the number
