@@ -18,7 +18,8 @@ Sections:
 * ``host``: a 4 x 1024^2 MLP (four ``Linear(1024, 1024, bias=False)``, batch 32, MSE loss) trained ``--steps``
   steps on the CPU by ``ZenFlow(topk_ratio=0.1, update_interval=4, overlap_step=True)``: the host updates' median
   (``stats()["host_update_s"]``: on the host worker, at its thread count) and the training thread's wait for the
-  worker over the steps (``worker_wait_s``) and the training thread's mean step (``step_ms``, forward and backward
+  worker over the steps (``worker_wait_s``; ``worker_wait_in_steps_ms``: before the final ``flush()``, which waits
+  for the last update whatever its speed) and the training thread's mean step (``step_ms``, forward and backward
   included: a worker that holds the GIL slows it without being waited for), each candidate's run after an untimed
   one (its compile);
 * ``host_pass``: the host pass alone, ``host_step_`` over 2^22 flat fp32 elements with a bf16 copy-out, on a thread
@@ -124,14 +125,15 @@ def host_run(name: str, RMSprop, steps: int, batch: int = 32) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad()
+    in_steps = opt.stats()["worker_wait_s"]  # (before the flush: the waits inside step())
     opt.flush()
     wall = time.perf_counter() - t0
     stats = opt.stats()
     opt.close()
     updates = stats["host_update_s"][1:]  # (the first: the warm-up's, on the training thread)
     return {"host_update_ms": median(updates) * 1e3, "worker_wait_ms": stats["worker_wait_s"] * 1e3,
-            "step_ms": wall / steps * 1e3, "host_updates": len(stats["host_update_s"]),
-            "rule_paths": stats["rule_paths"]}
+            "worker_wait_in_steps_ms": in_steps * 1e3, "step_ms": wall / steps * 1e3,
+            "host_updates": len(stats["host_update_s"]), "rule_paths": stats["rule_paths"]}
 
 
 def host_section(RMSprop, names, steps: int, rounds: int) -> dict:
@@ -142,9 +144,9 @@ def host_section(RMSprop, names, steps: int, rounds: int) -> dict:
             rows[name].append(host_run(name, RMSprop, steps))
     out = {}
     for name in names:
-        out[name] = {key: median([r[key] for r in rows[name]]) for key in ("host_update_ms", "worker_wait_ms",
-                                                                             "step_ms")}
-        out[name].update(rounds=[{k: r[k] for k in ("host_update_ms", "worker_wait_ms")} for r in rows[name]],
+        keys = ("host_update_ms", "worker_wait_ms", "worker_wait_in_steps_ms", "step_ms")
+        out[name] = {key: median([r[key] for r in rows[name]]) for key in keys}
+        out[name].update(rounds=[{k: r[k] for k in keys[:3]} for r in rows[name]],
                          paths=rows[name][-1]["rule_paths"], first_run_paths=first[name]["rule_paths"])
     return out
 
@@ -357,6 +359,7 @@ def main(argv=None) -> dict:
                                               for k, v in result["host_pass"].items() if isinstance(v, dict)},
                                 "host_update": ratios(result["host"], "host_update_ms"),
                                 "worker_wait": ratios(result["host"], "worker_wait_ms"),
+                                "worker_wait_in_steps": ratios(result["host"], "worker_wait_in_steps_ms"),
                                 "training_step": ratios(result["host"], "step_ms"),
                                 "fast_path": ratios(result["fast"], "fast_path_ms")}
     result["compile"] = {name: {place: result["host"][name]["first_run_paths"][place].get("compile_s")

@@ -950,6 +950,7 @@ def test_compiled_rules_quick(tmp_path):
     assert {k for k in result["host_pass"] if k not in ("numel", "threads")} == set(result["fast"])
     for name, row in result["host"].items():
         assert finite([row["host_update_ms"], row["worker_wait_ms"], row["step_ms"]]) and row["step_ms"] > 0, row
+        assert 0 <= row["worker_wait_in_steps_ms"] <= row["worker_wait_ms"] + 1e-9, row
         want = "kernel" if name in ("lion", "adamw") else "eager" if name == "rmsprop_eager" else "compiled"
         assert row["paths"]["host"]["path"] == want, (name, row["paths"])
     for name in result["fast"]:
@@ -961,7 +962,8 @@ def test_compiled_rules_quick(tmp_path):
         if isinstance(row, dict):
             assert math.isclose(ratios["host_pass"][name], row["median_ms"] / result["host_pass"]["lion"]["median_ms"])
     for key, section, field in (("fast_path", "fast", "fast_path_ms"), ("training_step", "host", "step_ms"),
-                                ("worker_wait", "host", "worker_wait_ms")):
+                                ("worker_wait", "host", "worker_wait_ms"),
+                                ("worker_wait_in_steps", "host", "worker_wait_in_steps_ms")):
         base = result[section]["lion"][field]
         assert {n: None if r is None else round(r, 9) for n, r in ratios[key].items()} == {
             n: round(row[field] / base, 9) if base > 0 else None for n, row in result[section].items()}, key
