@@ -409,15 +409,13 @@ def compiled_fast_step_(rule, items: list, *, grad_scale: float, shared: dict) -
     if not items:
         return True
     n = len(rule.state_names)
-    many = len(items) >= FAST_MIN_ITEMS or sum(
-        it[0].shape[0] * (it[0].shape[1] if it[2] is None else it[2].numel()) for it in items) >= FAST_MIN_NUMEL
-    why = _wants(rule, "fast", many)
+    numel = sum(it[0].shape[0] * (it[0].shape[1] if it[2] is None else it[2].numel()) for it in items)
+    why = _wants(rule, "fast", len(items) >= FAST_MIN_ITEMS or numel >= FAST_MIN_NUMEL)
     if why is not None:
         return _eager(rule, "fast", why)
     from .packing import dtype_parts, packed_for
 
     device = items[0][0].device
-    numel = sum(it[0].shape[0] * (it[0].shape[1] if it[2] is None else it[2].numel()) for it in items)
     entry = _entry(rule, "flat", device.type, _threads(device, numel))  # (the host pass's function)
     if entry.failed is not None:
         return _eager(rule, "fast", entry.failed)
