@@ -368,15 +368,21 @@ def test_a_step_dynamo_cannot_trace_runs_eager_with_one_warning_and_stats_say_wh
     assert all(torch.equal(x, y) for a, b in zip(got, want, strict=True) for x, y in zip(a, b, strict=True))
 
 
-def test_without_a_cxx_compiler_the_rule_runs_eager_with_a_warning(monkeypatch):
+def test_without_a_cxx_compiler_the_rule_runs_eager_with_a_warning():
     import torch._inductor.config as inductor
 
     class NoCompiler(RMSprop):
         name = "NoCompiler"
 
-    monkeypatch.setattr(inductor, "fx_graph_cache", False)
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
-    rule = NoCompiler(compile=True)
+    # config.patch, not monkeypatch.setattr: undoing a setattr on inductor's config deletes the entry, which then
+    # reads as missing ("fx_graph_cache does not exist") and breaks every later compile in the process
+    with inductor.patch({"fx_graph_cache": False, "cpp.cxx": ("/nonexistent/c++",)}):
+        _run_without_a_compiler(NoCompiler)
+    assert inductor.fx_graph_cache is not None  # still readable: the next compile in this process needs it
+
+
+def _run_without_a_compiler(rule_class):
+    rule = rule_class(compile=True)
     n = 64
     p, acc, s = torch.randn(n), torch.randn(n), torch.rand(n)
     want = p.clone(), s.clone()
