@@ -1,0 +1,426 @@
+"""What ZenFlow costs in quality, measured fairly: every variant at its own best learning rate (issue 56).
+
+    python -m studies.tuned_comparison --workload study_flat [--out DIR] [--quick] [--variants ...]
+
+The field compares optimizers each with its own tuning budget and by the time to a target (MLCommons AlgoPerf;
+Schmidt et al. 2021, "Descending through a crowded valley"), not at one shared learning rate: a variant that makes
+larger steps looks better at a rate below the best, for its step size alone. Here, per workload
+(studies/workloads.py) and variant:
+
+* **the sweep**: learning rates ``center * 2**k`` over a log grid of 6 points (32x), the centre per rule family;
+  while the best (lowest mean final held-out loss over seeds 0-2) sits at an edge, one more point past that edge
+  (up to 4 each way); then seeds 3 and 4 at the best two points, and the best of those two on 5 seeds is the
+  variant's learning rate. A run whose loss is not finite counts as diverged (an infinite loss).
+* **the target**: the held-out loss AdamW (``torch.optim.AdamW``, at its own best rate) reaches at 75% of the
+  steps, from the mean of its seeds' curves. Each variant's steps to it at its own best rate, per seed, from its
+  held-out curve (evaluated every ``eval_every`` steps, linear between the points); ``None`` where a seed never
+  reaches it.
+* **the figures** at each variant's best rate: the final held-out loss (mean and range over 5 seeds), its gap to
+  AdamW's (paired by seed), the share of AdamW's improvement recovered ``(L0 - L) / (L0 - L_adamw)`` (above 1 means
+  better than tuned AdamW), the steps to the target, and the best rate against AdamW's.
+
+The variants (``VARIANTS``): ``adamw``; ``offload`` (synchronous offload through ZenFlowAdamW: AdamW's arithmetic
+on the host every step, run at AdamW's best rate only, as a check that its curve is AdamW's); ZenFlow's defaults as
+in the ablations (``zenflow``: ``topk_ratio`` 0.1, ``update_interval`` 4, ``select_interval`` 8, no warm-up, no
+overlap); ``overlap``; ``deepspeed`` (``semantics="deepspeed"``) and each DeepSpeed choice alone (``select_anchor``
+with 3 warm-up rounds, against ``warm_up3``); the ``topk_ratio`` x ``update_interval`` corners; the host learning
+rate times the interval (``lr_times_interval``, examples/ablations.py); Lion and SGD (momentum 0.9) plain and
+under ZenFlow. The byte-GPT workloads run a subset (``GPT_VARIANTS``): each of their runs costs ~20x the MLP's.
+
+Results: ``tuned_{workload}.json`` (command, machine, commit, every run's curve, the summary) and
+``tuned_{workload}.png`` (the tuning curves) in ``studies/results``; the runs are appended to
+``tuned_{workload}.runs.jsonl`` as they finish, and a rerun with ``--resume`` takes them from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.harness import OneLineParser, plt, write_json_light
+from studies import workloads as wl
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RATIO = 2.0
+GRID = tuple(range(-2, 4))  # k: lr = center * RATIO**k, 6 points over 32x
+MAX_EXTEND = 4
+SEEDS = (0, 1, 2)
+EXTRA_SEEDS = (3, 4)
+TARGET_AT = 0.75
+
+BASE_ZENFLOW = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8,
+                    full_warm_up_rounds=0, overlap_step=False, pt_reserved_cores_perc=1.0)
+OFFLOAD = dict(full_warm_up_rounds=10**9, overlap_step=False, select_strategy="step", select_interval=1,
+               update_interval=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """``family``: whose grid centre it starts from ("adam", "lion", "sgd"); ``kind``: "adamw", "lion", "sgd"
+    (plain) or "zenflow" or "lr_times_interval"; ``zenflow``: overrides of ``BASE_ZENFLOW``; ``rule``: the
+    ZenFlow rule ("adamw", "lion", "sgd"); ``check``: run at AdamW's best rate only."""
+
+    family: str
+    kind: str
+    zenflow: dict = dataclasses.field(default_factory=dict)
+    rule: str = "adamw"
+    check: bool = False
+
+
+def _variants() -> dict[str, Variant]:
+    out = {"adamw": Variant("adam", "adamw"), "offload": Variant("adam", "zenflow", OFFLOAD, check=True),
+           "zenflow": Variant("adam", "zenflow"), "overlap": Variant("adam", "zenflow", dict(overlap_step=True)),
+           "deepspeed": Variant("adam", "zenflow", dict(semantics="deepspeed"))}
+    for name, value in dict(gradient_scale="interval", host_step_count="steps", reselect_state="reset",
+                            vector_state="reset", importance="l1").items():
+        out[name] = Variant("adam", "zenflow", {name: value})
+    out["warm_up3"] = Variant("adam", "zenflow", dict(full_warm_up_rounds=3))
+    out["select_anchor"] = Variant("adam", "zenflow", dict(full_warm_up_rounds=3, select_anchor="absolute"))
+    for k in (0.05, 0.25):
+        for u in (2, 8):
+            out[f"topk{k:g}_ui{u}"] = Variant("adam", "zenflow", dict(topk_ratio=k, update_interval=u,
+                                                                      select_interval=2 * u))
+    out["lr_times_interval"] = Variant("adam", "lr_times_interval")
+    out["lion"] = Variant("lion", "lion")
+    out["zenflow_lion"] = Variant("lion", "zenflow", rule="lion")
+    out["sgd"] = Variant("sgd", "sgd")
+    out["zenflow_sgd"] = Variant("sgd", "zenflow", rule="sgd")
+    return out
+
+
+VARIANTS = _variants()
+# (in the order they run: a sweep cut short still holds the main comparisons)
+GPT_VARIANTS = ("adamw", "offload", "zenflow", "deepspeed", "overlap", "lr_times_interval", "lion", "zenflow_lion",
+                "sgd", "zenflow_sgd", "host_step_count", "reselect_state", "topk0.05_ui8", "topk0.25_ui2")
+
+
+def variants_of(workload: str) -> tuple[str, ...]:
+    return tuple(VARIANTS) if workload.startswith("study_") else GPT_VARIANTS
+
+
+class PlainLion(torch.optim.Optimizer):
+    """Lion as the paper writes it (Chen et al. 2023, Algorithm 2), in plain torch: the reference ZenFlow's Lion
+    is compared with."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                update = (beta1 * m + (1 - beta1) * p.grad).sign()
+                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+def build_optimizer(variant: Variant, params, lr: float, weight_decay: float):
+    """The variant's optimizer over ``params`` at ``lr``."""
+    from zenflow_kernels import ZenFlow, ZenFlowAdamW, rules
+
+    zen = dict(BASE_ZENFLOW, **variant.zenflow)
+    if variant.kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if variant.kind == "lion":
+        return PlainLion(params, lr=lr, weight_decay=weight_decay)
+    if variant.kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    if variant.kind == "lr_times_interval":
+        from examples.ablations import LrTimesInterval
+
+        return LrTimesInterval(params, lr=lr, weight_decay=weight_decay, zenflow=zen)
+    if variant.rule == "lion":
+        return ZenFlow(params, rules.Lion(weight_decay=weight_decay), lr=lr, zenflow=zen)
+    if variant.rule == "sgd":
+        return ZenFlow(params, rules.SGD(momentum=0.9, weight_decay=weight_decay), lr=lr, zenflow=zen)
+    return ZenFlowAdamW(params, lr=lr, weight_decay=weight_decay, zenflow=zen)
+
+
+def eval_every(workload: str, steps: int) -> int:
+    """Evaluation spacing: a divisor of 75% of the steps, so the target's step is an evaluation point."""
+    return max(1, steps // 20) if workload.startswith("study_") else max(1, steps // 16)
+
+
+def run(task: wl.Task, workload: str, name: str, lr: float) -> dict:
+    """One training run of ``name`` at ``lr``: the held-out curve and, for ZenFlow, the concentration."""
+    variant, spec = VARIANTS[name], wl.WORKLOADS[workload]
+    model = task.model()
+    opt = build_optimizer(variant, task.trainable(model), lr, spec.weight_decay)
+    zen = hasattr(opt, "flush")
+    warm = wl.warmup_steps(spec, task.steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm)) if warm else None
+    every = eval_every(workload, task.steps)
+    curve, error, top10 = [[0, task.heldout(model)]], None, None
+    t0 = time.perf_counter()
+    try:
+        for s in range(task.steps):
+            loss = task.loss(model, s)
+            if not math.isfinite(float(loss)):
+                error = f"training loss {float(loss)} at step {s}"
+                break
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
+            if (s + 1) % every == 0 or s + 1 == task.steps:
+                if s + 1 == task.steps and zen:
+                    opt.flush()
+                curve.append([s + 1, task.heldout(model)])
+        if zen:
+            shares = opt.stats()["concentration"]["top10"]
+            top10 = statistics.fmean(shares) if shares else None
+    except (RuntimeError, ValueError) as exc:  # a diverging run may fail inside the optimizer: it is a result
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    finally:
+        if zen:
+            opt.close()
+    final = curve[-1][1] if error is None and len(curve) > 1 and curve[-1][0] == task.steps else math.inf
+    final = final if math.isfinite(final) else math.inf
+    return dict(final=final, curve=curve, error=error, top10_share=top10, metrics=task.metrics(model) if
+                final < math.inf else {}, seconds=time.perf_counter() - t0)
+
+
+# -- the sweep -------------------------------------------------------------------------------------------------
+
+
+class Sweep:
+    """The runs of one workload, cached by (variant, k, seed) and appended to a JSON-lines file as they finish."""
+
+    def __init__(self, workload: str, quick: bool, log: Path | None, resume: bool):
+        self.workload, self.quick, self.log = workload, quick, log
+        self.spec = wl.WORKLOADS[workload]
+        self.tasks: dict[int, wl.Task] = {}
+        self.runs: dict[tuple[str, int, int], dict] = {}
+        if log is not None and resume and log.exists():
+            for line in log.read_text().splitlines():
+                r = json.loads(line)
+                if math.isclose(r["lr"], self.lr(r["variant"], r["k"]), rel_tol=1e-9):
+                    self.runs[(r["variant"], r["k"], r["seed"])] = r
+        elif log is not None and log.exists():
+            log.unlink()
+
+    def lr(self, name: str, k: int) -> float:
+        return self.spec.centers[VARIANTS[name].family] * RATIO ** k
+
+    def task(self, seed: int) -> wl.Task:
+        if seed not in self.tasks:
+            self.tasks[seed] = wl.task(self.workload, seed, self.quick)
+        return self.tasks[seed]
+
+    def ensure(self, name: str, k: int, seeds) -> list[dict]:
+        out = []
+        for seed in seeds:
+            key = (name, k, seed)
+            if key not in self.runs:
+                r = dict(variant=name, k=k, seed=seed, lr=self.lr(name, k),
+                         **run(self.task(seed), self.workload, name, self.lr(name, k)))
+                self.runs[key] = r
+                if self.log is not None:
+                    with self.log.open("a") as f:
+                        f.write(json.dumps(r) + "\n")
+                print(f"{self.workload} {name} lr {r['lr']:.3g} seed {seed}: {r['final']:.4f}"
+                      + (f" ({r['error']})" if r["error"] else ""), flush=True)
+            out.append(self.runs[key])
+        return out
+
+    def mean_final(self, name: str, k: int, seeds) -> float:
+        return mean_or_inf([r["final"] for r in self.ensure(name, k, seeds)])
+
+    def tune(self, name: str, seeds=SEEDS, extra=EXTRA_SEEDS, grid=GRID) -> dict:
+        """The grid, extended until the best is inside (or ``MAX_EXTEND`` points each way), then the best two on
+        the extra seeds; returns the chosen ``k`` and whether it is inside the grid."""
+        ks = list(grid)
+        for _ in range(2 * MAX_EXTEND + 1):
+            means = {k: self.mean_final(name, k, seeds) for k in ks}
+            best = min(ks, key=lambda k: means[k])
+            if best == ks[0] and ks[0] > grid[0] - MAX_EXTEND:
+                ks.insert(0, ks[0] - 1)
+            elif best == ks[-1] and ks[-1] < grid[-1] + MAX_EXTEND:
+                ks.append(ks[-1] + 1)
+            else:
+                break
+        means = {k: self.mean_final(name, k, seeds) for k in ks}
+        two = sorted(ks, key=lambda k: means[k])[:2]
+        full = tuple(seeds) + tuple(extra)
+        best = min(two, key=lambda k: self.mean_final(name, k, full))
+        return dict(k=best, ks=ks, inside=ks[0] < best < ks[-1], seeds=list(full))
+
+
+def mean_or_inf(values) -> float:
+    return statistics.fmean(values) if all(math.isfinite(v) for v in values) else math.inf
+
+
+def value_at(curve, step: float) -> float:
+    """The held-out loss at ``step``, linear between the curve's points."""
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:], strict=False):
+        if s0 <= step <= s1:
+            return l0 + (l1 - l0) * (step - s0) / (s1 - s0)
+    raise ValueError(f"step={step} is outside the curve's steps {curve[0][0]}..{curve[-1][0]}")
+
+
+def steps_to(curve, target: float) -> float | None:
+    """The first step at which the curve reaches ``target`` (linear between points); None if it never does."""
+    if curve[0][1] <= target:
+        return float(curve[0][0])
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:], strict=False):
+        if l1 <= target:
+            return s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
+    return None
+
+
+def spread(values) -> dict:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if len(finite) < len(values):
+        return dict(mean=None, min=None, max=None, n=len(values), missing=len(values) - len(finite))
+    return dict(mean=statistics.fmean(finite), min=min(finite), max=max(finite), n=len(finite), missing=0)
+
+
+def study(workload: str, names, quick: bool, log: Path | None, resume: bool) -> dict:
+    """Every variant's sweep and its figures at its own best rate; AdamW's first (its curve sets the target)."""
+    sweep = Sweep(workload, quick, log, resume)
+    seeds, extra = (SEEDS[:1], EXTRA_SEEDS[:1]) if quick else (SEEDS, EXTRA_SEEDS)
+    grid = GRID[1:4] if quick else GRID
+    tuned = {}
+    names = ["adamw", *[n for n in names if n != "adamw"]]
+    tuned["adamw"] = sweep.tune("adamw", seeds, extra, grid)
+    for name in names[1:]:
+        if VARIANTS[name].check:
+            k = tuned["adamw"]["k"]
+            sweep.ensure(name, k, tuple(seeds) + tuple(extra))
+            tuned[name] = dict(k=k, ks=[k], inside=None, seeds=list(seeds) + list(extra))
+        else:
+            tuned[name] = sweep.tune(name, seeds, extra, grid)
+    return summarise(workload, sweep, tuned)
+
+
+def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
+    steps = sweep.task(0).steps
+    at_best = {n: [sweep.runs[(n, t["k"], s)] for s in t["seeds"]] for n, t in tuned.items()}
+    adamw = at_best["adamw"]
+    curves = [r["curve"] for r in adamw]
+    target_step = TARGET_AT * steps
+    target = statistics.fmean(value_at(c, target_step) for c in curves)
+    initial = statistics.fmean(r["curve"][0][1] for r in adamw)
+    adamw_final = {r["seed"]: r["final"] for r in adamw}
+    out = {}
+    for name, t in tuned.items():
+        runs = at_best[name]
+        grid = []
+        for k in t["ks"]:
+            finals = [sweep.runs[(name, k, s)]["final"] for s in SEEDS if (name, k, s) in sweep.runs]
+            more = [sweep.runs[(name, k, s)]["final"] for s in t["seeds"] if (name, k, s) in sweep.runs]
+            grid.append(dict(k=k, lr=sweep.lr(name, k), final_3_seeds=spread(finals), final_all_seeds=spread(more)))
+        finals = [r["final"] for r in runs]
+        shares = [(r["curve"][0][1] - r["final"]) / (r["curve"][0][1] - adamw_final[r["seed"]]) for r in runs]
+        reached = [steps_to(r["curve"], target) for r in runs]
+        top10 = [r["top10_share"] for r in runs if r["top10_share"] is not None]
+        out[name] = dict(
+            family=VARIANTS[name].family, best_lr=sweep.lr(name, t["k"]), best_k=t["k"], best_inside=t["inside"],
+            lr_over_adamw=sweep.lr(name, t["k"]) / sweep.lr("adamw", tuned["adamw"]["k"]),
+            final=spread(finals), gap_vs_adamw=spread([r["final"] - adamw_final[r["seed"]] for r in runs]),
+            recovered=spread(shares), steps_to_target=spread(reached),
+            reached=sum(x is not None for x in reached), seeds=len(runs), steps_to_target_per_seed=reached,
+            top10_share=statistics.fmean(top10) if top10 else None, grid=grid,
+            errors=sorted({r["error"] for key, r in sweep.runs.items() if key[0] == name and r["error"]}),
+        )
+        metrics = [r["metrics"] for r in runs if r["metrics"]]
+        if metrics:
+            out[name]["metrics"] = {key: spread([m[key] for m in metrics]) for key in metrics[0]}
+    for plain, zen in (("lion", "zenflow_lion"), ("sgd", "zenflow_sgd")):
+        if plain in out and zen in out:
+            pf = {r["seed"]: r["final"] for r in at_best[plain]}
+            out[zen]["gap_vs_plain"] = spread([r["final"] - pf[r["seed"]] for r in at_best[zen]])
+    return dict(workload=workload, steps=steps, initial_heldout=initial, target=target, target_step=target_step,
+                adamw_best_lr=sweep.lr("adamw", tuned["adamw"]["k"]), variants=out)
+
+
+# -- plot, command line ----------------------------------------------------------------------------------------
+
+
+def plot(summary: dict, path: Path) -> None:
+    """The tuning curves: final held-out loss (mean over seeds 0-2, their range) against the learning rate, the
+    Adam family in one panel and Lion and SGD, plain and under ZenFlow, in the other."""
+    fig, axes = plt().subplots(1, 2, figsize=(13, 5))
+    for ax, families in zip(axes, (("adam",), ("lion", "sgd")), strict=True):
+        for name, v in summary["variants"].items():
+            if v["family"] not in families or len(v["grid"]) < 2:
+                continue
+            pts = [(g["lr"], g["final_3_seeds"]) for g in v["grid"] if g["final_3_seeds"]["mean"] is not None]
+            if not pts:
+                continue
+            xs = [x for x, _ in pts]
+            line, = ax.plot(xs, [s["mean"] for _, s in pts], marker="o", ms=3, lw=1, label=name,
+                            ls="-" if "zenflow" in name or v["family"] == "adam" else "--")
+            ax.fill_between(xs, [s["min"] for _, s in pts], [s["max"] for _, s in pts], color=line.get_color(),
+                            alpha=0.12)
+            ax.plot([v["best_lr"]], [v["final"]["mean"]], marker="*", ms=10, color=line.get_color())
+        ax.axhline(summary["target"], color="grey", lw=0.8, ls=":", label="target (AdamW at 75% of the steps)")
+        ax.set(xscale="log", xlabel="learning rate", ylabel="final held-out loss (mean, range over seeds 0-2)",
+               title=f"{summary['workload']}: {'/'.join(families)}")
+        finite = [g["final_3_seeds"]["mean"] for v in summary["variants"].values() for g in v["grid"]
+                  if v["family"] in families and g["final_3_seeds"]["mean"] is not None]
+        if finite:
+            lo = min(finite)
+            ax.set_ylim(lo - 0.02 * abs(lo), min(max(finite), summary["initial_heldout"] * 1.05))
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = OneLineParser(prog="python -m studies.tuned_comparison", description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=sorted(wl.WORKLOADS), required=True)
+    ap.add_argument("--out", default=None, help="output directory (default studies/results)")
+    ap.add_argument("--variants", nargs="+", default=None, help="only these (AdamW always runs: it sets the target)")
+    ap.add_argument("--quick", action="store_true", help="a few steps, 3 rates, 2 seeds (the test suite's run)")
+    ap.add_argument("--resume", action="store_true", help="take the runs already in the .runs.jsonl file")
+    args = ap.parse_args(argv)
+    allowed = variants_of(args.workload)
+    names = list(args.variants or allowed)
+    if not set(names) <= set(allowed):
+        ap.error(f"argument --variants: {sorted(set(names) - set(allowed))} unknown for {args.workload}: "
+                 f"allowed {list(allowed)}")
+    out_dir = Path(args.out) if args.out else RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # one core each: the workloads run side by side
+    t0 = time.perf_counter()
+    log = out_dir / f"tuned_{args.workload}.runs.jsonl"
+    summary = study(args.workload, names, args.quick, log, args.resume)
+    sweep_runs = [json.loads(line) for line in log.read_text().splitlines()]
+    payload = {
+        "command": " ".join(["python -m studies.tuned_comparison", *argv]),
+        "description": __doc__,
+        "config": dict(workload=dataclasses.asdict(wl.WORKLOADS[args.workload]), quick=args.quick, ratio=RATIO,
+                       grid=list(GRID), max_extend=MAX_EXTEND, seeds=list(SEEDS), extra_seeds=list(EXTRA_SEEDS),
+                       target_at=TARGET_AT, base_zenflow=BASE_ZENFLOW,
+                       variants={n: dataclasses.asdict(VARIANTS[n]) for n in names}),
+        "summary": summary,
+        "runs": sweep_runs,
+        "total_s": time.perf_counter() - t0,
+    }
+    path = write_json_light(out_dir / f"tuned_{args.workload}.json", payload)
+    plot(summary, out_dir / f"tuned_{args.workload}.png")
+    for name, v in summary["variants"].items():
+        st = v["steps_to_target"]
+        print(f"{args.workload} {name}: lr {v['best_lr']:.3g} ({v['lr_over_adamw']:.2g}x AdamW's"
+              f"{'' if v['best_inside'] is not False else ', AT THE GRID EDGE'}), final {v['final']['mean']}, "
+              f"recovered {v['recovered']['mean']}, steps to target {st['mean']} ({v['reached']}/{v['seeds']})")
+    print(f"wrote {path} ({time.perf_counter() - t0:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
