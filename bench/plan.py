@@ -28,21 +28,39 @@ import torch
 from bench.harness import OneLineParser, OtherLoad, int_at_least, output_dir, write_json_light
 
 BANDWIDTH = 2e9  # bytes/s each way: copies of a few ms at these sizes, so the crossing counts
-# (name, zenflow settings, compute ms per step)
+# (name, zenflow settings, compute ms per step[, the moments' dtype: "fp32" unless given])
 CONFIGS = [
     ("sync_offload", dict(topk_ratio=0.0, update_interval=1, overlap_step=False), 20.0),
     ("zenflow_no_overlap", dict(topk_ratio=0.0, update_interval=4, overlap_step=False), 20.0),
     ("zenflow_overlap_hidden", dict(topk_ratio=0.0, update_interval=4, overlap_step=True), 20.0),
     ("zenflow_overlap_short", dict(topk_ratio=0.0, update_interval=2, overlap_step=True), 4.0),
     ("zenflow_overlap_hidden_ui8", dict(topk_ratio=0.0, update_interval=8, overlap_step=True), 6.0),
+    # the lanes of issue 56: the sums crossing once per interval instead of folds (with a short step, so the next
+    # step waits for the sums), and the moments in bf16 (the probe then times the bf16 rule)
+    ("device_accumulation", dict(topk_ratio=0.0, update_interval=4, overlap_step=True, device_accumulation=True),
+     2.0),
+    ("device_accumulation_no_overlap", dict(topk_ratio=0.0, update_interval=4, overlap_step=False,
+                                            device_accumulation=True), 20.0),
+    ("bf16_state_overlap_short", dict(topk_ratio=0.0, update_interval=2, overlap_step=True), 4.0, "bf16"),
+    ("bf16_state_no_overlap", dict(topk_ratio=0.0, update_interval=4, overlap_step=False), 20.0, "bf16"),
 ]
 WITHIN_REL, WITHIN_ABS_S = 0.20, 0.002
 
 
-def measure(name: str, zen: dict, compute_s: float, params: int, steps: int) -> dict:
+def state_of(config: tuple) -> str:
+    return config[3] if len(config) > 3 else "fp32"
+
+
+def rule_of(state: str):
+    from zenflow_kernels import rules
+
+    return rules.AdamW(state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)
+
+
+def measure(name: str, zen: dict, compute_s: float, params: int, steps: int, state: str = "fp32") -> dict:
     """One configuration on the modeled device: the stall per step (median over whole intervals) and the
     optimizer's host bytes."""
-    from zenflow_kernels import ZenFlowAdamW
+    from zenflow_kernels import ZenFlow
     from zenflow_kernels.testing import chaos
 
     cols = 1024
@@ -52,7 +70,7 @@ def measure(name: str, zen: dict, compute_s: float, params: int, steps: int) -> 
     interval = zen["update_interval"]
     settings = dict(zen, select_strategy="step", select_interval=10**6)
     with chaos(seed=0, max_delay=0.0, d2h_bytes_per_s=BANDWIDTH, h2d_bytes_per_s=BANDWIDTH):
-        opt = ZenFlowAdamW([weight], lr=1e-4, zenflow=settings)
+        opt = ZenFlow([weight], rule_of(state), lr=1e-4, zenflow=settings)
     walls, computes = [], []
     load = OtherLoad()
     with opt:
@@ -71,16 +89,19 @@ def measure(name: str, zen: dict, compute_s: float, params: int, steps: int) -> 
         host_bytes = opt.host_bytes()["total"]
     skip = 2 if len(walls) > 4 else 1  # the state's first build and the first overlapped interval
     stalls = [w - c for w, c in zip(walls[skip:], computes[skip:], strict=True)]
-    return dict(name=name, zenflow=zen, compute_s=statistics.median(computes[skip:]), steps=steps,
+    return dict(name=name, zenflow=zen, state=state, compute_s=statistics.median(computes[skip:]), steps=steps,
                 intervals_measured=len(stalls), measured_stall_s=statistics.median(stalls),
                 stall_iqr_s=(statistics.quantiles(stalls, n=4)[2] - statistics.quantiles(stalls, n=4)[0])
                 if len(stalls) >= 4 else max(stalls) - min(stalls),
                 host_bytes=host_bytes, other_processes_cpu_fraction=load.fraction())
 
 
-def pause_key(compute_ms: float | None) -> str:
-    """A probe's key in the JSON: its pause in seconds, or ``default`` (a third of the last update)."""
-    return "default" if compute_ms is None else f"{compute_ms / 1e3:g}"
+def probe_key(key: tuple | None) -> str:
+    """A probe's key in the JSON: its pause in seconds (``default``: a third of the last update), and ``bf16``
+    for the rule with bf16 moments."""
+    if key is None:
+        return "default"
+    return f"{key[0] / 1e3:g}" + ("" if key[1] == "fp32" else f" {key[1]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,35 +119,41 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     seconds = 1.0 if args.quick else 4.0
     # a first probe, discarded: numba's cache is per checkout, so a fresh clone compiles its kernels here
-    rule = rules.AdamW()  # measure()'s optimizer: ZenFlowAdamW
+    rule = rules.AdamW()  # measure()'s rule, as ZenFlowAdamW's (the bf16 rows: its moments in bf16)
     planner.probe_host(rule, params=params, seconds=min(seconds, 1.0))
+    planner.probe_host(rule_of("bf16"), params=params, seconds=min(seconds, 1.0))
     probes = {None: planner.probe_host(rule, params=params, seconds=seconds)}  # the default pause, for the record
-    for compute_ms in dict.fromkeys(ms for _, _, ms in CONFIGS):
-        probes[compute_ms] = planner.probe_host(rule, params=params, seconds=seconds, pause_s=compute_ms / 1e3)
+    for config in CONFIGS:
+        key = (config[2], state_of(config))
+        if key not in probes:
+            probes[key] = planner.probe_host(rule_of(key[1]), params=params, seconds=seconds, pause_s=key[0] / 1e3)
     rows = []
-    for name, zen, compute_ms in CONFIGS:
-        got = measure(name, zen, compute_ms / 1e3, params, steps)
-        probe = probes[compute_ms]
+    for config in CONFIGS:
+        name, zen, compute_ms = config[:3]
+        state = state_of(config)
+        got = measure(name, zen, compute_ms / 1e3, params, steps, state)
+        probe = probes[(compute_ms, state)]
         # the stand-in's step() work on the training thread is the modeled device's (a GPU's fingerprints and
         # copies): the device's time per step, and in the measured stall (wall time minus the compute)
         step_work = probe.step_work_s_per_param * params
         plan = planner.predict(matrix_params=params, device_step_s=got["compute_s"] + step_work,
                                d2h_bytes_per_s=BANDWIDTH, h2d_bytes_per_s=BANDWIDTH, probe=probe, handover="step",
-                               state_bytes=planner.state_bytes_per_param(rule), **zen)
+                               state_bytes=planner.state_bytes_per_param(rule_of(state)), **zen)
         predicted = step_work + (plan.sync_offload_stall_s if name == "sync_offload" else plan.zenflow_stall_s)
         error = got["measured_stall_s"] - predicted
         rows.append(dict(got, predicted_stall_s=predicted, error_s=error,
                          relative_error=error / got["measured_stall_s"] if got["measured_stall_s"] > 0 else None,
                          within=abs(error) <= max(WITHIN_ABS_S, WITHIN_REL * abs(got["measured_stall_s"])),
                          step_work_s=step_work, probe_pause_s=compute_ms / 1e3, lanes=plan.zenflow_lanes,
+                         limit=plan.limit,
                          predicted_host_bytes=plan.host_bytes,
                          smallest_hiding_update_interval=plan.smallest_hiding_update_interval))
         print(f"{name:28s} predicted {predicted * 1e3:7.2f} ms  measured {got['measured_stall_s'] * 1e3:7.2f} ms  "
               f"{'ok' if rows[-1]['within'] else 'OFF'}", flush=True)
     payload = dict(benchmark="plan", description=__doc__.split("\n\n")[1], params=params, steps=steps,
                    bandwidth_bytes_per_s=BANDWIDTH, goal=dict(relative=WITHIN_REL, absolute_s=WITHIN_ABS_S),
-                   probes={pause_key(ms): p.as_dict() for ms, p in probes.items()},
-                   step_work_s_by_pause={pause_key(ms): p.step_work_s_per_param * params for ms, p in probes.items()},
+                   probes={probe_key(k): p.as_dict() for k, p in probes.items()},
+                   step_work_s_by_pause={probe_key(k): p.step_work_s_per_param * params for k, p in probes.items()},
                    rows=rows, all_within=all(r["within"] for r in rows),
                    total_s=time.perf_counter() - started)
     path = write_json_light(out / "plan_cpu.json", payload)

@@ -166,8 +166,8 @@ def run(task: wl.Task, workload: str, name: str, lr: float) -> dict:
     try:
         for s in range(task.steps):
             loss = task.loss(model, s)
-            if not math.isfinite(float(loss)):
-                error = f"training loss {float(loss)} at step {s}"
+            if not math.isfinite(float(loss.detach())):
+                error = f"training loss {float(loss.detach())} at step {s}"
                 break
             loss.backward()
             opt.step()

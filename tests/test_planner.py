@@ -54,6 +54,46 @@ def test_the_model_worked_by_hand(kwargs, sync_ms, zenflow_ms, hiding):
     assert got.smallest_hiding_update_interval == hiding
 
 
+@pytest.mark.parametrize("kwargs, zenflow_ms, limit", [
+    # device_accumulation: no per-step crossing or folds; the 4 ms of fp32 sums cross beside the next 10 ms step,
+    # then the 10 ms update, inside the 40 ms window; only the 2 ms write-back (nothing crossing beside it) stays
+    (dict(device_accumulation=True), 2 / 4, "write_back"),
+    (dict(device_accumulation=True, overlap_step=False), (4 + 8 + 2) / 4, "update"),  # sums, update alone, write-back
+    # 1 ms steps: the next step waits 3 ms for the sums; the update then has 4 + 3 ms of window for 4 + 10 ms of work
+    (dict(device_accumulation=True, device_step_s=1 * MS), (3 + 7 + 2) / 4, "update"),
+    # on disk at 1 GB/s: 24 bytes a parameter (master and moments read and written) take 24 ms, more than the 10 ms
+    # of compute; hidden in 4 steps of 12 ms (with the last 2 ms fold), not in 2
+    (dict(nvme_bytes_per_s=1e9), 2, "crossing"),
+    (dict(nvme_bytes_per_s=1e9, update_interval=2), 2 + (24 + 2 - 24) / 2, "crossing"),
+    (dict(nvme_bytes_per_s=1e9, update_interval=2, device_step_s=5 * MS), 2 + (24 + 2 - 14) / 2, "disk"),
+    # four host threads where the probe had two: the update takes 5 ms and a fold 1 ms (linear in the threads)
+    (dict(host_threads=4, update_interval=1, device_step_s=1 * MS), 2 + (5 + 1 - 3), "update"),
+    (dict(host_threads=1, update_interval=1, device_step_s=1 * MS), 2 + 1 + (20 + 4 - 4), "update"),
+    # a fast link and slow folds (5 ms against a 1.2 ms step): the folds set the stall
+    (dict(probe=SLOW_FOLDS, d2h_bytes_per_s=1e10, device_step_s=1 * MS), 0.2 + 3.8 + 0, "folds"),
+])
+def test_the_new_lanes_worked_by_hand(kwargs, zenflow_ms, limit):
+    got = plan(**{"update_interval": 4, "overlap_step": True, **kwargs})
+    assert got.zenflow_stall_s == pytest.approx(zenflow_ms * MS)
+    assert got.limit == limit and got.remedy  # the remedy names the setting
+    assert got.sync_offload_stall_s > 0
+
+
+def test_the_limit_names_device_accumulation_where_folds_stall_and_it_removes_them():
+    slow = plan(probe=SLOW_FOLDS, d2h_bytes_per_s=1e10, device_step_s=1 * MS, update_interval=8)
+    assert slow.limit == "folds" and "device_accumulation=True" in slow.remedy
+    fixed = plan(probe=SLOW_FOLDS, d2h_bytes_per_s=1e10, device_step_s=1 * MS, update_interval=8,
+                 device_accumulation=True)
+    assert fixed.zenflow_lanes["fold_excess_s"] == 0 and fixed.zenflow_stall_s < slow.zenflow_stall_s
+
+
+def test_disk_and_device_accumulation_change_the_host_bytes():
+    plain, disk = plan(), plan(nvme_bytes_per_s=1e9)
+    assert plain.host_bytes - disk.host_bytes == (4 + 8) * 10**6 and disk.disk_bytes == 12 * 10**6
+    # one fp32 buffer for the sums instead of two (overlap), no landing area
+    assert plan(device_accumulation=True).host_bytes == plain.host_bytes - (4 + 2) * 10**6
+
+
 def test_no_interval_hides_an_update_slower_than_64_steps():
     fast_folds = HostProbe(10e-9, 0.0, 0.0, 10e-9, 2, 1, "bf16")  # (folds slower than a step lengthen the window)
     assert plan(device_step_s=1e-5, d2h_bytes_per_s=1e15, probe=fast_folds).smallest_hiding_update_interval is None
@@ -67,18 +107,24 @@ def test_no_interval_hides_an_update_slower_than_64_steps():
     (dict(topk_ratio=1.5), "topk_ratio=1.5 is invalid"),
     (dict(update_interval=0), "update_interval=0 is invalid"),
     (dict(handover="hooks"), "handover='hooks' is invalid: allowed 'backward' or 'step'"),
+    (dict(nvme_bytes_per_s=0), "nvme_bytes_per_s=0 is invalid: allowed None or a number > 0"),
+    (dict(host_threads=0), "host_threads=0 is invalid"),
+    (dict(device_accumulation=1), "device_accumulation=1 is invalid"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         plan(**kwargs)
 
 
+@pytest.mark.parametrize("device_accumulation", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_host_bytes_per_param_is_what_the_optimizer_allocates(overlap, asynchronous):
-    """Against ``host_bytes()`` of a built optimizer: the asynchronous link (as on a GPU) has a landing area."""
+def test_host_bytes_per_param_is_what_the_optimizer_allocates(overlap, asynchronous, device_accumulation):
+    """Against ``host_bytes()`` of a built optimizer: the asynchronous link (as on a GPU) has a landing area, except
+    with ``device_accumulation``, whose sums land in one fp32 buffer (with or without overlap)."""
     params = [torch.nn.Parameter(torch.randn(64, 256).to(torch.bfloat16))]
-    zen = dict(topk_ratio=0.25, update_interval=2, overlap_step=overlap, select_strategy="step", select_interval=4)
+    zen = dict(topk_ratio=0.25, update_interval=2, overlap_step=overlap, select_strategy="step", select_interval=4,
+               device_accumulation=device_accumulation)
     with chaos(seed=0, max_delay=0) if asynchronous else torch.no_grad():
         opt = ZenFlowAdamW(params, zenflow=zen)
     with opt:
@@ -86,9 +132,12 @@ def test_host_bytes_per_param_is_what_the_optimizer_allocates(overlap, asynchron
         opt.step()
         measured = opt.host_bytes()
     want = host_bytes_per_param(state_bytes=state_bytes_per_param(rules.AdamW()), overlap_step=overlap,
-                                on_gpu=asynchronous)
+                                on_gpu=asynchronous, device_accumulation=device_accumulation)
     assert measured["total"] == want * params[0].numel(), measured
-    assert want == 4 + 8 + (8 if overlap else 4) + 2 + (2 if asynchronous else 0)
+    if device_accumulation:
+        assert want == 4 + 8 + 4 + 2
+    else:
+        assert want == 4 + 8 + (8 if overlap else 4) + 2 + (2 if asynchronous else 0)
 
 
 def test_the_probe_measures_this_hosts_passes():
@@ -137,8 +186,23 @@ def test_the_command_line_prints_the_plan():
         assert fragment in out, out
 
 
+def test_the_command_line_plans_the_new_lanes():
+    proc = run_cli("--params", "7e9", "--device-step-ms", "900", "--probe-seconds", "0.2", "--probe-params", "65536",
+                   "--device-accumulation", "--state-dtype", "bf16", "--nvme-gbps", "6", "--host-cores", "32",
+                   "--ranks-per-node", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    # master 4 and bf16 moments 4 on disk; on the host the bf16 copy-out (the sums are fetched from the device)
+    for fragment in ("sums' crossing", "disk", "what limits the step:", "host memory: 13.0 GiB (2 bytes",
+                     "on disk 52.2 GiB", "host worker threads: 8 (32 cores x 0.5 / 2 rank(s))"):
+        assert fragment in out, out
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--params", "1e6", "--device-tflops", "100"], "--device-tflops needs --tokens-per-step"),
+    (["--params", "1e6", "--device-step-ms", "10", "--ranks-per-node", "2"], "--ranks-per-node 2 needs --host-cores"),
+    (["--params", "1e6", "--device-step-ms", "10", "--host-cores", "8", "--pt-reserved-cores-perc", "1"],
+     "--pt-reserved-cores-perc 1.0 is invalid"),
     (["--params", "-5", "--device-step-ms", "10"], "'-5' must be a finite number > 0"),
     (["--params", "1e6", "--device-step-ms", "10", "--topk-ratio", "2"], "--topk-ratio 2.0 is invalid"),
     (["--params", "1e6"], "one of the arguments --device-step-ms --device-tflops is required"),
@@ -158,7 +222,8 @@ def test_the_validation_benchmark_runs_quick(tmp_path):
     result = json.loads((tmp_path / "plan_cpu.json").read_text())
     names = [r["name"] for r in result["rows"]]
     assert names == ["sync_offload", "zenflow_no_overlap", "zenflow_overlap_hidden", "zenflow_overlap_short",
-                     "zenflow_overlap_hidden_ui8"]
+                     "zenflow_overlap_hidden_ui8", "device_accumulation", "device_accumulation_no_overlap",
+                     "bf16_state_overlap_short", "bf16_state_no_overlap"]
     for r in result["rows"]:
         assert r["measured_stall_s"] > -r["compute_s"] and r["predicted_stall_s"] >= 0, r
         assert r["within"] == (abs(r["error_s"]) <= max(0.002, 0.2 * abs(r["measured_stall_s"]))), r

@@ -106,6 +106,20 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--update-interval", type=_positive_int, default=4)
     plan.add_argument("--no-overlap", action="store_true", help="overlap_step=False")
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="parameters and gradients")
+    plan.add_argument("--device-accumulation", action="store_true",
+                      help="device_accumulation=True: the matrices' gradients summed on the device, crossing once "
+                           "per interval in fp32 (no folds on the host)")
+    plan.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
+                      help="the host's Adam moments (the probe times that rule)")
+    plan.add_argument("--nvme-gbps", type=_positive_number, default=None,
+                      help="the master and moments on disk (offload_device='nvme') at this read/write rate, GB/s")
+    plan.add_argument("--host-cores", type=_positive_int, default=None,
+                      help="the training host's cores (default: the probe's threads stand for the host worker's)")
+    plan.add_argument("--ranks-per-node", type=_positive_int, default=1,
+                      help="with --host-cores: ranks sharing those cores (default 1)")
+    plan.add_argument("--pt-reserved-cores-perc", type=float, default=0.5,
+                      help="with --host-cores: the share of each rank's cores kept for training (default 0.5, "
+                           "the default beside a GPU)")
     plan.add_argument("--probe-seconds", type=_positive_number, default=3.0)
     plan.add_argument("--probe-params", type=_probe_params, default=1 << 22,
                       help="the probe's matrix size, an integer >= 4096 (default 4194304)")
@@ -151,16 +165,30 @@ def plan_report(args) -> str:
     matrix, vector = int(args.params), int(args.vector_params)
     step_s = args.device_step_ms / 1e3 if args.device_step_ms is not None else \
         6.0 * (matrix + vector) * args.tokens_per_step / (args.device_tflops * 1e12)
+    if not 0.0 <= args.pt_reserved_cores_perc < 1.0:
+        raise ValueError(f"--pt-reserved-cores-perc {args.pt_reserved_cores_perc!r} is invalid: allowed a number in "
+                         "[0, 1)")
+    if args.ranks_per_node != 1 and args.host_cores is None:
+        raise ValueError(f"--ranks-per-node {args.ranks_per_node} needs --host-cores (the cores they share)")
+    host_threads = None
+    if args.host_cores is not None:
+        host_threads = max(1, int(args.host_cores * (1 - args.pt_reserved_cores_perc)) // args.ranks_per_node)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    rule = AdamW()  # the rule plan predicts for: ZenFlowAdamW's (the command has no choice of rule)
+    # the rule plan predicts for: ZenFlowAdamW's (the command has no choice of rule), its state in --state-dtype
+    rule = AdamW(state_dtype=torch.bfloat16 if args.state_dtype == "bf16" else torch.float32)
     probe = probe_host(rule, params=args.probe_params, seconds=args.probe_seconds, grad_dtype=dtype)
     bandwidth = args.pcie_gbps * 1e9
-    plan = predict(matrix_params=matrix, vector_params=vector, device_step_s=step_s, d2h_bytes_per_s=bandwidth,
-                   probe=probe, topk_ratio=args.topk_ratio, update_interval=args.update_interval,
-                   overlap_step=not args.no_overlap, grad_bytes=dtype.itemsize, param_bytes=dtype.itemsize,
-                   state_bytes=state_bytes_per_param(rule))
+    plan_args = dict(matrix_params=matrix, vector_params=vector, device_step_s=step_s, d2h_bytes_per_s=bandwidth,
+                     probe=probe, topk_ratio=args.topk_ratio, update_interval=args.update_interval,
+                     overlap_step=not args.no_overlap, grad_bytes=dtype.itemsize, param_bytes=dtype.itemsize,
+                     state_bytes=state_bytes_per_param(rule), device_accumulation=args.device_accumulation,
+                     nvme_bytes_per_s=args.nvme_gbps * 1e9 if args.nvme_gbps else None, host_threads=host_threads)
+    plan = predict(**plan_args)
     lanes = plan.zenflow_lanes
     hiding = plan.smallest_hiding_update_interval
+    at_hiding = None
+    if hiding is not None:  # what still stalls once the update is hidden (the folds, say)
+        at_hiding = predict(**{**plan_args, "update_interval": hiding, "overlap_step": True})
     pct = lambda s: f"{1e3 * s:9.1f} ms/step ({100 * s / (step_s + s):.0f}% of the step)"  # noqa: E731
     return "\n".join([
         f"this host: update {probe.update_s_per_param * 1e9:.2f} ns/param, accumulate "
@@ -173,11 +201,19 @@ def plan_report(args) -> str:
         f"update_interval={args.update_interval}, overlap_step={not args.no_overlap})",
         f"  gradients' crossing not hidden by backward {lanes['crossing_s'] * 1e3:.1f} ms, folds beyond the step "
         f"{lanes['fold_excess_s'] * 1e3:.1f} ms, host update {lanes['update_s'] * 1e3:.1f} ms of which waited "
-        f"{lanes['update_wait_s'] * 1e3:.1f} ms, write-back {lanes['write_back_s'] * 1e3:.1f} ms per interval",
+        f"{lanes['update_wait_s'] * 1e3:.1f} ms, write-back {lanes['write_back_s'] * 1e3:.1f} ms per interval"
+        + (f", sums' crossing {lanes['sums_crossing_s'] * 1e3:.1f} ms per interval" if args.device_accumulation
+           else "") + (f", disk {lanes['disk_s'] * 1e3:.1f} ms per update" if args.nvme_gbps else ""),
+        f"what limits the step: {plan.remedy}",
         "smallest update_interval that hides the host update (overlap_step=True): "
-        + (str(hiding) if hiding is not None else "none up to 64 (the host is too slow for this device)"),
+        + (str(hiding) if hiding is not None else "none up to 64 (the host is too slow for this device)")
+        + (f"; there the stall is {pct(at_hiding.zenflow_stall_s).strip()}, limited by {at_hiding.remedy}"
+           if at_hiding is not None and at_hiding.limit != "none" else ""),
         f"host memory: {plan.host_bytes / 2**30:.1f} GiB ({plan.host_bytes / plan.host_params:.0f} bytes per "
-        "parameter)",
+        "parameter)" + (f"; on disk {plan.disk_bytes / 2**30:.1f} GiB" if plan.disk_bytes else ""),
+        *([f"host worker threads: {host_threads} ({args.host_cores} cores x {1 - args.pt_reserved_cores_perc:g} / "
+           f"{args.ranks_per_node} rank(s)); the probe's passes scaled from its {probe.threads} linearly (memory "
+           "bandwidth caps that: more threads than probed give an optimistic stall)"] if host_threads else []),
     ])
 
 

@@ -18,9 +18,23 @@ columns off the fast path (``P_w = (1 - topk_ratio) * matrix parameters``). Per 
   that interval's device time (``S`` steps) is stall, and the write-back is issued as the boundary's step starts
   (beside the gradients' crossing when they cross at ``step()``).
 
-Synchronous offload is the same with every column on the host, updated every step without overlap. What the model
-leaves out (stated so it can be checked): the host's passes contending with each other for memory bandwidth, the
-selection's scoring steps, Zen-auto's data-dependent intervals, ZeRO's collectives.
+Synchronous offload is the same with every column on the host, updated every step without overlap. The settings
+a user chooses beside these:
+
+* ``device_accumulation``: the matrices' gradients are summed on the device; their fp32 sums (``4 * P / d2h``) cross
+  once per interval beside the next step's forward and backward (that step waits for what exceeds it), and the
+  update starts after them; no folds on the host (the vectors' gradients still cross and fold every step);
+* bf16 state: the probe times the rule with bf16 moments (``probe_host(AdamW(state_dtype=torch.bfloat16))``) and
+  ``state_bytes`` halves;
+* the state on disk (``nvme_bytes_per_s``): each update reads and writes the master and the state
+  (``2 * (4 + state_bytes) * P`` bytes) beside its compute, so it takes the longer of the two;
+* several ranks sharing a node's cores, or another ``pt_reserved_cores_perc`` (``host_threads``): the host's passes
+  scaled by the probe's threads over these, linearly (an assumption; memory bandwidth caps it).
+
+:class:`Plan` names the lane that contributes most to the stall (``limit``) and the setting that relieves it
+(``remedy``). What the model leaves out (stated so it can be checked): the host's passes contending with each other
+for memory bandwidth, the selection's scoring steps, Zen-auto's data-dependent intervals, ZeRO's collectives, the
+device's own fp32 accumulation with ``device_accumulation`` (in the device's step time, the user's measurement).
 """
 
 from __future__ import annotations
@@ -152,16 +166,19 @@ def host_bytes_per_param(*, state_bytes: int, grad_bytes: int = 2, param_bytes: 
                          overlap_step: bool = True, device_accumulation: bool = False, on_gpu: bool = True) -> int:
     """Host bytes per offloaded parameter (docs/design.md section 9): the fp32 master (4), the rule's state
     (``state_bytes``, :func:`state_bytes_per_param`: 4 per state tensor in fp32, 2 in bf16; AdamW 8), the fp32 sums
-    (4; two buffers with ``overlap_step``; none with ``device_accumulation``), the copy-out in the parameters' dtype
-    and, on a GPU, the landing area in the gradients' dtype (none with ``device_accumulation``)."""
-    sums = 0 if device_accumulation else 4 * (2 if overlap_step else 1)
+    (4; two buffers with ``overlap_step``; one with ``device_accumulation``, where the device's sums land), the
+    copy-out in the parameters' dtype and, on a GPU, the landing area in the gradients' dtype (none with
+    ``device_accumulation``)."""
+    sums = 4 if device_accumulation else 4 * (2 if overlap_step else 1)
     landing = grad_bytes if on_gpu and not device_accumulation else 0
     return 4 + state_bytes + sums + param_bytes + landing
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What :func:`predict` says, in seconds per step (stall: the device idle) and bytes."""
+    """What :func:`predict` says, in seconds per step (stall: the device idle) and bytes. ``limit``: the lane that
+    contributes most to ZenFlow's stall ("crossing", "folds", "sums", "update", "disk", "write_back", or "none"),
+    ``remedy``: the setting that relieves it."""
 
     sync_offload_stall_s: float
     zenflow_stall_s: float
@@ -169,69 +186,142 @@ class Plan:
     smallest_hiding_update_interval: int | None
     host_bytes: int
     host_params: int
+    limit: str = "none"
+    remedy: str = ""
+    disk_bytes: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _stall(host_params: float, written_back: float, probe: HostProbe, device_step_s: float, backward_s: float,
-           d2h_bytes_per_s: float, h2d_bytes_per_s: float, grad_bytes: int, param_bytes: int, update_interval: int,
-           overlap_step: bool, handover: str) -> dict:
-    d2h = grad_bytes * host_params / d2h_bytes_per_s
+REMEDIES = {
+    "crossing": "the gradients' crossing: device_accumulation=True (one fp32 crossing per interval) or a faster link",
+    "folds": "the host's folds of every step's gradient: device_accumulation=True (no folds on the host) or more "
+             "host threads (a smaller pt_reserved_cores_perc, fewer ranks per node)",
+    "sums": "the sums' crossing at each boundary (device_accumulation): a longer update_interval",
+    "update": "the host update: a longer update_interval, more host threads (a smaller pt_reserved_cores_perc, "
+              "fewer ranks per node) or bf16 state (rules' state_dtype=torch.bfloat16)",
+    "disk": "the state's disk traffic (offload_device='nvme'): a longer update_interval or a faster disk",
+    "write_back": "the write-back of the host's columns: a longer update_interval",
+    "none": "nothing: the device's own compute sets the step",
+}
+
+
+def _stall(matrix: float, vector: float, written_back: float, probe: HostProbe, device_step_s: float,
+           backward_s: float, d2h_bytes_per_s: float, h2d_bytes_per_s: float, grad_bytes: int, param_bytes: int,
+           update_interval: int, overlap_step: bool, handover: str, device_accumulation: bool = False,
+           disk_bytes_per_param: float = 0.0, nvme_bytes_per_s: float | None = None,
+           host_speed: float = 1.0) -> dict:
+    host_params = matrix + vector
+    # with device_accumulation only the vectors' gradients cross (and are folded) every step; the matrices' fp32
+    # sums cross once per interval
+    per_step = vector if device_accumulation else host_params
+    d2h = grad_bytes * per_step / d2h_bytes_per_s
     crossing = max(0.0, d2h - backward_s) if handover == "backward" else d2h
-    accumulate = probe.accumulate_s_per_param * host_params
-    update = (probe.update_s_per_param if overlap_step else probe.update_alone_s_per_param) * host_params
+    accumulate = probe.accumulate_s_per_param * per_step / host_speed
+    compute = (probe.update_s_per_param if overlap_step else probe.update_alone_s_per_param) * host_params / host_speed
+    disk = disk_bytes_per_param * host_params / nvme_bytes_per_s if nvme_bytes_per_s else 0.0
+    update = max(compute, disk)  # the streamed update reads, steps and writes its blocks side by side
+    sums = 4 * matrix / d2h_bytes_per_s if device_accumulation else 0.0
     write_back = param_bytes * written_back / h2d_bytes_per_s
     step = device_step_s + crossing  # the device's time per step, with the crossing it waits for
     fold_excess = max(0.0, accumulate - step)
-    # with overlap the update of interval n runs during interval n+1 (after interval n's last fold); without, the
-    # device waits for all of it
+    # the sums cross beside the next step's forward and backward; that step waits for the rest before its own
+    # accumulation (on disk the update's reader fetches them block by block, inside the update)
+    streamed_sums = nvme_bytes_per_s is not None
+    sums_wait = 0.0 if streamed_sums else max(0.0, sums - step)
+    if streamed_sums:
+        update = max(update, sums)
+    before_update = 0.0 if streamed_sums else sums
+    # with overlap the update of interval n runs during interval n+1 (after interval n's last fold and the sums'
+    # crossing); without, the device waits for all of it
     window = update_interval * (step + fold_excess) if overlap_step else 0.0
-    update_wait = max(0.0, update + (accumulate if overlap_step else 0.0) - window)
+    if overlap_step:
+        update_wait = max(0.0, before_update + update + accumulate - window - sums_wait)
+    else:
+        update_wait = before_update + update
+        sums_wait = 0.0  # (inside update_wait)
     # with overlap the write-back is issued as the boundary's step starts: when the gradients cross at step() it
     # runs beside their crossing, on the other copy engine; otherwise the device waits for all of it
     write_back_wait = max(0.0, write_back - d2h) if overlap_step and handover == "step" else write_back
-    stall = crossing + fold_excess + (update_wait + write_back_wait) / update_interval
+    stall = crossing + fold_excess + (sums_wait + update_wait + write_back_wait) / update_interval
+    lanes = dict(crossing=crossing, folds=fold_excess, sums=sums_wait / update_interval,
+                 update=update_wait / update_interval, write_back=write_back_wait / update_interval)
+    if update_wait > 0 and disk > compute:
+        lanes["disk"], lanes["update"] = lanes.pop("update"), 0.0
+    limit = max(lanes, key=lanes.get) if stall > 0 else "none"
     return dict(stall_s=stall, crossing_s=crossing, fold_excess_s=fold_excess, update_s=update,
+                update_compute_s=compute, disk_s=disk, sums_crossing_s=sums, sums_wait_s=sums_wait,
                 update_wait_s=update_wait, write_back_s=write_back, write_back_wait_s=write_back_wait,
-                accumulate_s=accumulate)
+                accumulate_s=accumulate, limit=limit, stall_by_lane_s=lanes)
+
+
+def _check_positive(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        allowed = "None or a number > 0" if allow_none else "a number > 0"
+        raise ValueError(f"predict: {name}={value!r} is invalid: allowed {allowed}")
 
 
 def predict(*, matrix_params: int, vector_params: int = 0, device_step_s: float, d2h_bytes_per_s: float,
             h2d_bytes_per_s: float | None = None, probe: HostProbe, topk_ratio: float = 0.1,
             update_interval: int = 4, overlap_step: bool = True, handover: str = "backward",
             backward_share: float = 2 / 3, grad_bytes: int = 2, param_bytes: int = 2, state_bytes: int,
-            max_update_interval: int = 64) -> Plan:
+            max_update_interval: int = 64, device_accumulation: bool = False,
+            nvme_bytes_per_s: float | None = None, host_threads: int | None = None) -> Plan:
     """The stall per step of synchronous offload and of ZenFlow at these settings (see the module docstring).
 
     ``device_step_s``: forward, backward and the fast path on the device, per step; ``backward_share``: backward's
     share of it (the window the gradients' crossing hides in with ``handover="backward"``); ``topk_ratio`` of each
     matrix's columns stays on the device (vectors too), the rest is the host's; ``state_bytes``: the update rule's
-    host state per parameter (:func:`state_bytes_per_param`), for the host memory."""
+    host state per parameter (:func:`state_bytes_per_param`; the probe is the one to time that rule, bf16 state
+    included). ``device_accumulation``: the matrices' gradients summed on the device, their fp32 sums crossing
+    once per interval (no folds on the host). ``nvme_bytes_per_s``: the master and state on disk
+    (``offload_device="nvme"``), read and written once per update at that rate, beside the update's compute.
+    ``host_threads``: the host worker's threads where they differ from the probe's (several ranks sharing a node's
+    cores, another ``pt_reserved_cores_perc``): the host's passes are scaled by ``probe.threads / host_threads``,
+    linear in the threads (an assumption: memory bandwidth caps it on a real host, so more threads than probed
+    give an optimistic stall)."""
     for name, value in (("matrix_params", matrix_params), ("vector_params", vector_params)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"predict: {name}={value!r} is invalid: allowed an integer >= 0")
-    for name, value in (("device_step_s", device_step_s), ("d2h_bytes_per_s", d2h_bytes_per_s)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"predict: {name}={value!r} is invalid: allowed a number > 0")
+    _check_positive("device_step_s", device_step_s)
+    _check_positive("d2h_bytes_per_s", d2h_bytes_per_s)
+    _check_positive("nvme_bytes_per_s", nvme_bytes_per_s, allow_none=True)
     if not 0.0 <= topk_ratio <= 1.0:
         raise ValueError(f"predict: topk_ratio={topk_ratio!r} is invalid: allowed a number in [0, 1]")
     if isinstance(update_interval, bool) or not isinstance(update_interval, int) or update_interval < 1:
         raise ValueError(f"predict: update_interval={update_interval!r} is invalid: allowed an integer >= 1")
     if handover not in ("backward", "step"):
         raise ValueError(f"predict: handover={handover!r} is invalid: allowed 'backward' or 'step'")
+    if not isinstance(device_accumulation, bool):
+        raise ValueError(f"predict: device_accumulation={device_accumulation!r} is invalid: allowed True or False")
+    if host_threads is not None and (isinstance(host_threads, bool) or not isinstance(host_threads, int)
+                                     or host_threads < 1):
+        raise ValueError(f"predict: host_threads={host_threads!r} is invalid: allowed None or an integer >= 1")
     h2d = h2d_bytes_per_s if h2d_bytes_per_s is not None else d2h_bytes_per_s
     backward_s = backward_share * device_step_s
+    disk_per_param = 2 * (4 + state_bytes) if nvme_bytes_per_s else 0  # master and state, read and written
     common = dict(probe=probe, device_step_s=device_step_s, backward_s=backward_s, d2h_bytes_per_s=d2h_bytes_per_s,
-                  h2d_bytes_per_s=h2d, grad_bytes=grad_bytes, param_bytes=param_bytes, handover=handover)
+                  h2d_bytes_per_s=h2d, grad_bytes=grad_bytes, param_bytes=param_bytes, handover=handover,
+                  disk_bytes_per_param=disk_per_param, nvme_bytes_per_s=nvme_bytes_per_s,
+                  host_speed=(host_threads / probe.threads) if host_threads else 1.0)
     everything = matrix_params + vector_params
-    sync = _stall(everything, everything, update_interval=1, overlap_step=False, **common)
+    sync = _stall(matrix_params, vector_params, everything, update_interval=1, overlap_step=False, **common)
     written_back = round((1.0 - topk_ratio) * matrix_params)
-    lanes = _stall(everything, written_back, update_interval=update_interval, overlap_step=overlap_step, **common)
+    zen = dict(common, device_accumulation=device_accumulation)
+    lanes = _stall(matrix_params, vector_params, written_back, update_interval=update_interval,
+                   overlap_step=overlap_step, **zen)
     hiding = next((s for s in range(1, max_update_interval + 1)
-                   if _stall(everything, written_back, update_interval=s, overlap_step=True, **common)["update_wait_s"]
-                   == 0.0), None)
+                   if _stall(matrix_params, vector_params, written_back, update_interval=s, overlap_step=True,
+                             **zen)["update_wait_s"] == 0.0), None)
     per_param = host_bytes_per_param(state_bytes=state_bytes, grad_bytes=grad_bytes, param_bytes=param_bytes,
-                                     overlap_step=overlap_step)
+                                     overlap_step=overlap_step, device_accumulation=device_accumulation)
+    on_disk = 4 + state_bytes if nvme_bytes_per_s else 0
+    if nvme_bytes_per_s and device_accumulation:
+        per_param -= 4  # on disk the update's reader fetches the device's sums block by block: no host sums
     return Plan(sync_offload_stall_s=sync["stall_s"], zenflow_stall_s=lanes["stall_s"], zenflow_lanes=lanes,
-                smallest_hiding_update_interval=hiding, host_bytes=per_param * everything, host_params=everything)
+                smallest_hiding_update_interval=hiding, host_bytes=(per_param - on_disk) * everything,
+                host_params=everything, limit=lanes["limit"], remedy=REMEDIES[lanes["limit"]],
+                disk_bytes=on_disk * everything)
