@@ -9,12 +9,13 @@ larger steps looks better at a rate below the best, for its step size alone. Her
 
 * **the sweep**: learning rates ``center * 2**k`` over a log grid of 6 points (32x), the centre per rule family;
   while the best (lowest mean final held-out loss over seeds 0-2) sits at an edge, one more point past that edge
-  (up to 4 each way); then seeds 3 and 4 at the best two points, and the best of those two on 5 seeds is the
-  variant's learning rate. A run whose loss is not finite counts as diverged (an infinite loss).
+  (up to 8 each way); then seeds 3 and 4 at the best two points, and the best of those two on 5 seeds is the
+  variant's learning rate; where that one is at an edge, the grid grows past it and the choice is made again. A run
+  whose loss is not finite counts as diverged (an infinite loss).
 * **the target**: the held-out loss AdamW (``torch.optim.AdamW``, at its own best rate) reaches at 75% of the
   steps, from the mean of its seeds' curves. Each variant's steps to it at its own best rate, per seed, from its
   held-out curve (evaluated every ``eval_every`` steps, linear between the points); ``None`` where a seed never
-  reaches it.
+  reaches it within the run. Beside it a looser target, AdamW's loss at half the steps (``steps_to_half_target``).
 * **the figures** at each variant's best rate: the final held-out loss (mean and range over 5 seeds), its gap to
   AdamW's (paired by seed), the share of AdamW's improvement recovered ``(L0 - L) / (L0 - L_adamw)`` (above 1 means
   better than tuned AdamW), the steps to the target, and the best rate against AdamW's.
@@ -50,7 +51,7 @@ from studies import workloads as wl
 RESULTS = Path(__file__).resolve().parent / "results"
 RATIO = 2.0
 GRID = tuple(range(-2, 4))  # k: lr = center * RATIO**k, 6 points over 32x
-MAX_EXTEND = 4
+MAX_EXTEND = 8
 SEEDS = (0, 1, 2)
 EXTRA_SEEDS = (3, 4)
 TARGET_AT = 0.75
@@ -240,22 +241,28 @@ class Sweep:
 
     def tune(self, name: str, seeds=SEEDS, extra=EXTRA_SEEDS, grid=GRID) -> dict:
         """The grid, extended until the best is inside (or ``MAX_EXTEND`` points each way), then the best two on
-        the extra seeds; returns the chosen ``k`` and whether it is inside the grid."""
+        the extra seeds; where the best of those is at an edge, the grid grows past it and the choice is made again.
+        Returns the chosen ``k`` and whether it is inside the grid."""
         ks = list(grid)
-        for _ in range(2 * MAX_EXTEND + 1):
-            means = {k: self.mean_final(name, k, seeds) for k in ks}
-            best = min(ks, key=lambda k: means[k])
+        full = tuple(seeds) + tuple(extra)
+
+        def grow(best) -> bool:
             if best == ks[0] and ks[0] > grid[0] - MAX_EXTEND:
                 ks.insert(0, ks[0] - 1)
             elif best == ks[-1] and ks[-1] < grid[-1] + MAX_EXTEND:
                 ks.append(ks[-1] + 1)
             else:
-                break
-        means = {k: self.mean_final(name, k, seeds) for k in ks}
-        two = sorted(ks, key=lambda k: means[k])[:2]
-        full = tuple(seeds) + tuple(extra)
-        best = min(two, key=lambda k: self.mean_final(name, k, full))
-        return dict(k=best, ks=ks, inside=ks[0] < best < ks[-1], seeds=list(full))
+                return False
+            return True
+
+        while True:
+            means = {k: self.mean_final(name, k, seeds) for k in ks}
+            if grow(min(ks, key=lambda k: means[k])):
+                continue
+            two = sorted(ks, key=lambda k: means[k])[:2]
+            best = min(two, key=lambda k: self.mean_final(name, k, full))
+            if not grow(best):
+                return dict(k=best, ks=ks, inside=ks[0] < best < ks[-1], seeds=list(full))
 
 
 def mean_or_inf(values) -> float:
@@ -312,6 +319,8 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
     curves = [r["curve"] for r in adamw]
     target_step = TARGET_AT * steps
     target = statistics.fmean(value_at(c, target_step) for c in curves)
+    # a looser target beside it (AdamW at half the steps): more variants reach it within the run
+    half_target = statistics.fmean(value_at(c, steps / 2) for c in curves)
     initial = statistics.fmean(r["curve"][0][1] for r in adamw)
     adamw_final = {r["seed"]: r["final"] for r in adamw}
     out = {}
@@ -325,6 +334,7 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
         finals = [r["final"] for r in runs]
         shares = [(r["curve"][0][1] - r["final"]) / (r["curve"][0][1] - adamw_final[r["seed"]]) for r in runs]
         reached = [steps_to(r["curve"], target) for r in runs]
+        reached_half = [steps_to(r["curve"], half_target) for r in runs]
         top10 = [r["top10_share"] for r in runs if r["top10_share"] is not None]
         out[name] = dict(
             family=VARIANTS[name].family, best_lr=sweep.lr(name, t["k"]), best_k=t["k"], best_inside=t["inside"],
@@ -332,6 +342,7 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
             final=spread(finals), gap_vs_adamw=spread([r["final"] - adamw_final[r["seed"]] for r in runs]),
             recovered=spread(shares), steps_to_target=spread(reached),
             reached=sum(x is not None for x in reached), seeds=len(runs), steps_to_target_per_seed=reached,
+            steps_to_half_target=spread(reached_half), reached_half=sum(x is not None for x in reached_half),
             top10_share=statistics.fmean(top10) if top10 else None, grid=grid,
             errors=sorted({r["error"] for key, r in sweep.runs.items() if key[0] == name and r["error"]}),
         )
@@ -343,6 +354,7 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
             pf = {r["seed"]: r["final"] for r in at_best[plain]}
             out[zen]["gap_vs_plain"] = spread([r["final"] - pf[r["seed"]] for r in at_best[zen]])
     return dict(workload=workload, steps=steps, initial_heldout=initial, target=target, target_step=target_step,
+                half_target=half_target,
                 adamw_best_lr=sweep.lr("adamw", tuned["adamw"]["k"]), variants=out)
 
 
