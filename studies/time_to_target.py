@@ -1,0 +1,154 @@
+"""Is ZenFlow faster to my loss than offload? Time to target on a modeled machine (issue 56, item 2).
+
+    python -m studies.time_to_target [--results DIR] [--out DIR]
+
+Time to a target = steps to it x time per step. The steps come from the tuned comparison
+(``studies/results/tuned_{workload}.json``: each variant at its own best learning rate, the target the loss AdamW
+reaches at 75% of the steps), as a ratio to AdamW's steps. **Assumption: that ratio carries over from our small
+workloads to the modeled models**; nothing here checks it. The time per step comes from the planner's model
+(``zenflow_kernels.planner.predict``) on a stated profile (``PROFILE``):
+
+* the device: an H200; the fast path's cost from the kernels measured on one on 2026-11-30
+  (``shared/measurements/h200-2026-11-30/kernels_gpu.json``: the multi-tensor selective AdamW over 8 layers of a
+  4096-wide model, 56 matrices, 4.65 ms at ``topk_ratio`` 0.1, and the selection over 32 layers, 13.2 ms), scaled
+  by parameters (and by ``topk_ratio`` for the step); its compute ``6 * params * tokens`` FLOPs at an *assumed*
+  400 TFLOP/s (40% of the bf16 dense peak); AdamW on the device reads and writes 28 bytes a parameter at the HBM's
+  4.8 TB/s;
+* the link: PCIe Gen5 x16 at an *assumed* 50 GB/s each way (64 theoretical);
+* the host: 32 cores, half for the host worker (``pt_reserved_cores_perc`` 0.5: 16 threads); its passes are this
+  repository's probe (``bench/results/plan_cpu.json``, one thread of this VM) scaled linearly to 16 threads and
+  capped by an *assumed* 200 GB/s of memory bandwidth (the update moves 30 bytes a parameter, a fold 10).
+
+AdamW on the device is listed where its 16 bytes a parameter fit 85% of the H200's 141 GB. ZenFlow's variants
+use their own ``topk_ratio``, ``update_interval`` and ``overlap_step``. Variants whose seeds do not all reach the
+target within the run have no time (``None``).
+
+Results: ``time_to_target.json`` (the profile, every figure, per workload and model) in ``studies/results``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bench.harness import OneLineParser, write_json_light
+from studies.tuned_comparison import BASE_ZENFLOW, RESULTS, VARIANTS
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILE = dict(
+    device="NVIDIA H200 (fast path measured 2026-11-30)", device_tflops=400.0, hbm_bytes_per_s=4.8e12,
+    device_memory_bytes=141e9, pcie_bytes_per_s=50e9, host_cores=32, pt_reserved_cores_perc=0.5,
+    host_memory_bytes_per_s=200e9, tokens_per_step=32768, adamw_device_bytes_per_param=28,
+    host_update_bytes_per_param=30, host_fold_bytes_per_param=10,
+    # H200, 2026-11-30: multi_selective_adamw at topk 0.1 over 8 layers x (4 * 4096^2 + 3 * 4096 * 11008)
+    # parameters, 4.65 ms; the selection over 32 such layers, 13.2 ms
+    fast_path_s_per_param_at_topk_0_1=4.649e-3 / (8 * (4 * 4096**2 + 3 * 4096 * 11008)),
+    selection_s_per_param=13.164e-3 / (32 * (4 * 4096**2 + 3 * 4096 * 11008)),
+)
+MODELS = {"1.5B": 1_500_000_000, "7B": 7_000_000_000}
+ASSUMPTION = ("steps to the target, as a ratio to AdamW's, carry over from the tuned comparison's small workloads "
+              "to these models; the device's 400 TFLOP/s, the link's 50 GB/s and the host's 200 GB/s are assumed, "
+              "the host's passes are one thread of this VM's scaled linearly to 16 threads")
+ADAM_FAMILY = [n for n, v in VARIANTS.items() if v.family == "adam" and n != "adamw"]
+
+
+def host_probe(profile: dict):
+    """The committed probe of this host, scaled to the profile's host threads and capped by its memory bandwidth."""
+    from zenflow_kernels.planner import HostProbe
+
+    probe = json.loads((REPO / "bench" / "results" / "plan_cpu.json").read_text())["probes"]["default"]
+    threads = int(profile["host_cores"] * (1 - profile["pt_reserved_cores_perc"]))
+    speed = threads / probe["threads"]
+    update_floor = profile["host_update_bytes_per_param"] / profile["host_memory_bytes_per_s"]
+    fold_floor = profile["host_fold_bytes_per_param"] / profile["host_memory_bytes_per_s"]
+    return HostProbe(update_s_per_param=max(probe["update_s_per_param"] / speed, update_floor),
+                     accumulate_s_per_param=max(probe["accumulate_s_per_param"] / speed, fold_floor),
+                     step_work_s_per_param=0.0,
+                     update_alone_s_per_param=max(probe["update_alone_s_per_param"] / speed, update_floor),
+                     threads=threads, params=probe["params"], grad_dtype=probe["grad_dtype"])
+
+
+def step_times(params: int, profile: dict, probe) -> dict:
+    """Seconds per step of AdamW on the device, synchronous offload and each ZenFlow variant of the Adam family."""
+    from zenflow_kernels.planner import predict
+
+    compute = 6.0 * params * profile["tokens_per_step"] / (profile["device_tflops"] * 1e12)
+    fits = 16 * params <= 0.85 * profile["device_memory_bytes"]
+    out = {"adamw": dict(step_s=compute + profile["adamw_device_bytes_per_param"] * params
+                         / profile["hbm_bytes_per_s"] if fits else None, compute_s=compute, fits=fits)}
+    common = dict(matrix_params=params, device_step_s=compute, d2h_bytes_per_s=profile["pcie_bytes_per_s"],
+                  probe=probe, state_bytes=8)
+    sync = predict(**common, topk_ratio=0.0, update_interval=1, overlap_step=False)
+    out["offload"] = dict(step_s=compute + sync.sync_offload_stall_s, stall_s=sync.sync_offload_stall_s)
+    for name in ADAM_FAMILY:
+        if name == "offload":
+            continue
+        zen = dict(BASE_ZENFLOW, **VARIANTS[name].zenflow)
+        plan = predict(**common, topk_ratio=zen["topk_ratio"], update_interval=zen["update_interval"],
+                       overlap_step=zen["overlap_step"])
+        fast = profile["fast_path_s_per_param_at_topk_0_1"] * params * zen["topk_ratio"] / 0.1
+        selection = profile["selection_s_per_param"] * params / zen["select_interval"]
+        out[name] = dict(step_s=compute + fast + selection + plan.zenflow_stall_s, stall_s=plan.zenflow_stall_s,
+                         fast_path_s=fast, selection_s=selection, limit=plan.limit)
+    return out
+
+
+def table(summaries: dict, profile: dict = PROFILE) -> dict:
+    """Per workload and model: each variant's steps to the target over AdamW's, its step time, and its time to the
+    target over AdamW's on the device (or, where AdamW does not fit, over synchronous offload's)."""
+    probe = host_probe(profile)
+    out = {}
+    for model, params in MODELS.items():
+        steps = step_times(params, profile, probe)
+        for workload, summary in summaries.items():
+            variants = summary["variants"]
+            adamw_steps = variants["adamw"]["steps_to_target"]["mean"]
+            rows = {}
+            for name, timing in steps.items():
+                v = variants.get(name)
+                reached = v is not None and v["reached"] == v["seeds"]
+                ratio = v["steps_to_target"]["mean"] / adamw_steps if reached else None
+                rows[name] = dict(steps_ratio=ratio, step_s=timing["step_s"],
+                                  time_per_adamw_step_s=None if ratio is None or timing["step_s"] is None else
+                                  ratio * timing["step_s"], **{k: x for k, x in timing.items() if k != "step_s"})
+            base = rows["adamw"]["time_per_adamw_step_s"] or rows["offload"]["time_per_adamw_step_s"]
+            base_name = "adamw" if rows["adamw"]["time_per_adamw_step_s"] else "offload"
+            for r in rows.values():
+                t = r["time_per_adamw_step_s"]
+                r["time_vs_" + base_name] = None if t is None else t / base
+            out[f"{workload}/{model}"] = dict(workload=workload, model=model, params=params, base=base_name,
+                                              rows=rows)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = OneLineParser(prog="python -m studies.time_to_target", description=__doc__.split("\n")[0])
+    ap.add_argument("--results", default=str(RESULTS), help="where the tuned_*.json are (default studies/results)")
+    ap.add_argument("--out", default=None, help="output directory (default: --results)")
+    args = ap.parse_args(argv)
+    results = Path(args.results)
+    summaries = {}
+    for path in sorted(results.glob("tuned_*.json")):
+        summary = json.loads(path.read_text())["summary"]
+        summaries[summary["workload"]] = summary
+    if not summaries:
+        ap.error(f"argument --results: no tuned_*.json in {str(results)!r}: run python -m studies.tuned_comparison")
+    got = table(summaries)
+    out = Path(args.out) if args.out else results
+    out.mkdir(parents=True, exist_ok=True)
+    payload = dict(command=" ".join(["python -m studies.time_to_target", *argv]), description=__doc__,
+                   profile=PROFILE, models=MODELS, assumption=ASSUMPTION, tables=got,
+                   sources={w: f"tuned_{w}.json" for w in summaries})
+    path = write_json_light(out / "time_to_target.json", payload)
+    for key, t in got.items():
+        cells = [f"{n} {r['time_vs_' + t['base']]:.2f}" for n, r in t["rows"].items()
+                 if r["time_vs_" + t["base"]] is not None]
+        print(f"{key} (time to target over {t['base']}'s): " + ", ".join(cells))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
