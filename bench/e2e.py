@@ -145,13 +145,17 @@ def plot(result: dict, path: Path) -> Path:
             axes[2].plot(at, conc["top10"], "o-", color=c, lw=1.2, label=f"{r['label']}: top 10% of columns")
             axes[2].plot(at, conc["top1"], "^--", color=c, lw=0.9, label="top 1%")
             axes[2].plot(at, conc["selected"], "s:", color=c, lw=0.9, label="selected")
+        along = r.get("concentration_at_evals")
+        if along:
+            axes[2].plot([a["step"] for a in along], [a["top10"] for a in along], "-", color=c, lw=2, alpha=0.5,
+                         label=f"{r['label']}: top 10%, the step's gradient along the run")
     m = result["machine"]
     where = m.get("gpu") or f"{m.get('cpu')}, {result['config']['threads']} threads"
     axes[0].set(xlabel="wall time (s, training steps only)", ylabel="loss (nats/byte)",
                 title="loss against wall time")
     axes[1].set(xlabel="step", ylabel="loss (nats/byte)", title="loss against step")
     axes[2].axhline(PREMISE_TOP10, color="grey", lw=0.8, ls="--")
-    axes[2].set(xlabel="step (selections)", ylabel="share of the gradient's energy", ylim=(0, 1.02),
+    axes[2].set(xlabel="step (markers: selections)", ylabel="share of the gradient's energy", ylim=(0, 1.02),
                 title=f"gradient concentration (premise: top 10% >= {PREMISE_TOP10:.0%})")
     for ax in axes:
         ax.grid(alpha=0.3)

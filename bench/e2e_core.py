@@ -301,6 +301,15 @@ def heldout_loss(prep: Prepared, state: dict, batch: int = 16) -> float:
     return total / n
 
 
+def gradient_shares(model: torch.nn.Module) -> dict:
+    """The top-1% and top-10% shares of the matrices' gradient energy now (zenflow_kernels.concentration)."""
+    from zenflow_kernels.concentration import gradient_concentration
+
+    energies = [p.grad.float().square().sum(0) for p in model.parameters() if p.grad is not None and p.dim() == 2]
+    got = gradient_concentration(energies)
+    return dict(top1=got["top1"], top10=got["top10"])
+
+
 def _eval_steps(steps: int, points: int) -> list[int]:
     return sorted({round(i * steps / points) for i in range(points + 1)})
 
@@ -350,7 +359,7 @@ def train_run(
 
     bar = Progress(steps, tag or spec.label or spec.name, enabled=progress)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    train_loss, wall_at, opt_s = [], [], []
+    train_loss, wall_at, opt_s, concentration_at = [], [], [], []
     wall = 0.0
     threads_during = None
     zen = spec.kind in ("offload", "zenflow")
@@ -371,6 +380,11 @@ def train_run(
                 _sync(prep.device)
                 paused = time.perf_counter()
                 grad_hook(s, model, opt)
+                t0 += time.perf_counter() - paused
+            # the gradient's concentration along the run (off the clock)
+            if spec.kind == "zenflow" and (s in eval_at or s + 1 == steps):
+                paused = time.perf_counter()
+                concentration_at.append(dict(step=s, **gradient_shares(model)))
                 t0 += time.perf_counter() - paused
             t_opt = time.perf_counter()
             opt.step()
@@ -431,6 +445,8 @@ def train_run(
             # the gradient's energy in the top 1% / 10% of each matrix's columns and in the selected ones, at each
             # selection (zenflow_kernels.concentration: ZenFlow's premise)
             concentration={k: stats["concentration"][k] for k in ("top1", "top10", "selected")},
+            # the same shares of the step's gradient at the evaluation points (the selections may be far apart)
+            concentration_at_evals=concentration_at,
             selection_jaccard=[None if math.isnan(j) else j for j in stats["selection_jaccard"]],
             selection_steps=stats["selection_steps"],
             d2h_bytes_per_step=stats["d2h_bytes_per_step"],

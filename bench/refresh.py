@@ -65,8 +65,6 @@ RESULTS: dict[str, Result] = {
     "zero_cpu.json": Result("bench.zero"),
     "fsdp2_cpu.json": Result("bench.fsdp2"),
     "concentration_study.json": Result("bench.concentration_study"),
-    "quality_ablations_study.json": Result("bench.quality_ablations --task study"),
-    "quality_ablations_gpt.json": Result("bench.quality_ablations --task gpt"),
     "deepspeed_semantics.json": Result("bench.deepspeed_semantics"),
     "plan_cpu.json": Result("bench.plan"),
     "suite_time.json": Result("bench.suite_time"),

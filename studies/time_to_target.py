@@ -103,12 +103,10 @@ def table(summaries: dict, profile: dict = PROFILE) -> dict:
         steps = step_times(params, profile, probe)
         for workload, summary in summaries.items():
             variants = summary["variants"]
-            adamw_steps = variants["adamw"]["steps_to_target"]["mean"]
             rows = {}
             for name, timing in steps.items():
                 v = variants.get(name)
-                reached = v is not None and v["reached"] == v["seeds"]
-                ratio = v["steps_to_target"]["mean"] / adamw_steps if reached else None
+                ratio = None if v is None else v["steps_over_adamw"]["mean"]  # (None where a seed never reached it)
                 rows[name] = dict(steps_ratio=ratio, step_s=timing["step_s"],
                                   time_per_adamw_step_s=None if ratio is None or timing["step_s"] is None else
                                   ratio * timing["step_s"], **{k: x for k, x in timing.items() if k != "step_s"})

@@ -12,13 +12,15 @@ larger steps looks better at a rate below the best, for its step size alone. Her
   (up to 8 each way); then seeds 3 and 4 at the best two points, and the best of those two on 5 seeds is the
   variant's learning rate; where that one is at an edge, the grid grows past it and the choice is made again. A run
   whose loss is not finite counts as diverged (an infinite loss).
-* **the target**: the held-out loss AdamW (``torch.optim.AdamW``, at its own best rate) reaches at 75% of the
-  steps, from the mean of its seeds' curves. Each variant's steps to it at its own best rate, per seed, from its
-  held-out curve (evaluated every ``eval_every`` steps, linear between the points); ``None`` where a seed never
-  reaches it within the run. Beside it a looser target, AdamW's loss at half the steps (``steps_to_half_target``).
+* **the target**, per seed: the held-out loss AdamW (``torch.optim.AdamW``, at its own best rate) reaches at 75%
+  of the steps in its run of that seed (the seed changes the byte GPT's corpus and pre-training, so the seeds'
+  losses differ in level). Each variant's steps to it at its own best rate, per seed, from its held-out curve
+  (evaluated every ``eval_every`` steps, linear between the points), and over AdamW's steps (paired by seed);
+  ``None`` where a seed never reaches it within the run. Beside it a looser target, AdamW's loss at half the steps
+  (``steps_to_half_target``).
 * **the figures** at each variant's best rate: the final held-out loss (mean and range over 5 seeds), its gap to
-  AdamW's (paired by seed), the share of AdamW's improvement recovered ``(L0 - L) / (L0 - L_adamw)`` (above 1 means
-  better than tuned AdamW), the steps to the target, and the best rate against AdamW's.
+  and ratio over AdamW's (paired by seed), the share of AdamW's improvement recovered ``(L0 - L) / (L0 -
+  L_adamw)`` (above 1 means better than tuned AdamW), the steps to the target, and the best rate against AdamW's.
 
 The variants (``VARIANTS``): ``adamw``; ``offload`` (synchronous offload through ZenFlowAdamW: AdamW's arithmetic
 on the host every step, run at AdamW's best rate only, as a check that its curve is AdamW's); ZenFlow's defaults as
@@ -149,7 +151,10 @@ def build_optimizer(variant: Variant, params, lr: float, weight_decay: float):
 
 
 def eval_every(workload: str, steps: int) -> int:
-    """Evaluation spacing: a divisor of 75% of the steps, so the target's step is an evaluation point."""
+    """Evaluation spacing: a divisor of 75% of the steps, so the target's step is an evaluation point (a quick run's
+    few steps: every quarter)."""
+    if steps < 100:
+        return max(1, steps // 4)
     return max(1, steps // 20) if workload.startswith("study_") else max(1, steps // 16)
 
 
@@ -239,7 +244,7 @@ class Sweep:
     def mean_final(self, name: str, k: int, seeds) -> float:
         return mean_or_inf([r["final"] for r in self.ensure(name, k, seeds)])
 
-    def tune(self, name: str, seeds=SEEDS, extra=EXTRA_SEEDS, grid=GRID) -> dict:
+    def tune(self, name: str, seeds=SEEDS, extra=EXTRA_SEEDS, grid=GRID, max_extend: int = MAX_EXTEND) -> dict:
         """The grid, extended until the best is inside (or ``MAX_EXTEND`` points each way), then the best two on
         the extra seeds; where the best of those is at an edge, the grid grows past it and the choice is made again.
         Returns the chosen ``k`` and whether it is inside the grid."""
@@ -247,9 +252,9 @@ class Sweep:
         full = tuple(seeds) + tuple(extra)
 
         def grow(best) -> bool:
-            if best == ks[0] and ks[0] > grid[0] - MAX_EXTEND:
+            if best == ks[0] and ks[0] > grid[0] - max_extend:
                 ks.insert(0, ks[0] - 1)
-            elif best == ks[-1] and ks[-1] < grid[-1] + MAX_EXTEND:
+            elif best == ks[-1] and ks[-1] < grid[-1] + max_extend:
                 ks.append(ks[-1] + 1)
             else:
                 return False
@@ -298,17 +303,17 @@ def study(workload: str, names, quick: bool, log: Path | None, resume: bool) -> 
     """Every variant's sweep and its figures at its own best rate; AdamW's first (its curve sets the target)."""
     sweep = Sweep(workload, quick, log, resume)
     seeds, extra = (SEEDS[:1], EXTRA_SEEDS[:1]) if quick else (SEEDS, EXTRA_SEEDS)
-    grid = GRID[1:4] if quick else GRID
+    grid, extend = (GRID[1:4], 1) if quick else (GRID, MAX_EXTEND)
     tuned = {}
     names = ["adamw", *[n for n in names if n != "adamw"]]
-    tuned["adamw"] = sweep.tune("adamw", seeds, extra, grid)
+    tuned["adamw"] = sweep.tune("adamw", seeds, extra, grid, extend)
     for name in names[1:]:
         if VARIANTS[name].check:
             k = tuned["adamw"]["k"]
             sweep.ensure(name, k, tuple(seeds) + tuple(extra))
             tuned[name] = dict(k=k, ks=[k], inside=None, seeds=list(seeds) + list(extra))
         else:
-            tuned[name] = sweep.tune(name, seeds, extra, grid)
+            tuned[name] = sweep.tune(name, seeds, extra, grid, extend)
     return summarise(workload, sweep, tuned)
 
 
@@ -318,9 +323,13 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
     adamw = at_best["adamw"]
     curves = [r["curve"] for r in adamw]
     target_step = TARGET_AT * steps
+    # per seed (the seed changes the byte GPT's corpus and pre-training, so the seeds' losses differ in level): the
+    # loss AdamW's run of that seed reaches at 75% of the steps, and a looser one beside it, at half the steps
+    targets = {r["seed"]: value_at(r["curve"], target_step) for r in adamw}
+    half_targets = {r["seed"]: value_at(r["curve"], steps / 2) for r in adamw}
     target = statistics.fmean(value_at(c, target_step) for c in curves)
-    # a looser target beside it (AdamW at half the steps): more variants reach it within the run
-    half_target = statistics.fmean(value_at(c, steps / 2) for c in curves)
+    half_target = statistics.fmean(half_targets.values())
+    adamw_steps = {r["seed"]: steps_to(r["curve"], targets[r["seed"]]) for r in adamw}
     initial = statistics.fmean(r["curve"][0][1] for r in adamw)
     adamw_final = {r["seed"]: r["final"] for r in adamw}
     out = {}
@@ -333,14 +342,16 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
             grid.append(dict(k=k, lr=sweep.lr(name, k), final_3_seeds=spread(finals), final_all_seeds=spread(more)))
         finals = [r["final"] for r in runs]
         shares = [(r["curve"][0][1] - r["final"]) / (r["curve"][0][1] - adamw_final[r["seed"]]) for r in runs]
-        reached = [steps_to(r["curve"], target) for r in runs]
-        reached_half = [steps_to(r["curve"], half_target) for r in runs]
+        reached = [steps_to(r["curve"], targets[r["seed"]]) for r in runs]
+        reached_half = [steps_to(r["curve"], half_targets[r["seed"]]) for r in runs]
+        over = [None if x is None else x / adamw_steps[r["seed"]] for x, r in zip(reached, runs, strict=True)]
         top10 = [r["top10_share"] for r in runs if r["top10_share"] is not None]
         out[name] = dict(
             family=VARIANTS[name].family, best_lr=sweep.lr(name, t["k"]), best_k=t["k"], best_inside=t["inside"],
             lr_over_adamw=sweep.lr(name, t["k"]) / sweep.lr("adamw", tuned["adamw"]["k"]),
             final=spread(finals), gap_vs_adamw=spread([r["final"] - adamw_final[r["seed"]] for r in runs]),
-            recovered=spread(shares), steps_to_target=spread(reached),
+            final_over_adamw=spread([r["final"] / adamw_final[r["seed"]] for r in runs]),
+            recovered=spread(shares), steps_to_target=spread(reached), steps_over_adamw=spread(over),
             reached=sum(x is not None for x in reached), seeds=len(runs), steps_to_target_per_seed=reached,
             steps_to_half_target=spread(reached_half), reached_half=sum(x is not None for x in reached_half),
             top10_share=statistics.fmean(top10) if top10 else None, grid=grid,
@@ -354,7 +365,7 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
             pf = {r["seed"]: r["final"] for r in at_best[plain]}
             out[zen]["gap_vs_plain"] = spread([r["final"] - pf[r["seed"]] for r in at_best[zen]])
     return dict(workload=workload, steps=steps, initial_heldout=initial, target=target, target_step=target_step,
-                half_target=half_target,
+                half_target=half_target, targets_per_seed=targets,
                 adamw_best_lr=sweep.lr("adamw", tuned["adamw"]["k"]), variants=out)
 
 
@@ -378,7 +389,8 @@ def plot(summary: dict, path: Path) -> None:
             ax.fill_between(xs, [s["min"] for _, s in pts], [s["max"] for _, s in pts], color=line.get_color(),
                             alpha=0.12)
             ax.plot([v["best_lr"]], [v["final"]["mean"]], marker="*", ms=10, color=line.get_color())
-        ax.axhline(summary["target"], color="grey", lw=0.8, ls=":", label="target (AdamW at 75% of the steps)")
+        ax.axhline(summary["target"], color="grey", lw=0.8, ls=":",
+                   label="target (AdamW at 75% of the steps, mean of the seeds)")
         ax.set(xscale="log", xlabel="learning rate", ylabel="final held-out loss (mean, range over seeds 0-2)",
                title=f"{summary['workload']}: {'/'.join(families)}")
         finite = [g["final_3_seeds"]["mean"] for v in summary["variants"].values() for g in v["grid"]
@@ -397,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=sorted(wl.WORKLOADS), required=True)
     ap.add_argument("--out", default=None, help="output directory (default studies/results)")
     ap.add_argument("--variants", nargs="+", default=None, help="only these (AdamW always runs: it sets the target)")
-    ap.add_argument("--quick", action="store_true", help="a few steps, 3 rates, 2 seeds (the test suite's run)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a few steps, 3 rates (one more each way at most), 2 seeds (the tests' run)")
     ap.add_argument("--resume", action="store_true", help="take the runs already in the .runs.jsonl file")
     args = ap.parse_args(argv)
     allowed = variants_of(args.workload)
@@ -421,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                        variants={n: dataclasses.asdict(VARIANTS[n]) for n in names}),
         "summary": summary,
         "runs": sweep_runs,
-        "total_s": time.perf_counter() - t0,
+        "total_s": time.perf_counter() - t0,  # (a --resume run: the runs it made; runs_s: all of them)
+        "runs_s": sum(r["seconds"] for r in sweep_runs),
     }
     path = write_json_light(out_dir / f"tuned_{args.workload}.json", payload)
     plot(summary, out_dir / f"tuned_{args.workload}.png")

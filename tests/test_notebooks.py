@@ -18,7 +18,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 from bench import notebooks as runner
 
 NOTEBOOK_NAMES = ["topk_ratio", "update_interval", "selection_dynamics", "selection_policy", "timeline_model",
-                  "update_rules", "concentration", "quality_ablations"]
+                  "update_rules", "concentration", "tuned_comparison"]
 
 
 def test_every_notebook_is_listed():

@@ -1,0 +1,86 @@
+"""The tuned comparison's findings as text, computed from its summaries (studies/results/tuned_*.json): what the
+notebook (notebooks/tuned_comparison.ipynb) and docs/benchmarks.md print, so no figure in them is typed by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from studies.tuned_comparison import RESULTS
+
+WORKLOADS = ("study_flat", "study_concentrated", "gpt_finetune", "gpt_classify")
+LABELS = {"study_flat": "the MLP, flat gradient", "study_concentrated": "the MLP, concentrated gradient",
+          "gpt_finetune": "the byte GPT fine-tuned on a new corpus", "gpt_classify": "the byte GPT given a new head"}
+
+
+def load(results: Path = RESULTS) -> dict:
+    """Every workload's summary, by name."""
+    return {w: json.loads((results / f"tuned_{w}.json").read_text())["summary"] for w in WORKLOADS}
+
+
+def final_ratio(summary: dict, name: str) -> dict:
+    """The variant's final held-out loss over tuned AdamW's, paired by seed: mean, min and max over the seeds."""
+    return summary["variants"][name]["final_over_adamw"]
+
+
+def steps_ratio(summary: dict, name: str) -> float | None:
+    """Steps to the target over AdamW's (paired by seed, mean), where every seed reached it; else None."""
+    return summary["variants"][name]["steps_over_adamw"]["mean"]
+
+
+def beats_adamw(summary: dict, name: str) -> bool:
+    """Below tuned AdamW's mean final loss on every seed."""
+    return final_ratio(summary, name)["max"] < 1.0
+
+
+def wins_everywhere(summaries: dict, name: str, against: str = "zenflow") -> bool:
+    """Lower mean final loss than ``against`` on every workload that ran both."""
+    both = [s for s in summaries.values() if name in s["variants"] and against in s["variants"]]
+    return bool(both) and all(s["variants"][name]["final"]["mean"] < s["variants"][against]["final"]["mean"]
+                              for s in both)
+
+
+def _fmt(r: dict) -> str:
+    return f"{r['mean']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]"
+
+
+def lines(summaries: dict) -> list[str]:
+    out = []
+    for w, s in summaries.items():
+        v = s["variants"]
+        z, st = final_ratio(s, "zenflow"), steps_ratio(s, "zenflow")
+        reach = (f"{st:.2f}x AdamW's steps to its 75% target" if st is not None else
+                 f"AdamW's 75% target in {v['zenflow']['reached']} of {v['zenflow']['seeds']} seeds")
+        top = v["zenflow"]["top10_share"]
+        best = min((n for n in v if v[n]["family"] == "adam" and n not in ("adamw", "offload")),
+                   key=lambda n: v[n]["final"]["mean"])
+        out.append(f"- **{LABELS.get(w, w)}** (top-10% share {top:.2f}): ZenFlow's defaults end at "
+                   f"{_fmt(z)} tuned AdamW's final loss, {reach}; their best rate is "
+                   f"{v['zenflow']['lr_over_adamw']:.2g}x AdamW's. The best ZenFlow variant there is `{best}` "
+                   f"({_fmt(final_ratio(s, best))}, at {v[best]['lr_over_adamw']:.2g}x AdamW's rate).")
+    winners = sorted({n for s in summaries.values() for n in s["variants"]
+                      if n not in ("adamw", "offload") and beats_adamw(s, n)
+                      and s["variants"][n]["family"] == "adam"})
+    out.append("- **Better than tuned AdamW on every seed:** " + (
+        ", ".join(f"`{n}` on " + ", ".join(w for w, s in summaries.items() if n in s["variants"] and beats_adamw(s, n))
+                  for n in winners) if winners else "no ZenFlow variant, on any workload") + ".")
+    for name in ("deepspeed", "lr_times_interval", "host_step_count", "overlap"):
+        ratios = [f"{w} {final_ratio(s, name)['mean']:.2f}x (rate {s['variants'][name]['lr_over_adamw']:.2g}x)"
+                  for w, s in summaries.items() if name in s["variants"]]
+        verdict = "beats the defaults on every workload" if wins_everywhere(summaries, name) else \
+            "does not beat the defaults on every workload"
+        out.append(f"- `{name}` {verdict}: final loss over tuned AdamW's " + ", ".join(ratios) + ".")
+    for plain in ("lion", "sgd"):
+        zen = f"zenflow_{plain}"
+        ratios = [f"{w} {s['variants'][zen]['final']['mean'] / s['variants'][plain]['final']['mean']:.2f}x"
+                  for w, s in summaries.items() if zen in s["variants"]]
+        out.append(f"- ZenFlow's {plain} over plain {plain}'s final loss, each tuned: " + ", ".join(ratios) + ".")
+    return out
+
+
+def markdown(summaries: dict) -> str:
+    return "\n".join(lines(summaries))
+
+
+if __name__ == "__main__":
+    print(markdown(load()))

@@ -1,0 +1,186 @@
+"""The studies (studies/): the tuned comparison's sweep, target and summary worked by hand on made-up runs, its
+reference Lion against the paper's arithmetic, a quick run of each kind of workload, and the time-to-target table's
+arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from studies import time_to_target as ttt
+from studies import tuned_comparison as tc
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_value_at_and_steps_to_read_the_curve_linearly():
+    curve = [[0, 1.0], [10, 0.6], [20, 0.4], [30, 0.5]]
+    assert tc.value_at(curve, 5) == pytest.approx(0.8)
+    assert tc.value_at(curve, 25) == pytest.approx(0.45)
+    assert tc.steps_to(curve, 0.5) == pytest.approx(15.0)  # first crossing, between 10 and 20
+    assert tc.steps_to(curve, 1.0) == 0.0
+    assert tc.steps_to(curve, 0.3) is None  # never reached
+    with pytest.raises(ValueError, match="step=40 is outside"):
+        tc.value_at(curve, 40)
+
+
+class FakeSweep(tc.Sweep):
+    """A sweep whose runs are a parabola in log2(lr) around ``best_lr``, plus a per-seed offset: no training."""
+
+    def __init__(self, best_lr, seed_offsets=None):
+        super().__init__("study_flat", quick=True, log=None, resume=False)
+        self.best_lr, self.seed_offsets, self.calls = best_lr, seed_offsets or {}, []
+
+    def ensure(self, name, k, seeds):
+        out = []
+        for seed in seeds:
+            key = (name, k, seed)
+            if key not in self.runs:
+                self.calls.append(key)
+                lr = self.lr(name, k)
+                final = 0.1 + (math.log2(lr / self.best_lr)) ** 2 + self.seed_offsets.get((k, seed), 0.0)
+                self.runs[key] = dict(variant=name, k=k, seed=seed, lr=lr, final=final, error=None,
+                                      curve=[[0, 2.0], [10, final]], top10_share=None, metrics={})
+            out.append(self.runs[key])
+        return out
+
+
+@pytest.mark.parametrize("best_k", [-5, -2, 1, 3, 6])
+def test_the_grid_grows_until_the_best_is_inside(best_k):
+    sweep = FakeSweep(best_lr=tc.wl.WORKLOADS["study_flat"].centers["adam"] * 2.0 ** best_k)
+    got = sweep.tune("adamw")
+    assert got["k"] == best_k and got["inside"], got
+    assert got["ks"][0] < best_k < got["ks"][-1] and set(tc.GRID) <= set(got["ks"])
+    extra = {k for name, k, seed in sweep.calls if seed in tc.EXTRA_SEEDS}
+    assert len(extra) == 2 and best_k in extra  # the extra seeds only at the best two
+
+
+def test_a_five_seed_best_at_the_edge_grows_the_grid_again():
+    # on seeds 0-2, k=2 wins inside (1, 2, 3); seeds 3 and 4 make k=3, the last point, better: the grid must grow
+    center = tc.wl.WORKLOADS["study_flat"].centers["adam"]
+    offsets = {(3, 3): -5.0, (3, 4): -5.0}
+    sweep = FakeSweep(best_lr=center * 2.0 ** 2.4, seed_offsets=offsets)
+    got = sweep.tune("adamw", grid=(1, 2, 3))
+    assert got["k"] == 3 and got["inside"] and got["ks"][-1] == 4, got
+
+
+def test_the_summary_at_each_variants_best_rate_by_hand():
+    sweep = tc.Sweep("study_flat", quick=True, log=None, resume=False)
+    sweep.tasks[0] = type("T", (), {"steps": 20})()
+    curves = {  # (variant, k, seed) -> curve
+        ("adamw", 0, 0): [[0, 2.0], [10, 1.0], [20, 0.5]],  # seed 0's target, at 15 steps: 0.75
+        ("adamw", 0, 1): [[0, 2.0], [10, 1.2], [20, 0.6]],  # seed 1's: 0.9
+        ("zenflow", 1, 0): [[0, 2.0], [10, 1.5], [20, 0.6]],  # reaches 0.75 at 10 + 10 * 0.75 / 0.9 steps
+        ("zenflow", 1, 1): [[0, 2.0], [10, 1.6], [20, 0.95]],  # never reaches 0.9
+    }
+    for (name, k, seed), curve in curves.items():
+        sweep.runs[(name, k, seed)] = dict(variant=name, k=k, seed=seed, lr=sweep.lr(name, k), final=curve[-1][1],
+                                           curve=curve, error=None, top10_share=0.5 if name != "adamw" else None,
+                                           metrics={})
+    tuned = {"adamw": dict(k=0, ks=[0], inside=True, seeds=[0, 1]),
+             "zenflow": dict(k=1, ks=[1], inside=True, seeds=[0, 1])}
+    got = tc.summarise("study_flat", sweep, tuned)
+    assert got["targets_per_seed"] == pytest.approx({0: 0.75, 1: 0.9})  # each seed's AdamW at 75% of 20 steps
+    assert got["target"] == pytest.approx((0.75 + 0.9) / 2)
+    assert got["variants"]["adamw"]["steps_to_target_per_seed"] == pytest.approx([15.0, 15.0])
+    z = got["variants"]["zenflow"]
+    assert z["lr_over_adamw"] == pytest.approx(2.0)
+    assert z["final"]["mean"] == pytest.approx((0.6 + 0.95) / 2)
+    assert z["gap_vs_adamw"]["mean"] == pytest.approx(((0.6 - 0.5) + (0.95 - 0.6)) / 2)
+    assert z["final_over_adamw"]["max"] == pytest.approx(0.95 / 0.6)
+    assert z["recovered"]["min"] == pytest.approx((2 - 0.95) / (2 - 0.6))
+    assert z["steps_to_target_per_seed"][0] == pytest.approx(10 + 10 * (1.5 - 0.75) / (1.5 - 0.6))
+    assert z["steps_to_target_per_seed"][1] is None and z["reached"] == 1
+    assert z["steps_to_target"]["mean"] is None and z["steps_over_adamw"]["mean"] is None  # a seed never got there
+
+
+def test_plain_lion_is_the_papers_arithmetic():
+    torch.manual_seed(0)
+    p0, grads = torch.randn(6), [torch.randn(6) for _ in range(3)]
+    p = torch.nn.Parameter(p0.clone())
+    opt = tc.PlainLion([p], lr=0.1, betas=(0.9, 0.99), weight_decay=0.5)
+    want, m = p0.clone().double(), torch.zeros(6, dtype=torch.float64)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+        g = g.double()
+        want = want * (1 - 0.1 * 0.5) - 0.1 * torch.sign(0.9 * m + 0.1 * g)
+        m = 0.99 * m + 0.01 * g
+    torch.testing.assert_close(p.detach().double(), want, rtol=1e-6, atol=1e-6)
+
+
+def run_quick(tmp_path, workload, *variants):
+    proc = subprocess.run([sys.executable, "-m", "studies.tuned_comparison", "--workload", workload, "--quick",
+                           "--out", str(tmp_path), "--variants", *variants], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**__import__("os").environ, "ZENFLOW_E2E_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / f"tuned_{workload}.json").read_text())
+
+
+def test_a_quick_study_run_tunes_each_variant_and_offload_is_adamw(tmp_path):
+    got = run_quick(tmp_path, "study_concentrated", "offload", "zenflow")
+    v = got["summary"]["variants"]
+    assert set(v) == {"adamw", "offload", "zenflow"}
+    # synchronous offload runs AdamW's arithmetic on the host: the same held-out losses as torch.optim.AdamW
+    assert v["offload"]["best_lr"] == v["adamw"]["best_lr"]
+    assert v["offload"]["gap_vs_adamw"]["max"] == pytest.approx(0.0, abs=1e-6)
+    for name in ("adamw", "zenflow"):  # (the quick grid may end at an edge: it grows one point at most)
+        ks = [g["k"] for g in v[name]["grid"]]
+        assert v[name]["best_inside"] == (ks[0] < v[name]["best_k"] < ks[-1]) and len(ks) <= 5, v[name]
+    assert v["zenflow"]["top10_share"] > 0.5  # the concentrated level: most energy in the top 10% of columns
+    assert got["record"]["command"].startswith("python -m studies.tuned_comparison")
+    assert (tmp_path / "tuned_study_concentrated.png").stat().st_size > 0
+    runs = [json.loads(line) for line in (tmp_path / "tuned_study_concentrated.runs.jsonl").read_text().splitlines()]
+    assert len(runs) == len(got["runs"]) and all(r["curve"][0][0] == 0 for r in runs)
+
+
+def test_a_quick_classification_run_reports_accuracy(tmp_path):
+    got = run_quick(tmp_path, "gpt_classify", "zenflow")
+    v = got["summary"]["variants"]
+    assert 0.0 <= v["zenflow"]["metrics"]["accuracy"]["mean"] <= 1.0
+    assert math.isfinite(v["adamw"]["final"]["mean"])
+
+
+def test_an_unknown_variant_is_a_one_line_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "studies.tuned_comparison", "--workload", "gpt_finetune",
+                           "--variants", "warm_up3", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "['warm_up3'] unknown for gpt_finetune" in proc.stderr, proc.stderr
+
+
+def summary_of(ratios: dict) -> dict:
+    return dict(variants={n: dict(steps_over_adamw=dict(mean=r)) for n, r in ratios.items()})
+
+
+def test_time_to_target_is_the_steps_ratio_times_the_modeled_step():
+    got = ttt.table({"w": summary_of({"adamw": 1.0, "offload": 1.0, "zenflow": 1.5, "overlap": None})})
+    for model, params in ttt.MODELS.items():
+        rows = got[f"w/{model}"]["rows"]
+        base = got[f"w/{model}"]["base"]
+        assert rows["zenflow"]["steps_ratio"] == pytest.approx(1.5) and rows["overlap"]["time_vs_" + base] is None
+        want = 1.5 * rows["zenflow"]["step_s"] / rows[base]["step_s"]
+        assert rows["zenflow"]["time_vs_" + base] == pytest.approx(want)
+        # every step is at least the device's compute; offload's stall is its whole host update every step
+        compute = 6.0 * params * ttt.PROFILE["tokens_per_step"] / (ttt.PROFILE["device_tflops"] * 1e12)
+        assert all(r["step_s"] is None or r["step_s"] >= compute for r in rows.values())
+        assert rows["offload"]["step_s"] > rows["zenflow"]["step_s"]
+    assert got["w/7B"]["rows"]["adamw"]["fits"]  # 112 GB of 141
+
+
+def test_the_demo_rise_study_runs_and_all_fast_columns_are_adamw(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "studies.demo_rise", "--model", "tiny", "--steps", "8", "--out",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "ZENFLOW_E2E_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "demo_rise.json").read_text())["runs"]
+    assert set(runs) == set(__import__("studies.demo_rise", fromlist=["CASES"]).CASES)
+    # every column on the fast path every step is AdamW's arithmetic: the same held-out curve as torch's AdamW
+    adamw, fast = runs["adamw"]["curve"], runs["all_fast"]["curve"]
+    assert [s for s, _ in fast] == [s for s, _ in adamw] == [0, 4, 8]  # every 4 steps
+    assert [x for _, x in fast] == pytest.approx([x for _, x in adamw], rel=1e-5)
