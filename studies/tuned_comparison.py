@@ -286,12 +286,12 @@ def steps_to(curve, target: float, rtol: float = 1e-6) -> float | None:
     """The first step at which the curve reaches ``target`` (linear between points); None if it never does.
     Within ``rtol`` counts as reached: AdamW's own run meets its target exactly at an evaluation point, and a run
     equal to it but for float noise (synchronous offload) must meet it there too."""
-    target = target + rtol * abs(target)
-    if curve[0][1] <= target:
+    within = target + rtol * abs(target)
+    if curve[0][1] <= within:
         return float(curve[0][0])
     for (s0, l0), (s1, l1) in zip(curve, curve[1:], strict=False):
-        if l1 <= target:
-            return s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
+        if l1 <= within:
+            return float(s1) if l1 >= target else s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
     return None
 
 
