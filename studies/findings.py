@@ -50,7 +50,8 @@ def lines(summaries: dict) -> list[str]:
         v = s["variants"]
         z, st = final_ratio(s, "zenflow"), steps_ratio(s, "zenflow")
         reach = (f"{st:.2f}x AdamW's steps to its 75% target" if st is not None else
-                 f"AdamW's 75% target in {v['zenflow']['reached']} of {v['zenflow']['seeds']} seeds")
+                 f"AdamW's 75% target in {v['zenflow']['reached']} of {v['zenflow']['seeds']} seeds within the run "
+                 f"(at least {v['zenflow']['steps_over_adamw_at_least']:.2f}x AdamW's steps)")
         top = v["zenflow"]["top10_share"]
         best = min((n for n in v if v[n]["family"] == "adam" and n not in ("adamw", "offload")),
                    key=lambda n: v[n]["final"]["mean"])

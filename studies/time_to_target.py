@@ -21,7 +21,8 @@ workloads to the modeled models**; nothing here checks it. The time per step com
 
 AdamW on the device is listed where its 16 bytes a parameter fit 85% of the H200's 141 GB. ZenFlow's variants
 use their own ``topk_ratio``, ``update_interval`` and ``overlap_step``. Variants whose seeds do not all reach the
-target within the run have no time (``None``).
+target within the run get a lower bound (``at_least``: such a seed needed more than the run's steps); beside it the
+same at a looser target, AdamW's loss at half the steps (``half_time_vs_*``, ``None`` where a seed missed it).
 
 Results: ``time_to_target.json`` (the profile, every figure, per workload and model) in ``studies/results``.
 """
@@ -106,15 +107,22 @@ def table(summaries: dict, profile: dict = PROFILE) -> dict:
             rows = {}
             for name, timing in steps.items():
                 v = variants.get(name)
-                ratio = None if v is None else v["steps_over_adamw"]["mean"]  # (None where a seed never reached it)
-                rows[name] = dict(steps_ratio=ratio, step_s=timing["step_s"],
-                                  time_per_adamw_step_s=None if ratio is None or timing["step_s"] is None else
-                                  ratio * timing["step_s"], **{k: x for k, x in timing.items() if k != "step_s"})
-            base = rows["adamw"]["time_per_adamw_step_s"] or rows["offload"]["time_per_adamw_step_s"]
-            base_name = "adamw" if rows["adamw"]["time_per_adamw_step_s"] else "offload"
+                if v is None:
+                    continue
+                exact = v["steps_over_adamw"]["mean"]  # None where a seed never reached the target
+                # else the lower bound: such a seed needed more than the run's steps
+                ratio = exact if exact is not None else v["steps_over_adamw_at_least"]
+                half = v["half_steps_over_adamw"]["mean"]
+                step = timing["step_s"]
+                rows[name] = dict(steps_ratio=ratio, at_least=exact is None, half_target_steps_ratio=half,
+                                  step_s=step, time_per_adamw_step_s=None if step is None else ratio * step,
+                                  half_time_per_adamw_step_s=None if step is None or half is None else half * step,
+                                  **{k: x for k, x in timing.items() if k != "step_s"})
+            base_name = "adamw" if rows["adamw"]["step_s"] is not None else "offload"
             for r in rows.values():
-                t = r["time_per_adamw_step_s"]
-                r["time_vs_" + base_name] = None if t is None else t / base
+                for key, of in (("time_vs_", "time_per_adamw_step_s"), ("half_time_vs_", "half_time_per_adamw_step_s")):
+                    t, b = r[of], rows[base_name][of]
+                    r[key + base_name] = None if t is None or b is None else t / b
             out[f"{workload}/{model}"] = dict(workload=workload, model=model, params=params, base=base_name,
                                               rows=rows)
     return out
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                    sources={w: f"tuned_{w}.json" for w in summaries})
     path = write_json_light(out / "time_to_target.json", payload)
     for key, t in got.items():
-        cells = [f"{n} {r['time_vs_' + t['base']]:.2f}" for n, r in t["rows"].items()
+        cells = [f"{n} {'>=' if r['at_least'] else ''}{r['time_vs_' + t['base']]:.2f}" for n, r in t["rows"].items()
                  if r["time_vs_" + t["base"]] is not None]
         print(f"{key} (time to target over {t['base']}'s): " + ", ".join(cells))
     print(f"wrote {path}")

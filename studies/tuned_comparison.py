@@ -333,6 +333,7 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
     target = statistics.fmean(value_at(c, target_step) for c in curves)
     half_target = statistics.fmean(half_targets.values())
     adamw_steps = {r["seed"]: steps_to(r["curve"], targets[r["seed"]]) for r in adamw}
+    adamw_half = {r["seed"]: steps_to(r["curve"], half_targets[r["seed"]]) for r in adamw}
     initial = statistics.fmean(r["curve"][0][1] for r in adamw)
     adamw_final = {r["seed"]: r["final"] for r in adamw}
     out = {}
@@ -348,6 +349,10 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
         reached = [steps_to(r["curve"], targets[r["seed"]]) for r in runs]
         reached_half = [steps_to(r["curve"], half_targets[r["seed"]]) for r in runs]
         over = [None if x is None else x / adamw_steps[r["seed"]] for x, r in zip(reached, runs, strict=True)]
+        # where a seed never reached it, it needed more than the run's steps: a lower bound on the mean ratio
+        at_least = [steps / adamw_steps[r["seed"]] if x is None else x for x, r in zip(over, runs, strict=True)]
+        half_over = [None if x is None else x / adamw_half[r["seed"]] for x, r in zip(reached_half, runs,
+                                                                                      strict=True)]
         top10 = [r["top10_share"] for r in runs if r["top10_share"] is not None]
         out[name] = dict(
             family=VARIANTS[name].family, best_lr=sweep.lr(name, t["k"]), best_k=t["k"], best_inside=t["inside"],
@@ -355,6 +360,7 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
             final=spread(finals), gap_vs_adamw=spread([r["final"] - adamw_final[r["seed"]] for r in runs]),
             final_over_adamw=spread([r["final"] / adamw_final[r["seed"]] for r in runs]),
             recovered=spread(shares), steps_to_target=spread(reached), steps_over_adamw=spread(over),
+            steps_over_adamw_at_least=statistics.fmean(at_least), half_steps_over_adamw=spread(half_over),
             reached=sum(x is not None for x in reached), seeds=len(runs), steps_to_target_per_seed=reached,
             steps_to_half_target=spread(reached_half), reached_half=sum(x is not None for x in reached_half),
             top10_share=statistics.fmean(top10) if top10 else None, grid=grid,

@@ -156,17 +156,25 @@ def test_an_unknown_variant_is_a_one_line_error(tmp_path):
 
 
 def summary_of(ratios: dict) -> dict:
-    return dict(variants={n: dict(steps_over_adamw=dict(mean=r)) for n, r in ratios.items()})
+    """(exact ratio or None, the lower bound, the half target's ratio) per variant."""
+    return dict(variants={n: dict(steps_over_adamw=dict(mean=r), steps_over_adamw_at_least=lb,
+                                  half_steps_over_adamw=dict(mean=h)) for n, (r, lb, h) in ratios.items()})
 
 
 def test_time_to_target_is_the_steps_ratio_times_the_modeled_step():
-    got = ttt.table({"w": summary_of({"adamw": 1.0, "offload": 1.0, "zenflow": 1.5, "overlap": None})})
+    got = ttt.table({"w": summary_of({"adamw": (1.0, 1.0, 1.0), "offload": (1.0, 1.0, 1.0),
+                                      "zenflow": (1.5, 1.5, 1.2), "overlap": (None, 1.4, None)})})
     for model, params in ttt.MODELS.items():
         rows = got[f"w/{model}"]["rows"]
         base = got[f"w/{model}"]["base"]
-        assert rows["zenflow"]["steps_ratio"] == pytest.approx(1.5) and rows["overlap"]["time_vs_" + base] is None
+        assert rows["zenflow"]["steps_ratio"] == pytest.approx(1.5) and not rows["zenflow"]["at_least"]
         want = 1.5 * rows["zenflow"]["step_s"] / rows[base]["step_s"]
         assert rows["zenflow"]["time_vs_" + base] == pytest.approx(want)
+        assert rows["zenflow"]["half_time_vs_" + base] == pytest.approx(want * 1.2 / 1.5)
+        # a seed that never reached the target: the lower bound, marked, and no figure at the half target
+        assert rows["overlap"]["at_least"] and rows["overlap"]["half_time_vs_" + base] is None
+        lower = 1.4 * rows["overlap"]["step_s"] / rows[base]["step_s"]
+        assert rows["overlap"]["time_vs_" + base] == pytest.approx(lower)
         # every step is at least the device's compute; offload's stall is its whole host update every step
         compute = 6.0 * params * ttt.PROFILE["tokens_per_step"] / (ttt.PROFILE["device_tflops"] * 1e12)
         assert all(r["step_s"] is None or r["step_s"] >= compute for r in rows.values())
