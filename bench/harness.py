@@ -220,18 +220,19 @@ def command_line() -> str | None:
 
 
 def git_state(root: Path = REPO) -> tuple[str | None, list[str]]:
-    """HEAD's full hash and the paths that differ from it: tracked files anywhere but ``bench/results`` and the
-    untracked ones under ``zenflow_kernels`` and ``bench`` (what could change a result). ``(None, [])`` outside a git
-    checkout."""
+    """HEAD's full hash and the paths that differ from it: tracked files anywhere but ``bench/results`` and
+    ``studies/results`` and the untracked ones under ``zenflow_kernels``, ``bench`` and ``studies`` (what could
+    change a result). ``(None, [])`` outside a git checkout."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root,
                               timeout=10).stdout.strip()
         if not head:
             return None, []
-        tracked = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                  ":(exclude)bench/results"], capture_output=True, text=True, cwd=root, timeout=10)
+        results = [":(exclude)bench/results", ":(exclude)studies/results"]
+        tracked = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *results],
+                                 capture_output=True, text=True, cwd=root, timeout=10)
         untracked = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", "zenflow_kernels",
-                                    "bench", ":(exclude)bench/results"], capture_output=True, text=True, cwd=root,
+                                    "bench", "studies", *results], capture_output=True, text=True, cwd=root,
                                    timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None, []

@@ -302,9 +302,10 @@ def spread(values) -> dict:
     return dict(mean=statistics.fmean(finite), min=min(finite), max=max(finite), n=len(finite), missing=0)
 
 
-def study(workload: str, names, quick: bool, log: Path | None, resume: bool) -> dict:
-    """Every variant's sweep and its figures at its own best rate; AdamW's first (its curve sets the target)."""
-    sweep = Sweep(workload, quick, log, resume)
+def study(workload: str, names, quick: bool, log: Path | None, resume: bool, sweep: Sweep | None = None) -> dict:
+    """Every variant's sweep and its figures at its own best rate; AdamW's first (its curve sets the target).
+    ``sweep``: one holding runs already (the tests summarise the committed runs again)."""
+    sweep = sweep or Sweep(workload, quick, log, resume)
     seeds, extra = (SEEDS[:1], EXTRA_SEEDS[:1]) if quick else (SEEDS, EXTRA_SEEDS)
     grid, extend = (GRID[1:4], 1) if quick else (GRID, MAX_EXTEND)
     tuned = {}

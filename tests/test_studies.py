@@ -193,3 +193,29 @@ def test_the_demo_rise_study_runs_and_all_fast_columns_are_adamw(tmp_path):
     adamw, fast = runs["adamw"]["curve"], runs["all_fast"]["curve"]
     assert [s for s, _ in fast] == [s for s, _ in adamw] == [0, 4, 8]  # every 4 steps
     assert [x for _, x in fast] == pytest.approx([x for _, x in adamw], rel=1e-5)
+
+
+COMMITTED = sorted((REPO / "studies" / "results").glob("tuned_*.json"))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[p.stem for p in COMMITTED])
+def test_a_committed_sweep_is_its_runs_summarised_again(path, monkeypatch):
+    """The committed summary is what the sweep's rules choose from the committed runs (no run missing: a run the
+    choice needs and the file lacks fails), made by a clean checkout with the command it names."""
+    data = json.loads(path.read_text())
+    workload = data["config"]["workload"]["name"]
+    assert data["record"]["clean"] and data["record"]["command"].startswith("python -m studies.tuned_comparison")
+    assert not data["config"]["quick"]
+    sweep = tc.Sweep(workload, quick=False, log=None, resume=False)
+    for r in data["runs"]:
+        sweep.runs[(r["variant"], r["k"], r["seed"])] = r
+    sweep.tasks[0] = type("Task", (), {"steps": data["summary"]["steps"]})()
+
+    def missing(*args, **kwargs):
+        raise AssertionError(f"a run the committed file lacks: {args[2:]}")
+
+    monkeypatch.setattr(tc, "run", missing)
+    again = tc.study(workload, list(data["config"]["variants"]), quick=False, log=None, resume=False, sweep=sweep)
+    assert json.loads(json.dumps(again)) == data["summary"]
+    assert all(v["best_inside"] is not False for v in again["variants"].values())  # every best inside its grid
+    assert {len(v["grid"]) for n, v in again["variants"].items() if n != "offload"} >= {6}
