@@ -50,7 +50,8 @@ def tuned_section() -> str:
                 continue
             v = s["variants"][name]
             steps = findings.steps_ratio(s, name) if v["family"] == "adam" else None
-            reach = f"{steps:.2f}" if steps is not None else f">={v['steps_over_adamw_at_least']:.2f}"
+            bound = v["steps_over_adamw_at_least"]
+            reach = f"{steps:.2f}" if steps is not None else f">={bound:.2f}" if bound is not None else "-"
             cells.append(f"{v['final_over_adamw']['mean']:.2f} / {reach} / {v['lr_over_adamw']:.2g}x")
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     adamw = ", ".join(f"{w} {lr_text(s['adamw_best_lr'])}" for w, s in summaries.items())
@@ -60,7 +61,7 @@ def tuned_section() -> str:
         rows = t["rows"]
         cells = [f"`{n}` {'>=' if rows[n]['at_least'] else ''}{rows[n]['time_vs_' + t['base']]:.2f}"
                  for n in ("offload", "zenflow", "overlap", "deepspeed", "lr_times_interval", "topk0.25_ui2")
-                 if n in rows]
+                 if n in rows and rows[n]["time_vs_" + t["base"]] is not None]
         tt_lines.append(f"- {key}: " + ", ".join(cells))
     runs = sum(len(r["runs"]) for r in records.values())
     return "\n".join(

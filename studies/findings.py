@@ -49,16 +49,22 @@ def lines(summaries: dict) -> list[str]:
     for w, s in summaries.items():
         v = s["variants"]
         z, st = final_ratio(s, "zenflow"), steps_ratio(s, "zenflow")
+        bound = v["zenflow"]["steps_over_adamw_at_least"]
         reach = (f"{st:.2f}x AdamW's steps to its 75% target" if st is not None else
-                 f"AdamW's 75% target in {v['zenflow']['reached']} of {v['zenflow']['seeds']} seeds within the run "
-                 f"(at least {v['zenflow']['steps_over_adamw_at_least']:.2f}x AdamW's steps)")
+                 f"AdamW's 75% target in {v['zenflow']['reached']} of {v['zenflow']['seeds']} seeds within the run"
+                 + (f" (at least {bound:.2f}x AdamW's steps)" if bound is not None else ""))
+        gain = 1 - v["adamw"]["final"]["mean"] / s["initial_heldout"]
+        accuracy = v["adamw"].get("metrics", {}).get("accuracy")
+        weak = (f" AdamW itself improves the held-out loss by only {gain:.1%} here"
+                + (f" (accuracy {accuracy['mean']:.2f}, chance 0.125)" if accuracy else "")
+                + ": differences this small are within the seeds' noise." if gain < 0.03 else "")
         top = v["zenflow"]["top10_share"]
         best = min((n for n in v if v[n]["family"] == "adam" and n not in ("adamw", "offload")),
                    key=lambda n: v[n]["final"]["mean"])
         out.append(f"- **{LABELS.get(w, w)}** (top-10% share {top:.2f}): ZenFlow's defaults end at "
                    f"{_fmt(z)} tuned AdamW's final loss, {reach}; their best rate is "
                    f"{v['zenflow']['lr_over_adamw']:.2g}x AdamW's. The best ZenFlow variant there is `{best}` "
-                   f"({_fmt(final_ratio(s, best))}, at {v[best]['lr_over_adamw']:.2g}x AdamW's rate).")
+                   f"({_fmt(final_ratio(s, best))}, at {v[best]['lr_over_adamw']:.2g}x AdamW's rate).{weak}")
     winners = sorted({n for s in summaries.values() for n in s["variants"]
                       if n not in ("adamw", "offload") and beats_adamw(s, n)
                       and s["variants"][n]["family"] == "adam"})

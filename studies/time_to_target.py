@@ -111,11 +111,12 @@ def table(summaries: dict, profile: dict = PROFILE) -> dict:
                     continue
                 exact = v["steps_over_adamw"]["mean"]  # None where a seed never reached the target
                 # else the lower bound: such a seed needed more than the run's steps
-                ratio = exact if exact is not None else v["steps_over_adamw_at_least"]
+                ratio = exact if exact is not None else v["steps_over_adamw_at_least"]  # (None: no ratio at all)
                 half = v["half_steps_over_adamw"]["mean"]
                 step = timing["step_s"]
                 rows[name] = dict(steps_ratio=ratio, at_least=exact is None, half_target_steps_ratio=half,
-                                  step_s=step, time_per_adamw_step_s=None if step is None else ratio * step,
+                                  step_s=step,
+                                  time_per_adamw_step_s=None if step is None or ratio is None else ratio * step,
                                   half_time_per_adamw_step_s=None if step is None or half is None else half * step,
                                   **{k: x for k, x in timing.items() if k != "step_s"})
             base_name = "adamw" if rows["adamw"]["step_s"] is not None else "offload"

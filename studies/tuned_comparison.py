@@ -295,6 +295,12 @@ def steps_to(curve, target: float, rtol: float = 1e-6) -> float | None:
     return None
 
 
+def ratio(steps: float | None, adamw_steps: float | None) -> float | None:
+    """Steps over AdamW's; None where either is missing or AdamW's is 0 (its own target no lower than its start: a
+    run that did not improve on it gives no ratio)."""
+    return None if steps is None or not adamw_steps else steps / adamw_steps
+
+
 def spread(values) -> dict:
     finite = [v for v in values if v is not None and math.isfinite(v)]
     if len(finite) < len(values):
@@ -349,11 +355,10 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
         shares = [(r["curve"][0][1] - r["final"]) / (r["curve"][0][1] - adamw_final[r["seed"]]) for r in runs]
         reached = [steps_to(r["curve"], targets[r["seed"]]) for r in runs]
         reached_half = [steps_to(r["curve"], half_targets[r["seed"]]) for r in runs]
-        over = [None if x is None else x / adamw_steps[r["seed"]] for x, r in zip(reached, runs, strict=True)]
+        over = [ratio(x, adamw_steps[r["seed"]]) for x, r in zip(reached, runs, strict=True)]
         # where a seed never reached it, it needed more than the run's steps: a lower bound on the mean ratio
-        at_least = [steps / adamw_steps[r["seed"]] if x is None else x for x, r in zip(over, runs, strict=True)]
-        half_over = [None if x is None else x / adamw_half[r["seed"]] for x, r in zip(reached_half, runs,
-                                                                                      strict=True)]
+        at_least = [ratio(steps, adamw_steps[r["seed"]]) if x is None else x for x, r in zip(over, runs, strict=True)]
+        half_over = [ratio(x, adamw_half[r["seed"]]) for x, r in zip(reached_half, runs, strict=True)]
         top10 = [r["top10_share"] for r in runs if r["top10_share"] is not None]
         out[name] = dict(
             family=VARIANTS[name].family, best_lr=sweep.lr(name, t["k"]), best_k=t["k"], best_inside=t["inside"],
@@ -361,7 +366,8 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
             final=spread(finals), gap_vs_adamw=spread([r["final"] - adamw_final[r["seed"]] for r in runs]),
             final_over_adamw=spread([r["final"] / adamw_final[r["seed"]] for r in runs]),
             recovered=spread(shares), steps_to_target=spread(reached), steps_over_adamw=spread(over),
-            steps_over_adamw_at_least=statistics.fmean(at_least), half_steps_over_adamw=spread(half_over),
+            steps_over_adamw_at_least=None if None in at_least else statistics.fmean(at_least),
+            half_steps_over_adamw=spread(half_over),
             reached=sum(x is not None for x in reached), seeds=len(runs), steps_to_target_per_seed=reached,
             steps_to_half_target=spread(reached_half), reached_half=sum(x is not None for x in reached_half),
             top10_share=statistics.fmean(top10) if top10 else None, grid=grid,
