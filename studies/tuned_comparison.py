@@ -101,7 +101,8 @@ def _variants() -> dict[str, Variant]:
 VARIANTS = _variants()
 # (in the order they run: a sweep cut short still holds the main comparisons)
 GPT_VARIANTS = ("adamw", "offload", "zenflow", "deepspeed", "overlap", "lr_times_interval", "lion", "zenflow_lion",
-                "sgd", "zenflow_sgd", "host_step_count", "reselect_state", "topk0.05_ui8", "topk0.25_ui2")
+                "sgd", "zenflow_sgd", "host_step_count", "reselect_state", "topk0.05_ui8", "topk0.25_ui2",
+                "topk0.05_ui2")
 
 
 def variants_of(workload: str) -> tuple[str, ...]:
