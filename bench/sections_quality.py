@@ -39,7 +39,7 @@ def tuned_section() -> str:
     summaries = tuned_summaries()
     records = {w: json.loads((RESULTS / f"tuned_{w}.json").read_text()) for w in summaries}
     names = ["zenflow", "overlap", "deepspeed", "host_step_count", "reselect_state", "lr_times_interval",
-             "topk0.05_ui8", "topk0.25_ui2", "zenflow_lion", "zenflow_sgd"]
+             "topk0.05_ui2", "topk0.05_ui8", "topk0.25_ui2", "zenflow_lion", "zenflow_sgd"]
     lines = ["| variant | " + " | ".join(f"{w} ({summaries[w]['variants']['zenflow']['top10_share']:.2f})"
                                        for w in summaries) + " |", "|---|" + "---|" * len(summaries)]
     for name in names:

@@ -70,7 +70,15 @@ def lines(summaries: dict) -> list[str]:
                       and s["variants"][n]["family"] == "adam"})
     out.append("- **Better than tuned AdamW on every seed:** " + (
         ", ".join(f"`{n}` on " + ", ".join(w for w, s in summaries.items() if n in s["variants"] and beats_adamw(s, n))
-                  for n in winners) if winners else "no ZenFlow variant, on any workload") + ".")
+                  for n in winners) if winners else "no ZenFlow variant of AdamW, on any workload") + ".")
+    everywhere = sorted({n for s in summaries.values() for n, v in s["variants"].items()
+                         if v["family"] == "adam" and n not in ("adamw", "offload", "zenflow")
+                         and sum(n in t["variants"] for t in summaries.values()) == len(summaries)
+                         and wins_everywhere(summaries, n)})
+    out.append("- **Better than the defaults on every workload:** " + (", ".join(
+        f"`{n}` (" + ", ".join(f"{final_ratio(s, n)['mean']:.3f}x against {final_ratio(s, 'zenflow')['mean']:.3f}x"
+                               for s in summaries.values()) + ")" for n in everywhere) if everywhere else "none")
+        + ", each as final loss over tuned AdamW's.")
     for name in ("deepspeed", "lr_times_interval", "host_step_count", "overlap"):
         ratios = [f"{w} {final_ratio(s, name)['mean']:.2f}x (rate {s['variants'][name]['lr_over_adamw']:.2g}x)"
                   for w, s in summaries.items() if name in s["variants"]]
