@@ -290,7 +290,13 @@ def autocast(cfg: E2EConfig, device: torch.device):
 @torch.no_grad()
 def heldout_loss(prep: Prepared, state: dict, batch: int = 16) -> float:
     """Mean next-byte loss (nats/byte) of weights ``state`` on the fixed held-out windows."""
-    model = make_model(prep, state)
+    return model_heldout_loss(prep, make_model(prep, state), batch)
+
+
+@torch.no_grad()
+def model_heldout_loss(prep: Prepared, model: torch.nn.Module, batch: int = 16) -> float:
+    """:func:`heldout_loss` of a live model (evaluated in eval mode; its training mode is put back)."""
+    was = model.training
     model.eval()
     total, n = 0.0, 0
     for i in range(0, prep.eval_x.shape[0], batch):
@@ -298,6 +304,7 @@ def heldout_loss(prep: Prepared, state: dict, batch: int = 16) -> float:
         with autocast(prep.cfg, prep.device):
             total += float(model.loss(x, y)) * x.shape[0]
         n += x.shape[0]
+    model.train(was)
     return total / n
 
 

@@ -36,8 +36,8 @@ def tuned_section() -> str:
     from studies import findings
     from studies.tuned_comparison import RESULTS
 
-    summaries = tuned_summaries()
-    records = {w: json.loads((RESULTS / f"tuned_{w}.json").read_text()) for w in summaries}
+    records = findings.load_results()
+    summaries = {w: r["summary"] for w, r in records.items()}
     names = ["zenflow", "overlap", "deepspeed", "host_step_count", "reselect_state", "lr_times_interval",
              "topk0.05_ui2", "topk0.05_ui8", "topk0.25_ui2", "zenflow_lion", "zenflow_sgd"]
     lines = ["| variant | " + " | ".join(f"{w} ({summaries[w]['variants']['zenflow']['top10_share']:.2f})"

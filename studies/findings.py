@@ -13,9 +13,14 @@ LABELS = {"study_flat": "the MLP, flat gradient", "study_concentrated": "the MLP
           "gpt_finetune": "the byte GPT fine-tuned on a new corpus", "gpt_classify": "the byte GPT given a new head"}
 
 
+def load_results(results: Path = RESULTS) -> dict:
+    """Every workload's whole result file (summary, runs, record), by name."""
+    return {w: json.loads((results / f"tuned_{w}.json").read_text()) for w in WORKLOADS}
+
+
 def load(results: Path = RESULTS) -> dict:
     """Every workload's summary, by name."""
-    return {w: json.loads((results / f"tuned_{w}.json").read_text())["summary"] for w in WORKLOADS}
+    return {w: r["summary"] for w, r in load_results(results).items()}
 
 
 def final_ratio(summary: dict, name: str) -> dict:

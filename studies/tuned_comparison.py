@@ -332,13 +332,12 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
     steps = sweep.task(0).steps
     at_best = {n: [sweep.runs[(n, t["k"], s)] for s in t["seeds"]] for n, t in tuned.items()}
     adamw = at_best["adamw"]
-    curves = [r["curve"] for r in adamw]
     target_step = TARGET_AT * steps
     # per seed (the seed changes the byte GPT's corpus and pre-training, so the seeds' losses differ in level): the
     # loss AdamW's run of that seed reaches at 75% of the steps, and a looser one beside it, at half the steps
     targets = {r["seed"]: value_at(r["curve"], target_step) for r in adamw}
     half_targets = {r["seed"]: value_at(r["curve"], steps / 2) for r in adamw}
-    target = statistics.fmean(value_at(c, target_step) for c in curves)
+    target = statistics.fmean(targets.values())
     half_target = statistics.fmean(half_targets.values())
     adamw_steps = {r["seed"]: steps_to(r["curve"], targets[r["seed"]]) for r in adamw}
     adamw_half = {r["seed"]: steps_to(r["curve"], half_targets[r["seed"]]) for r in adamw}
@@ -389,33 +388,39 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
 # -- plot, command line ----------------------------------------------------------------------------------------
 
 
+def draw_tuning(ax, summary: dict, families, only=None) -> None:
+    """One panel of tuning curves: each variant of ``families`` (and in ``only``, where given), its final held-out
+    loss (mean over seeds 0-2, their range as a band) against the learning rate, a star at its chosen rate, the
+    target as a dotted line."""
+    for name, v in summary["variants"].items():
+        if v["family"] not in families or len(v["grid"]) < 2 or (only is not None and name not in only):
+            continue
+        pts = [(g["lr"], g["final_3_seeds"]) for g in v["grid"] if g["final_3_seeds"]["mean"] is not None]
+        if not pts:
+            continue
+        xs = [x for x, _ in pts]
+        line, = ax.plot(xs, [s["mean"] for _, s in pts], marker="o", ms=3, lw=1, label=name,
+                        ls="-" if "zenflow" in name or v["family"] == "adam" else "--")
+        ax.fill_between(xs, [s["min"] for _, s in pts], [s["max"] for _, s in pts], color=line.get_color(),
+                        alpha=0.12)
+        ax.plot([v["best_lr"]], [v["final"]["mean"]], marker="*", ms=10, color=line.get_color())
+    ax.axhline(summary["target"], color="grey", lw=0.8, ls=":",
+               label="target (AdamW at 75% of the steps, mean of the seeds)")
+    ax.set(xscale="log", xlabel="learning rate", ylabel="final held-out loss (mean, range over seeds 0-2)",
+           title=f"{summary['workload']}: {'/'.join(families)}")
+    finite = [g["final_3_seeds"]["mean"] for v in summary["variants"].values() for g in v["grid"]
+              if v["family"] in families and g["final_3_seeds"]["mean"] is not None]
+    if finite:
+        lo = min(finite)
+        ax.set_ylim(lo - 0.02 * abs(lo), min(max(finite), summary["initial_heldout"] * 1.05))
+    ax.legend(fontsize=7, ncol=2)
+
+
 def plot(summary: dict, path: Path) -> None:
-    """The tuning curves: final held-out loss (mean over seeds 0-2, their range) against the learning rate, the
-    Adam family in one panel and Lion and SGD, plain and under ZenFlow, in the other."""
+    """The tuning curves: the Adam family in one panel, Lion and SGD, plain and under ZenFlow, in the other."""
     fig, axes = plt().subplots(1, 2, figsize=(13, 5))
     for ax, families in zip(axes, (("adam",), ("lion", "sgd")), strict=True):
-        for name, v in summary["variants"].items():
-            if v["family"] not in families or len(v["grid"]) < 2:
-                continue
-            pts = [(g["lr"], g["final_3_seeds"]) for g in v["grid"] if g["final_3_seeds"]["mean"] is not None]
-            if not pts:
-                continue
-            xs = [x for x, _ in pts]
-            line, = ax.plot(xs, [s["mean"] for _, s in pts], marker="o", ms=3, lw=1, label=name,
-                            ls="-" if "zenflow" in name or v["family"] == "adam" else "--")
-            ax.fill_between(xs, [s["min"] for _, s in pts], [s["max"] for _, s in pts], color=line.get_color(),
-                            alpha=0.12)
-            ax.plot([v["best_lr"]], [v["final"]["mean"]], marker="*", ms=10, color=line.get_color())
-        ax.axhline(summary["target"], color="grey", lw=0.8, ls=":",
-                   label="target (AdamW at 75% of the steps, mean of the seeds)")
-        ax.set(xscale="log", xlabel="learning rate", ylabel="final held-out loss (mean, range over seeds 0-2)",
-               title=f"{summary['workload']}: {'/'.join(families)}")
-        finite = [g["final_3_seeds"]["mean"] for v in summary["variants"].values() for g in v["grid"]
-                  if v["family"] in families and g["final_3_seeds"]["mean"] is not None]
-        if finite:
-            lo = min(finite)
-            ax.set_ylim(lo - 0.02 * abs(lo), min(max(finite), summary["initial_heldout"] * 1.05))
-        ax.legend(fontsize=7, ncol=2)
+        draw_tuning(ax, summary, families)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

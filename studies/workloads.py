@@ -126,15 +126,8 @@ class GPTFinetuneTask(Task):
         x, y = self.data.windows(self.prep.corpus.train.data, self.prep.starts[step], self.context)
         return model.loss(x, y)
 
-    @torch.no_grad()
     def heldout(self, model):
-        was = model.training
-        model.eval()
-        ex, ey = self.prep.eval_x, self.prep.eval_y
-        total = sum(float(model.loss(ex[i:i + 16], ey[i:i + 16])) * ex[i:i + 16].shape[0]
-                    for i in range(0, ex.shape[0], 16))
-        model.train(was)
-        return total / ex.shape[0]
+        return self.e2e.model_heldout_loss(self.prep, model)
 
 
 class PackageClassifier(torch.nn.Module):

@@ -111,20 +111,25 @@ def test_the_packing_work_items_cover_every_row_of_every_block_once():
     assert all((c == 1).all() for c in covered)
 
 
-class Literals(rules.UpdateRule):
-    """Every op the compiled path rewrites (a number as a Scalar argument), each with a literal number, not a graph
-    input: Inductor's own decomposition there."""
+class LrOnly(rules.UpdateRule):
+    """A test rule whose only hyper-parameter is the learning rate (no group defaults, no step count)."""
 
-    name = "Literals"
-    state_names = ("avg", "sq")
     uses_step = False
-    compile = True
 
     def group_defaults(self):
         return {}
 
     def numbers(self, group):
         return dict(lr=float(group["lr"]))
+
+
+class Literals(LrOnly):
+    """Every op the compiled path rewrites (a number as a Scalar argument), each with a literal number, not a graph
+    input: Inductor's own decomposition there."""
+
+    name = "Literals"
+    state_names = ("avg", "sq")
+    compile = True
 
     def step_(self, param, grad, state, *, step, lr):
         avg, sq = state["avg"], state["sq"]
@@ -411,18 +416,11 @@ def test_stats_say_which_path_each_place_of_the_rule_runs():
 # -- the rule contract -------------------------------------------------------------------------------------------------
 
 
-class NoDecay(rules.UpdateRule):
+class NoDecay(LrOnly):
     """Sign descent without weight decay: no ``weight_decay`` anywhere."""
 
     name = "NoDecay"
     state_names = ()
-    uses_step = False
-
-    def group_defaults(self):
-        return {}
-
-    def numbers(self, group):
-        return dict(lr=float(group["lr"]))
 
     def step_(self, param, grad, state, *, step, lr):
         param.add_(grad.sign(), alpha=-lr)

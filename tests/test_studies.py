@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from studies import demo_rise
 from studies import time_to_target as ttt
 from studies import tuned_comparison as tc
 
@@ -119,7 +121,7 @@ def test_plain_lion_is_the_papers_arithmetic():
 def run_quick(tmp_path, workload, *variants):
     proc = subprocess.run([sys.executable, "-m", "studies.tuned_comparison", "--workload", workload, "--quick",
                            "--out", str(tmp_path), "--variants", *variants], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**__import__("os").environ, "ZENFLOW_E2E_CACHE": str(tmp_path)})
+                          text=True, timeout=600, env={**os.environ, "ZENFLOW_E2E_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / f"tuned_{workload}.json").read_text())
 
@@ -185,10 +187,10 @@ def test_time_to_target_is_the_steps_ratio_times_the_modeled_step():
 def test_the_demo_rise_study_runs_and_all_fast_columns_are_adamw(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "studies.demo_rise", "--model", "tiny", "--steps", "8", "--out",
                            str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "ZENFLOW_E2E_CACHE": str(tmp_path)})
+                          env={**os.environ, "ZENFLOW_E2E_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((tmp_path / "demo_rise.json").read_text())["runs"]
-    assert set(runs) == set(__import__("studies.demo_rise", fromlist=["CASES"]).CASES)
+    assert set(runs) == set(demo_rise.CASES)
     # every column on the fast path every step is AdamW's arithmetic: the same held-out curve as torch's AdamW
     adamw, fast = runs["adamw"]["curve"], runs["all_fast"]["curve"]
     assert [s for s, _ in fast] == [s for s, _ in adamw] == [0, 4, 8]  # every 4 steps
