@@ -27,8 +27,10 @@ on the host every step, run at AdamW's best rate only, as a check that its curve
 in the ablations (``zenflow``: ``topk_ratio`` 0.1, ``update_interval`` 4, ``select_interval`` 8, no warm-up, no
 overlap); ``overlap``; ``deepspeed`` (``semantics="deepspeed"``) and each DeepSpeed choice alone (``select_anchor``
 with 3 warm-up rounds, against ``warm_up3``); the ``topk_ratio`` x ``update_interval`` corners; the host learning
-rate times the interval (``lr_times_interval``, examples/ablations.py); Lion and SGD (momentum 0.9) plain and
-under ZenFlow. The byte-GPT workloads run a subset (``GPT_VARIANTS``): each of their runs costs ~20x the MLP's.
+rate times the interval (``lr_times_interval``, examples/ablations.py); the host moments in bf16, rounded to
+nearest (``bf16_nearest``) or stochastically (``bf16_stochastic``, ``zenflow_kernels.rounding``), ZenFlow's defaults
+otherwise; Lion and SGD (momentum 0.9) plain and under ZenFlow. The byte-GPT workloads run a subset
+(``GPT_VARIANTS``): each of their runs costs ~20x the MLP's.
 
 Results: ``tuned_{workload}.json`` (command, machine, commit, every run's curve, the summary) and
 ``tuned_{workload}.png`` (the tuning curves) in ``studies/results``; the runs are appended to
@@ -68,13 +70,15 @@ OFFLOAD = dict(full_warm_up_rounds=10**9, overlap_step=False, select_strategy="s
 class Variant:
     """``family``: whose grid centre it starts from ("adam", "lion", "sgd"); ``kind``: "adamw", "lion", "sgd"
     (plain) or "zenflow" or "lr_times_interval"; ``zenflow``: overrides of ``BASE_ZENFLOW``; ``rule``: the
-    ZenFlow rule ("adamw", "lion", "sgd"); ``check``: run at AdamW's best rate only."""
+    ZenFlow rule ("adamw", "lion", "sgd"); ``check``: run at AdamW's best rate only; ``state``: the rule's host state
+    ("fp32", or bf16 rounded "nearest" or "stochastic")."""
 
     family: str
     kind: str
     zenflow: dict = dataclasses.field(default_factory=dict)
     rule: str = "adamw"
     check: bool = False
+    state: str = "fp32"
 
 
 def _variants() -> dict[str, Variant]:
@@ -91,6 +95,8 @@ def _variants() -> dict[str, Variant]:
             out[f"topk{k:g}_ui{u}"] = Variant("adam", "zenflow", dict(topk_ratio=k, update_interval=u,
                                                                       select_interval=2 * u))
     out["lr_times_interval"] = Variant("adam", "lr_times_interval")
+    for rounding in ("nearest", "stochastic"):  # ZenFlow's defaults with the host moments in bf16
+        out[f"bf16_{rounding}"] = Variant("adam", "zenflow", state=rounding)
     out["lion"] = Variant("lion", "lion")
     out["zenflow_lion"] = Variant("lion", "zenflow", rule="lion")
     out["sgd"] = Variant("sgd", "sgd")
@@ -102,7 +108,7 @@ VARIANTS = _variants()
 # (in the order they run: a sweep cut short still holds the main comparisons)
 GPT_VARIANTS = ("adamw", "offload", "zenflow", "deepspeed", "overlap", "lr_times_interval", "lion", "zenflow_lion",
                 "sgd", "zenflow_sgd", "host_step_count", "reselect_state", "topk0.05_ui8", "topk0.25_ui2",
-                "topk0.05_ui2")
+                "topk0.05_ui2", "bf16_nearest", "bf16_stochastic")
 
 
 def variants_of(workload: str) -> tuple[str, ...]:
@@ -148,6 +154,9 @@ def build_optimizer(variant: Variant, params, lr: float, weight_decay: float):
         return ZenFlow(params, rules.Lion(weight_decay=weight_decay), lr=lr, zenflow=zen)
     if variant.rule == "sgd":
         return ZenFlow(params, rules.SGD(momentum=0.9, weight_decay=weight_decay), lr=lr, zenflow=zen)
+    if variant.state != "fp32":  # (rules.AdamW's defaults are ZenFlowAdamW's: betas (0.9, 0.999), eps 1e-8)
+        return ZenFlow(params, rules.AdamW(weight_decay=weight_decay, state_dtype=torch.bfloat16,
+                                           state_rounding=variant.state), lr=lr, zenflow=zen)
     return ZenFlowAdamW(params, lr=lr, weight_decay=weight_decay, zenflow=zen)
 
 

@@ -202,7 +202,12 @@ def wrap(model, case):
 
 def make_rule(case: dict):
     """``case["rule"]`` (``[name, arguments]`` of ``zenflow_kernels.rules``) made, or None (AdamW at ``HYPER``)."""
-    return getattr(rules, case["rule"][0])(**case["rule"][1]) if case.get("rule") else None
+    if not case.get("rule"):
+        return None
+    name, arguments = case["rule"]
+    if "state_dtype" in arguments:  # (by name: cases cross to the workers as JSON)
+        arguments = dict(arguments, state_dtype=getattr(torch, arguments["state_dtype"]))
+    return getattr(rules, name)(**arguments)
 
 
 def optimizer(groups, case: dict, **kwargs):

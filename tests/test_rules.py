@@ -15,7 +15,9 @@ from support import HYPER, drive, grad_sequence, make_params, params_at, snapsho
 from tolerance import assert_within_stated_bound
 
 from zenflow_kernels import ZenFlow, ZenFlowAdamW, rules
+from zenflow_kernels.host import layout
 from zenflow_kernels.reference import ReferenceZenFlow
+from zenflow_kernels.rounding import StochasticRounding, round_to_bf16
 from zenflow_kernels.testing import chaos
 
 pytestmark = pytest.mark.usefixtures("numba_backend")
@@ -322,47 +324,63 @@ def test_the_rule_in_the_docs_is_the_one_tested():
     assert "def step_(" in code and code in (root / "docs" / "hacking.md").read_text()
 
 
-def rounded_history(name, grads):
+def rounded_history(name, grads, rounding="nearest", seed=0):
     """The oracle of a rule whose host state is bf16, with every column on the host at every step: torch's AdamW (or
-    Lion's paper loop) whose matrices' state is rounded to bf16 (nearest even) after each step. The step reads the
-    stored (rounded) state and updates the parameter with the unrounded new one; vectors stay on the device, fp32."""
+    Lion's paper loop) whose matrices' state is rounded to bf16 after each step: to nearest even (torch's cast), or
+    stochastically (``zenflow_kernels.rounding.round_to_bf16``, itself checked against the hash in plain Python in
+    tests/test_stochastic_rounding.py) with the bits of host step t + 1 and each element's offset in the host
+    layout. The step reads the stored (rounded) state and updates the parameter with the unrounded new one; vectors
+    stay on the device, fp32."""
     params = make_params()
-    matrices = [p for p in params if p.dim() == 2]
+    offsets = layout(params, [0] * len(params))[1]
+    matrices = [(i, p) for i, p in enumerate(params) if p.dim() == 2]
+
+    def stored(x, i, t, k):
+        if rounding == "nearest":
+            return x.bfloat16().float()
+        return round_to_bf16(x, StochasticRounding(seed, t + 1, offsets[i].offset), k).float()
+
     history = []
     if name == "adamw":
         opt = CASES["adamw"][1](params)
-        for step in grads:
+        for t, step in enumerate(grads):
             for p, g in zip(params, step, strict=True):
                 p.grad = g.clone()
             opt.step()
-            for p in matrices:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    opt.state[p][key].copy_(opt.state[p][key].bfloat16().float())
+            for i, p in matrices:
+                for k, key in enumerate(("exp_avg", "exp_avg_sq")):
+                    opt.state[p][key].copy_(stored(opt.state[p][key], i, t, k))
             history.append(snapshot(params))
         return history
     m = [torch.zeros_like(p) for p in params]
-    for step in grads:  # Lion, as lion_paper, the matrices' moments rounded
+    for t, step in enumerate(grads):  # Lion, as lion_paper, the matrices' moments rounded
         for n, (p, g) in enumerate(zip(params, step, strict=True)):
             p = p.data
             c = 0.9 * m[n] + 0.1 * g
             p.sub_(LR * (torch.sign(c) + 0.1 * p))
             m[n] = 0.99 * m[n] + 0.01 * g
             if p.dim() == 2:
-                m[n] = m[n].bfloat16().float()
+                m[n] = stored(m[n], n, t, 0)
         history.append(snapshot(params))
     return history
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("mode", ["sync", "chaos0"])
 @pytest.mark.parametrize("name", ["adamw", "lion"])
-def test_bf16_host_state_is_the_rule_with_its_state_rounded(name, mode):
+def test_bf16_host_state_is_the_rule_with_its_state_rounded(name, mode, rounding):
     """``state_dtype=torch.bfloat16``: every column on the host at every step is the rule whose stored state is
-    rounded to bf16 after each step (the host kernel computes in fp32 from the stored values)."""
+    rounded to bf16 after each step (the host kernel computes in fp32 from the stored values), to nearest or
+    stochastically (``state_rounding``)."""
     zen = dict(topk_ratio=0.0, update_interval=1, select_strategy="step", select_interval=4, overlap_step=False)
-    rule = (rules.AdamW(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05, state_dtype=torch.bfloat16) if name == "adamw"
-            else rules.Lion(betas=(0.9, 0.99), weight_decay=0.1, state_dtype=torch.bfloat16))
+    storage = dict(state_dtype=torch.bfloat16, state_rounding=rounding, rounding_seed=5)
+    rule = (rules.AdamW(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05, **storage) if name == "adamw"
+            else rules.Lion(betas=(0.9, 0.99), weight_decay=0.1, **storage))
     grads = grad_sequence(10)
-    want = rounded_history(name, grads)
+    want = rounded_history(name, grads, rounding, seed=5)
+    if rounding == "stochastic":  # (the stochastic bits matter: the oracle rounded to nearest is another trajectory)
+        assert any(not torch.equal(x, y) for a, b in zip(want, rounded_history(name, grads), strict=True)
+                   for x, y in zip(a, b, strict=True))
     params = make_params()
     with make(params, rule, zen, mode) as opt:
         got = drive(opt, params, grads)

@@ -15,7 +15,7 @@ import zero_worker  # noqa: E402
 from support import assert_same_state, launch  # noqa: E402
 from tolerance import assert_all_within_stated_bound  # noqa: E402
 
-from zenflow_kernels import ZenFlowAdamW, rules
+from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.config import ZenFlowConfig
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
@@ -52,7 +52,7 @@ def single_rank(case: dict, world: int, steps: int | None = None, state=None):
 
 def reference(case: dict, world: int):
     params = [torch.nn.Parameter(p.detach().float()) for p in zero_worker.make_params()]
-    rule = getattr(rules, case["rule"][0])(**case["rule"][1]) if case.get("rule") else None
+    rule = zero_worker.make_rule(case) if case.get("rule") else None
     hyper = zero_worker.HYPER if rule is None else dict(lr=zero_worker.HYPER["lr"])  # (a rule has its own)
     ref = ReferenceZenFlow(zero_worker.param_groups(params, case), **hyper, zenflow=case["zenflow"],
                            max_grad_norm=case.get("max_grad_norm"), rule=rule)
@@ -119,6 +119,16 @@ CASES = [
          rule=["Lion", dict(betas=[0.9, 0.99], weight_decay=0.1)], reload_at=[10]),
     dict(name="sgd_clip_save", zenflow=ZEN, steps=20, max_grad_norm=5.0, save_at=10,
          rule=["SGD", dict(momentum=0.9, nesterov=True, weight_decay=0.01)]),
+    # bf16 host state rounded stochastically: each element's bits keyed by its place in the whole model's host
+    # layout, so the ranks' shards round as one process does; reloaded mid-run, and (ZeRO-1) with frozen parameters
+    # trained later, which lays the host state out again (and moves every key)
+    dict(name="s2_bf16_state_stochastic_overlap_chaos", zenflow=dict(ZEN, overlap_step=True), steps=20, zero_stage=2,
+         chaos=1, reload_at=[10], rule=["AdamW", dict(state_dtype="bfloat16", state_rounding="stochastic",
+                                                      rounding_seed=11)]),
+    dict(name="bf16_state_stochastic_frozen_groups", zenflow=ZEN, steps=20, groups=True, chaos=0,
+         frozen=dict(params=[0, 1], until=8, again=[13, [2]]),
+         rule=["Lion", dict(betas=[0.9, 0.99], weight_decay=0.1, state_dtype="bfloat16",
+                            state_rounding="stochastic")]),
     # DeepSpeed's six choices (tests/test_deepspeed_semantics.py): the gradients divided by the interval, host steps
     # numbered by t, state reset at each selection, selections at absolute multiples of the interval
     dict(name="s2_deepspeed_overlap_chaos_clip", zenflow=dict(ZEN, overlap_step=True, semantics="deepspeed"),
@@ -203,7 +213,8 @@ def test_two_ranks_match_one_rank_and_the_reference(two_ranks, case):
     # 1 rank fed the average as the all-reduce computes it (g0 + g1, then / 2): the same bits
     for i, (a, b) in enumerate(zip(ranks[0]["params"], one, strict=True)):
         assert torch.equal(a, b), f"param {i}: 2 ranks differ from 1 rank on their average by {(a - b).abs().max()}"
-    if case.get("dtype", "float32") == "float32":
+    if case.get("dtype", "float32") == "float32" and "state_dtype" not in (case.get("rule") or [None, {}])[1]:
+        # (bf16 host state against the fp32 reference: tests/test_stochastic_rounding.py has its oracle)
         assert_as_stated(ranks[0]["params"], reference(case, world=2), case, "2 ranks against the reference")
     # and the weights moved: the comparison is not between two copies of the initial values
     init = zero_worker.make_params(getattr(torch, case.get("dtype", "float32")))

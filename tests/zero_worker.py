@@ -205,8 +205,16 @@ def optimizer(groups, case: dict, **kwargs):
     ZenFlow with that rule at ``HYPER``'s lr (``opt_kwargs`` as for ZenFlowAdamW: zenflow=, max_grad_norm=, ...)."""
     if not case.get("rule"):
         return ZenFlowAdamW(groups, **HYPER, **kwargs)
+    return ZenFlow(groups, make_rule(case), lr=HYPER["lr"], **kwargs)
+
+
+def make_rule(case: dict):
+    """``case["rule"]``: ``[name, arguments]`` of ``zenflow_kernels.rules``, a ``state_dtype`` given by name (cases
+    cross to the workers as JSON)."""
     name, arguments = case["rule"]
-    return ZenFlow(groups, getattr(rules, name)(**arguments), lr=HYPER["lr"], **kwargs)
+    if "state_dtype" in arguments:
+        arguments = dict(arguments, state_dtype=getattr(torch, arguments["state_dtype"]))
+    return getattr(rules, name)(**arguments)
 
 
 def run_case(case: dict, rank: int, world: int, out_dir: Path) -> None:

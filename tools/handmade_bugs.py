@@ -700,7 +700,7 @@ BUGS = [
     Bug(
         "bf16-state-not-written-back",
         "zenflow_kernels/rules/base.py",
-        "                t.copy_(w)\n",
+        "                t.copy_(w if rounding is None else round_to_bf16(w, rounding, k))\n",
         "                pass\n",
         "a rule without a host kernel (UpdateRule's torch host_step_) and bf16 state steps fp32 copies of its state "
         "and never writes them back: its host state stays zero",
@@ -807,8 +807,8 @@ BUGS = [
     Bug(
         "adam-host-kernel-decoupled",
         "zenflow_kernels/rules/adamw.py",
-        "zero_grad=zero_grad, adamw=self.decoupled, **numbers)",
-        "zero_grad=zero_grad, adamw=True, **numbers)",
+        "zero_grad=zero_grad, adamw=self.decoupled, rounding=rounding, **numbers)",
+        "zero_grad=zero_grad, adamw=True, rounding=rounding, **numbers)",
         "Adam's host pass runs the numba kernel as AdamW: the host decays the weight decoupled while the fast path "
         "adds the L2 term to the gradient",
         tests=ORACLES, k="adam-groups-host-every-step-numbafast-numbahost or adam-numba-host",
@@ -1042,6 +1042,33 @@ BUGS = [
         "",
         "ReferenceZenFlow(weight_decay=0.5, rule=RMSprop()) silently ignores the 0.5",
         tests=("tests/test_compiled_rules.py",), k="refuses_hyperparameters",
+    ),
+    # -- issue 56: bf16 host state rounded stochastically --------------------------------------------------------------
+    Bug(
+        "stochastic-rounding-keys-of-the-shard",
+        "zenflow_kernels/sharding/fsdp2.py",
+        "            keys[i] += self._rows(p)[0] * (p.numel() // max(p.shape[0], 1))\n",
+        "            keys[i] += 0\n",
+        "FSDP2: a rank keys its rows from the parameter's first element, not from their place in it: every rank "
+        "draws the same bits as rank 0's rows, so the rounding noise is not one process's",
+        tests=("tests/test_fsdp2.py",), k="matches_one_process and stochastic",
+    ),
+    Bug(
+        "stochastic-rounding-moments-share-bits",
+        "zenflow_kernels/cpu_ops/_kernels.py",
+        "        store_state_high(exp_avg_sq, i, v, h, salt)\n",
+        "        store_state_low(exp_avg_sq, i, v, h, salt)\n",
+        "the host Adam kernel rounds both moments with the same 16 bits (they round up together)",
+        tests=("tests/test_stochastic_rounding.py",), k="host_kernels_round",
+    ),
+    Bug(
+        "stochastic-rounding-key-without-shift",
+        "zenflow_kernels/host.py",
+        "            rounding = rule.rounding(step, lo + self._key_shift[first])",
+        "            rounding = rule.rounding(step, lo)",
+        "ZeRO: a rank keys its shard's elements by their offset in its own buffers, not in the whole model's host "
+        "layout: the ranks' bits differ from one process's",
+        tests=ZERO, k="two_ranks_match and stochastic",
     ),
 ]
 

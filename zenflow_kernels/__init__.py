@@ -13,6 +13,9 @@ The algorithm
                           ZeRO-1/2 over torch.distributed with zero_stage=1|2, docs/torchrun.md)
     ZenFlow            -- the same for any update rule: ZenFlow(params, rules.Lion(), lr=1e-4)
     rules              -- the update rules: AdamW, Adam, Lion, SGD, and UpdateRule for one's own
+    StochasticRounding, round_to_bf16
+                       -- bf16 host state rounded stochastically and deterministically (a rule's
+                          state_rounding="stochastic"): the bits of a pass, and the torch reference
     ZeroCollectiveError -- a collective failed or timed out (another rank failed or stopped stepping)
     gradient_concentration, concentration_report
                        -- ZenFlow's premise measured: the gradient energy in the top 1% / 10% of each matrix's
@@ -54,6 +57,8 @@ _EXPORTS = {
     "ZenFlowAdamW": "zenflow_kernels.optim",
     "ZenFlow": "zenflow_kernels.optim",
     "rules": None,  # the module zenflow_kernels.rules
+    "StochasticRounding": "zenflow_kernels.rounding",
+    "round_to_bf16": "zenflow_kernels.rounding",
     "planner": None,  # the module zenflow_kernels.planner
     "ZeroCollectiveError": "zenflow_kernels.sharding",
     "gradient_concentration": "zenflow_kernels.concentration",

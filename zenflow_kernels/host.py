@@ -110,6 +110,9 @@ class HostShard:
             when the parameters are on a GPU).
         landing: allocate the landing buffers (an asynchronous link's), one per parameter dtype.
         indices: the parameters this shard holds (ZeRO: this rank's run; default all of them).
+        keys: ``keys[i]`` is the stochastic-rounding key of parameter i's element 0 (``zenflow_kernels.rounding``;
+            ``Sharding.element_keys``: the same element has the same key in one process and on every rank); default
+            the flat offsets of this shard.
             ``slots``, the views and every buffer cover these only; indices stay the optimizer's.
         rule: the update rule (``rules``; required: the shard's fields and its step are the rule's, whichever it
             is): its ``state_names`` are the fields beside ``master`` (``fields``), and :meth:`update` runs its host
@@ -130,6 +133,7 @@ class HostShard:
         indices: Sequence[int] | None = None,
         disk: Callable[[int], Any] | None = None,
         landing: bool = False,
+        keys: dict[int, int] | None = None,
     ):
         self.rule = rule
         self.names = ("master", *rule.state_names)  # the fp32 fields, in the state file's order
@@ -138,6 +142,9 @@ class HostShard:
         self.slots = slots  # by parameter index
         self.order = [slots[i] for i in order]  # by flat offset
         self._indices = frozenset(s.index for s in self.order)
+        # stochastic rounding's element keys (zenflow_kernels.rounding): parameter i's element j has key keys[i] + j,
+        # kept as its shift from the flat offset; a run spans parameters of one shift only (its keys contiguous)
+        self._key_shift = {i: (s.offset if keys is None else keys[i]) - s.offset for i, s in slots.items()}
         self._layout_runs: list[list[Slot]] | None = None  # (_runs: the usual interval's, merged once)
         # where the fields live, chosen once (host_fields): flat buffers in memory, or (disk, offload_device="nvme")
         # a state file, never whole in memory; every access goes through the store
@@ -316,6 +323,7 @@ class HostShard:
         for i, grad in last.items():  # fused: acc + last gradient, step, copy-out, acc = 0
             s = self.slots[i]
             self.host_step[i] += 1
+            rounding = rule.rounding(self.host_step[i], s.offset + self._key_shift[i])
             rule.host_accumulate_step_(
                 self.view(self.master, i).view(-1),
                 self.view(acc, i).view(-1),
@@ -325,6 +333,7 @@ class HostShard:
                 grad_scale=counts[i],
                 out=self.out_view(i).view(-1),
                 zero_acc=True,
+                **({} if rounding is None else {"rounding": rounding}),
                 **hyper[s.group],
             )
         runs = self._runs(todo, todo_set, last, counts)
@@ -334,8 +343,10 @@ class HostShard:
             out_lo = run[0].out_offset  # flat neighbours of one dtype are neighbours in its copy-out buffer too
             first = run[0].index
             step = self.host_step[first] + 1
+            rounding = rule.rounding(step, lo + self._key_shift[first])  # (passed only where it rounds stochastically)
             steps.append(Run(lo, hi, self.out[run[0].dtype][out_lo : out_lo + hi - lo],
-                             dict(step=step, grad_scale=counts[first] / coef, **hyper[run[0].group])))
+                             dict(step=step, grad_scale=counts[first] / coef, **hyper[run[0].group],
+                                  **({} if rounding is None else {"rounding": rounding}))))
             for s in run:
                 self.host_step[s.index] = step
         self.store.step_runs(rule, acc, steps, sums)  # (on disk: every run in one pass over the file)
@@ -345,14 +356,15 @@ class HostShard:
         """The update's runs: flat neighbours that share group, dtype, step and count. The usual interval (every
         parameter of the shard, one count, one step) has the layout's runs, merged once and kept: the merge is Python
         per parameter, and this runs on the host worker holding the GIL (bench.worker_gil: 0.9 us a parameter)."""
+        shift = self._key_shift
         if not last and todo_set == self._indices and len(set(counts.values())) == 1 and len(
                 set(map(self.host_step.__getitem__, todo))) == 1:
             if self._layout_runs is None:
-                self._layout_runs = self._merge(self.order, lambda s: (s.group, s.dtype))
+                self._layout_runs = self._merge(self.order, lambda s: (s.group, s.dtype, shift[s.index]))
             return self._layout_runs
-        step = self.host_step
+        step, shift = self.host_step, self._key_shift
         members = [s if s.index in todo_set and s.index not in last else None for s in self.order]
-        return self._merge(members, lambda s: (s.group, s.dtype, step[s.index], counts[s.index]))
+        return self._merge(members, lambda s: (s.group, s.dtype, step[s.index], counts[s.index], shift[s.index]))
 
     @staticmethod
     def _merge(members: list, key: Callable) -> list[list[Slot]]:

@@ -3,20 +3,23 @@
 Public API
     cpu_adam_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
               adamw=True, bias_correction=True, grad_scale=1.0, out=None, zero_grad=False,
-              num_threads=None)
+              num_threads=None, rounding=None)
     cpu_lion_(param, grad, exp_avg, *, lr, beta1, beta2, weight_decay, grad_scale=1.0, out=None,
-              zero_grad=False, num_threads=None)
+              zero_grad=False, num_threads=None, rounding=None)
     cpu_sgd_(param, grad, momentum_buffer, *, step, lr, momentum=0.0, dampening=0.0, nesterov=False,
-             weight_decay=0.0, grad_scale=1.0, out=None, zero_grad=False, num_threads=None)
+             weight_decay=0.0, grad_scale=1.0, out=None, zero_grad=False, num_threads=None, rounding=None)
     accumulate_(acc, grad, *, num_threads=None)
     multi_accumulate_(accs, grads, *, num_threads=None)
     accumulate_adam_(param, acc, grad, exp_avg, exp_avg_sq, *, step, lr, ..., grad_scale=1.0,
-                     out=None, zero_acc=False, num_threads=None)
+                     out=None, zero_acc=False, num_threads=None, rounding=None)
     sum_squares(x, *, num_threads=None) -> float
     multi_sum_squares(tensors, *, num_threads=None) -> float
     split_cores(pt_reserved_cores_perc, cores=None) -> (train_cores, host_cores)
     rank_cores(affinity=None) -> (cores, why)       this local rank's CPUs on a node shared by several ranks
     physical_cores(cpus) -> cpus                      one logical CPU per physical core
+
+``rounding``: None (bf16 state rounded to nearest even) or a ``zenflow_kernels.rounding.StochasticRounding`` (bf16
+state rounded stochastically, deterministic: the bits of ``rounding.round_to_bf16``).
 
 All tensors are contiguous CPU tensors; param and accumulation buffer are fp32, the moments fp32 or bf16;
 gradients may be fp32, bf16 or fp16; ``out`` may be fp32, bf16 or fp16. Each op is one pass over

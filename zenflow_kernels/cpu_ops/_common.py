@@ -100,6 +100,24 @@ def check_host_pass(param, grad, state: dict, out, acc=None) -> int:
     return n
 
 
+def rounding_args(rounding, state: dict) -> tuple:
+    """The kernel's ``(key, salt)`` for ``rounding`` (None: round to nearest; or a
+    ``zenflow_kernels.rounding.StochasticRounding``, which needs every given state tensor in bf16): ``(int64 key,
+    None)`` or ``(int64 key, uint32 salt)``; the one salt of state tensors 0 and 1 (``StochasticRounding.salt``)."""
+    from ..rounding import StochasticRounding
+
+    if rounding is None:
+        return np.int64(0), None
+    if not isinstance(rounding, StochasticRounding):
+        raise TypeError(f"rounding must be None or a zenflow_kernels.rounding.StochasticRounding, got "
+                        f"{type(rounding).__name__} {rounding!r}")
+    for name, t in state.items():
+        if t is not None and t.dtype != torch.bfloat16:
+            raise ValueError(f"rounding={rounding!r} rounds bf16 state, but {name} has dtype "
+                             f"{str(t.dtype).replace('torch.', '')}: allowed bfloat16 state with stochastic rounding")
+    return np.int64(rounding.key), np.uint32(rounding.salt(0))
+
+
 def check_zero_grad(zero_grad, grad) -> bool:
     """``zero_grad`` a bool, and then ``grad`` fp32 (it is an accumulation buffer the pass zeroes)."""
     zero_grad = check_bool("zero_grad", zero_grad)

@@ -163,6 +163,59 @@ def f32_to_f16(typingctx, x):
     return types.uint16(types.float32), codegen
 
 
+def _fmix32_ir(b, x):
+    """murmur3's 32-bit finalizer in IR (zenflow_kernels.rounding.fmix32)."""
+    x = b.xor(x, b.lshr(x, _i32(16)))
+    x = b.mul(x, _i32(0x85EBCA6B))
+    x = b.xor(x, b.lshr(x, _i32(13)))
+    x = b.mul(x, _i32(0xC2B2AE35))
+    return b.xor(x, b.lshr(x, _i32(16)))
+
+
+@intrinsic
+def rounding_hash(typingctx, key, salt):
+    """The 32 random bits ``h`` of element key ``key`` (int64) under ``salt`` (uint32) for stochastic rounding:
+    ``fmix32(((key mod 2^32) ^ salt) + (key >> 32) * 0x85EBCA6B)`` in 32-bit arithmetic (zenflow_kernels.rounding,
+    whose torch reference gives the same bits)."""
+    if key != types.int64 or salt != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        k, sa = args
+        lo = b.trunc(k, _I32)
+        hi = b.trunc(b.lshr(k, ir.Constant(ir.IntType(64), 32)), _I32)
+        return _fmix32_ir(b, b.add(b.xor(lo, sa), b.mul(hi, _i32(0x85EBCA6B))))
+
+    return types.uint32(types.int64, types.uint32), codegen
+
+
+def _stochastic_bf16(high: bool):
+    @intrinsic
+    def f32_to_bf16_stochastic(typingctx, x, h):
+        """float32 -> bf16 bit pattern (int16), rounded stochastically with 16 bits of ``h`` (the low half, or the
+        high half): ``(u + r) >> 16`` of the float's bits ``u``, a NaN the quiet NaN ``(u >> 16) | 0x40``."""
+        if x != types.float32 or h != types.uint32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            b = builder
+            u = b.bitcast(args[0], _I32)
+            r = b.lshr(args[1], _i32(16)) if high else b.and_(args[1], _i32(0xFFFF))
+            rounded = b.lshr(b.add(u, r), _i32(16))
+            quiet_nan = b.or_(b.lshr(u, _i32(16)), _i32(0x40))
+            is_nan = b.icmp_unsigned(">", b.and_(u, _i32(0x7FFFFFFF)), _i32(0x7F800000))
+            return b.trunc(b.select(is_nan, quiet_nan, rounded), _I16)
+
+        return types.int16(types.float32, types.uint32), codegen
+
+    return f32_to_bf16_stochastic
+
+
+f32_to_bf16_stochastic_low = _stochastic_bf16(False)
+f32_to_bf16_stochastic_high = _stochastic_bf16(True)
+
+
 # ---------------------------------------------------------------------------------------------
 # dtype dispatch (compile time): load as float32, store float32 into out, accumulate
 # ---------------------------------------------------------------------------------------------
@@ -216,6 +269,53 @@ def _ov_store_f32(out, i, x):
 
         return impl
     return None
+
+
+def _none(t) -> bool:
+    return isinstance(t, (types.NoneType, types.Omitted))
+
+
+def state_hash(key, i, salt):
+    """The random bits of element ``i`` of a pass whose element 0 has key ``key`` (numba only): ``rounding_hash(key
+    + i, salt)``, or 0 where ``salt`` is None (round to nearest: the hash compiles away)."""
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(state_hash, inline="always")
+def _ov_state_hash(key, i, salt):
+    if _none(salt):
+        return lambda key, i, salt: np.uint32(0)
+    return lambda key, i, salt: rounding_hash(np.int64(key + i), salt)
+
+
+def store_state_low(out, i, x, h, salt):
+    """Store state value ``x`` at ``out[i]``: ``store_f32`` where ``salt`` is None, else (a bf16 array) rounded
+    stochastically with the low 16 bits of ``h`` (numba only). ``store_state_high``: the high 16 bits."""
+    raise NotImplementedError("numba-only helper")
+
+
+def store_state_high(out, i, x, h, salt):
+    """``store_state_low`` with the high 16 bits of ``h``."""
+    raise NotImplementedError("numba-only helper")
+
+
+def _store_state(convert):
+    def ov(out, i, x, h, salt):
+        if _none(salt):
+            return lambda out, i, x, h, salt: store_f32(out, i, x)
+        if not (isinstance(out, types.Array) and out.dtype == types.int16):
+            return None
+
+        def impl(out, i, x, h, salt):
+            out[i] = convert(x, h)
+
+        return impl
+
+    return ov
+
+
+overload(store_state_low, inline="always")(_store_state(f32_to_bf16_stochastic_low))
+overload(store_state_high, inline="always")(_store_state(f32_to_bf16_stochastic_high))
 
 
 def take_grad(acc, grad, i, zero_acc):
@@ -287,6 +387,8 @@ def adam_kernel(
     inv_bc2_sqrt64,
     eps64,
     neg_step_size64,
+    key,
+    salt,
 ):
     """One fused pass of Adam/AdamW over n elements (all arrays 1-D, length n, contiguous).
 
@@ -300,6 +402,9 @@ def adam_kernel(
     v = fma(one_minus_beta2 * g, g, v * beta2)             (v.mul_(beta2).addcmul_(g, g, 1 - beta2))
     p = p * decay + (neg_step_size * m) / (sqrt(v) * inv_bc2_sqrt + eps)   (decay = 1 - lr*wd for AdamW)
     out[i] = p (converted), when out is not None; acc[i] = the sum (or 0 with zero_acc).
+
+    ``salt`` None: bf16 moments stored rounded to nearest even; else (uint32) rounded stochastically, m with the
+    low and v with the high 16 bits of ``rounding_hash(key + i, salt)`` (``key``: int64, element 0's key).
     """
     inv_scale = np.float32(inv_scale64)
     l2 = np.float32(l2_64)
@@ -317,8 +422,9 @@ def adam_kernel(
         m = load_f32(exp_avg, i)
         m = fma(lerp_coeff, g - m, m if lerp_small else g)
         v = fma(one_minus_beta2 * g, g, load_f32(exp_avg_sq, i) * beta2)
-        store_f32(exp_avg, i, m)  # (bf16 moments: stored rounded to nearest even; p below uses m and v)
-        store_f32(exp_avg_sq, i, v)
+        h = state_hash(key, i, salt)
+        store_state_low(exp_avg, i, m, h, salt)  # (bf16 moments: stored rounded; p below uses m and v)
+        store_state_high(exp_avg_sq, i, v, h, salt)
         p = p * decay + (neg_step_size * m) / (np.sqrt(v) * inv_bc2_sqrt + eps)
         param[i] = p
         store_f32(out, i, p)
@@ -707,8 +813,9 @@ def torch_sign(x):
     return np.float32(1.0) if x > np.float32(0.0) else (np.float32(-1.0) if x < np.float32(0.0) else np.float32(0.0))
 
 
-def momentum_step(buf, i, d, first, momentum, one_minus_dampening, nesterov):
-    """SGD's momentum for element i (numba only): the direction to step along; ``buf[i]`` updated.
+def momentum_step(buf, i, d, first, momentum, one_minus_dampening, nesterov, h=0, salt=None):
+    """SGD's momentum for element i (numba only): the direction to step along; ``buf[i]`` updated (a bf16 buffer:
+    rounded to nearest, or stochastically with the low bits of ``h`` where ``salt`` is not None).
 
     * ``buf`` None (momentum == 0): ``d`` unchanged;
     * else ``b = d`` on the buffer's first step, ``fma(d, 1 - dampening, buf[i] * momentum)`` after it;
@@ -718,22 +825,22 @@ def momentum_step(buf, i, d, first, momentum, one_minus_dampening, nesterov):
 
 
 @overload(momentum_step, inline="always")
-def _ov_momentum_step(buf, i, d, first, momentum, one_minus_dampening, nesterov):
+def _ov_momentum_step(buf, i, d, first, momentum, one_minus_dampening, nesterov, h=0, salt=None):
     if isinstance(buf, (types.NoneType, types.Omitted)):
-        return lambda buf, i, d, first, momentum, one_minus_dampening, nesterov: d
+        return lambda buf, i, d, first, momentum, one_minus_dampening, nesterov, h=0, salt=None: d
     if not (isinstance(buf, types.Array) and buf.dtype in (types.float32, types.int16)):
         return None
 
-    def impl(buf, i, d, first, momentum, one_minus_dampening, nesterov):
+    def impl(buf, i, d, first, momentum, one_minus_dampening, nesterov, h=0, salt=None):
         # torch.optim.SGD's first step clones d (its buffer is None): no dampening, the old buffer unread
         b = d if first else fma(d, one_minus_dampening, load_f32(buf, i) * momentum)
-        store_f32(buf, i, b)  # (a bf16 buffer keeps b rounded; the step below uses b itself)
+        store_state_low(buf, i, b, h, salt)  # (a bf16 buffer keeps b rounded; the step below uses b itself)
         return fma(b, momentum, d) if nesterov else b
 
     return impl
 
 
-def column_momentum(buf, i, d, first, momentum, one_minus_dampening, nesterov):
+def column_momentum(buf, i, d, first, momentum, one_minus_dampening, nesterov, h=0, salt=None):
     """``momentum_step`` for the fast path's kernel (numba only), inlined by LLVM rather than numba's IR inliner,
     whose SSA pass warns (NumbaIRAssumptionWarning) on the helper inlined into that kernel's branches."""
     raise NotImplementedError("numba-only helper")
@@ -744,14 +851,15 @@ overload(column_momentum)(_ov_momentum_step)
 
 @njit(**_JIT)
 def lion_kernel(param, grad, exp_avg, acc, out, zero_acc, inv_scale64, decay64, neg_lr64, one_minus_beta1_64,
-                one_minus_beta2_64):
+                one_minus_beta2_64, key, salt):
     """One fused pass of Lion over n elements (all arrays 1-D, length n, contiguous):
 
     g = take_grad(acc, grad, i, zero_acc) * inv_scale   (grad[i], acc[i] + grad[i], or acc[i] when grad is None)
     u = torch_sign(lerp(m, g, 1 - beta1))
     p = p * decay                                        (decay = 1 - lr*wd; skipped when it is 1)
     p = fma(u, -lr, p)                                   (u is +-1 or 0: the product is exact)
-    m = lerp(m, g, 1 - beta2)                            (stored in exp_avg's dtype: fp32, or bf16 rounded)
+    m = lerp(m, g, 1 - beta2)                            (stored in exp_avg's dtype: fp32, or bf16 rounded:
+                                                          as adam_kernel's m, with key and salt)
     out[i] = p (converted), when out is not None.
     """
     inv_scale = np.float32(inv_scale64)
@@ -768,13 +876,13 @@ def lion_kernel(param, grad, exp_avg, acc, out, zero_acc, inv_scale64, decay64, 
         p = p if decay == np.float32(1.0) else p * decay
         p = fma(u, neg_lr, p)
         param[i] = p
-        store_f32(exp_avg, i, lerp(m, g, coeff2, small2))
+        store_state_low(exp_avg, i, lerp(m, g, coeff2, small2), state_hash(key, i, salt), salt)
         store_f32(out, i, p)
 
 
 @njit(**_JIT)
 def sgd_kernel(param, grad, momentum_buffer, acc, out, zero_acc, inv_scale64, weight_decay64, momentum64,
-               one_minus_dampening64, neg_lr64, first, nesterov):
+               one_minus_dampening64, neg_lr64, first, nesterov, key, salt):
     """One fused pass of SGD over n elements, ``torch.optim.SGD``'s single-tensor step:
 
     d = take_grad(acc, grad, i, zero_acc) * inv_scale
@@ -794,7 +902,8 @@ def sgd_kernel(param, grad, momentum_buffer, acc, out, zero_acc, inv_scale64, we
         d = take_grad(acc, grad, i, zero_acc) * inv_scale
         # weight_decay == 0 must leave d untouched even when p is inf/NaN (fma(inf, 0, d) is NaN)
         d = d if weight_decay == np.float32(0.0) else fma(p, weight_decay, d)
-        d = momentum_step(momentum_buffer, i, d, first, momentum, one_minus_dampening, nesterov)
+        d = momentum_step(momentum_buffer, i, d, first, momentum, one_minus_dampening, nesterov,
+                          state_hash(key, i, salt), salt)
         p = fma(d, neg_lr, p)
         param[i] = p
         store_f32(out, i, p)

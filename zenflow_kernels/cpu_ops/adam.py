@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from ..rounding import StochasticRounding
 from . import _common as C
 from ._kernels import adam_kernel
 
@@ -67,7 +68,7 @@ def _adam_scalars(*, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_corr
     )
 
 
-def _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, nthreads) -> None:
+def _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, nthreads, rounding_args) -> None:
     n = param.numel()
     if n == 0:
         return
@@ -83,6 +84,7 @@ def _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, 
         None if out is None else C.as_numpy(out),
         zero_acc,
         *scalars,
+        *rounding_args,
     )
     C.bump_versions(param, exp_avg, exp_avg_sq, acc, out)
 
@@ -109,6 +111,7 @@ def cpu_adam_(
     out: torch.Tensor | None = None,
     zero_grad: bool = False,
     num_threads: int | None = None,
+    rounding: StochasticRounding | None = None,
 ) -> None:
     """One Adam/AdamW step on CPU tensors, in place, in one multithreaded pass (GIL released).
 
@@ -132,6 +135,10 @@ def cpu_adam_(
             in torch's runtime, and its idle threads then slow every parallel op of the training thread.
         num_threads: threads for this call (1..NUMBA_NUM_THREADS); None uses the calling thread's
             ``numba.get_num_threads()``. Small tensors use fewer.
+        rounding: None (bf16 moments rounded to nearest even), or a ``zenflow_kernels.rounding.StochasticRounding``
+            (both moments bf16): rounded stochastically, element i with key ``rounding.key + i``, ``exp_avg`` with
+            the low and ``exp_avg_sq`` with the high 16 bits of one hash (state tensors 0 and 1 of
+            ``zenflow_kernels.rounding``), bit-identical to ``rounding.round_to_bf16``.
 
     Tensors must not overlap in memory (except that grad may be any read-only tensor not written
     here). Every argument is checked before anything is written: a ``TypeError``/``ValueError``
@@ -151,10 +158,11 @@ def cpu_adam_(
         grad_scale=grad_scale,
     )
     num_threads = C.check_num_threads(num_threads)
+    rounded = C.rounding_args(rounding, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
     if zero_grad:  # the kernel's accumulator path: g = acc[i], then acc[i] = 0
-        _launch_adam(param, grad, None, exp_avg, exp_avg_sq, out, True, scalars, num_threads)
+        _launch_adam(param, grad, None, exp_avg, exp_avg_sq, out, True, scalars, num_threads, rounded)
     else:
-        _launch_adam(param, None, grad, exp_avg, exp_avg_sq, out, False, scalars, num_threads)
+        _launch_adam(param, None, grad, exp_avg, exp_avg_sq, out, False, scalars, num_threads, rounded)
 
 
 def accumulate_adam_(
@@ -176,6 +184,7 @@ def accumulate_adam_(
     out: torch.Tensor | None = None,
     zero_acc: bool = False,
     num_threads: int | None = None,
+    rounding: StochasticRounding | None = None,
 ) -> None:
     """Add the last gradient of an interval into ``acc`` and take the Adam step with
     ``(acc + grad) / grad_scale``, in the same pass (the update-boundary case of docs/design.md 2.5).
@@ -185,7 +194,7 @@ def accumulate_adam_(
 
     Args:
         param, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw,
-        bias_correction, out, num_threads: as ``cpu_adam_``.
+        bias_correction, out, num_threads, rounding: as ``cpu_adam_``.
         acc: fp32, contiguous, n elements: the accumulated gradient of the interval so far.
             Afterwards it holds the full sum ``acc + grad`` (unscaled), so a caller can still read it
             (checkpoint, norm, debugging); the caller zeroes or swaps it before the next interval.
@@ -209,4 +218,5 @@ def accumulate_adam_(
     )
     zero_acc = C.check_bool("zero_acc", zero_acc)
     num_threads = C.check_num_threads(num_threads)
-    _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, num_threads)
+    rounded = C.rounding_args(rounding, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+    _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, num_threads, rounded)

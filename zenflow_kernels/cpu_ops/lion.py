@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rounding import StochasticRounding
 from . import _common as C
 from ._kernels import lion_kernel
 
@@ -55,6 +56,7 @@ def cpu_lion_(
     out: torch.Tensor | None = None,
     zero_grad: bool = False,
     num_threads: int | None = None,
+    rounding: StochasticRounding | None = None,
 ) -> None:
     """One Lion step on CPU tensors, in place, in one multithreaded pass (GIL released).
 
@@ -72,6 +74,9 @@ def cpu_lion_(
             step consumes; ``grad`` must then be fp32).
         num_threads: threads for this call (1..NUMBA_NUM_THREADS); None uses the calling thread's
             ``numba.get_num_threads()``. Small tensors use fewer.
+        rounding: None (a bf16 exp_avg rounded to nearest even), or a
+            ``zenflow_kernels.rounding.StochasticRounding`` (bf16 exp_avg): rounded stochastically, element i
+            with key ``rounding.key + i`` and the low 16 bits of its hash (state tensor 0), as ``round_to_bf16``.
 
     Tensors must not overlap in memory. Every argument is checked before anything is written: a
     ``TypeError``/``ValueError`` leaves all tensors unchanged. n = 0 is a no-op. Returns None.
@@ -80,6 +85,7 @@ def cpu_lion_(
     zero_grad = C.check_zero_grad(zero_grad, grad)
     scalars = _lion_scalars(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, grad_scale=grad_scale)
     num_threads = C.check_num_threads(num_threads)
+    rounded = C.rounding_args(rounding, {"exp_avg": exp_avg})
     if n == 0:
         return
     g = C.as_numpy(grad)
@@ -94,5 +100,6 @@ def cpu_lion_(
         None if out is None else C.as_numpy(out),
         zero_grad,
         *scalars,
+        *rounded,
     )
     C.bump_versions(param, exp_avg, grad if zero_grad else None, out)

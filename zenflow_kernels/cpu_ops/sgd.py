@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rounding import StochasticRounding
 from . import _common as C
 from ._kernels import sgd_kernel
 
@@ -65,6 +66,7 @@ def cpu_sgd_(
     out: torch.Tensor | None = None,
     zero_grad: bool = False,
     num_threads: int | None = None,
+    rounding: StochasticRounding | None = None,
 ) -> None:
     """One SGD step on CPU tensors, in place, in one multithreaded pass (GIL released).
 
@@ -87,6 +89,9 @@ def cpu_sgd_(
             step consumes; ``grad`` must then be fp32).
         num_threads: threads for this call (1..NUMBA_NUM_THREADS); None uses the calling thread's
             ``numba.get_num_threads()``. Small tensors use fewer.
+        rounding: None (a bf16 momentum_buffer rounded to nearest even), or a
+            ``zenflow_kernels.rounding.StochasticRounding`` (bf16 momentum_buffer): rounded stochastically, element i
+            with key ``rounding.key + i`` and the low 16 bits of its hash (state tensor 0), as ``round_to_bf16``.
 
     Tensors must not overlap in memory. Every argument is checked before anything is written: a
     ``TypeError``/``ValueError`` leaves all tensors unchanged. n = 0 is a no-op. Returns None.
@@ -99,9 +104,11 @@ def cpu_sgd_(
     if has_momentum and momentum_buffer is None:
         raise ValueError(f"momentum_buffer must be a tensor when momentum != 0, got None (momentum={momentum!r})")
     num_threads = C.check_num_threads(num_threads)
+    buf = momentum_buffer if has_momentum else None  # momentum == 0 compiles the buffer out
+    # (no buffer: nothing is rounded, the hash compiles away; a given buffer must still be bf16)
+    key, salt = C.rounding_args(rounding, {"momentum_buffer": momentum_buffer})
     if n == 0:
         return
-    buf = momentum_buffer if has_momentum else None  # momentum == 0 compiles the buffer out
     g = C.as_numpy(grad)
     C.launch(
         sgd_kernel,
@@ -116,5 +123,7 @@ def cpu_sgd_(
         *scalars,
         first,
         nesterov,
+        key,
+        None if buf is None else salt,
     )
     C.bump_versions(param, buf, grad if zero_grad else None, out)

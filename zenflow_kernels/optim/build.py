@@ -241,9 +241,10 @@ def make_run(params, group_of, param_groups, state, config, shard, telemetry, *,
             disk = lambda numel: StateFiles(path, numel, block_numel=nvme_block, rank=rank, direct=nvme_direct,  # noqa: E731
                                             fields=fields, owner=name)
         owned = sorted(host_params if shard.owned is None else host_params.intersection(shard.owned))
+        keys = shard.element_keys(group_of, host_params) if rule.state_rounding == "stochastic" else None
         host, link = make_host_and_link(local, group_of, device, config=config, cores=cores, timeout=timeout,
                                         chaos=chaos, owned=owned, num_acc=host_buffers(config), disk=disk, rule=rule,
-                                        name=name)
+                                        name=name, keys=keys)
     except BaseException:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
@@ -278,7 +279,7 @@ def make_parts(run: Run, classes, handover, *, seed_from_host: bool, hyper, grad
 
 
 def make_host_and_link(local, group_of, device, *, config, cores: dict, timeout, chaos, owned, num_acc: int, disk,
-                       rule, name: str):
+                       rule, name: str, keys: dict[int, int] | None = None):
     """The host shard of this rank's parameters ``owned`` (laid out by the optimizer) and the link that moves data
     between it and the device: CUDA streams and pinned memory, plain CPU copies, or (``chaos``) the asynchronous
     CPU link. A failure stops the engine's threads and removes the state file made so far."""
@@ -288,7 +289,7 @@ def make_host_and_link(local, group_of, device, *, config, cores: dict, timeout,
     host = None
     try:
         # an asynchronous link's gradients cross through a landing area, except where the sums are on the device
-        host = HostShard(local, group_of, num_acc=num_acc, indices=owned, disk=disk, rule=rule,
+        host = HostShard(local, group_of, num_acc=num_acc, indices=owned, disk=disk, rule=rule, keys=keys,
                          landing=engine is not None and not config.device_accumulation,
                          **link_module.host_alloc(engine))
         link = link_module.make_link(host, engine, overlap=config.overlap_step,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import UpdateRule, check_betas, check_real, check_state_dtype
+from .base import UpdateRule, check_betas, check_real
 
 __all__ = ["AdamW", "Adam", "adamw_step_"]
 
@@ -32,7 +32,8 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
 
 class AdamW(UpdateRule):
     """AdamW as ``torch.optim.AdamW``: ``betas``, ``eps``, ``weight_decay`` (decoupled). Two moments: 8 bytes of
-    host state per parameter beside the master, 4 with ``state_dtype=torch.bfloat16`` (``UpdateRule.state_dtype``)."""
+    host state per parameter beside the master, 4 with ``state_dtype=torch.bfloat16`` (``UpdateRule.state_dtype``),
+    rounded to nearest or, with ``state_rounding="stochastic"``, stochastically (``UpdateRule.state_rounding``)."""
 
     name = "AdamW"
     state_names = ("exp_avg", "exp_avg_sq")
@@ -40,9 +41,9 @@ class AdamW(UpdateRule):
     decoupled = True
 
     def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01, *,
-                 state_dtype: torch.dtype = torch.float32):
+                 state_dtype: torch.dtype = torch.float32, state_rounding: str = "nearest", rounding_seed: int = 0):
         where = f"rules.{type(self).__name__}"
-        self.state_dtype = check_state_dtype(where, state_dtype)
+        self.set_state_storage(where, state_dtype, state_rounding, rounding_seed)
         check_betas(where, betas)
         check_real(where, "eps", eps)
         check_real(where, "weight_decay", weight_decay)
@@ -68,18 +69,19 @@ class AdamW(UpdateRule):
     # the numba host kernel (cpu_ops.adam): both forms
     fuses_last = True
 
-    def host_step_(self, param, grad, state, *, step, grad_scale, out=None, zero_grad=False, **numbers) -> None:
+    def host_step_(self, param, grad, state, *, step, grad_scale, out=None, zero_grad=False, rounding=None,
+                   **numbers) -> None:
         from .. import cpu_ops
 
         cpu_ops.cpu_adam_(param, grad, state[0], state[1], step=step, grad_scale=grad_scale, out=out,
-                          zero_grad=zero_grad, adamw=self.decoupled, **numbers)
+                          zero_grad=zero_grad, adamw=self.decoupled, rounding=rounding, **numbers)
 
     def host_accumulate_step_(self, param, acc, grad, state, *, step, grad_scale, out=None, zero_acc=False,
-                              **numbers) -> None:
+                              rounding=None, **numbers) -> None:
         from .. import cpu_ops
 
         cpu_ops.accumulate_adam_(param, acc, grad, state[0], state[1], step=step, grad_scale=grad_scale, out=out,
-                                 zero_acc=zero_acc, adamw=self.decoupled, **numbers)
+                                 zero_acc=zero_acc, adamw=self.decoupled, rounding=rounding, **numbers)
 
     def fast_step_(self, items, *, grad_scale, **shared) -> None:
         from .. import ops
@@ -104,5 +106,6 @@ class Adam(AdamW):
     decoupled = False
 
     def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *,
-                 state_dtype: torch.dtype = torch.float32):
-        super().__init__(betas, eps, weight_decay, state_dtype=state_dtype)
+                 state_dtype: torch.dtype = torch.float32, state_rounding: str = "nearest", rounding_seed: int = 0):
+        super().__init__(betas, eps, weight_decay, state_dtype=state_dtype, state_rounding=state_rounding,
+                         rounding_seed=rounding_seed)

@@ -31,6 +31,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from ..config import check_lr
+from ..rounding import StochasticRounding, check_state_rounding, round_to_bf16
 
 __all__ = ["FastItem", "UpdateRule", "check_betas", "check_real", "check_rule", "check_state_dtype", "unpack_item"]
 
@@ -156,8 +157,13 @@ class UpdateRule:
     """The per-element state (the parameter's shape, zero at the start)."""
     state_dtype: torch.dtype = torch.float32
     """The dtype of that state in host memory: fp32, or bf16 (half the bytes; each step computes in fp32 from the
-    stored values and rounds the new state to nearest even; the parameter's update uses the unrounded values).
-    The fast path's state on the device stays fp32."""
+    stored values and rounds the new state as ``state_rounding`` says; the parameter's update uses the unrounded
+    values). The fast path's state on the device stays fp32."""
+    state_rounding: str = "nearest"
+    """How a host step rounds new bf16 state: ``"nearest"`` (even), or ``"stochastic"`` (unbiased, with bits of a
+    counter-based hash of ``rounding_seed``, the host step and the element: ``zenflow_kernels.rounding``)."""
+    rounding_seed: int = 0
+    """The seed of stochastic rounding (an integer in [0, 2^32))."""
     per_tensor: ClassVar[tuple[str, ...]] = _DefaultPerTensor()
     """Numbers a multi-tensor launch takes per tensor (they may differ between param groups in one launch); by
     default ``("lr", "weight_decay")``, or ``("lr",)`` where ``numbers`` gives no ``weight_decay``."""
@@ -177,6 +183,32 @@ class UpdateRule:
         running ``step_`` compiled or eager."""
         return getattr(cls, method) is not getattr(UpdateRule, method)
 
+    def set_state_storage(self, where: str, state_dtype: Any, state_rounding: Any = "nearest",
+                          rounding_seed: Any = 0) -> None:
+        """Check and set ``state_dtype``, ``state_rounding`` and ``rounding_seed`` (the built-in rules' keywords),
+        or a ValueError naming the one that is invalid."""
+        self.state_dtype = check_state_dtype(where, state_dtype)
+        self.state_rounding = check_state_rounding(where, state_rounding, state_dtype, rounding_seed)
+        self.rounding_seed = int(rounding_seed)
+
+    def rounding(self, step: int, key: int) -> StochasticRounding | None:
+        """What a host pass at host step ``step`` over elements keyed from ``key`` rounds with: None (to nearest),
+        or a :class:`~zenflow_kernels.rounding.StochasticRounding`."""
+        if self.state_rounding != "stochastic":
+            return None
+        return StochasticRounding(self.rounding_seed, int(step), int(key))
+
+    def storage_args(self) -> str:
+        """The repr's state keywords that differ from the defaults (``""`` when none does)."""
+        args = ""
+        if self.state_dtype != torch.float32:
+            args += f", state_dtype={self.state_dtype}"
+        if self.state_rounding != "nearest":
+            args += f", state_rounding={self.state_rounding!r}"
+        if self.rounding_seed != 0:
+            args += f", rounding_seed={self.rounding_seed}"
+        return args
+
     # -- hyper-parameters ---------------------------------------------------------------------------
 
     def group_defaults(self) -> dict:
@@ -194,14 +226,15 @@ class UpdateRule:
 
     def to_dict(self) -> dict:
         """What a checkpoint records of the rule: its name, its state's names and dtype, and its defaults."""
-        return {"name": self.name, "state_names": list(self.state_names),
-                "state_dtype": str(self.state_dtype).replace("torch.", ""), **self.group_defaults()}
+        record = {"name": self.name, "state_names": list(self.state_names),
+                  "state_dtype": str(self.state_dtype).replace("torch.", ""), **self.group_defaults()}
+        if self.state_rounding != "nearest":  # (absent: a checkpoint from before the option, or round to nearest)
+            record.update(state_rounding=self.state_rounding, rounding_seed=self.rounding_seed)
+        return record
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.group_defaults().items())
-        if self.state_dtype != torch.float32:
-            args += f", state_dtype={self.state_dtype}"
-        return f"rules.{type(self).__name__}({args})"
+        return f"rules.{type(self).__name__}({args}{self.storage_args()})"
 
     # -- the step -------------------------------------------------------------------------------------
 
@@ -238,32 +271,35 @@ class UpdateRule:
     the sums first)."""
 
     def host_step_(self, param: torch.Tensor, grad: torch.Tensor, state: list[torch.Tensor], *, step: int,
-                   grad_scale: float, out: torch.Tensor | None = None, zero_grad: bool = False, **numbers) -> None:
+                   grad_scale: float, out: torch.Tensor | None = None, zero_grad: bool = False,
+                   rounding: StochasticRounding | None = None, **numbers) -> None:
         """The host pass over flat fp32 runs: ``param`` (the master) stepped with ``grad / grad_scale`` (``grad``
         the sums, fp32), ``state`` in ``state_names`` order, the result rounded into ``out`` (fp32/bf16/fp16, the
-        copy-out) and ``grad`` zeroed with ``zero_grad``. The default is :meth:`step_` compiled into one pass
+        copy-out) and ``grad`` zeroed with ``zero_grad``. ``rounding`` (passed only where ``state_rounding`` is
+        ``"stochastic"``: :meth:`rounding`) rounds the new bf16 state, element i with key ``rounding.key + i`` and
+        state tensor k's bits (``zenflow_kernels.rounding``). The default is :meth:`step_` compiled into one pass
         (``rules.compiled``, with the calling thread's numba thread count), or :meth:`eager_host_step_` where it
         is not compiled (``compile``)."""
         from .compiled import compiled_host_step_
 
         if not compiled_host_step_(self, param, grad, state, step=step, grad_scale=grad_scale, out=out,
-                                   zero_grad=zero_grad, numbers=numbers):
+                                   zero_grad=zero_grad, numbers=numbers, rounding=rounding):
             self.eager_host_step_(param, grad, state, step=step, grad_scale=grad_scale, out=out, zero_grad=zero_grad,
-                                  **numbers)
+                                  rounding=rounding, **numbers)
 
     def eager_host_step_(self, param: torch.Tensor, grad: torch.Tensor, state: list[torch.Tensor], *, step: int,
                          grad_scale: float, out: torch.Tensor | None = None, zero_grad: bool = False,
-                         **numbers) -> None:
+                         rounding: StochasticRounding | None = None, **numbers) -> None:
         """:meth:`host_step_` as :meth:`step_` in eager torch (torch ops on the host worker's thread use torch's
         thread count and start a second OpenMP team of torch's). State in bf16 is stepped in fp32 copies and
-        rounded back to nearest even, as the kernels do."""
+        rounded back, to nearest even or (``rounding``) stochastically, as the kernels do."""
         g = grad.float()
         g = g.clone() if grad_scale == 1.0 else g.mul(1.0 / grad_scale)  # the kernels' float32 reciprocal
         work = [t if t.dtype == torch.float32 else t.float() for t in state]
         self.step_(param, g, dict(zip(self.state_names, work, strict=True)), step=step, **numbers)
-        for t, w in zip(state, work, strict=True):
+        for k, (t, w) in enumerate(zip(state, work, strict=True)):
             if w is not t:
-                t.copy_(w)
+                t.copy_(w if rounding is None else round_to_bf16(w, rounding, k))
         if out is not None:
             out.copy_(param)
         if zero_grad:
@@ -271,7 +307,8 @@ class UpdateRule:
 
     def host_accumulate_step_(self, param, acc, grad, state, *, step, grad_scale, out=None, zero_acc=False,
                               **numbers) -> None:
-        """``acc += grad`` and :meth:`host_step_` with ``acc`` in one pass (where ``fuses_last``)."""
+        """``acc += grad`` and :meth:`host_step_` with ``acc`` in one pass (where ``fuses_last``; ``rounding``
+        passed on in ``numbers`` as to :meth:`host_step_`)."""
         acc.add_(grad.reshape(acc.shape).float())
         self.host_step_(param, acc, state, step=step, grad_scale=grad_scale, out=out, zero_grad=zero_acc, **numbers)
 

@@ -66,6 +66,8 @@ from typing import Any
 
 import torch
 
+from ..rounding import stochastic_bf16
+
 __all__ = ["FAST_MIN_ITEMS", "FAST_MIN_NUMEL", "HOST_MIN_NUMEL", "MAX_COMPILES", "RuleCompileWarning",
            "compiled_fast_step_", "compiled_host_step_", "compiling", "paths", "reset"]
 
@@ -182,14 +184,14 @@ def _decompositions() -> dict:
 # -- the compiled functions -------------------------------------------------------------------------------------------
 
 
-def _flat_body(rule, param, grad, state, out, zero_grad, step, inv, names, values):
+def _flat_body(rule, param, grad, state, out, zero_grad, step, inv, names, values, rounding):
     g = grad * inv  # (inv: 1 / grad_scale; a new tensor: step_ may not write the sums; x * 1.0 is exact)
     work = [t if t.dtype == torch.float32 else t.float() for t in state]
     rule.step_(param, g, dict(zip(rule.state_names, work, strict=True)), step=step,
                **dict(zip(names, values, strict=True)))
-    for t, w in zip(state, work, strict=True):
-        if w is not t:
-            t.copy_(w)  # bf16 state: rounded to nearest even
+    for k, (t, w) in enumerate(zip(state, work, strict=True)):
+        if w is not t:  # bf16 state: rounded to nearest even, or stochastically (rounding: key, then each salt)
+            t.copy_(w if rounding is None else stochastic_bf16(w, rounding[0], rounding[1 + k], k % 2 == 1))
     if out is not None:
         out.copy_(param)
     if zero_grad:  # zero whatever grad holds (nan, inf) in the same loop (Inductor gives zero_() a loop of its own)
@@ -371,8 +373,11 @@ def _step_input(step) -> int:
     return int(step)
 
 
-def compiled_host_step_(rule, param, grad, state, *, step, grad_scale, out, zero_grad, numbers: dict) -> bool:
-    """``UpdateRule.host_step_`` compiled (the module docstring); False where the call runs eager instead."""
+def compiled_host_step_(rule, param, grad, state, *, step, grad_scale, out, zero_grad, numbers: dict,
+                        rounding=None) -> bool:
+    """``UpdateRule.host_step_`` compiled (the module docstring); False where the call runs eager instead.
+    ``rounding`` (stochastic rounding of bf16 state) enters as 0-d int64 tensors: the key, then each state tensor's
+    salt (numbers that change every call: as tensors no recompile)."""
     if _own(rule, "host_step_"):
         return False
     why = _wants(rule, "host", param.numel() >= HOST_MIN_NUMEL)
@@ -380,8 +385,10 @@ def compiled_host_step_(rule, param, grad, state, *, step, grad_scale, out, zero
         return _eager(rule, "host", why)
     entry = _entry(rule, "flat", param.device.type, _threads(param.device, param.numel()))
     names = tuple(numbers)
+    rounded = None if rounding is None else (torch.tensor(rounding.key), *(
+        torch.tensor(rounding.salt(k)) for k in range(len(state))))
     return _call(rule, "host", entry, (rule, param, grad, tuple(state), out, bool(zero_grad), _step_input(step),
-                                       1.0 / grad_scale, names, tuple(numbers[n] for n in names)))
+                                       1.0 / grad_scale, names, tuple(numbers[n] for n in names), rounded))
 
 
 def _item_steps(steps: list) -> list:
@@ -430,7 +437,7 @@ def compiled_fast_step_(rule, items: list, *, grad_scale: float, shared: dict) -
         runs = packed.runs(part, groups, _item_steps([it[4 + n] for it in part]) if rule.uses_step else None)
         for lo, hi, g, step in runs:
             args = (rule, packed.P[lo:hi], packed.G[lo:hi], tuple(packed.S[i, lo:hi] for i in range(n)), None, False,
-                    _step_input(step), inv, names, (*numbers[g], *shared.values()))
+                    _step_input(step), inv, names, (*numbers[g], *shared.values()), None)  # (fp32 state: no rounding)
             if not _call(rule, "fast", entry, args):
                 if first:
                     return False  # (nothing was written: the caller runs the launch eager)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..rounding import check_state_rounding
 from .base import UpdateRule, check_real, check_state_dtype
 
 __all__ = ["TorchRule", "from_torch"]
@@ -177,14 +178,14 @@ class TorchRule(UpdateRule):
     _layout: _Layout
 
     def __init__(self, hyper: dict, defaults: dict, mapping: dict, layout: _Layout, state_dtype: torch.dtype,
-                 uses_step: bool):
+                 uses_step: bool, state_rounding: str = "nearest", rounding_seed: int = 0):
         self.hyper = dict(hyper)  # what from_torch was given (repr)
         self._defaults = defaults  # group key -> value (the numbers' keys)
         self._mapping = mapping  # functional keyword -> (group key, element or None)
         self._layout = layout
         self._fixed = {k: v[1] for k, v in layout.layout.items() if v[0] == "value" and k not in mapping}
         self._fixed.update({k: v for k, v in _FORCED.items() if k in layout.layout})
-        self.state_dtype = state_dtype
+        self.state_dtype, self.state_rounding, self.rounding_seed = state_dtype, state_rounding, rounding_seed
         self.uses_step = uses_step
         self._checked: dict[tuple, bool] = {}  # group values -> whether they read the step count
 
@@ -240,9 +241,7 @@ class TorchRule(UpdateRule):
                 "flags": {k: v for k, v in self._fixed.items() if isinstance(v, (bool, int, float, str, type(None)))}}
 
     def __repr__(self) -> str:
-        args = "".join(f", {k}={v!r}" for k, v in self.hyper.items())
-        if self.state_dtype != torch.float32:
-            args += f", state_dtype={self.state_dtype}"
+        args = "".join(f", {k}={v!r}" for k, v in self.hyper.items()) + self.storage_args()
         return f"rules.from_torch(torch.optim.{self.torch_class.__name__}{args})"
 
     # -- the step ---------------------------------------------------------------------------------------------------
@@ -287,12 +286,13 @@ def _reads_step(rule: TorchRule, values: dict) -> bool:
 _classes: dict[tuple, type] = {}
 
 
-def from_torch(optimizer_class: type, *, state_dtype: torch.dtype = torch.float32, **hyper) -> TorchRule:
+def from_torch(optimizer_class: type, *, state_dtype: torch.dtype = torch.float32, state_rounding: str = "nearest",
+               rounding_seed: int = 0, **hyper) -> TorchRule:
     """The update rule of ``optimizer_class`` (a ``torch.optim`` optimizer with per-element state) with its
     hyper-parameters ``hyper`` (its keyword arguments but ``lr``, ZenFlow's, and ``foreach``, ``fused``,
     ``capturable``, ``differentiable``, ZenFlow's choice: the single-tensor step); ``state_dtype`` as the built-in
-    rules' (bf16 host state). The module docstring says what is read from torch and what is refused, with a
-    ValueError that says why."""
+    rules' (bf16 host state), ``state_rounding`` and ``rounding_seed`` too (``UpdateRule``). The module docstring
+    says what is read from torch and what is refused, with a ValueError that says why."""
     where = f"rules.from_torch({getattr(optimizer_class, '__name__', optimizer_class)!s})"
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"{where}: {optimizer_class!r} is invalid: allowed a torch.optim.Optimizer subclass")
@@ -301,6 +301,7 @@ def from_torch(optimizer_class: type, *, state_dtype: torch.dtype = torch.float3
         raise ValueError(f"{where}: {', '.join(f'{k}=' for k in taken)} is not the rule's: lr is ZenFlow's "
                          "(ZenFlow(params, rule, lr=...)); the step is torch's single-tensor one")
     check_state_dtype(where, state_dtype)
+    check_state_rounding(where, state_rounding, state_dtype, rounding_seed)
     layout = _probe(optimizer_class, dict(hyper, lr=1e-3), where)
     probe_opt = optimizer_class([torch.zeros(1, requires_grad=True)], lr=1e-3, **hyper)
     defaults = {k: v for k, v in probe_opt.defaults.items() if k not in _NOT_RULE}
@@ -337,7 +338,8 @@ def from_torch(optimizer_class: type, *, state_dtype: torch.dtype = torch.float3
         cls = _classes[key] = type(name, (TorchRule,), {
             "name": name, "state_names": layout.state_names, "torch_class": optimizer_class,
             "__module__": __name__, "__doc__": f"torch.optim.{name}'s step as a ZenFlow rule (rules.from_torch)."})
-    rule = cls(hyper, group_keys, mapping, layout, state_dtype, uses_step=False)
+    rule = cls(hyper, group_keys, mapping, layout, state_dtype, uses_step=False, state_rounding=state_rounding,
+               rounding_seed=int(rounding_seed))
     rule.uses_step = _reads_step(rule, group_keys)
     rule._checked[tuple(group_keys.items())] = rule.uses_step
     return rule

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import UpdateRule, check_betas, check_real, check_state_dtype
+from .base import UpdateRule, check_betas, check_real
 
 __all__ = ["Lion"]
 
@@ -22,8 +22,8 @@ class Lion(UpdateRule):
     uses_step = False
 
     def __init__(self, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
-                 state_dtype: torch.dtype = torch.float32):
-        self.state_dtype = check_state_dtype("rules.Lion", state_dtype)
+                 state_dtype: torch.dtype = torch.float32, state_rounding: str = "nearest", rounding_seed: int = 0):
+        self.set_state_storage("rules.Lion", state_dtype, state_rounding, rounding_seed)
         check_betas("rules.Lion", betas)
         check_real("rules.Lion", "weight_decay", weight_decay)
         self.betas, self.weight_decay = (float(betas[0]), float(betas[1])), float(weight_decay)
@@ -48,10 +48,12 @@ class Lion(UpdateRule):
         param.add_(update, alpha=-lr)
         exp_avg.lerp_(grad, 1 - beta2)
 
-    def host_step_(self, param, grad, state, *, step, grad_scale, out=None, zero_grad=False, **numbers) -> None:
+    def host_step_(self, param, grad, state, *, step, grad_scale, out=None, zero_grad=False, rounding=None,
+                   **numbers) -> None:
         from .. import cpu_ops
 
-        cpu_ops.cpu_lion_(param, grad, state[0], grad_scale=grad_scale, out=out, zero_grad=zero_grad, **numbers)
+        cpu_ops.cpu_lion_(param, grad, state[0], grad_scale=grad_scale, out=out, zero_grad=zero_grad,
+                          rounding=rounding, **numbers)
 
     def fast_step_(self, items, *, grad_scale, beta1, beta2) -> None:
         from .. import ops

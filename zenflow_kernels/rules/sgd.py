@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import UpdateRule, check_real, check_state_dtype
+from .base import UpdateRule, check_real
 
 __all__ = ["SGD"]
 
@@ -21,8 +21,9 @@ class SGD(UpdateRule):
     shared = ("momentum", "dampening", "nesterov")
 
     def __init__(self, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, *, state_dtype: torch.dtype = torch.float32):
-        self.state_dtype = check_state_dtype("rules.SGD", state_dtype)
+                 weight_decay: float = 0.0, *, state_dtype: torch.dtype = torch.float32,
+                 state_rounding: str = "nearest", rounding_seed: int = 0):
+        self.set_state_storage("rules.SGD", state_dtype, state_rounding, rounding_seed)
         self._check("rules.SGD", dict(momentum=momentum, dampening=dampening, nesterov=nesterov,
                                       weight_decay=weight_decay))
         self.momentum, self.dampening, self.nesterov = float(momentum), float(dampening), bool(nesterov)
@@ -69,11 +70,12 @@ class SGD(UpdateRule):
             d = d.add(buf, alpha=momentum) if nesterov else buf
         param.add_(d, alpha=-lr)
 
-    def host_step_(self, param, grad, state, *, step, grad_scale, out=None, zero_grad=False, **numbers) -> None:
+    def host_step_(self, param, grad, state, *, step, grad_scale, out=None, zero_grad=False, rounding=None,
+                   **numbers) -> None:
         from .. import cpu_ops
 
         cpu_ops.cpu_sgd_(param, grad, state[0] if state else None, step=step, grad_scale=grad_scale, out=out,
-                         zero_grad=zero_grad, **numbers)
+                         zero_grad=zero_grad, rounding=rounding, **numbers)
 
     def fast_step_(self, items, *, grad_scale, momentum, dampening, nesterov) -> None:
         from .. import ops

@@ -110,6 +110,16 @@ class Sharding:
         """The parameters with host state (frozen ones have none: ``build.trained``), on the rank that owns each;
         called at every build, before the host shard is laid out (one process: nothing to do)."""
 
+    def element_keys(self, groups: Sequence[int], host_params: set[int]) -> dict[int, int]:
+        """Stochastic rounding's key of element 0 of each parameter's :meth:`local` tensor
+        (``zenflow_kernels.rounding``): its offset in the host layout of every parameter with host state, whole
+        (``host.layout`` of the parameters as the user holds them), so one process and every rank key an element
+        alike."""
+        from ..host import layout
+
+        slots = layout(self.params, groups, sorted(host_params))[1]
+        return {i: s.offset for i, s in slots.items()}
+
     def close(self) -> None:
         """Let collectives already started complete (a reload or close while an exchange is in flight)."""
 

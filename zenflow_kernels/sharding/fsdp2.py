@@ -106,6 +106,14 @@ class FSDP2(Sharding):
         with torch.no_grad():
             return p.to_local()
 
+    def element_keys(self, groups, host_params) -> dict[int, int]:
+        # (the layout of the DTensors' global shapes, plus the first element of this rank's rows)
+        keys = super().element_keys(groups, host_params)
+        for i in keys:
+            p = self.params[i]
+            keys[i] += self._rows(p)[0] * (p.numel() // max(p.shape[0], 1))
+        return keys
+
     def own_grad(self, i: int) -> torch.Tensor | None:
         g = self.params[i].grad
         return None if g is None else g.to_local()
