@@ -71,27 +71,42 @@ def host_probe(profile: dict):
                      threads=threads, params=probe["params"], grad_dtype=probe["grad_dtype"])
 
 
-def step_times(params: int, profile: dict, probe) -> dict:
-    """Seconds per step of AdamW on the device, synchronous offload and each ZenFlow variant of the Adam family."""
+def step_times(params: int, profile: dict, probe, variants=None) -> dict:
+    """Seconds per step of AdamW on the device, synchronous offload and each ZenFlow variant of the Adam family
+    (``variants``: their names, default ``ZENFLOW_ADAM``)."""
     from zenflow_kernels.planner import predict
 
     compute = 6.0 * params * profile["tokens_per_step"] / (profile["device_tflops"] * 1e12)
     fits = 16 * params <= 0.85 * profile["device_memory_bytes"]
     out = {"adamw": dict(step_s=compute + profile["adamw_device_bytes_per_param"] * params
                          / profile["hbm_bytes_per_s"] if fits else None, compute_s=compute, fits=fits)}
-    common = dict(matrix_params=params, device_step_s=compute, d2h_bytes_per_s=profile["pcie_bytes_per_s"],
-                  probe=probe, state_bytes=8)
-    sync = predict(**common, topk_ratio=0.0, update_interval=1, overlap_step=False)
+    sync = predict(matrix_params=params, device_step_s=compute, d2h_bytes_per_s=profile["pcie_bytes_per_s"],
+                   probe=probe, state_bytes=8, topk_ratio=0.0, update_interval=1, overlap_step=False)
     out["offload"] = dict(step_s=compute + sync.sync_offload_stall_s, stall_s=sync.sync_offload_stall_s)
-    for name in ZENFLOW_ADAM:
-        zen = dict(BASE_ZENFLOW, **VARIANTS[name].zenflow)
-        plan = predict(**common, topk_ratio=zen["topk_ratio"], update_interval=zen["update_interval"],
-                       overlap_step=zen["overlap_step"])
-        fast = profile["fast_path_s_per_param_at_topk_0_1"] * params * zen["topk_ratio"] / 0.1
-        selection = profile["selection_s_per_param"] * params / zen["select_interval"]
-        out[name] = dict(step_s=compute + fast + selection + plan.zenflow_stall_s, stall_s=plan.zenflow_stall_s,
-                         fast_path_s=fast, selection_s=selection, limit=plan.limit)
+    for name in ZENFLOW_ADAM if variants is None else variants:
+        variant = VARIANTS[name]
+        out[name] = zenflow_step_time(params, profile, probe, dict(BASE_ZENFLOW, **variant.zenflow),
+                                      state_bytes=8 if variant.state == "fp32" else 4)
     return out
+
+
+def zenflow_step_time(params: int, profile: dict, probe, zen: dict, state_bytes: int = 8) -> dict:
+    """Seconds per step of ZenFlow with config ``zen`` (its ``topk_ratio``, integer ``update_interval``,
+    ``overlap_step``, and ``select_interval`` in steps, or in epochs of ``steps_per_epoch`` steps) on the profile:
+    the device's compute, the fast path and the selection scaled from the H200's, the planner's stall.
+    ``state_bytes``: the host state per parameter (8: AdamW's fp32 moments; 4 in bf16: the copies' bytes; the host
+    pass is timed by the fp32 probe either way)."""
+    from zenflow_kernels.planner import predict
+
+    compute = 6.0 * params * profile["tokens_per_step"] / (profile["device_tflops"] * 1e12)
+    select = zen["select_interval"] * (zen["steps_per_epoch"] if zen.get("select_strategy") == "epoch" else 1)
+    plan = predict(matrix_params=params, device_step_s=compute, d2h_bytes_per_s=profile["pcie_bytes_per_s"],
+                   probe=probe, state_bytes=state_bytes, topk_ratio=zen["topk_ratio"],
+                   update_interval=zen["update_interval"], overlap_step=zen["overlap_step"])
+    fast = profile["fast_path_s_per_param_at_topk_0_1"] * params * zen["topk_ratio"] / 0.1
+    selection = profile["selection_s_per_param"] * params / select
+    return dict(step_s=compute + fast + selection + plan.zenflow_stall_s, stall_s=plan.zenflow_stall_s,
+                fast_path_s=fast, selection_s=selection, limit=plan.limit)
 
 
 def table(summaries: dict, profile: dict = PROFILE) -> dict:

@@ -131,7 +131,9 @@ def optimizer_paths() -> None:
             # the other update rules' host kernels, with fp32 and bf16 state
             for rule in (rules.Adam(), rules.Lion(), rules.SGD(momentum=0.9), rules.SGD(),
                          rules.AdamW(state_dtype=torch.bfloat16), rules.Lion(state_dtype=torch.bfloat16),
-                         rules.SGD(momentum=0.9, state_dtype=torch.bfloat16)):
+                         rules.SGD(momentum=0.9, state_dtype=torch.bfloat16),
+                         *(rule(state_dtype=torch.bfloat16, state_rounding="stochastic")
+                           for rule in (rules.AdamW, rules.Lion, lambda **kw: rules.SGD(momentum=0.9, **kw)))):
                 params = [torch.nn.Parameter(torch.randn(64, 1100).to(dtype))]
                 zen = dict(topk_ratio=0.25, select_strategy="step", select_interval=2, update_interval=1,
                            overlap_step=False)

@@ -221,3 +221,49 @@ def test_a_committed_sweep_is_its_runs_summarised_again(path, monkeypatch):
     assert json.loads(json.dumps(again)) == data["summary"]
     assert all(v["best_inside"] is not False for v in again["variants"].values())  # every best inside its grid
     assert {len(v["grid"]) for n, v in again["variants"].items() if n != "offload"} >= {6}
+
+
+def test_the_demo_runs_the_tuned_comparisons_pick():
+    """``make demo`` (bench.e2e --demo) runs at the byte-GPT fine-tune's tuned AdamW rate, ZenFlow at the setting that
+    beat the defaults on every workload, at its own best rate there (the same)."""
+    from bench.e2e import DEMO_TUNED, parser
+
+    variants = json.loads((REPO / "studies" / "results" / "tuned_gpt_finetune.json").read_text())["summary"]["variants"]
+    assert DEMO_TUNED["lr"] == pytest.approx(variants["adamw"]["best_lr"])
+    pick = tc.VARIANTS["topk0.05_ui2"].zenflow
+    assert (DEMO_TUNED["topk_ratio"], DEMO_TUNED["update_interval"]) == (pick["topk_ratio"], pick["update_interval"])
+    assert variants["topk0.05_ui2"]["best_lr"] == pytest.approx(DEMO_TUNED["lr"])
+    for name in ("study_flat", "study_concentrated", "gpt_finetune", "gpt_classify"):  # beat the defaults everywhere
+        v = json.loads((REPO / "studies" / "results" / f"tuned_{name}.json").read_text())["summary"]["variants"]
+        assert v["topk0.05_ui2"]["final"]["mean"] < v["zenflow"]["final"]["mean"], name
+    args = parser().parse_args(["--demo"])
+    assert (args.lr, args.topk_ratio, args.update_interval) == (None, None, None)  # filled in by main
+
+
+def test_the_demos_time_to_target_reads_each_curve_and_models_its_settings():
+    from bench import e2e_target
+
+    def run(name, kind, losses, walls, zenflow=None):
+        return dict(name=name, kind=kind, steps=40, zenflow=zenflow, evals=[
+            dict(step=s, wall_s=w, heldout_loss=x) for s, w, x in zip((0, 10, 20, 30, 40), walls, losses, strict=True)])
+
+    zen = dict(topk_ratio=0.05, update_interval=2, overlap_step=True, select_strategy="epoch", select_interval=1,
+               steps_per_epoch=25)
+    got = e2e_target.to_target([
+        run("adamw", "adamw", [3.0, 2.8, 2.6, 2.4, 2.3], [0, 1, 2, 3, 4]),
+        run("offload", "offload", [3.0, 2.8, 2.6, 2.4, 2.3], [0, 2, 4, 6, 8]),
+        run("zenflow", "zenflow", [3.0, 2.9, 2.7, 2.5, 2.35], [0, 1, 2, 3, 4], zen),
+        run("never", "zenflow", [3.0, 2.9, 2.8, 2.7, 2.6], [0, 1, 2, 3, 4], zen)])
+    assert got["target"] == pytest.approx(2.4)  # AdamW's at 30 of 40 steps
+    r = got["runs"]
+    assert r["adamw"]["steps"] == pytest.approx(30) and r["offload"]["cpu_s"] == pytest.approx(6.0)
+    assert r["zenflow"]["steps"] == pytest.approx(30 + 10 / 1.5) and r["zenflow"]["cpu_s"] == pytest.approx(3 + 1 / 1.5)
+    assert r["never"]["steps"] is None and r["never"]["modeled_s"] is None
+    probe = ttt.host_probe(ttt.PROFILE)
+    params = ttt.MODELS[e2e_target.MODEL]
+    step = ttt.zenflow_step_time(params, ttt.PROFILE, probe, zen)["step_s"]
+    assert r["zenflow"]["modeled_s"] == pytest.approx((30 + 10 / 1.5) * step)
+    assert step > ttt.zenflow_step_time(params, ttt.PROFILE, probe, dict(zen, steps_per_epoch=50))["step_s"]
+    assert r["adamw"]["modeled_s"] == pytest.approx(30 * ttt.step_times(params, ttt.PROFILE, probe)["adamw"]["step_s"])
+    text = "\n".join(e2e_target.lines({"to_target": got}))
+    assert "MODELED" in text and "never: not reached" in text
