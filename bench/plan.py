@@ -13,14 +13,17 @@ with its default pause is recorded too, ``step_work_s_by_pause``; a first probe 
 then each configuration runs ``--steps`` steps and its stall per step is measured as the median over whole update
 intervals (after the first two) of the interval's wall time per step minus the compute's measured time per step.
 Configurations: synchronous offload (every step a host update, no overlap), ZenFlow without overlap, and ZenFlow
-with overlap where the interval hides the update and where it does not. Goal (issue 43): each prediction within 20%
-or 2 ms of the measurement. Also per row: ``host_bytes()`` against the planner's bytes.
+with overlap where the interval hides the update and where it does not; the lanes issue 56 added (the sums kept on
+the device, bf16 moments, the state on disk at the rate ``disk_probe`` measures in a temporary folder). Goal
+(issue 43): each prediction within 20% or 2 ms of the measurement. Also per row: ``host_bytes()`` against the
+planner's bytes.
 Results: ``plan_cpu.json`` in bench/results (or ``--out``).
 """
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 
 import torch
@@ -43,6 +46,10 @@ CONFIGS = [
                                             device_accumulation=True), 20.0),
     ("bf16_state_overlap_short", dict(topk_ratio=0.0, update_interval=2, overlap_step=True), 4.0, "bf16"),
     ("bf16_state_no_overlap", dict(topk_ratio=0.0, update_interval=4, overlap_step=False), 20.0, "bf16"),
+    # the disk lane: the master and moments in a state file (offload_device="nvme", in a temporary folder on this
+    # VM's disk), read and written by each update at the rate disk_probe measures
+    ("nvme_overlap_short", dict(topk_ratio=0.0, update_interval=2, overlap_step=True, offload_device="nvme"), 4.0),
+    ("nvme_no_overlap", dict(topk_ratio=0.0, update_interval=4, overlap_step=False, offload_device="nvme"), 20.0),
 ]
 WITHIN_REL, WITHIN_ABS_S = 0.20, 0.002
 
@@ -57,9 +64,38 @@ def rule_of(state: str):
     return rules.AdamW(state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)
 
 
+def disk_probe(params: int, folder: str, passes: int = 5) -> float:
+    """Bytes per second of a state file's whole pass, read then written block by block (the master and AdamW's two
+    moments, fp32: ``2 * 12 * params`` bytes), the median of ``passes`` after one discarded: the planner's
+    ``nvme_bytes_per_s`` for this folder's disk."""
+    from zenflow_kernels.state_files import StateFiles
+
+    files = StateFiles(folder, params, fields=("master", "exp_avg", "exp_avg_sq"))
+    try:
+        bufs = files.new_block()
+        blocks = -(-params // files.block_numel)
+        rates = []
+        for _ in range(passes + 1):
+            t0 = time.perf_counter()
+            for j in range(blocks):
+                files.read_block(j, bufs)
+                files.write_block(j, bufs)
+            rates.append(2 * 12 * params / (time.perf_counter() - t0))
+    finally:
+        files.close()
+    return statistics.median(rates[1:])
+
+
 def measure(name: str, zen: dict, compute_s: float, params: int, steps: int, state: str = "fp32") -> dict:
     """One configuration on the modeled device: the stall per step (median over whole intervals) and the
-    optimizer's host bytes."""
+    optimizer's host bytes (``offload_device="nvme"``: the state file in a temporary folder)."""
+    if zen.get("offload_device") == "nvme":
+        with tempfile.TemporaryDirectory() as folder:
+            return _measure(name, zen, dict(zen, nvme_path=folder), compute_s, params, steps, state)
+    return _measure(name, zen, zen, compute_s, params, steps, state)
+
+
+def _measure(name: str, zen: dict, settings: dict, compute_s: float, params: int, steps: int, state: str) -> dict:
     from zenflow_kernels import ZenFlow
     from zenflow_kernels.testing import chaos
 
@@ -68,7 +104,7 @@ def measure(name: str, zen: dict, compute_s: float, params: int, steps: int, sta
     weight = torch.nn.Parameter(torch.randn(params // cols, cols, generator=generator).to(torch.bfloat16))
     grads = [torch.randn(params // cols, cols, generator=generator).to(torch.bfloat16) for _ in range(2)]
     interval = zen["update_interval"]
-    settings = dict(zen, select_strategy="step", select_interval=10**6)
+    settings = dict(settings, select_strategy="step", select_interval=10**6)
     with chaos(seed=0, max_delay=0.0, d2h_bytes_per_s=BANDWIDTH, h2d_bytes_per_s=BANDWIDTH):
         opt = ZenFlow([weight], rule_of(state), lr=1e-4, zenflow=settings)
     walls, computes = [], []
@@ -123,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     planner.probe_host(rule, params=params, seconds=min(seconds, 1.0))
     planner.probe_host(rule_of("bf16"), params=params, seconds=min(seconds, 1.0))
     probes = {None: planner.probe_host(rule, params=params, seconds=seconds)}  # the default pause, for the record
+    with tempfile.TemporaryDirectory() as folder:
+        nvme_bytes_per_s = disk_probe(params, folder, passes=2 if args.quick else 5)
     for config in CONFIGS:
         key = (config[2], state_of(config))
         if key not in probes:
@@ -136,9 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         # the stand-in's step() work on the training thread is the modeled device's (a GPU's fingerprints and
         # copies): the device's time per step, and in the measured stall (wall time minus the compute)
         step_work = probe.step_work_s_per_param * params
+        on_disk = zen.get("offload_device") == "nvme"
         plan = planner.predict(matrix_params=params, device_step_s=got["compute_s"] + step_work,
                                d2h_bytes_per_s=BANDWIDTH, h2d_bytes_per_s=BANDWIDTH, probe=probe, handover="step",
-                               state_bytes=planner.state_bytes_per_param(rule_of(state)), **zen)
+                               state_bytes=planner.state_bytes_per_param(rule_of(state)),
+                               nvme_bytes_per_s=nvme_bytes_per_s if on_disk else None,
+                               **{k: v for k, v in zen.items() if k != "offload_device"})
         predicted = step_work + (plan.sync_offload_stall_s if name == "sync_offload" else plan.zenflow_stall_s)
         error = got["measured_stall_s"] - predicted
         rows.append(dict(got, predicted_stall_s=predicted, error_s=error,
@@ -152,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'ok' if rows[-1]['within'] else 'OFF'}", flush=True)
     payload = dict(benchmark="plan", description=__doc__.split("\n\n")[1], params=params, steps=steps,
                    bandwidth_bytes_per_s=BANDWIDTH, goal=dict(relative=WITHIN_REL, absolute_s=WITHIN_ABS_S),
-                   probes={probe_key(k): p.as_dict() for k, p in probes.items()},
+                   probes={probe_key(k): p.as_dict() for k, p in probes.items()}, nvme_bytes_per_s=nvme_bytes_per_s,
                    step_work_s_by_pause={probe_key(k): p.step_work_s_per_param * params for k, p in probes.items()},
                    rows=rows, all_within=all(r["within"] for r in rows),
                    total_s=time.perf_counter() - started)

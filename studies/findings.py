@@ -90,6 +90,13 @@ def lines(summaries: dict) -> list[str]:
         verdict = "beats the defaults on every workload" if wins_everywhere(summaries, name) else \
             "does not beat the defaults on every workload"
         out.append(f"- `{name}` {verdict}: final loss over tuned AdamW's " + ", ".join(ratios) + ".")
+    stored = [f"{w} " + " and ".join(
+        f"{s['variants'][n]['final']['mean'] / s['variants']['zenflow']['final']['mean']:.3f}x" for n in
+        ("bf16_nearest", "bf16_stochastic")) for w, s in summaries.items()
+        if {"bf16_nearest", "bf16_stochastic"} <= set(s["variants"])]
+    if stored:
+        out.append("- The host moments in bf16, rounded to nearest and stochastically (ZenFlow's defaults otherwise, "
+                   "each at its own best rate), over the fp32 defaults' final loss: " + ", ".join(stored) + ".")
     for plain in ("lion", "sgd"):
         zen = f"zenflow_{plain}"
         ratios = [f"{w} {s['variants'][zen]['final']['mean'] / s['variants'][plain]['final']['mean']:.2f}x"

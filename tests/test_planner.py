@@ -223,7 +223,8 @@ def test_the_validation_benchmark_runs_quick(tmp_path):
     names = [r["name"] for r in result["rows"]]
     assert names == ["sync_offload", "zenflow_no_overlap", "zenflow_overlap_hidden", "zenflow_overlap_short",
                      "zenflow_overlap_hidden_ui8", "device_accumulation", "device_accumulation_no_overlap",
-                     "bf16_state_overlap_short", "bf16_state_no_overlap"]
+                     "bf16_state_overlap_short", "bf16_state_no_overlap", "nvme_overlap_short", "nvme_no_overlap"]
+    assert result["nvme_bytes_per_s"] > 0
     for r in result["rows"]:
         assert r["measured_stall_s"] > -r["compute_s"] and r["predicted_stall_s"] >= 0, r
         assert r["within"] == (abs(r["error_s"]) <= max(0.002, 0.2 * abs(r["measured_stall_s"]))), r

@@ -1047,7 +1047,7 @@ BUGS = [
     Bug(
         "stochastic-rounding-keys-of-the-shard",
         "zenflow_kernels/sharding/fsdp2.py",
-        "            keys[i] += self._rows(p)[0] * (p.numel() // max(p.shape[0], 1))\n",
+        "            keys[i] += self._rows(p)[0] * math.prod(p.shape[1:])\n",
         "            keys[i] += 0\n",
         "FSDP2: a rank keys its rows from the parameter's first element, not from their place in it: every rank "
         "draws the same bits as rank 0's rows, so the rounding noise is not one process's",

@@ -110,13 +110,13 @@ class HostShard:
             when the parameters are on a GPU).
         landing: allocate the landing buffers (an asynchronous link's), one per parameter dtype.
         indices: the parameters this shard holds (ZeRO: this rank's run; default all of them).
-        keys: ``keys[i]`` is the stochastic-rounding key of parameter i's element 0 (``zenflow_kernels.rounding``;
-            ``Sharding.element_keys``: the same element has the same key in one process and on every rank); default
-            the flat offsets of this shard.
             ``slots``, the views and every buffer cover these only; indices stay the optimizer's.
         rule: the update rule (``rules``; required: the shard's fields and its step are the rule's, whichever it
             is): its ``state_names`` are the fields beside ``master`` (``fields``), and :meth:`update` runs its host
             kernel.
+        keys: ``keys[i]`` is the stochastic-rounding key of parameter i's element 0 (``zenflow_kernels.rounding``;
+            ``Sharding.element_keys``: the same element has the same key in one process and on every rank); default
+            the flat offsets of this shard.
 
     The shard holds data only. Which parameters were accumulated how often in an interval is the
     training thread's bookkeeping, handed to :meth:`update` as ``counts``.

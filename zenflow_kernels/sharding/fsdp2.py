@@ -28,6 +28,7 @@ collective over the whole world).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -111,7 +112,7 @@ class FSDP2(Sharding):
         keys = super().element_keys(groups, host_params)
         for i in keys:
             p = self.params[i]
-            keys[i] += self._rows(p)[0] * (p.numel() // max(p.shape[0], 1))
+            keys[i] += self._rows(p)[0] * math.prod(p.shape[1:])
         return keys
 
     def own_grad(self, i: int) -> torch.Tensor | None:
