@@ -11,9 +11,10 @@
    thread waits, then the whole model is copied back), and ``ZenFlowAdamW`` (top-k columns every
    step, the rest on the host every ``update_interval`` steps, overlapped);
    Every run uses the same AdamW hyper-parameters (lr 3e-4, or with ``--demo`` the tuned comparison's pick,
-   ``DEMO_TUNED``: lr 2e-3, ZenFlow's ``topk_ratio`` 0.05 and ``update_interval`` 2; a linear warm-up over the
-   first 10% of the steps, weight decay 0.01, no clipping); the ZenFlow run selects its columns once per epoch
-   of the fine-tuning data (``steps_per_epoch`` is passed, so nothing is silently never re-selected);
+   ``DEMO_TUNED``: lr 2e-3, ZenFlow's ``topk_ratio`` 0.05 and ``update_interval`` 2 without overlap, columns
+   re-selected every 4 steps; a linear warm-up over the first 10% of the steps, weight decay 0.01, no clipping);
+   without ``--demo`` the ZenFlow run selects its columns once per epoch of the fine-tuning data
+   (``steps_per_epoch`` is passed, so nothing is silently never re-selected);
 4. prints a table (steps/s, stall, host updates, final train and held-out loss; the time to AdamW's loss at 75%
    of its steps, on this CPU and modeled for a 7B model on an H200 profile: ``bench.e2e_target``), writes
    ``e2e.json`` (every figure, the curves and the machine) and ``e2e.png`` (loss against wall time
@@ -85,10 +86,10 @@ __all__ = [
 
 # ``--demo``: the learning rate and ZenFlow setting the tuned comparison picks on the byte-GPT fine-tune
 # (studies/results/tuned_gpt_finetune.json, tiny model): AdamW's best rate, 2e-3, is also the best of topk_ratio 0.05
-# with update_interval 2, the one setting that beat ZenFlow's defaults on all four workloads (studies/findings.py);
-# tests/test_studies.py checks these against the committed study. The demo's model is the small preset: the rate is
-# carried over from the tiny one, not tuned on it.
-DEMO_TUNED = dict(lr=2e-3, topk_ratio=0.05, update_interval=2)
+# with update_interval 2 (no overlap, columns re-selected every 4 steps: the study's variant as it ran), the one
+# setting that beat ZenFlow's defaults on all four workloads (studies/findings.py); tests/test_studies.py checks these
+# against the committed study. The demo's model is the small preset: the rate is carried over from the tiny one.
+DEMO_TUNED = dict(lr=2e-3, topk_ratio=0.05, update_interval=2, overlap=False, select_interval=4)
 
 
 def default_specs(
@@ -279,9 +280,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--update-interval", type=_interval, default=None,
                    help=f"ZenFlow update_interval (default {d.update_interval}; {DEMO_TUNED['update_interval']} with "
                         "--demo)")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false", help="ZenFlow without overlap_step")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
+                   help="ZenFlow without overlap_step (the default with --demo)")
     p.add_argument("--select-interval", type=_positive_int, default=None,
-                   help="re-select columns every N steps (default: once per epoch of the fine-tuning data)")
+                   help="re-select columns every N steps (default: once per epoch of the fine-tuning data; 4 with "
+                        "--demo)")
     p.add_argument("--pt-reserved-cores-perc", type=_fraction, nargs="+", default=[d.pt_reserved_cores_perc],
                    help="ZenFlow pt_reserved_cores_perc, default 1.0 on CPU (training and host share the cores), "
                         "0.5 on CUDA; several values: one ZenFlow run each")
@@ -330,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not all(c.isalnum() or c in "-_." for c in args.name):
         raise SystemExit(f"error: --name {args.name!r} is invalid: allowed letters, digits, '-', '_' and '.'")
     d = E2EConfig()
-    for key, value in (DEMO_TUNED if args.demo else dict(lr=d.lr, topk_ratio=d.topk_ratio,
+    for key, value in (DEMO_TUNED if args.demo else dict(lr=d.lr, topk_ratio=d.topk_ratio, overlap=d.overlap,
                                                           update_interval=d.update_interval)).items():
         if getattr(args, key) is None:  # (what is not given: the demo's tuned pick, else E2EConfig's default)
             setattr(args, key, value)

@@ -230,14 +230,16 @@ def test_the_demo_runs_the_tuned_comparisons_pick():
 
     variants = json.loads((REPO / "studies" / "results" / "tuned_gpt_finetune.json").read_text())["summary"]["variants"]
     assert DEMO_TUNED["lr"] == pytest.approx(variants["adamw"]["best_lr"])
-    pick = tc.VARIANTS["topk0.05_ui2"].zenflow
-    assert (DEMO_TUNED["topk_ratio"], DEMO_TUNED["update_interval"]) == (pick["topk_ratio"], pick["update_interval"])
+    pick = dict(tc.BASE_ZENFLOW, **tc.VARIANTS["topk0.05_ui2"].zenflow)
+    assert (DEMO_TUNED["topk_ratio"], DEMO_TUNED["update_interval"], DEMO_TUNED["overlap"],
+            DEMO_TUNED["select_interval"]) == (pick["topk_ratio"], pick["update_interval"], pick["overlap_step"],
+                                               pick["select_interval"])
     assert variants["topk0.05_ui2"]["best_lr"] == pytest.approx(DEMO_TUNED["lr"])
     for name in ("study_flat", "study_concentrated", "gpt_finetune", "gpt_classify"):  # beat the defaults everywhere
         v = json.loads((REPO / "studies" / "results" / f"tuned_{name}.json").read_text())["summary"]["variants"]
         assert v["topk0.05_ui2"]["final"]["mean"] < v["zenflow"]["final"]["mean"], name
     args = parser().parse_args(["--demo"])
-    assert (args.lr, args.topk_ratio, args.update_interval) == (None, None, None)  # filled in by main
+    assert (args.lr, args.topk_ratio, args.update_interval, args.overlap) == (None,) * 4  # filled in by main
 
 
 def test_the_demos_time_to_target_reads_each_curve_and_models_its_settings():
