@@ -14,7 +14,7 @@ then each configuration runs ``--steps`` steps and its stall per step is measure
 intervals (after the first two) of the interval's wall time per step minus the compute's measured time per step.
 Configurations: synchronous offload (every step a host update, no overlap), ZenFlow without overlap, and ZenFlow
 with overlap where the interval hides the update and where it does not; the lanes issue 56 added (the sums kept on
-the device, bf16 moments, the state on disk at the rate ``disk_probe`` measures in a temporary folder). Goal
+the device, bf16 moments, the state on disk at the streamed update's rate, ``disk_probe``, in a temporary folder). Goal
 (issue 43): each prediction within 20% or 2 ms of the measurement. Also per row: ``host_bytes()`` against the
 planner's bytes.
 Results: ``plan_cpu.json`` in bench/results (or ``--out``).
@@ -64,26 +64,38 @@ def rule_of(state: str):
     return rules.AdamW(state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)
 
 
-def disk_probe(params: int, folder: str, passes: int = 5) -> float:
-    """Bytes per second of a state file's whole pass, read then written block by block (the master and AdamW's two
-    moments, fp32: ``2 * 12 * params`` bytes), the median of ``passes`` after one discarded: the planner's
-    ``nvme_bytes_per_s`` for this folder's disk."""
-    from zenflow_kernels.state_files import StateFiles
+def disk_probe(params: int, folder: str, threads: int, passes: int = 5) -> float:
+    """The state file's effective rate for the planner's ``nvme_bytes_per_s``: the disk bytes of one update (the master
+    and AdamW's two moments, fp32, read and written: ``2 * 12 * params``) over the time of the streamed host update
+    itself (``streamed_host_step_``: its reader and writer threads, AdamW's kernel on ``threads`` numba threads, as
+    the host worker runs it), the median of ``passes`` after one discarded. The planner then models the update as
+    ``max(compute, disk)`` = this pass, which holds whatever part of it the disk or the pipeline takes."""
+    import numba
 
-    files = StateFiles(folder, params, fields=("master", "exp_avg", "exp_avg_sq"))
+    from zenflow_kernels import rules
+    from zenflow_kernels.state_files import StateFiles
+    from zenflow_kernels.streamed_host import Run, streamed_host_step_
+
+    rule = rules.AdamW()
+    files = StateFiles(folder, params, fields=("master", *rule.state_names))
+    before = numba.get_num_threads()
+    numba.set_num_threads(threads)
     try:
-        bufs = files.new_block()
-        blocks = -(-params // files.block_numel)
-        rates = []
-        for _ in range(passes + 1):
+        files.write_many([("master", 0, torch.randn(params))], fresh=True)
+        acc = torch.zeros(params)
+        out = torch.empty(params, dtype=torch.bfloat16)
+        numbers = rule.numbers(dict(rule.group_defaults(), lr=1e-4))
+        seconds = []
+        for step in range(1, passes + 2):
+            acc.normal_()
             t0 = time.perf_counter()
-            for j in range(blocks):
-                files.read_block(j, bufs)
-                files.write_block(j, bufs)
-            rates.append(2 * 12 * params / (time.perf_counter() - t0))
+            streamed_host_step_(files, acc, [Run(0, params, out, dict(step=step, grad_scale=1.0, **numbers))],
+                                rule=rule)
+            seconds.append(time.perf_counter() - t0)
     finally:
+        numba.set_num_threads(before)
         files.close()
-    return statistics.median(rates[1:])
+    return 2 * 12 * params / statistics.median(seconds[1:])
 
 
 def measure(name: str, zen: dict, compute_s: float, params: int, steps: int, state: str = "fp32") -> dict:
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     planner.probe_host(rule_of("bf16"), params=params, seconds=min(seconds, 1.0))
     probes = {None: planner.probe_host(rule, params=params, seconds=seconds)}  # the default pause, for the record
     with tempfile.TemporaryDirectory() as folder:
-        nvme_bytes_per_s = disk_probe(params, folder, passes=2 if args.quick else 5)
+        nvme_bytes_per_s = disk_probe(params, folder, probes[None].threads, passes=2 if args.quick else 5)
     for config in CONFIGS:
         key = (config[2], state_of(config))
         if key not in probes:
