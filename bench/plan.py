@@ -73,11 +73,14 @@ def disk_probe(params: int, folder: str, threads: int, passes: int = 5) -> float
     import numba
 
     from zenflow_kernels import rules
+    from zenflow_kernels.optim.build import Tunables
     from zenflow_kernels.state_files import StateFiles
     from zenflow_kernels.streamed_host import Run, streamed_host_step_
 
     rule = rules.AdamW()
-    files = StateFiles(folder, params, fields=("master", *rule.state_names))
+    # the optimizer's file: its block size, and O_DIRECT (the page cache does not hold it) where it uses that
+    files = StateFiles(folder, params, fields=("master", *rule.state_names), block_numel=Tunables.NVME_BLOCK_NUMEL,
+                       direct=Tunables.NVME_DIRECT)
     before = numba.get_num_threads()
     numba.set_num_threads(threads)
     try:
