@@ -112,18 +112,16 @@ def host_adam() -> str:
 
 
 def end_to_end() -> str:
-    demo, variants = load("e2e.json"), load("e2e_variants.json")
+    demo = load("e2e.json")
     per_run = demo["comparison"]["per_run"]
-    medians = {r["name"]: r["stall_pct_median"] for r in variants["runs"]}
     cfg, runs = demo["config"], demo["to_target"]["runs"]
     reach = lambda n, key, fmt: "not within the run" if runs[n][key] is None else fmt.format(runs[n][key])  # noqa: E731
     return (f"- **End to end, CPU** ({link('e2e.json')}, `make demo`; {where(demo)}): the byte GPT fine-tuned for "
             f"{cfg['steps']} steps at the tuned comparison's pick (lr {lr_text(cfg['lr'])}; ZenFlow `topk_ratio` "
-            f"{cfg['topk_ratio']:g}, `update_interval` {cfg['update_interval']}). ZenFlow's stall "
-            f"{per_run['zenflow']['stall_pct']:.1f}% of wall time against sync offload's "
-            f"{per_run['offload']['stall_pct']:.1f}% (one run; at the defaults, medians of "
-            f"{variants['config']['repeats']} repeats, {medians['zenflow_pt1']:.1f}% and {medians['offload']:.1f}%, "
-            f"{link('e2e_variants.json')}). To AdamW's loss at 75% of its steps: ZenFlow "
+            f"{cfg['topk_ratio']:g}, `update_interval` {cfg['update_interval']}"
+            f"{'' if cfg['overlap'] else ', no overlap'}). ZenFlow's stall {per_run['zenflow']['stall_pct']:.1f}% of "
+            f"wall time against sync offload's {per_run['offload']['stall_pct']:.1f}% (one run). To AdamW's loss at "
+            "75% of its steps: ZenFlow "
             f"{reach('zenflow', 'cpu_s', '{:.1f} s')}, sync offload {reach('offload', 'cpu_s', '{:.1f} s')}, AdamW "
             f"{reach('adamw', 'cpu_s', '{:.1f} s')} here; **modeled** for a 7B model on an H200 "
             f"([docs/benchmarks.md](docs/benchmarks.md)): {reach('zenflow', 'modeled_s', '{:.0f}')}, "

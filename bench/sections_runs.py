@@ -117,10 +117,12 @@ def e2e_section() -> str:
              f"{where(demo)}). A byte-level GPT ({demo['model']['params']['total'] / 1e6:.2f} M parameters: "
              f"{size['n_layer']} layers, width {size['d_model']}, context {size['context']}, batch {size['batch']}) is "
              f"pre-trained for {demo['pretrain']['steps']} steps on 1 MB of the standard library's top-level modules "
-             f"({demo['pretrain']['seconds']:.0f} s in the recorded run; cached in `data/e2e/` for the next), then "
-             f"fine-tuned for {demo['config']['steps']} steps on 400 KB of its packages, three ways, on "
+             + ("(loaded from `data/e2e/`, where an earlier run left it), then " if demo["pretrain"]["cached"] else
+                f"({demo['pretrain']['seconds']:.0f} s in the recorded run; cached in `data/e2e/` for the next), then ")
+             + f"fine-tuned for {demo['config']['steps']} steps on 400 KB of its packages, three ways, on "
              f"{demo['config']['threads']} torch threads; the held-out loss is on 100 KB of other package files. "
-             f"{demo['total_s']:.0f} s in all in the recorded run (`total_s`), pre-training included. The baseline is "
+             f"{demo['total_s']:.0f} s in all in the recorded run (`total_s`), pre-training "
+             f"{'not ' if demo['pretrain']['cached'] else ''}included. The baseline is "
              "`torch.optim.AdamW(fused=True)` (torch 2.13 has fused AdamW on CPU).")
     return "\n".join([intro, "", "\n".join(rows), "", demo_text, "", meaning, "", "\n".join(goals), "", base_text])
 
