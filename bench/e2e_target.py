@@ -1,8 +1,8 @@
 """The demo's time to a target: measured on this CPU, and modeled on the tuned comparison's profile (issue 56).
 
 The target is the held-out loss AdamW's run reaches at 75% of its steps (``studies.tuned_comparison``'s). Each run's
-steps to it come from its held-out curve (linear between the evaluations; None where it never gets there), its CPU
-seconds to it from its wall clock at those steps. The modeled seconds are those steps times the step time the
+steps to it come from its held-out curve (linear between the evaluations, within ``RTOL``; None where it never gets
+there), its CPU seconds to it from its wall clock at those steps. The modeled seconds are those steps times the step time the
 planner's model gives on ``studies.time_to_target.PROFILE`` (an H200 over PCIe Gen5, a 32-core host) for a 7B
 model at each run's own settings: an estimate of the same run at scale, under that module's stated assumptions
 (the steps carry over from this small model; the device's, link's and host's speeds partly assumed).
@@ -16,6 +16,11 @@ from studies.tuned_comparison import TARGET_AT, steps_to, value_at
 __all__ = ["MODEL", "lines", "to_target"]
 
 MODEL = "7B"
+# within this of the target counts as reaching it: the runs' kernels round differently (torch's fused AdamW, the
+# host's numba Adam), and sync offload's held-out loss, AdamW's arithmetic, then sits a few 1e-6 above AdamW's own at
+# the target's step; the curve is not monotone (8 evaluations), so a point missed by that noise moves the crossing a
+# whole stretch later (measured: 143 steps for offload against AdamW's 120)
+RTOL = 1e-4
 
 
 def _curve(run: dict, key: str) -> list[tuple[float, float]]:
@@ -36,7 +41,7 @@ def to_target(runs: list[dict]) -> dict | None:
     out = {"target": target, "target_at": TARGET_AT, "model": MODEL, "params": params, "profile": PROFILE,
            "assumption": ASSUMPTION, "runs": {}}
     for r in runs:
-        steps = steps_to(_curve(r, "heldout_loss"), target)
+        steps = steps_to(_curve(r, "heldout_loss"), target, rtol=RTOL)
         cpu_s = None if steps is None else value_at(_curve(r, "wall_s"), steps)
         if r["kind"] in ("adamw", "offload"):
             step_s = fixed[r["kind"]]["step_s"]
