@@ -2,9 +2,9 @@
 
 The target is the held-out loss AdamW's run reaches at 75% of its steps (``studies.tuned_comparison``'s). Each run's
 steps to it come from its held-out curve (linear between the evaluations, within ``RTOL``; None where it never gets
-there), its CPU seconds to it from its wall clock at those steps. The modeled seconds are those steps times the step time the
-planner's model gives on ``studies.time_to_target.PROFILE`` (an H200 over PCIe Gen5, a 32-core host) for a 7B
-model at each run's own settings: an estimate of the same run at scale, under that module's stated assumptions
+there), its CPU seconds to it from its wall clock at those steps. The modeled seconds are those steps times the step
+time the planner's model gives on ``studies.time_to_target.PROFILE`` (an H200 over PCIe Gen5, a 32-core host) for a
+7B model at each run's own settings: an estimate of the same run at scale, under that module's stated assumptions
 (the steps carry over from this small model; the device's, link's and host's speeds partly assumed).
 """
 
