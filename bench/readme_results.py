@@ -28,6 +28,7 @@ from bench.sections_speed import (
     scale_section,
     seam_section,
     step_overhead_section,
+    stochastic_rounding_section,
 )
 
 README = REPO / "README.md"
@@ -197,6 +198,7 @@ SECTIONS = {"readme": (README, render), "e2e": (BENCHMARKS, e2e_section), "zero"
             "scale": (BENCHMARKS, scale_section),
             "fsdp2": (BENCHMARKS, fsdp2_section),
             "cpu_rules": (BENCHMARKS, cpu_rules_section),
+            "stochastic_rounding": (BENCHMARKS, stochastic_rounding_section),
             "kernels_cpu": (BENCHMARKS, kernels_cpu_section),
             "cpu_adam": (BENCHMARKS, cpu_adam_section),
             "seam": (BENCHMARKS, seam_section),

@@ -51,6 +51,7 @@ RESULTS: dict[str, Result] = {
     "kernels_cpu.json": Result("bench.kernels"),
     "cpu_adam.json": Result("bench.cpu_adam"),
     "cpu_rules.json": Result("bench.cpu_rules --wait-quiet 20"),
+    "stochastic_rounding.json": Result("bench.stochastic_rounding"),
     "compiled_rules_cpu.json": Result("bench.compiled_rules --cold --wait-quiet 60"),
     "worker_gil_cpu.json": Result("bench.worker_gil --wait-quiet 60"),
     "step_overhead_cpu.json": Result("bench.step_overhead"),

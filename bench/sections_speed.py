@@ -300,3 +300,19 @@ def scale_section() -> str:
         f"{pt['zenflow_async_link']['us_per_tensor']:.0f} us per additional tensor against torch's "
         f"{pt['torch_adamw_foreach']['us_per_tensor']:.0f}.")
     return "\n".join([intro, "", "\n".join(table), "", after])
+
+
+def stochastic_rounding_section() -> str:
+    """docs/benchmarks.md's sentence on the cost of stochastic rounding in the host Adam pass (``stochastic_rounding.
+    json``)."""
+    result = load("stochastic_rounding.json")
+    rows = {(r["size"], r["threads"], r["candidate"]): r for r in result["rows"]}
+    size = max(n for n, _, _ in rows)
+    threads = sorted({t for n, t, _ in rows if n == size})
+    cost = " and ".join(f"{rows[size, t, 'bf16_stochastic']['vs_bf16_nearest']:.2f}x" for t in threads)
+    fp32 = " and ".join(f"{rows[size, t, 'fp32']['vs_bf16_nearest']:.2f}x" for t in threads)
+    return ("**bf16 host state, rounded stochastically** (`python -m bench.stochastic_rounding`, "
+            f"[`stochastic_rounding.json`](../bench/results/stochastic_rounding.json), {where(result)}): the host Adam "
+            f"pass as the optimizer calls it, at 2^{size.bit_length() - 1} parameters, took {cost} the time of the "
+            f"same pass rounding to nearest on {' and '.join(map(str, threads))} thread(s) (the median of per-round "
+            f"ratios, interleaved); with fp32 moments {fp32}.")

@@ -147,11 +147,16 @@ def test_adam_and_sum_squares_loops_are_vectorised():
         bias_correction=True,
         grad_scale=1.0,
     )
-    asm = _fresh_asm(K.adam_kernel, f[0], f[1], f[2], f[3], None, out, False, *scalars)
+    asm = _fresh_asm(K.adam_kernel, f[0], f[1], f[2], f[3], None, out, False, *scalars, np.int64(0), None)
     assert _count(asm, r"vsqrtps\s+[^\n]*[yz]mm") >= 1, "Adam: no 8-wide sqrt"
     assert _count(asm, r"vdivps\s+[^\n]*[yz]mm") >= 1, "Adam: no 8-wide division"
     assert _count(asm, r"vfn?m(add|sub)\w*ps\s+[^\n]*[yz]mm") >= 2, "Adam: no 8-wide fma"
     assert _count(asm, r"vpsrld\s+[^\n]*[yz]mm") >= 1, "bf16 copy-out: no 8-wide integer shift"
+    # bf16 moments rounded stochastically: the hash's 32-bit multiplies stay 8-wide (vpmulld), the loop vectorised
+    m16, v16 = np.zeros(n, np.int16), np.zeros(n, np.int16)
+    asm = _fresh_asm(K.adam_kernel, f[0], f[1], m16, v16, None, out, False, *scalars, np.int64(0), np.uint32(7))
+    assert _count(asm, r"vpmulld\s+[^\n]*[yz]mm") >= 2, "stochastic rounding: no 8-wide 32-bit multiply"
+    assert _count(asm, r"vsqrtps\s+[^\n]*[yz]mm") >= 1, "Adam with stochastic rounding: no 8-wide sqrt"
     asm = _fresh_asm(K.sum_squares_kernel, np.zeros(n, np.float32))
     assert _count(asm, r"v(fmadd\w*|add|mul)pd\s+[^\n]*[yz]mm") >= 1, "sum_squares: no 4-wide float64 sum"
     # the fold of the landing area into the sums (acc += grad * scale; the product rounded, then added: no fma)

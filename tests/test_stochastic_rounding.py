@@ -306,3 +306,21 @@ def test_the_numba_hash_matches_the_python_formula_on_its_own():
     up = (_bits16(m) == 0x3F81).numpy()
     want = np.array([bits_py(8, 3, key + i, 0) >= 0x8000 for i in range(n)])
     assert (up == want).all()
+
+
+def test_the_cost_benchmark_runs_quick(tmp_path):
+    """bench.stochastic_rounding --quick: every candidate at every thread count, each ratio against round to nearest
+    in the same rounds (the figures are the committed full run's, bench/results/stochastic_rounding.json)."""
+    import json
+    import subprocess
+    import sys
+
+    from support import ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "bench.stochastic_rounding", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "stochastic_rounding.json").read_text())["rows"]
+    assert [r["candidate"] for r in rows[:3]] == ["fp32", "bf16_nearest", "bf16_stochastic"]
+    assert all(r["vs_bf16_nearest"] == 1.0 for r in rows if r["candidate"] == "bf16_nearest")
+    assert all(r["median_s"] > 0 and r["params_per_s"] > 0 for r in rows)
