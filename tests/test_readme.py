@@ -64,7 +64,7 @@ def test_make_demo_writes_to_an_ignored_folder():
 @pytest.mark.parametrize("name", ["readme", "e2e", "deepspeed_choices", "deepspeed_rounding", "step_overhead", "zero",
                                   "overlap", "rules_step", "seam", "cpu_adam", "kernels_cpu", "cpu_rules", "fsdp2",
                                   "scale", "nvme_timeline", "tuned", "concentration",
-                                  "kernels_gpu", "nvme"])
+                                  "kernels_gpu", "nvme", "stochastic_rounding"])
 def test_the_results_sections_are_what_the_committed_results_say(name):
     """Every figure of the README's Results section, docs/benchmarks.md's end-to-end and step-cost sections,
     docs/deepspeed.md's tables and docs/nvme.md's measured section is computed from the JSON it links
@@ -75,7 +75,7 @@ def test_the_results_sections_are_what_the_committed_results_say(name):
                                             "step_overhead", "zero", "overlap", "rules_step", "seam", "cpu_adam",
                                             "kernels_cpu", "cpu_rules", "fsdp2", "scale",
                                             "nvme_timeline", "tuned", "concentration",
-                                            "kernels_gpu", "nvme"}
+                                            "kernels_gpu", "nvme", "stochastic_rounding"}
     path = readme_results.SECTIONS[name][0]
     assert readme_results.current(path.read_text(), name) == readme_results.section(name), (
         f"{path.name}'s results differ from bench/results: run python -m bench.readme_results")
