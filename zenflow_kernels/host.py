@@ -362,7 +362,7 @@ class HostShard:
             if self._layout_runs is None:
                 self._layout_runs = self._merge(self.order, lambda s: (s.group, s.dtype, shift[s.index]))
             return self._layout_runs
-        step, shift = self.host_step, self._key_shift
+        step = self.host_step
         members = [s if s.index in todo_set and s.index not in last else None for s in self.order]
         return self._merge(members, lambda s: (s.group, s.dtype, step[s.index], counts[s.index], shift[s.index]))
 

@@ -95,13 +95,19 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _random16(numel: int, key, salt, high: bool, device=None) -> torch.Tensor:
+    """The 16 random bits (int64, [0, 2^16)) of elements ``0 .. numel - 1`` keyed from ``key`` under ``salt``: the
+    low (``high`` False) or high half of each element's hash (module docstring)."""
+    keys = torch.arange(numel, dtype=torch.int64, device=device) + key
+    h = _fmix32((((keys & MASK) ^ salt) + _mul32(keys >> 32, KEY_HI_MUL)) & MASK)
+    return h >> 16 if high else h & 0xFFFF
+
+
 def stochastic_bf16(x: torch.Tensor, key, salt, high: bool) -> torch.Tensor:
     """Flat float32 ``x`` rounded stochastically to bf16, element i with key ``key + i``, ``salt`` and the low
     (``high`` False) or high 16 bits of its hash. ``key`` and ``salt`` are ints or 0-d int64 tensors (a compiled
     step takes them as tensors: a changing number is then no recompile)."""
-    keys = torch.arange(x.numel(), dtype=torch.int64, device=x.device) + key
-    h = _fmix32((((keys & MASK) ^ salt) + _mul32(keys >> 32, KEY_HI_MUL)) & MASK)
-    r = h >> 16 if high else h & 0xFFFF
+    r = _random16(x.numel(), key, salt, high, x.device)
     u = x.view(torch.int32).to(torch.int64) & MASK
     bits = torch.where(torch.isnan(x), (u >> 16) | 0x40, (u + r) >> 16) & 0xFFFF
     bits = torch.where(bits >= 0x8000, bits - 0x10000, bits)  # int16's two's complement
@@ -109,10 +115,9 @@ def stochastic_bf16(x: torch.Tensor, key, salt, high: bool) -> torch.Tensor:
 
 
 def random_bits(numel: int, rounding: StochasticRounding, state_index: int) -> torch.Tensor:
-    """The 16 random bits ``r`` (int64, [0, 2^16)) of elements ``0 .. numel - 1`` of one pass (module docstring)."""
-    keys = torch.arange(numel, dtype=torch.int64) + rounding.key
-    h = _fmix32((((keys & MASK) ^ rounding.salt(state_index)) + _mul32(keys >> 32, KEY_HI_MUL)) & MASK)
-    return h >> 16 if state_index % 2 else h & 0xFFFF
+    """The 16 random bits ``r`` (int64, [0, 2^16)) of elements ``0 .. numel - 1`` of one pass (module docstring):
+    those ``round_to_bf16`` adds."""
+    return _random16(numel, rounding.key, rounding.salt(state_index), state_index % 2 == 1)
 
 
 def round_to_bf16(x: torch.Tensor, rounding: StochasticRounding, state_index: int) -> torch.Tensor:
