@@ -72,7 +72,7 @@ def disk_probe(params: int, folder: str, threads: int, passes: int = 5) -> float
     ``max(compute, disk)`` = this pass, which holds whatever part of it the disk or the pipeline takes."""
     import numba
 
-    from zenflow_kernels import rules
+    from zenflow_kernels import planner, rules
     from zenflow_kernels.optim.build import Tunables
     from zenflow_kernels.state_files import StateFiles
     from zenflow_kernels.streamed_host import Run, streamed_host_step_
@@ -98,7 +98,8 @@ def disk_probe(params: int, folder: str, threads: int, passes: int = 5) -> float
     finally:
         numba.set_num_threads(before)
         files.close()
-    return 2 * 12 * params / statistics.median(seconds[1:])
+    # (the planner's disk bytes of an update: master and state, read and written; so its disk term is this pass)
+    return 2 * (4 + planner.state_bytes_per_param(rule)) * params / statistics.median(seconds[1:])
 
 
 def measure(name: str, zen: dict, compute_s: float, params: int, steps: int, state: str = "fp32") -> dict:
