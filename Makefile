@@ -73,7 +73,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 # mutation testing of optim.py, host.py, link/ and schedule.py against the fast optimizer tests
-# ([tool.mutmut] in pyproject.toml); incremental: a second run re-tests what changed. ~3 h on 2 cores.
+# ([tool.mutmut] in pyproject.toml); incremental: a second run re-tests what changed. Hours on 2 cores.
 mutation: install
 	$(PY) -m pip install -q "mutmut>=3.8,<4"
 	$(VENV)/bin/mutmut run --max-children $(or $(JOBS),2)

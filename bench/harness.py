@@ -120,6 +120,39 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# the instruction sets the kernels' speed turns on: two CPUs of one model name can differ in these
+_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
+
+
+def cpu_detail() -> dict:
+    """What tells two CPUs of one model name apart: vendor, family / model / stepping, the clock the kernel reports,
+    the SIMD flags that matter here and the cache sizes (Linux: ``/proc/cpuinfo`` and sysfs; ``{}`` elsewhere)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first CPU's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return {}
+    detail: dict = {key: fields.get(name) for key, name in (("vendor", "vendor_id"), ("family", "cpu family"),
+                                                          ("model", "model"), ("stepping", "stepping"))}
+    detail["mhz"] = round(float(fields["cpu MHz"])) if "cpu MHz" in fields else None
+    flags = set(fields.get("flags", "").split())
+    detail["flags"] = [flag for flag in _CPU_FLAGS if flag in flags]
+    caches = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        caches[f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")] = size
+    detail["caches"] = caches
+    return detail
+
+
 def _git_commit() -> str | None:
     """HEAD's short hash, with "+dirty" when tracked library or bench code differs from it (results
     written before their code is committed must not claim the older commit)."""
@@ -143,6 +176,7 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "cpu": _cpu_model(),
+        "cpu_detail": cpu_detail(),
         "logical_cores": os.cpu_count(),
         "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "git_commit": _git_commit(),
@@ -254,8 +288,8 @@ def result_record(command: str | None = None, machine: dict | None = None) -> di
         "commit": commit,
         "clean": commit is not None and not changed,
         "changed": changed[:50],
-        "machine": {key: machine.get(key) for key in ("cpu", "logical_cores", "affinity_cores", "memory_gib", "gpu",
-                                                      "platform", "versions")},
+        "machine": {key: machine.get(key) for key in ("cpu", "cpu_detail", "logical_cores", "affinity_cores",
+                                                      "memory_gib", "gpu", "platform", "versions")},
         "load": {"other_processes_share_of_cores": round(_RUN_LOAD.fraction(), 4),
                  "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None},
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_RUN_STARTED)),

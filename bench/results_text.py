@@ -24,6 +24,11 @@ def where(result: dict) -> str:
     machine = (record or result)["machine"]
     commit = record["commit"][:7] if record else f"{result['machine'].get('git_commit')}, no record"
     cpu = machine["cpu"].replace("(R)", "").replace(" Processor", "").strip()
+    detail = machine.get("cpu_detail")
+    if detail:  # records from before cpu_detail name the model only
+        l3 = detail["caches"].get("L3")
+        cpu += " (" + ", ".join([f"{detail['mhz']} MHz"] + ([f"L3 {l3}"] if l3 else []) + [
+            "AVX-512" if "avx512f" in detail["flags"] else "AVX2" if "avx2" in detail["flags"] else "no AVX2"]) + ")"
     gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
     return f"{cpu}, {machine['logical_cores']} cores{gpu}; {commit}"
 

@@ -146,7 +146,8 @@ def zero_section() -> str:
     result = load("zero_cpu.json")
     one, two = result["summary"]["1"], result["summary"]["2"]
     per_step = two["collective_bytes_per_step"]
-    steps = result["config"]["steps"]
+    # bench.zero divides each kind's bytes by every step it ran, warm-up included
+    steps, warmup = result["config"]["steps"], result["config"]["warmup"]
     mb = lambda b: f"{b / 1e6:.2f} MB" if b >= 1e6 else f"{b / 1e3:.0f} KB"  # noqa: E731
     held = two["gradient_elements_held_per_rank"]
     return (
@@ -156,11 +157,12 @@ def zero_section() -> str:
         f"{one['steps_per_s_median']:.2f} and {two['steps_per_s_median']:.2f} steps/s "
         f"({two['steps_per_s_vs_first_world']:.2f}x; one machine's two cores either way), host state per rank "
         f"{one['host_state_bytes_per_rank'][0] / 1e6:.1f} MB against "
-        f"{' and '.join(f'{b / 1e6:.1f}' for b in two['host_state_bytes_per_rank'])} MB; per step "
+        f"{' and '.join(f'{b / 1e6:.1f}' for b in two['host_state_bytes_per_rank'])} MB; a step on average "
         f"{mb(per_step['gradients'])} of matrix gradients reduced to their owners, {mb(per_step['selected columns'])} "
         f"of selected columns, {mb(per_step['write-back'])} of write-back, and "
-        f"{mb(per_step['selection scores'] * steps)} of selection scores over the whole run "
-        f"({steps} steps). Gradient elements a rank holds once backward is done (measured, the most over the run): 1 "
+        f"{mb(per_step['selection scores'] * (steps + warmup))} of selection scores over the whole run "
+        f"({steps + warmup} steps: {warmup} of warm-up, {steps} timed). Gradient elements a rank holds once "
+        "backward is done (measured, the most over the run): 1 "
         f"rank, all {one['gradient_elements_held_per_rank'][0]['grad']:,} in `.grad`; 2 ranks, {held[0]['grad']:,} in "
         f"`.grad` (the vectors), its own range's sums ({held[0]['own']:,} and {held[1]['own']:,}) and the other "
         "rank's bucket while its reduction is in flight (this small model has one bucket per owner; buckets are at "

@@ -103,13 +103,17 @@ def seam_section() -> str:
     fused, fused_where = ratios("seam_speed_fused_rules.json")
     seam, seam_where = ratios("seam_speed.json")
     seam_rounds = load("seam_speed.json")["rounds"]
+    runs = load("seam_speed_fused_rules.json")["runs"]
+    # the largest spread of one raw step time across rounds, either tree: why only ratios are quoted
+    spread = max(max(r[k] for r in runs[tree]) / min(r[k] for r in runs[tree])
+                 for tree in runs for k in runs[tree][0] if k.startswith("step_ms_"))
     return (
         "AdamW before the fused kernels of the other rules and at the head named (`python -m bench.seam_speed "
         f"--base eb8e975 --rounds 3`, {fused_where}): the host kernel {fused['cpu_adam_ms_at_2^20']:.2f}x and "
         f"{fused['cpu_adam_ms_at_2^24']:.2f}x of the base's time at 2^20 and 2^24; `step()` "
         f"{fused['step_vs_foreach_at_150']:.2f}x and {fused['step_vs_foreach_at_600']:.2f}x of the base's ratio to "
-        "torch's foreach AdamW measured beside it at 150 and 600 tensors (the raw step times moved by up to 2x "
-        "between rounds on this machine, both trees alike, so only the side-by-side ratio is quoted). AdamW before "
+        "torch's foreach AdamW measured beside it at 150 and 600 tensors (a raw step time moved by up to "
+        f"{spread:.2f}x between rounds of one tree; the side-by-side ratio is what is quoted). AdamW before "
         f"the rule seam and at the head named (`python -m bench.seam_speed --rounds {seam_rounds}`, {seam_where}): the "
         "host kernel "
         f"{seam['cpu_adam_ms_at_2^20']:.2f}x and {seam['cpu_adam_ms_at_2^24']:.2f}x of the base's time at 2^20 and "
@@ -168,7 +172,8 @@ def kernels_cpu_section() -> str:
     return (
         f"The CPU fast path ([`kernels_cpu.json`](../bench/results/kernels_cpu.json), {where(result)}): numba "
         f"selective AdamW at `topk_ratio={result['topk_ratio']}`, {span([r['speedup_vs_deepspeed'] for r in ours])} "
-        "DeepSpeed's gather / AdamW / scatter path with torch's `foreach` AdamW"
+        "DeepSpeed's gather / AdamW / scatter path with torch's AdamW as it runs on CPU by default, the per-tensor "
+        "loop (`bench/kernels.py` asks for `foreach` on CUDA only)"
         + ("" if fused else " (the fused variant was not in this CPU run)")
         + f" for {shapes[0]} to {shapes[-1]} matrices (fp32, and bf16 with an fp32 master), and the multi-tensor "
         f"form over a {int(multi['shape'].split()[0])}-layer model's {multi['matrices']} matrices in one launch "
@@ -279,6 +284,8 @@ def scale_section() -> str:
     between = [mid[c]["times"]["between_boundaries_median_s"] * 1e3 for c in ("overlap", "sync")]
     cold = [mid[c]["times"]["cold_first_step_s"] for c in configs]
     pt = result["per_tensor"]["summary"]
+    # 1f58ea0 (2026-12-04T19:02Z) changed what a step reads: per-tensor times recorded before it are not today's
+    stale = result["record"]["started_utc"] < "2026-12-04T19:02:50Z"
     after = (
         f"At {m(mid_params)} a step between boundaries takes {min(between):.0f}-{max(between):.0f} ms with overlap or "
         f"without: the fast path {mid['overlap']['fast_path_median_s'] * 1e3:.0f} ms, the rest one pass over the "
@@ -298,7 +305,9 @@ def scale_section() -> str:
         f"{pt['zenflow_cpu_link']['ms_at_300']:.2f} / {pt['zenflow_async_link']['ms_at_300']:.2f} against "
         f"{pt['torch_adamw_foreach']['ms_at_300']:.2f} ms at 300, {pt['zenflow_cpu_link']['us_per_tensor']:.0f}-"
         f"{pt['zenflow_async_link']['us_per_tensor']:.0f} us per additional tensor against torch's "
-        f"{pt['torch_adamw_foreach']['us_per_tensor']:.0f}.")
+        f"{pt['torch_adamw_foreach']['us_per_tensor']:.0f}"
+        + (" (recorded before 1f58ea0 changed what `step()` reads, so these per-tensor times are not this version's; "
+           "`bench.step_overhead` above is)." if stale else "."))
     return "\n".join([intro, "", "\n".join(table), "", after])
 
 

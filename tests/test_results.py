@@ -98,6 +98,11 @@ def test_the_record_of_a_run_names_its_command_commit_machine_and_load(tmp_path)
     assert record["command"] == "python -m bench.kernels --quick"
     assert 0.0 <= record["load"]["other_processes_share_of_cores"] <= 1.0
     assert record["machine"]["cpu"] and record["machine"]["logical_cores"] >= 1
+    # what tells two hosts of one model name apart (/proc/cpuinfo and sysfs: Linux, where the results are made)
+    detail = record["machine"]["cpu_detail"]
+    if Path("/proc/cpuinfo").exists():
+        assert detail["vendor"] and detail["mhz"] > 0 and isinstance(detail["flags"], list) and detail["caches"]
+        assert set(detail["flags"]) <= set(harness._CPU_FLAGS)
     if HAS_GIT:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
         assert record["commit"] == head and record["clean"] == (record["changed"] == [])

@@ -1,6 +1,6 @@
 """A seeded uniform sample of the mutants, run with mutmut, scored with a confidence interval.
 
-A full ``make mutation`` takes about three hours on 2 cores. This draws ``--size`` mutants uniformly at
+A full ``make mutation`` takes hours on 2 cores. This draws ``--size`` mutants uniformly at
 random (``--seed``) from every mutant mutmut generates for the current code, runs those not checked
 yet, and prints the score over the sample with its 95% Wilson interval::
 
