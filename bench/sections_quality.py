@@ -69,7 +69,11 @@ def tuned_section() -> str:
          "AdamW's (paired; `>=` where a seed did not reach it within the run: a lower bound) / the variant's best "
          "rate over "
          f"AdamW's. The header gives each workload's top-10% share. AdamW's best rates: {adamw}. {runs} runs in all "
-         f"({', '.join(f'{study_link(w)} ({where(r)})' for w, r in records.items())}).", ""] + lines
+         f"({', '.join(f'{study_link(w)} ({where(r)})' for w, r in records.items())})"
+         # a --resume record is the summary's run: the training runs came from the log it read
+         + ("; the records are of the summaries written with `--resume` from the runs' log, whose runs came from "
+            "earlier commits and record none" if any("--resume" in r["record"]["command"] for r in records.values())
+            else "") + ".", ""] + lines
         + ["", f"**Time to target on a modeled machine** ({study_link(name='time_to_target.json')}; "
            f"{ttt['assumption']}): the time to the target over AdamW's on the device, per workload and model:", ""]
         + tt_lines + ["", "What the sweeps show:", ""] + findings.lines(summaries))

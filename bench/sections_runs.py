@@ -44,7 +44,8 @@ def e2e_section() -> str:
                  f"the defaults on all four workloads. From the pre-trained {d_start:.4f} nats/byte AdamW improves by "
                  f"{gain(runs, 'adamw', d_start):.4f} and ZenFlow by {gain(runs, 'zenflow', d_start):.4f}, "
                  f"**{recovered(demo, 'zenflow'):.0%} of AdamW's improvement** at equal steps. " + to_target_text(demo))
-    meaning = (f"**What the held-out numbers mean, at the defaults** ({link('e2e_variants.json', '../')}: lr "
+    meaning = (f"**What the held-out numbers mean, at bench/e2e.py's defaults** "
+               f"({link('e2e_variants.json', '../')}: lr "
                f"{lr_text(variants['config']['lr'])}, `topk_ratio` {variants['config']['topk_ratio']:g}, "
                f"`update_interval` {variants['config']['update_interval']}). The pre-trained start is at {start:.4f} "
                f"nats/byte. AdamW improves it by {gain(vr, 'adamw', start):.4f}; ZenFlow with overlap by "
@@ -191,7 +192,8 @@ def overlap_section() -> str:
             f"[`overlap_cpu.png`](../bench/results/overlap_cpu.png), `python -m bench.overlap`, {where(result)}): how "
             "much of a step's gradient transfer backward hides, with `testing.chaos` modeling the copies (bytes / "
             "bandwidth on the copy thread) and the fold jobs shrunk to 4 MiB so that fp32 MLPs of 1 M to 67 M "
-            "parameters are 1x to 64x one, as a 7 B model is to the default 64 MiB. At a bandwidth where the "
+            "parameters are 1x to 64x one, as a large model is many times the default 64 MiB (a 7 B model's bf16 "
+            "gradient is about 200 of them). At a bandwidth where the "
             f"transfer takes {min(share):.0%}-{max(share):.0%} of backward (`slow`), each variant against itself "
             "without the model, paired step by step:")
     tail = ("The goal (added stall at most 10% of the transfer where backward is longer) is met at "
@@ -213,8 +215,8 @@ def fsdp2_section() -> str:
               "fsdp2_offload_adamw": "FSDP2 + `CPUOffloadPolicy(pin_memory=False)`, AdamW"}
     calm = [summary[n]["calm_repeats"] for n in labels]
     mb = lambda b: f"{b / 1e6:.3g} MB"  # noqa: E731
-    rows = [f"| run | steps/s | vs one process, same optimizer | `step()` | optimizer state per rank | loss after "
-            f"{steps} steps |", "|---|---|---|---|---|---|"]
+    rows = [f"| run | steps/s | vs one process, same optimizer | `step()` | optimizer state per rank | loss, mean of "
+            f"steps {steps - 3}-{steps} |", "|---|---|---|---|---|---|"]
     for name, label in labels.items():
         r = summary[name]
         ratio = f"{comp[name]['steps_per_s_ratio_calm']:.2f}x" if name in comp else ""

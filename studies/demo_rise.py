@@ -1,8 +1,9 @@
-"""Why the demo's held-out loss rises over its first steps with ZenFlow while AdamW's falls (issue 56, item 6).
+"""Why the demo's held-out loss rose over its first steps with ZenFlow while AdamW's fell (issue 56, item 6), in the
+demo's setting of then (the demo now runs the tuned comparison's pick, without overlap).
 
     python -m studies.demo_rise [--steps 40] [--out DIR]
 
-The demo (``make demo``: the small byte GPT, lr 3e-4 with a 16-step warm-up, ``topk_ratio`` 0.1,
+The demo as it was (``make demo``: the small byte GPT, lr 3e-4 with a 16-step warm-up, ``topk_ratio`` 0.1,
 ``update_interval`` 4, ``overlap_step``) fine-tuned again for ``--steps`` steps, evaluated every 4, with one thing
 changed at a time, each against the same start and batches:
 

@@ -225,7 +225,7 @@ def test_a_committed_sweep_is_its_runs_summarised_again(path, monkeypatch):
 
 def test_the_demo_runs_the_tuned_comparisons_pick():
     """``make demo`` (bench.e2e --demo) runs at the byte-GPT fine-tune's tuned AdamW rate, ZenFlow at the setting that
-    beat the defaults on every workload, at its own best rate there (the same)."""
+    beat the base setting on every workload, at its own best rate there (the same)."""
     from bench.e2e import DEMO_TUNED, parser
 
     variants = json.loads((REPO / "studies" / "results" / "tuned_gpt_finetune.json").read_text())["summary"]["variants"]
@@ -235,7 +235,7 @@ def test_the_demo_runs_the_tuned_comparisons_pick():
             DEMO_TUNED["select_interval"]) == (pick["topk_ratio"], pick["update_interval"], pick["overlap_step"],
                                                pick["select_interval"])
     assert variants["topk0.05_ui2"]["best_lr"] == pytest.approx(DEMO_TUNED["lr"])
-    for name in ("study_flat", "study_concentrated", "gpt_finetune", "gpt_classify"):  # beat the defaults everywhere
+    for name in ("study_flat", "study_concentrated", "gpt_finetune", "gpt_classify"):  # beats the base setting
         v = json.loads((REPO / "studies" / "results" / f"tuned_{name}.json").read_text())["summary"]["variants"]
         assert v["topk0.05_ui2"]["final"]["mean"] < v["zenflow"]["final"]["mean"], name
     args = parser().parse_args(["--demo"])
