@@ -201,3 +201,27 @@ def test_each_tier_is_registered_and_deselected_by_make_test_fast(tier):
     makefile = (root / "Makefile").read_text()
     fast = re.search(r'^FAST_SELECT \?= -m "(.*)"$', makefile, re.MULTILINE)
     assert fast and f"not {tier}" in fast.group(1).split(" and ")
+
+
+# the test modules that import bench/, each a test of the bench module it names (bench/ measures; what tests need
+# that is not a benchmark lives in tests/support.py or zenflow_kernels.testing)
+BENCH_IMPORTERS = {
+    "test_bench.py": "every benchmark entry point",
+    "test_results.py": "bench.refresh and bench.harness's record of a result",
+    "test_readme.py": "bench.readme_results, the docs' results sections",
+    "test_notebooks.py": "bench.notebooks, the notebooks' runner",
+    "test_handover.py": "bench.overlap's measurement at test sizes",
+    "test_studies.py": "bench.e2e's demo settings against the tuned comparison, bench.e2e_target",
+    "test_compiled_rules.py": "bench.custom_rules' RMSprop, the rule the benchmarks time, compiled against eager",
+    "gpu_checklist.py": "bench.harness's rank launcher and result writer (run by bench/gpu_suite.sh)",
+}
+
+
+def test_only_the_tests_of_bench_modules_import_bench():
+    importers = set()
+    for path in TESTS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "bench" or \
+                    isinstance(node, ast.Import) and any(a.name.split(".")[0] == "bench" for a in node.names):
+                importers.add(path.name)
+    assert importers <= set(BENCH_IMPORTERS), sorted(importers - set(BENCH_IMPORTERS))
