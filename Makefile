@@ -48,14 +48,12 @@ bench-results: install
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# the edit-test loop (docs/testing.md): every single-process case; the modules that start rank processes or run
-# benchmarks, notebooks or examples in subprocesses are left out (CI runs them all with `make test`)
-FAST_SKIP ?= --ignore=tests/test_zero.py --ignore=tests/test_fsdp2.py --ignore=tests/test_sharded_sweep.py --ignore=tests/test_bench.py \
-	--ignore=tests/test_notebooks.py --ignore=tests/test_examples.py --ignore=tests/test_gpu_checklist.py \
-	--ignore=tests/test_rank_cores.py --ignore=tests/test_score_determinism.py --ignore=tests/test_host_memory.py \
-	--deselect=tests/test_checkpoint_fixtures.py::test_old_zero_and_fsdp2_checkpoints_load_and_continue_bit_identically_at_the_same_world_size
+# the edit-test loop (docs/testing.md): every single-process case. The tiers are pytest markers (pyproject.toml):
+# ranks (starts rank processes), subprocess (runs examples, studies, tools or a launcher), notebook, bench; all are
+# left out here (CI runs them all with `make test`); tests/test_markers.py checks that a test needing one has it
+FAST_SELECT ?= -m "not ranks and not subprocess and not notebook and not bench"
 test-fast: install
-	$(PY) -m pytest $(PYTEST_ARGS) $(FAST_SKIP)
+	$(PY) -m pytest $(PYTEST_ARGS) $(FAST_SELECT)
 
 # the floors: version checks, every Triton kernel compiled for sm_90 with the floor triton, the numba
 # kernel tests with the floor numba and numpy (~30 s once installed; the first run, ~1.5 min, downloads

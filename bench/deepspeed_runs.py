@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from bench.harness import free_port
+from zenflow_kernels.testing import free_port
 
 
 def unavailable() -> str | None:

@@ -9,7 +9,7 @@
 #      the oracle sweep, AdamW identities, checkpoints, NaN skip, faults; compiled Triton kernels,
 #      the CUDA link's streams, events and pinned landing area; a rule in plain torch compiled to Triton on the
 #      fast path, tests/test_compiled_rules.py)                                    -> OUTDIR/optim_tests.txt
-#   1b. the CUDA path's checklist (python -m bench.gpu_checklist: gradient memory after zero_grad and at the
+#   1b. the CUDA path's checklist (python -m tests.gpu_checklist: gradient memory after zero_grad and at the
 #      forward's peak against the synchronous path, a slow D2H, GradScaler overflowing at step 0, pinned D2H
 #      destinations, FSDP2's hook stream, device sums on disk under a slow compute stream, close() during an
 #      update, ZeRO-1 at 2 ranks with a profile of one update boundary)    -> OUTDIR/gpu_checklist_cuda.json,
@@ -93,7 +93,7 @@ fi
 
 # 1b. the CUDA path's checklist (first after the tests: the review's open questions)
 export ZENFLOW_TRITON_AUTOTUNE=0
-stage gpu_checklist 110 "$PY" -W ignore::UserWarning -m bench.gpu_checklist --out "$OUT" > "$OUT/gpu_checklist.txt" 2>&1
+stage gpu_checklist 110 "$PY" -W ignore::UserWarning -m tests.gpu_checklist --out "$OUT" > "$OUT/gpu_checklist.txt" 2>&1
 cat "$OUT/gpu_checklist.txt"
 
 # 2. the GPU end-to-end benchmark

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from zenflow_kernels.testing import free_port  # (the rank launchers' MASTER_PORT; tests use it too)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -417,13 +418,6 @@ def int_at_least(minimum: int):
 
 
 # -- child processes -------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now (for MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child_env(extra: dict | None) -> dict:

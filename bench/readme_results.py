@@ -11,7 +11,7 @@ import re
 import sys
 
 from bench.harness import REPO, OneLineParser
-from bench.results_text import link, load, lr_text, sci, span, where
+from bench.results_text import link, load, load_study, lr_text, sci, span, where
 from bench.sections_nvme import nvme_section
 from bench.sections_quality import concentration_section, tuned_section
 from bench.sections_runs import (
@@ -185,16 +185,16 @@ def deepspeed_tables(result: dict) -> tuple[list[str], list[str]]:
 
 
 def deepspeed_choices() -> str:
-    return "\n".join(deepspeed_tables(load("deepspeed_semantics.json"))[0])
+    return "\n".join(deepspeed_tables(load_study("deepspeed_semantics.json"))[0])
 
 
 def deepspeed_rounding() -> str:
-    result = load("deepspeed_semantics.json")
+    result = load_study("deepspeed_semantics.json")
     worst = {mode: max(r["max"] for r in result["rows"] if r["variant"] == "deepspeed" and r["mode"] == mode)
              for mode in ("sync", "reference")}
     return "\n".join(deepspeed_tables(result)[1] + [
         "", f"Each cell is the largest difference in any weight over the 16 steps, on the machine of "
-        f"[`deepspeed_semantics.json`](../bench/results/deepspeed_semantics.json) ({where(result)}): at most "
+        f"[`deepspeed_semantics.json`](../studies/results/deepspeed_semantics.json) ({where(result)}): at most "
         f"{sci(worst['sync'])} on our kernels and {sci(worst['reference'])} in the reference."])
 
 

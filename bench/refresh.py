@@ -1,10 +1,13 @@
 """Make every committed result again: ``python -m bench.refresh`` (``make bench-results``).
 
 ``RESULTS`` names, for each JSON under bench/results/, the command that makes it (run from the repository root; the
-benchmark writes the JSON and its plot to bench/results/). A result whose benchmark names its file otherwise (a run
-of ``bench.nvme`` kept as ``nvme_cpu_repeat.json``) is made in a temporary folder and its files renamed. Every result
-carries the record of its run (``bench.harness.write_result``: command, commit, whether the tree was clean, machine,
-load); ``tests/test_results.py`` checks that each JSON is listed here and that its record matches.
+benchmark writes the JSON and its plot to bench/results/); ``STUDY_RESULTS`` the same for two studies' results under
+studies/results/ (a study answers a question rather than times something; the other JSONs there, the tuned
+comparison's, demo_rise's and time_to_target's, are made by running those modules). A result whose benchmark names
+its file otherwise (a run of ``bench.nvme`` kept as ``nvme_cpu_repeat.json``) is made in a temporary folder and its
+files renamed. Every result carries the record of its run (``bench.harness.write_result``: command, commit, whether
+the tree was clean, machine, load); ``tests/test_results.py`` checks that each JSON is listed here and that its
+record matches.
 
 Run it on a clean checkout (commit first): a record of a dirty tree does not count. ``--only NAME ...`` makes some
 of them, ``--list`` prints the table. The whole table takes hours on two cores; GPU results (``gpu=True``) run only
@@ -65,8 +68,6 @@ RESULTS: dict[str, Result] = {
     "scale_cpu.json": Result("bench.scale"),
     "zero_cpu.json": Result("bench.zero"),
     "fsdp2_cpu.json": Result("bench.fsdp2"),
-    "concentration_study.json": Result("bench.concentration_study"),
-    "deepspeed_semantics.json": Result("bench.deepspeed_semantics"),
     "plan_cpu.json": Result("bench.plan"),
     "suite_time.json": Result("bench.suite_time"),
     "seam_speed.json": Result("bench.seam_speed --rounds 7"),
@@ -79,6 +80,18 @@ RESULTS: dict[str, Result] = {
     "h200-2026-11-30/kernels_gpu.json": Result("bench.kernels", gpu=True),
 }
 
+STUDIES_DIR = REPO / "studies" / "results"
+STUDY_RESULTS: dict[str, Result] = {
+    "concentration_study.json": Result("studies.concentration_study"),
+    "deepspeed_semantics.json": Result("studies.deepspeed_semantics"),
+}
+# Modules moved since a committed result was made: its record names the module where it was then (at the commit the
+# record names, that command makes it); tests/test_results.py reads a record's old name as the new one.
+MOVED = {
+    "bench.concentration_study": "studies.concentration_study",
+    "bench.deepspeed_semantics": "studies.deepspeed_semantics",
+}
+
 # Results made before the record existed (no command, a dirty tree or no clean commit named): each stays listed here
 # until it is made again by this module (tests/test_results.py fails for a listed result whose record is complete, so
 # the list only shrinks). The H200 results need the GPU machine.
@@ -87,13 +100,20 @@ NOT_YET_REMADE = frozenset({
 })
 
 
-def remake(name: str, out_dir: Path = RESULTS_DIR) -> float:
-    """Make one result (its JSON and the files beside it of the same stem) in ``out_dir``; returns its seconds."""
-    result = RESULTS[name]
+def listed(name: str) -> tuple[Result, Path]:
+    """A listed result's entry and the folder it is committed in (bench/results or studies/results)."""
+    return (RESULTS[name], RESULTS_DIR) if name in RESULTS else (STUDY_RESULTS[name], STUDIES_DIR)
+
+
+def remake(name: str, out_dir: Path | None = None) -> float:
+    """Make one result (its JSON and the files beside it of the same stem) in ``out_dir`` (default: the folder it is
+    committed in); returns its seconds."""
+    result, home = listed(name)
+    out_dir = home if out_dir is None else out_dir
     target = out_dir / name
     t0 = time.perf_counter()
     if result.writes is None and target.parent == out_dir:
-        extra = [] if out_dir == RESULTS_DIR else ["--out", str(out_dir)]
+        extra = [] if out_dir == home else ["--out", str(out_dir)]
         subprocess.run([sys.executable, "-m", *result.argv(), *extra], cwd=REPO, check=True)
     else:
         with tempfile.TemporaryDirectory(prefix="refresh-") as tmp:
@@ -112,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow-dirty", action="store_true", help="run on a tree that differs from its commit")
     args = ap.parse_args(argv)
     if args.list:
-        for name, result in RESULTS.items():
-            print(f"{name:40s} python -m {result.command}{'  (GPU)' if result.gpu else ''}")
+        for name, result in {**RESULTS, **STUDY_RESULTS}.items():
+            where = "" if name in RESULTS else "  (studies/results)"
+            print(f"{name:40s} python -m {result.command}{'  (GPU)' if result.gpu else ''}{where}")
         return 0
-    unknown = sorted(set(args.only or ()) - set(RESULTS))
+    unknown = sorted(set(args.only or ()) - set(RESULTS) - set(STUDY_RESULTS))
     if unknown:
         ap.error(f"--only: unknown result(s) {', '.join(unknown)}; allowed: the names of --list")
     commit, changed = git_state()
@@ -123,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"the tree differs from {commit} ({', '.join(changed[:5])}): commit first (or --allow-dirty)")
     import torch
 
-    for name in args.only or list(RESULTS):
-        if RESULTS[name].gpu and not torch.cuda.is_available():
+    for name in args.only or [*RESULTS, *STUDY_RESULTS]:
+        result, _ = listed(name)
+        if result.gpu and not torch.cuda.is_available():
             print(f"bench.refresh: {name}: needs a GPU, skipped", flush=True)
             continue
-        print(f"bench.refresh: {name}: python -m {RESULTS[name].command}", flush=True)
+        print(f"bench.refresh: {name}: python -m {result.command}", flush=True)
         print(f"bench.refresh: {name}: {remake(name):.0f} s", flush=True)
     return 0
 

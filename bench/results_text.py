@@ -6,11 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.harness import RESULTS_DIR
+from bench.harness import REPO, RESULTS_DIR
+
+STUDIES_DIR = REPO / "studies" / "results"
 
 
 def load(name: str) -> dict:
     return json.loads((RESULTS_DIR / name).read_text())
+
+
+def load_study(name: str) -> dict:
+    """A study's result (studies/results/: the concentration study, the DeepSpeed semantics replay)."""
+    return json.loads((STUDIES_DIR / name).read_text())
 
 
 def link(name: str, up: str = "") -> str:

@@ -1,14 +1,15 @@
 """docs/benchmarks.md's quality sections. ``concentration``: the controlled study of quality against gradient
-concentration (``concentration_study.json``). ``tuned``: every variant at its own best learning rate
-(``studies/results/tuned_*.json``, ``python -m studies.tuned_comparison``) and the time to target on a modeled
-machine (``time_to_target.json``, ``python -m studies.time_to_target``). Every figure is computed here from those
-files (the findings by ``studies.findings``, which notebooks/tuned_comparison.ipynb prints too)."""
+concentration (``studies/results/concentration_study.json``, ``python -m studies.concentration_study``). ``tuned``:
+every variant at its own best learning rate (``studies/results/tuned_*.json``, ``python -m
+studies.tuned_comparison``) and the time to target on a modeled machine (``time_to_target.json``, ``python -m
+studies.time_to_target``). Every figure is computed here from those files (the findings by ``studies.findings``,
+which notebooks/tuned_comparison.ipynb prints too)."""
 
 from __future__ import annotations
 
 import json
 
-from bench.results_text import load, lr_text, where
+from bench.results_text import load_study, lr_text, where
 
 STUDIES = "studies/results"
 
@@ -82,7 +83,7 @@ def tuned_section() -> str:
 def concentration_section() -> str:
     """The study's setup figures, its table (shares of the gradient's energy, recovered with and without overlap)
     and what it shows."""
-    result = load("concentration_study.json")
+    result = load_study("concentration_study.json")
     config, rows = result["config"], result["summary"]
     zen = config["zenflow"]
     halves = [r["adamw_end_over_half"] for r in rows]

@@ -1,6 +1,6 @@
 """The tuned comparison's workloads: per seed, a model to fine-tune, its batches and a held-out loss.
 
-* ``study_flat`` and ``study_concentrated``: the controlled study's teacher-student MLP (bench/concentration_study.py)
+* ``study_flat`` and ``study_concentrated``: the controlled study's teacher-student MLP (studies/concentration_study.py)
   at ``alpha`` 0 (about 19% of the gradient's energy in the top 10% of columns) and 1.5 (about 94%); 300 steps,
   batch 64, constant learning rate, no weight decay.
 * ``gpt_finetune``: the byte GPT (bench/model.py, the ``tiny`` preset: 2 layers, width 64, context 64) pre-trained
@@ -82,7 +82,7 @@ class Task:
 
 class StudyTask(Task):
     def __init__(self, alpha: float, seed: int, steps: int):
-        from bench import concentration_study as cs
+        from studies import concentration_study as cs
 
         self.cs, self.seed, self.steps = cs, seed, steps
         self.inner = cs.Task(alpha, seed, steps)

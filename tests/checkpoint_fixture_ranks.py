@@ -228,7 +228,7 @@ def check(rank: int, where: Path, out: Path) -> None:
 
 def launch(*args: str, world: int = 2, timeout: float = 300.0) -> None:
     """Run this script on ``world`` gloo ranks with ``args``; a failing rank raises with its stderr."""
-    from bench.harness import free_port
+    from zenflow_kernels.testing import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import free_port
 from zenflow_kernels.config import ZenFlowWarning
 from zenflow_kernels.streamed_host import DeviceSums
+from zenflow_kernels.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO_WORKER = Path(__file__).resolve().parent / "zero_worker.py"

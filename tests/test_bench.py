@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.bench, pytest.mark.subprocess]
+
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -532,32 +534,6 @@ def test_step_overhead_rules_quick(tmp_path):
         fast = [result["rule_paths"][name][n]["fast"] for n in ("8", "16")]
         assert all(f["path"] == ("eager" if name.endswith("_eager") else "compiled") for f in fast), fast
         assert sum(f["compiles"] for f in fast) >= (0 if name.endswith("_eager") else 1)
-
-
-# -- bench.concentration_study -------------------------------------------------------------------------------
-
-
-def test_concentration_study_quick(tmp_path):
-    """Two concentration levels, one seed: the JSON's structure and what holds whatever the machine: the measured
-    top-10% share rises with the exponent, AdamW improves, every recovered share is finite."""
-    proc = run_module("bench.concentration_study", "--quick", "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / "concentration_study.json").read_text())
-    assert (tmp_path / "concentration_study.png").read_bytes()[:8] == PNG_MAGIC
-    assert result["command"] == f"python -m bench.concentration_study --quick --out {tmp_path}"
-    assert result["machine"]["python"] and result["config"]["quick"] is True
-    flat, peaked = result["summary"]
-    assert flat["alpha"] == 0.0 and peaked["alpha"] > 0 and flat["top10_share"] < 0.5 < peaked["top10_share"]
-    for s in result["summary"]:
-        assert 0 < s["top1_share"] <= s["top10_share"] <= 1 and s["adamw_improvement"] > 0
-        assert finite([s["zenflow_overlap_recovered"], s["zenflow_sync_recovered"]])
-    assert {r["candidate"] for r in result["runs"]} == {"adamw", "zenflow_overlap", "zenflow_sync"}
-    assert all(r["selections"] >= 2 for r in result["runs"] if r["candidate"] != "adamw")
-
-
-def test_concentration_study_rejects_bad_options(tmp_path):
-    assert_one_line_error(run_main("bench.concentration_study", "--steps", "3", "--out", str(tmp_path)),
-                          "--steps", "at least 8")
 
 
 # -- bench.host_multi --------------------------------------------------------------------------------------

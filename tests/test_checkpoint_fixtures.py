@@ -56,6 +56,7 @@ def test_an_old_checkpoint_loads_and_continues_bit_identically(path, tmp_path):
             assert torch.equal(p.detach(), w), f"after flush(), parameter {n}"
 
 
+@pytest.mark.ranks
 def test_old_zero_and_fsdp2_checkpoints_load_and_continue_bit_identically_at_the_same_world_size(tmp_path):
     """At 2 ranks (tests/checkpoint_fixture_ranks.py): ZeRO-1 and ZeRO-2, each rank's own dict (ZeRO-2's saved
     inside ``flushed()``) and the consolidated one; FSDP2 through torch.distributed.checkpoint, saved with a host

@@ -1,7 +1,7 @@
 """DeepSpeed's six choices as ``zenflow`` fields, and ``semantics="deepspeed"`` against DeepSpeed's own ZenFlow.
 
 * DeepSpeed 0.19.8's ZenFlow (its two defects repaired; ZeRO-2, one gloo process, fp32), recorded by
-  bench/deepspeed_zenflow.py into tests/fixtures/deepspeed/ and replayed by bench/deepspeed_semantics.py:
+  studies/deepspeed_zenflow.py into tests/fixtures/deepspeed/ and replayed by studies/deepspeed_semantics.py:
   ``semantics="deepspeed"`` follows it within 1e-5 at every one of 16 steps in three settings (update_interval 2
   / select_interval 4; 3 / 4, an interval cut short by a re-selection; warm-up 2), on both links, and so does the
   reference; with ``deepspeed`` installed the recording is made again here and must be the fixture's bits.
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from support import backward_and_step
 from tolerance import TYPICAL, assert_all_within_stated_bound
 
-from bench.deepspeed_semantics import SETTINGS, recorded, replay, variants
+from studies.deepspeed_semantics import SETTINGS, recorded, replay, variants
 from zenflow_kernels import ZenFlowAdamW, ZenFlowConfig, ZenFlowConfigError
 from zenflow_kernels.config import CHOICES, ZenFlowWarning
 from zenflow_kernels.reference import ReferenceZenFlow
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 # The last bits carried along (tolerance.TYPICAL, docs/design.md): torch's forward, backward and elementwise kernels
-# round by CPU (the recording's AMD EPYC: 5.6e-7 at most, bench/results/deepspeed_semantics.json as of 9537ed1; an
+# round by CPU (the recording's AMD EPYC: 5.6e-7 at most, deepspeed_semantics.json as of 9537ed1; an
 # AVX-512 Xeon: 9.2e-7 on the kernels, 1.3e-6 in the reference, 2.2e-7 with ATEN_CPU_CAPABILITY=default), so no
 # bound tighter than the suite's stated one holds on every machine; each choice moves the run by more than 1e-4.
 WITHIN = TYPICAL
@@ -188,14 +188,15 @@ def test_each_choice_is_needed_to_follow_deepspeed():
     assert table["select_anchor_ours"]["ui2_si4_w0"] <= WITHIN, table  # without warm-up the anchors coincide
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (optional)")
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_deepspeed_records_the_fixture_again(setting, tmp_path):
-    from bench.harness import free_port
+    from zenflow_kernels.testing import free_port
 
     ui, si, warm = SETTINGS[setting]
     out = tmp_path / f"{setting}.pt"
-    proc = subprocess.run([sys.executable, "-m", "bench.deepspeed_zenflow", "--update-interval", str(ui),
+    proc = subprocess.run([sys.executable, "-m", "studies.deepspeed_zenflow", "--update-interval", str(ui),
                            "--select-interval", str(si), "--warm-up", str(warm), "--port", str(free_port()),
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
@@ -296,15 +297,16 @@ def test_a_deepspeed_semantics_checkpoint_resumes_bit_identically(stop):
 
 # -- the benchmark and the figures docs/deepspeed.md quotes ---------------------------------------------------------
 
-RESULT = REPO / "bench" / "results" / "deepspeed_semantics.json"
+RESULT = REPO / "studies" / "results" / "deepspeed_semantics.json"
 
 
+@pytest.mark.subprocess
 def test_the_benchmark_replays_a_setting_and_writes_its_rows(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.deepspeed_semantics", "--settings", "ui2_si4_w2", "--out",
+    proc = subprocess.run([sys.executable, "-m", "studies.deepspeed_semantics", "--settings", "ui2_si4_w2", "--out",
                            str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "deepspeed_semantics.json").read_text())
-    assert result["command"] == f"python -m bench.deepspeed_semantics --settings ui2_si4_w2 --out {tmp_path}"
+    assert result["command"] == f"python -m studies.deepspeed_semantics --settings ui2_si4_w2 --out {tmp_path}"
     assert result["machine"]["git_commit"] and list(result["config"]["settings"]) == ["ui2_si4_w2"]
     rows = {(r["variant"], r["mode"]): r for r in result["rows"]}
     assert set(rows) == {("deepspeed", m) for m in ("sync", "chaos", "reference")} | {
@@ -315,7 +317,7 @@ def test_the_benchmark_replays_a_setting_and_writes_its_rows(tmp_path):
 
 
 def test_docs_deepspeed_tables_are_the_committed_results():
-    """Both tables of docs/deepspeed.md hold bench/results/deepspeed_semantics.json's maxima as printed (``.1e``,
+    """Both tables of docs/deepspeed.md hold studies/results/deepspeed_semantics.json's maxima as printed (``.1e``,
     the exponent's leading zero dropped)."""
     rows = json.loads(RESULT.read_text())["rows"]
     got = {(r["setting"], r["variant"], r["mode"]): f"{r['max']:.1e}".replace("e-0", "e-") for r in rows}

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -18,7 +20,7 @@ def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
 
 def run_torchrun(name: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
     """``examples/<name>`` under ``python -m torch.distributed.run`` on ``nproc`` CPU ranks (gloo)."""
-    from bench.harness import free_port
+    from zenflow_kernels.testing import free_port
 
     port = free_port()  # torchrun's --master_port=0 does not pick a free port for the workers
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -64,6 +66,7 @@ def test_lightning_example():
     assert "ZenFlow re-selects every 16 steps (one epoch)" in proc.stdout and "last.ckpt" in proc.stdout
 
 
+@pytest.mark.ranks
 def test_distributed_example_under_torchrun_and_its_checkpoint_on_one_rank(tmp_path):
     import torch
 
@@ -87,6 +90,7 @@ def test_distributed_example_under_torchrun_and_its_checkpoint_on_one_rank(tmp_p
         assert opt.t == 13
 
 
+@pytest.mark.ranks
 def test_fsdp2_example_under_torchrun(tmp_path):
     """examples/train_fsdp2.py: a byte GPT wrapped per block with fully_shard, 2 ranks on gloo, saved with
     torch.distributed.checkpoint."""
@@ -98,6 +102,7 @@ def test_fsdp2_example_under_torchrun(tmp_path):
     assert "selection scores" in proc.stdout and (tmp_path / "ckpt" / ".metadata").exists()
 
 
+@pytest.mark.ranks
 def test_hsdp_example_under_torchrun(tmp_path):
     """examples/train_hsdp.py: the byte GPT on a 2-D mesh, 4 ranks on gloo as 2 replicas x 2 shards: every rank
     holds half the rows, the replicas end bit-identical, saved with torch.distributed.checkpoint."""

@@ -24,11 +24,13 @@ import torch
 from support import assert_same_state, launch  # noqa: E402
 from tolerance import TYPICAL, assert_within_stated_bound  # noqa: E402
 
-from bench.harness import free_port  # noqa: E402
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.host import ALIGN
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
+from zenflow_kernels.testing import free_port  # noqa: E402
+
+pytestmark = pytest.mark.ranks
 
 pytest.importorskip("torch.distributed.fsdp")
 

@@ -1,4 +1,4 @@
-"""bench.gpu_checklist, the CUDA path's checklist for a lent GPU (bench/gpu_suite.sh stage 1b), run on CPU.
+"""tests/gpu_checklist.py, the CUDA path's checklist for a lent GPU (bench/gpu_suite.sh stage 1b), run on CPU.
 
 On CPU the same rows run with the asynchronous CPU link against the synchronous one: every row passes, and a row
 fails when the bug it exists to catch is put back (a link holding a step's gradients past ``zero_grad``, copies
@@ -13,10 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gpu_checklist as checklist
 import pytest
 import torch
 
-from bench import gpu_checklist as checklist
 from zenflow_kernels import ZenFlowAdamW, link
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,9 +31,11 @@ def dev():
     return checklist.Device(torch.device("cpu"), quick=True)
 
 
+@pytest.mark.subprocess
+@pytest.mark.ranks
 def test_every_row_passes_on_cpu_and_the_json_says_what_was_measured(tmp_path):
     """The whole script in a fresh process, as gpu_suite.sh runs it (the ZeRO row starts 2 ranks of its own)."""
-    proc = subprocess.run([sys.executable, "-W", "ignore::UserWarning", "-m", "bench.gpu_checklist", "--device",
+    proc = subprocess.run([sys.executable, "-W", "ignore::UserWarning", "-m", "tests.gpu_checklist", "--device",
                            "cpu", "--quick", "--out", str(tmp_path)], cwd=REPO, env=ENV, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -51,7 +53,7 @@ def test_every_row_passes_on_cpu_and_the_json_says_what_was_measured(tmp_path):
     trace = json.loads((tmp_path / "zero_boundary_trace.json").read_text())
     assert trace["traceEvents"]
     # without a GPU the CUDA run refuses clearly
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_checklist", "--out", str(tmp_path / "gpu")], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu_checklist", "--out", str(tmp_path / "gpu")], cwd=REPO,
                           env=ENV, capture_output=True, text=True, timeout=120)
     if not torch.cuda.is_available():
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout

@@ -30,7 +30,7 @@ from zenflow_kernels.testing import chaos
 REPO = Path(__file__).resolve().parents[1]
 
 
-pytestmark = pytest.mark.usefixtures("numba_backend")  # (conftest.py)
+pytestmark = [pytest.mark.subprocess, pytest.mark.usefixtures("numba_backend")]  # (conftest.py)
 
 
 def _params(matrix_dtype, vector_dtype, d=64, layers=2, seed=0):

@@ -17,6 +17,8 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from bench import notebooks as runner
 
+pytestmark = pytest.mark.notebook
+
 NOTEBOOK_NAMES = ["topk_ratio", "update_interval", "selection_dynamics", "selection_policy", "timeline_model",
                   "update_rules", "concentration", "tuned_comparison"]
 

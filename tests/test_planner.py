@@ -213,6 +213,7 @@ def test_bad_command_lines_are_one_line_errors(args, fragment):
         proc.stderr
 
 
+@pytest.mark.bench
 def test_the_validation_benchmark_runs_quick(tmp_path):
     """bench.plan --quick: every configuration measured and predicted (the structure; the agreement is the committed
     full run's, bench/results/plan_cpu.json)."""

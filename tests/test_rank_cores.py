@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import free_port
+from zenflow_kernels.testing import free_port
+
+pytestmark = pytest.mark.ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "cores_worker.py"

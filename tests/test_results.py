@@ -1,4 +1,5 @@
-"""The committed results (bench/results/): each listed in ``bench.refresh.RESULTS`` with the command that makes it,
+"""The committed results (bench/results/, and the studies' results bench.refresh makes under studies/results/): each
+listed in ``bench.refresh.RESULTS`` (``STUDY_RESULTS``) with the command that makes it,
 and each made again since the record existed carries a complete one (``bench.harness.write_result``): that command,
 a clean commit of this repository, the machine (CPU model, cores, memory) and the load during the run."""
 
@@ -13,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from bench import harness
-from bench.refresh import NOT_YET_REMADE, RESULTS
+from bench.refresh import MOVED, NOT_YET_REMADE, RESULTS, STUDY_RESULTS, listed
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
 COMMITTED = sorted(str(p.relative_to(RESULTS_DIR)) for p in RESULTS_DIR.rglob("*.json"))
+STUDIES = sorted(STUDY_RESULTS)  # (the other JSONs under studies/results: tests/test_studies.py)
 HAS_GIT = (REPO / ".git").exists()
 # e2e.json, the demo's result the README quotes, is made again within this many commits that change the library
 E2E_MAX_LIBRARY_COMMITS_BEHIND = 10
@@ -32,11 +34,14 @@ def record_problems(name: str, result: dict) -> list[str]:
     if problems:
         return problems
     argv = shlex.split(record["command"] or "")
+    if argv[2:3] and argv[2] in MOVED:  # made before its module moved: the name it had at the record's commit
+        argv[2] = MOVED[argv[2]]
     if "--out" in argv:  # made in another folder and copied or renamed here (bench.refresh does that)
         i = argv.index("--out")
         del argv[i:i + 2]
-    if argv != ["python", "-m", *RESULTS[name].argv()]:
-        problems.append(f"command {record['command']!r} is not bench.refresh's {RESULTS[name].command!r}")
+    entry, _ = listed(name)
+    if argv != ["python", "-m", *entry.argv()]:
+        problems.append(f"command {record['command']!r} is not bench.refresh's {entry.command!r}")
     if not (record["clean"] and record["changed"] == [] and re.fullmatch(r"[0-9a-f]{40}", record["commit"] or "")):
         problems.append(f"not a clean commit: {record['commit']!r}, changed {record['changed'][:3]}")
     machine = record["machine"]
@@ -55,13 +60,21 @@ def test_every_committed_result_is_listed_with_its_command():
     for name, result in RESULTS.items():  # each command names a benchmark module that exists
         module = result.argv()[0]
         assert module.startswith("bench.") and (REPO / (module.replace(".", "/") + ".py")).exists(), (name, module)
+    for name, result in STUDY_RESULTS.items():  # each study's result committed under studies/results, its module there
+        module = result.argv()[0]
+        assert (REPO / "studies" / "results" / name).exists(), name
+        assert module.startswith("studies.") and (REPO / (module.replace(".", "/") + ".py")).exists(), (name, module)
+    assert not set(RESULTS) & set(STUDY_RESULTS)
+    for old, new in MOVED.items():  # a moved module is gone from its old place and the new one is listed
+        assert not (REPO / (old.replace(".", "/") + ".py")).exists() and new in {
+            r.argv()[0] for r in (*RESULTS.values(), *STUDY_RESULTS.values())}, (old, new)
 
 
-@pytest.mark.parametrize("name", COMMITTED)
+@pytest.mark.parametrize("name", COMMITTED + STUDIES)
 def test_a_remade_result_has_a_complete_record_and_a_listed_one_none(name):
     """A result made since the record existed: complete (its command bench.refresh's, a clean commit, the
     machine, the load); one still listed in NOT_YET_REMADE: not complete (once remade, it leaves the list)."""
-    result = json.loads((RESULTS_DIR / name).read_text())
+    result = json.loads((listed(name)[1] / name).read_text())
     problems = record_problems(name, result)
     if name in NOT_YET_REMADE:
         assert problems, f"{name} has a complete record now: take it out of bench.refresh.NOT_YET_REMADE"
@@ -70,9 +83,9 @@ def test_a_remade_result_has_a_complete_record_and_a_listed_one_none(name):
 
 
 @pytest.mark.skipif(not HAS_GIT, reason="needs the repository's history")
-@pytest.mark.parametrize("name", [n for n in COMMITTED if n not in NOT_YET_REMADE])
+@pytest.mark.parametrize("name", [n for n in COMMITTED + STUDIES if n not in NOT_YET_REMADE])
 def test_a_remade_results_commit_is_in_this_history(name):
-    commit = json.loads((RESULTS_DIR / name).read_text())["record"]["commit"]
+    commit = json.loads((listed(name)[1] / name).read_text())["record"]["commit"]
     known = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=REPO, capture_output=True)
     if known.returncode == 128 and (REPO / ".git" / "shallow").exists():
         pytest.skip("a shallow clone")

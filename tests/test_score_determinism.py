@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.harness import free_port
+from zenflow_kernels.testing import free_port
 
 pytest.importorskip("triton")
 
 import score_determinism_worker as worker  # noqa: E402
+
+pytestmark = pytest.mark.ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2

@@ -24,6 +24,8 @@ from tolerance import assert_all_within_stated_bound
 from zenflow_kernels import rules
 from zenflow_kernels.reference import ReferenceZenFlow
 
+pytestmark = pytest.mark.ranks
+
 WORLD = 2
 # the loops ZeRO-2 with released gradients cannot honour (a released gradient cannot be unscaled, clipped, repaired
 # or edited in place), and the step each is refused at: the first whose loop changes a gradient after backward

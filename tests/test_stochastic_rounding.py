@@ -308,6 +308,7 @@ def test_the_numba_hash_matches_the_python_formula_on_its_own():
     assert (up == want).all()
 
 
+@pytest.mark.bench
 def test_the_cost_benchmark_runs_quick(tmp_path):
     """bench.stochastic_rounding --quick: every candidate at every thread count, each ratio against round to nearest
     in the same rounds (the figures are the committed full run's, bench/results/stochastic_rounding.json)."""

@@ -1,6 +1,6 @@
 """The studies (studies/): the tuned comparison's sweep, target and summary worked by hand on made-up runs, its
-reference Lion against the paper's arithmetic, a quick run of each kind of workload, and the time-to-target table's
-arithmetic."""
+reference Lion against the paper's arithmetic, a quick run of each kind of workload, the time-to-target table's
+arithmetic, and a quick run of the concentration study (tests/test_deepspeed_semantics.py: the DeepSpeed replay)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from studies import concentration_study as cs
 from studies import demo_rise
 from studies import time_to_target as ttt
 from studies import tuned_comparison as tc
@@ -126,6 +127,7 @@ def run_quick(tmp_path, workload, *variants):
     return json.loads((tmp_path / f"tuned_{workload}.json").read_text())
 
 
+@pytest.mark.subprocess
 def test_a_quick_study_run_tunes_each_variant_and_offload_is_adamw(tmp_path):
     got = run_quick(tmp_path, "study_concentrated", "offload", "zenflow")
     v = got["summary"]["variants"]
@@ -143,6 +145,7 @@ def test_a_quick_study_run_tunes_each_variant_and_offload_is_adamw(tmp_path):
     assert len(runs) == len(got["runs"]) and all(r["curve"][0][0] == 0 for r in runs)
 
 
+@pytest.mark.subprocess
 def test_a_quick_classification_run_reports_accuracy(tmp_path):
     got = run_quick(tmp_path, "gpt_classify", "zenflow")
     v = got["summary"]["variants"]
@@ -150,6 +153,7 @@ def test_a_quick_classification_run_reports_accuracy(tmp_path):
     assert math.isfinite(v["adamw"]["final"]["mean"])
 
 
+@pytest.mark.subprocess
 def test_an_unknown_variant_is_a_one_line_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "studies.tuned_comparison", "--workload", "gpt_finetune",
                            "--variants", "warm_up3", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
@@ -184,6 +188,7 @@ def test_time_to_target_is_the_steps_ratio_times_the_modeled_step():
     assert got["w/7B"]["rows"]["adamw"]["fits"]  # 112 GB of 141
 
 
+@pytest.mark.subprocess
 def test_the_demo_rise_study_runs_and_all_fast_columns_are_adamw(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "studies.demo_rise", "--model", "tiny", "--steps", "8", "--out",
                            str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -285,3 +290,35 @@ def test_the_demos_target_forgives_float_noise_on_a_curve_that_is_not_monotone()
     assert got["target"] == 2.48326 and got["runs"]["adamw"]["steps"] == 30.0
     assert got["runs"]["offload"]["steps"] == 30.0 and got["runs"]["offload"]["cpu_s"] == pytest.approx(3.0)
     assert tc.steps_to(list(zip((0, 10, 20, 30, 40), offload, strict=True)), 2.48326) is None  # (the study's 1e-6)
+
+
+# -- studies.concentration_study -----------------------------------------------------------------------------------
+
+
+@pytest.mark.subprocess
+def test_concentration_study_quick(tmp_path):
+    """Two concentration levels, one seed: the JSON's structure and what holds whatever the machine: the measured
+    top-10% share rises with the exponent, AdamW improves, every recovered share is finite."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "studies.concentration_study", "--quick", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "concentration_study.json").read_text())
+    assert (tmp_path / "concentration_study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["command"] == f"python -m studies.concentration_study --quick --out {tmp_path}"
+    assert result["machine"]["python"] and result["config"]["quick"] is True
+    flat, peaked = result["summary"]
+    assert flat["alpha"] == 0.0 and peaked["alpha"] > 0 and flat["top10_share"] < 0.5 < peaked["top10_share"]
+    for s in result["summary"]:
+        assert 0 < s["top1_share"] <= s["top10_share"] <= 1 and s["adamw_improvement"] > 0
+        assert all(math.isfinite(s[k]) for k in ("zenflow_overlap_recovered", "zenflow_sync_recovered"))
+    assert {r["candidate"] for r in result["runs"]} == {"adamw", "zenflow_overlap", "zenflow_sync"}
+    assert all(r["selections"] >= 2 for r in result["runs"] if r["candidate"] != "adamw")
+
+
+def test_concentration_study_rejects_bad_options(tmp_path, capsys):
+    with pytest.raises(SystemExit) as err:
+        cs.main(["--steps", "3", "--out", str(tmp_path)])
+    message = capsys.readouterr().err.strip()
+    assert err.value.code == 2 and len(message.splitlines()) == 1, message
+    assert "--steps" in message and "at least 8" in message

@@ -183,6 +183,7 @@ def three_ranks(tmp_path_factory):
     return results
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("case", THREE_RANK_CASES, ids=[c["name"] for c in THREE_RANK_CASES])
 def test_three_ranks_with_param_groups_and_missing_gradients(three_ranks, case):
     ranks = three_ranks[case["name"]]
@@ -203,6 +204,7 @@ def two_ranks(tmp_path_factory):
     return results
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_two_ranks_match_one_rank_and_the_reference(two_ranks, case):
     ranks = two_ranks[case["name"]]
@@ -266,6 +268,7 @@ def test_write_back_spans_start_past_a_ranks_first_parameter(name, rank, reason)
         assert any(t < warmup for t, _ in spans[rank]) and any(t >= warmup for t, _ in spans[rank])
 
 
+@pytest.mark.ranks
 def test_stage2_keeps_one_backward_hook_per_parameter_across_reloads(two_ranks):
     """ZeRO-2 starts its reductions from post-accumulate-grad hooks: one per parameter after the first
     step, after each load of the rank's own checkpoint into the stepped optimizer, and none after close.
@@ -282,6 +285,7 @@ def test_stage2_keeps_one_backward_hook_per_parameter_across_reloads(two_ranks):
         assert all(torch.equal(a, b) for a, b in zip(r["params"], s["params"], strict=True))
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("case", MODEL_CASES, ids=[c["name"] for c in MODEL_CASES])
 def test_two_ranks_on_half_batches_match_one_rank_on_the_whole_batch(two_ranks, case):
     ranks = two_ranks[case["name"]]
@@ -327,6 +331,7 @@ def test_two_ranks_on_half_batches_match_one_rank_on_the_whole_batch(two_ranks, 
                     assert held["matrices"] == matrix_numel and held["reducer"] == 0
 
 
+@pytest.mark.ranks
 def test_stage0_ddp_and_uneven_gradients_under_torchrun_are_clear_errors(two_ranks):
     for errors in two_ranks["errors"]:
         assert errors["presence"].endswith("parameters [1] have a gradient on some ranks and not on others; under "
@@ -336,6 +341,7 @@ def test_stage0_ddp_and_uneven_gradients_under_torchrun_are_clear_errors(two_ran
         assert "wrapped in DistributedDataParallel" in errors["ddp"] and "model.module.parameters()" in errors["ddp"]
 
 
+@pytest.mark.ranks
 def test_each_rank_holds_its_share_of_the_host_state(two_ranks):
     ranks = two_ranks["overlap"]
     owned = [set(r["owned"]) for r in ranks]
@@ -360,6 +366,7 @@ def test_each_rank_holds_its_share_of_the_host_state(two_ranks):
     assert sum(r["stats"]["host_bytes"]["total"] - r["stats"]["host_bytes"]["receive"] for r in ranks) == 6 * 4 * total
 
 
+@pytest.mark.ranks
 def test_stage2_moves_each_matrix_gradient_once_and_selection_scores_not_gradients(two_ranks):
     ranks = two_ranks["s2_overlap_clip"]
     matrix_bytes = sum(torch.Size(s).numel() * 4 for s in zero_worker.SHAPES if len(s) == 2)
@@ -376,6 +383,7 @@ def test_stage2_moves_each_matrix_gradient_once_and_selection_scores_not_gradien
         assert moved["selected columns"] == 19 * sum(rows[c] * k[c] * 4 for c in rows)  # after warm-up
 
 
+@pytest.mark.ranks
 def test_collective_bytes_are_reported_per_kind(two_ranks):
     ranks = two_ranks["overlap"]
     grad_bytes = sum(torch.Size(s).numel() * 4 for s in zero_worker.SHAPES)
@@ -387,6 +395,7 @@ def test_collective_bytes_are_reported_per_kind(two_ranks):
         assert r["stats"]["collective_bytes_per_step"]["gradients"] == grad_bytes
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("case", CASES_FLUSHED, ids=[c["name"] for c in CASES_FLUSHED])
 def test_saving_inside_flushed_and_resuming_from_it_leave_zero_runs_bit_identical(two_ranks, case):
     """ZeRO-1 and ZeRO-2 (chaos) at 2 ranks: each rank saves inside ``opt.flushed()`` at steps 10 and 13, and
@@ -406,6 +415,7 @@ def test_saving_inside_flushed_and_resuming_from_it_leave_zero_runs_bit_identica
                                                      strict=True))
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("name", ["save", "s2_save", "sgd_clip_save"])
 def test_a_consolidated_checkpoint_continues_on_one_rank(two_ranks, name):
     case = next(c for c in CASES if c["name"] == name)
@@ -427,6 +437,7 @@ def test_a_consolidated_checkpoint_continues_on_one_rank(two_ranks, name):
         assert opt.t == 0 and not opt.state
 
 
+@pytest.mark.ranks
 def test_per_group_topk_ratios_survive_per_rank_and_consolidated_checkpoints(two_ranks):
     """Param groups with their own ``topk_ratio`` (and a callable scorer) under ZeRO-2 and chaos: each rank loading
     its own ``state_dict()`` back (twice) continues bit for bit like the run that never did, and the consolidated
@@ -441,6 +452,7 @@ def test_per_group_topk_ratios_survive_per_rank_and_consolidated_checkpoints(two
     assert all(torch.equal(a, b) for a, b in zip(resumed, ranks[0]["params"], strict=True))
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("name", NVME_TWINS)
 def test_host_state_on_disk_leaves_zero_runs_bit_identical(two_ranks, name):
     """ZeRO-1/2 at 2 ranks with each rank's host shard in its own state file: the weights, the consolidated
@@ -465,6 +477,7 @@ def test_host_state_on_disk_leaves_zero_runs_bit_identical(two_ranks, name):
                 assert_same_state(d[key], m[key], f"rank {rank} {key}")
 
 
+@pytest.mark.ranks
 def test_a_rank_that_fails_ends_the_other_with_an_error_naming_the_collective(tmp_path):
     cases = [dict(name="fail", zenflow=ZEN, steps=8, fail_rank=1, fail_at=4, timeout=20.0)]
     t0 = time.monotonic()
@@ -476,6 +489,7 @@ def test_a_rank_that_fails_ends_the_other_with_an_error_naming_the_collective(tm
     assert "ZeroCollectiveError: ZenFlowAdamW rank 0 of 2: all_reduce of gradient presence" in err0, err0[-2000:]
 
 
+@pytest.mark.ranks
 def test_a_rank_that_hangs_ends_the_other_within_the_collective_timeout(tmp_path):
     cases = [dict(name="hang", zenflow=dict(ZEN, overlap_step=True), steps=8, zero_stage=2, fail_rank=1, fail_at=4,
                   hang_s=14, timeout=3.0)]  # (asleep past the 12 s the assertion below allows rank 0)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 from collections.abc import Iterator
 
 from .device_model import Chaos, Timeline, chaos_in_force
 
-__all__ = ["Timeline", "chaos"]
+__all__ = ["Timeline", "chaos", "free_port"]
 
 
 @contextlib.contextmanager
@@ -61,3 +62,11 @@ def chaos(seed: int = 0, max_delay: float = 0.005, *, d2h_bytes_per_s: float | N
                      h2d_bytes_per_s=None if h2d_bytes_per_s is None else float(h2d_bytes_per_s), timeline=timeline)
     with chaos_in_force(settings):
         yield settings
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now: ``MASTER_PORT`` for rank processes a test starts (torchrun's
+    ``--master_port=0`` does not pick a free port for the workers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

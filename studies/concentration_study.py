@@ -1,6 +1,6 @@
 """When ZenFlow wins: quality against gradient concentration, with concentration as a knob (issue 42, item 2).
 
-    python -m bench.concentration_study [--out DIR] [--alphas 0 0.25 0.5 0.75 1.5] [--seeds 0 1 2]
+    python -m studies.concentration_study [--out DIR] [--alphas 0 0.25 0.5 0.75 1.5] [--seeds 0 1 2]
                                         [--steps 300] [--quick]
 
 The task: a student MLP (``d_in`` -> ``hidden`` -> ``d_out``, tanh) regresses a fixed random teacher MLP of the
@@ -21,10 +21,12 @@ Per level and seed, from the same initial student and the same batches, ``--step
 Quality is the share of AdamW's held-out improvement that ZenFlow recovers at equal steps,
 ``(L0 - L_zenflow) / (L0 - L_adamw)`` (``L0`` the initial held-out loss): 1 is AdamW's quality, 0 no progress.
 ``adamw_end_over_half`` (AdamW's final held-out loss over its loss at half the steps) shows AdamW still improving.
-Speed is not measured here (on one CPU the device and the host are the same cores: bench.e2e, bench.overlap).
+Speed is not measured here (on one CPU the device and the host are the same cores: bench.e2e, bench.overlap): a
+study, not a benchmark.
 
 Results: ``concentration_study.json`` (command, machine, commit, every run, the per-level summary) and
-``concentration_study.png`` (recovered share against the measured top-10% share) in ``bench/results``.
+``concentration_study.png`` (recovered share against the measured top-10% share) in ``studies/results``
+(the committed run's record names ``bench.concentration_study``, where this module was when it was made).
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from bench.harness import OneLineParser, machine_info_light, output_dir, plt, write_json_light
 
+STUDY_RESULTS = Path(__file__).resolve().parent / "results"
 D_IN, HIDDEN, D_OUT = 1024, 64, 16
 TEACHER_HIDDEN = 256
 BATCH, HELDOUT = 64, 1024
@@ -164,9 +168,9 @@ def plot(summary: list[dict], path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = OneLineParser(prog="python -m bench.concentration_study", description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(prog="python -m studies.concentration_study", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="output folder (default bench/results)")
+    ap.add_argument("--out", default=None, help="output folder (default studies/results)")
     ap.add_argument("--alphas", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.5],
                     help="concentration levels: channel scale exponents (default 0 0.25 0.5 0.75 1.5)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (default 0 1 2)")
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.alphas, args.seeds, args.steps = [0.0, 1.25], [0], 24
     torch.set_num_threads(1)
-    out_dir = output_dir(args.out)
+    out_dir = output_dir(args.out or STUDY_RESULTS)
     t_start = time.perf_counter()
     rows = []
     for alpha in args.alphas:
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(held-out {start:.4f} -> AdamW {got[0]['heldout_loss']:.4f})", flush=True)
     summary = summarise(rows, args.alphas)
     payload = {
-        "command": " ".join(["python -m bench.concentration_study", *argv]),
+        "command": " ".join(["python -m studies.concentration_study", *argv]),
         "description": __doc__,
         "config": dict(alphas=args.alphas, seeds=args.seeds, steps=args.steps, quick=args.quick, d_in=D_IN,
                        hidden=HIDDEN, d_out=D_OUT, batch=BATCH, heldout=HELDOUT, lr=LR, zenflow=ZENFLOW,

@@ -1,7 +1,10 @@
 """The CUDA path's checklist, for a lent GPU: one call, one row of ``gpu_checklist.json`` per item.
 
-    python -m bench.gpu_checklist [--out DIR]              # on CUDA (bench/gpu_suite.sh stage 1b)
-    python -m bench.gpu_checklist --device cpu --quick     # the same code on CPU, small (the test suite)
+    python -m tests.gpu_checklist [--out DIR]              # on CUDA (bench/gpu_suite.sh stage 1b)
+    python -m tests.gpu_checklist --device cpu --quick     # the same code on CPU, small (tests/test_gpu_checklist.py)
+
+A test of the GPU paths, not a benchmark: it lives under tests/ (run from the repository root; it uses
+bench.harness's rank launcher and result writer, as the GPU suite's benchmarks do).
 
 What a GPU shows that the CPU stand-ins cannot (tests/test_cuda_stand_in.py checks the ordering on CPU). Every
 row trains one model from the same weights on the same batches under a reference link and the link under test,
@@ -456,7 +459,7 @@ def zero_rank(args) -> None:
 def check_zero(dev: Device, out: Path) -> dict:
     extra = ["--device", dev.device.type] + (["--quick"] if dev.quick else [])
     try:
-        ranks = run_ranks("bench.gpu_checklist", 2, extra + ["--zero-trace", str(out)], timeout=600,
+        ranks = run_ranks("tests.gpu_checklist", 2, extra + ["--zero-trace", str(out)], timeout=600,
                           what="a ZeRO-1 rank")
     except SystemExit as exc:
         return dict(ok=False, error=str(exc)[-3000:])
@@ -480,7 +483,7 @@ CHECKS = dict(memory=check_memory, slow_d2h=check_slow_d2h, grad_scaler=check_gr
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m bench.gpu_checklist", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m tests.gpu_checklist", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--quick", action="store_true", help="a small model (the test suite's run)")
@@ -489,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zero-trace", default=None, help="(the folder rank 0 writes its trace to)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: bench.gpu_checklist needs a CUDA GPU; --device cpu --quick runs the code path on CPU")
+        print("error: tests.gpu_checklist needs a CUDA GPU; --device cpu --quick runs the code path on CPU")
         return 2
     if args.worker_out:
         zero_rank(args)

@@ -1,9 +1,9 @@
 """How far ``semantics="deepspeed"`` is from DeepSpeed's own ZenFlow, and what each of the six choices does to the
 trajectory (issue 42, item 3; docs/deepspeed.md).
 
-    python -m bench.deepspeed_semantics [--out DIR] [--settings ui2_si4_w0 ui3_si4_w0 ui2_si4_w2]
+    python -m studies.deepspeed_semantics [--out DIR] [--settings ui2_si4_w0 ui3_si4_w0 ui2_si4_w2]
 
-DeepSpeed 0.19.8's runs are recorded in tests/fixtures/deepspeed/ (bench/deepspeed_zenflow.py: the tiny MLP, 16
+DeepSpeed 0.19.8's runs are recorded in tests/fixtures/deepspeed/ (studies/deepspeed_zenflow.py: the tiny MLP, 16
 fixed-seed batches, three settings). Each is replayed here without DeepSpeed:
 
 * ``semantics="deepspeed"`` on the synchronous link, on the asynchronous one (``testing.chaos``) and with
@@ -11,8 +11,9 @@ fixed-seed batches, three settings). Each is replayed here without DeepSpeed:
 * each choice turned back to ours (the other five DeepSpeed's), and all six ours (the defaults).
 
 Each row holds the largest difference of any weight from DeepSpeed's after every step, and its maximum. Results:
-``deepspeed_semantics.json`` in ``bench/results`` (docs/deepspeed.md's tables quote it; tests/test_bench.py
-checks that they do).
+``deepspeed_semantics.json`` in ``studies/results`` (docs/deepspeed.md's tables quote it;
+tests/test_deepspeed_semantics.py checks that they do; the committed run's record names
+``bench.deepspeed_semantics``, where this module was when it was made).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench import deepspeed_zenflow as DS
 from bench.harness import OneLineParser, machine_info_light, output_dir, write_json_light
+from studies import deepspeed_zenflow as DS
 
+STUDY_RESULTS = Path(__file__).resolve().parent / "results"
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "deepspeed"
 SETTINGS = {"ui2_si4_w0": (2, 4, 0), "ui3_si4_w0": (3, 4, 0), "ui2_si4_w2": (2, 4, 2)}
 STEPS = 16
@@ -98,18 +100,18 @@ def measure(settings: list[str]) -> list[dict]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = OneLineParser(prog="python -m bench.deepspeed_semantics", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None, help="output directory (default bench/results)")
+    ap = OneLineParser(prog="python -m studies.deepspeed_semantics", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="output directory (default studies/results)")
     ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
                     help="the recorded runs to replay (default all three)")
     args = ap.parse_args(argv)
-    out_dir = output_dir(args.out)
+    out_dir = output_dir(args.out or STUDY_RESULTS)
     started = time.perf_counter()
     torch.set_num_threads(1)
     rows = measure(args.settings)
     fixtures = {s: {k: v for k, v in recorded(s).items() if k != "weights"} for s in args.settings}
     payload = {
-        "command": " ".join(["python -m bench.deepspeed_semantics", *argv]),
+        "command": " ".join(["python -m studies.deepspeed_semantics", *argv]),
         "description": __doc__,
         "config": dict(settings={s: SETTINGS[s] for s in args.settings}, steps=STEPS, hyper=DS.HYPER,
                        topk_ratio=DS.TOPK_RATIO, torch_threads=1, recorded=fixtures),

@@ -4,7 +4,7 @@ Runs DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``, one process over gloo, ZeRO stage
 the CPU, fp32, ``overlap_step`` off) on a fixed-seed MLP and fixed-seed batches, and writes the weights after every
 ``engine.step()`` (read from the module: the host's write-back and the fast update included)::
 
-    DS_ACCELERATOR=cpu python -m bench.deepspeed_zenflow --update-interval 2 --select-interval 4 --warm-up 0 \\
+    DS_ACCELERATOR=cpu python -m studies.deepspeed_zenflow --update-interval 2 --select-interval 4 --warm-up 0 \\
         --out tests/fixtures/deepspeed/ui2_si4_w0.pt
 
 DeepSpeed is not a dependency: run this in an environment that has it (``pip install torch==2.13.0`` first, then
