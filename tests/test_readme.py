@@ -245,7 +245,8 @@ def _readme_figures() -> list[str]:
         f"at {flat('deepspeed')['ratio']:.2f}x and {conc('deepspeed')['ratio']:.2f}x.",
         f"(ZenFlow's SGD did on the flat MLP, {flat('zenflow_sgd')['ratio']:.2f}x, where plain SGD ends at "
         f"{flat('sgd')['ratio']:.2f}x)",
-        "`topk_ratio` 0.05, `update_interval` 2, re-selection every 4 steps ({:.2f}x, {:.2f}x, {:.2f}x, {:.2f}x;".format(
+        "`topk_ratio` 0.05, `update_interval` 2, re-selection every 4 steps "
+        "({:.2f}x, {:.2f}x, {:.2f}x, {:.2f}x;".format(
             *(_tuned(w, "topk0.05_ui2")["ratio"] for w in ("study_flat", "study_concentrated", "gpt_finetune",
                                                             "gpt_classify"))),
         f"its run took {_results('e2e.json')['total_s']:.0f} s in bench/results/e2e.json",
