@@ -940,7 +940,7 @@ BUGS = [
     ),
     Bug(
         "explain-leaves-out-the-kept-fields",
-        "zenflow_kernels/__main__.py",
+        "zenflow_kernels/explain.py",
         "    found = [*config.notes, *s.warnings]",
         "    found = list(s.warnings)",
         "`explain` lists only the schedule's warnings, not the fields kept against semantics=\"deepspeed\" (their "

@@ -24,6 +24,7 @@ import torch
 
 from ..config import ZenFlowConfig, ZenFlowWarning
 from ..device_model import current_chaos
+from ..explain import explain_optimizer
 from ..handover import HandOver
 from ..rules import UpdateRule
 from ..schedule import Schedule, make_schedule
@@ -355,9 +356,11 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         resolved schedule over the first ``steps`` steps), the CPUs of training and of the host worker (and why:
         ``zenflow.cores``), and, per param group, its own ``topk_ratio`` and ``importance`` and each matrix's ``k``
         of ``C`` columns on the fast path."""
-        from ..__main__ import explain_optimizer
-
-        return explain_optimizer(self, steps)
+        if self._built:
+            cores = self.run.cores
+        else:  # those the first step picks, before it
+            cores = build.split_cores(self.config, build.device_of([p for g in self.param_groups for p in g["params"]]))
+        return explain_optimizer(self, steps, cores)
 
     def host_bytes(self) -> dict:
         """The optimizer's host memory, by buffer, in bytes as allocated (``{}`` before the first step): the keys
