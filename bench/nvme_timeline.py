@@ -167,7 +167,7 @@ def reader_pipeline(numel: int, bw_name: str, bandwidth: float | None, repeats: 
     from zenflow_kernels.link import ThreadEngine
     from zenflow_kernels.rules import AdamW
     from zenflow_kernels.state_files import StateFiles
-    from zenflow_kernels.streamed_host import DeviceSums, Run, streamed_host_step_
+    from zenflow_kernels.streamed_host import DeviceSums, RangeStep, streamed_host_step_
 
     block, rule = ZenFlowAdamW.NVME_BLOCK_NUMEL, AdamW()
     files = StateFiles(folder, numel, fields=("master", *rule.state_names), block_numel=block,
@@ -176,7 +176,7 @@ def reader_pipeline(numel: int, bw_name: str, bandwidth: float | None, repeats: 
     flat = torch.full((numel,), 1e-3)  # the device's sums (left as they are: the update only reads them)
     acc = torch.empty(numel)
     sums = DeviceSums(engine.fetcher(flat), [torch.empty(min(block, numel)) for _ in range(3)])
-    runs = [Run(0, numel, None, dict(step=1, grad_scale=1.0, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+    runs = [RangeStep(0, numel, None, dict(step=1, grad_scale=1.0, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
                                      weight_decay=0.0))]
     times: dict[str, list[float]] = {"no fetch": []} if bandwidth is None else {"no fetch": [], "beside": [],
                                                                                   "serial": []}

@@ -510,7 +510,7 @@ def test_a_compile_on_the_worker_does_not_count_against_host_timeout():
     while one is in progress, and keeps it otherwise (a stuck update still fails, naming the limit)."""
     import time
 
-    from zenflow_kernels.host import HostWorker, HostWorkerError
+    from zenflow_kernels.link.worker import HostWorker, HostWorkerError
 
     def compiling_job():
         with compiled._compile_clock():

@@ -501,7 +501,7 @@ BUGS = [
     ),
     Bug(
         "worker-joins-itself",
-        "zenflow_kernels/host.py",
+        "zenflow_kernels/link/worker.py",
         "            if threading.current_thread() is not self._thread:\n                self._thread.join(timeout)",
         "            self._thread.join(timeout)",
         "an optimizer collected on its own worker thread fails in its finalizer (cannot join current thread)",
@@ -1020,7 +1020,7 @@ BUGS = [
     ),
     Bug(
         "compile-counted-against-host-timeout",
-        "zenflow_kernels/host.py",
+        "zenflow_kernels/link/worker.py",
         "            waited += 0.0 if compiling() else now - last\n",
         "            waited += now - last\n",
         "a first compile on the worker counts against host_timeout: a slow compile fails the run as a stuck worker",

@@ -32,11 +32,11 @@ from .ablations import ablations
 from .rules import UpdateRule
 from .state_files import StateFiles
 
-__all__ = ["DeviceSums", "Run", "streamed_host_step_"]
+__all__ = ["DeviceSums", "RangeStep", "streamed_host_step_"]
 
 
 @dataclass(frozen=True)
-class Run:
+class RangeStep:
     """Flat elements ``[lo, hi)`` of the shard stepped with one set of ``host_step_`` keyword arguments
     (``step_args``: step, grad_scale and the rule's numbers, e.g. AdamW's lr, beta1, beta2, eps, weight_decay), their
     weights rounded into ``out`` (``hi - lo`` elements)."""
@@ -81,8 +81,8 @@ def _settle(waits: list[Callable[[], None]]) -> None:
 
 _STOP = object()
 
-def streamed_host_step_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[Run], *, rule: UpdateRule,
-                        depth: int = 3, sums: DeviceSums | None = None) -> dict:
+def streamed_host_step_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[RangeStep], *,
+                        rule: UpdateRule, depth: int = 3, sums: DeviceSums | None = None) -> dict:
     """One host step of ``rule`` (the file holds ``master`` and its ``state_names``) over ``runs`` (disjoint,
     ascending) of the state in ``files``, with the gradient sums in ``acc`` (flat fp32, the shard's size; zeroed where
     used, as the in-memory update does) or, with ``acc`` None, fetched block by block from ``sums`` (left as they are:
@@ -100,7 +100,7 @@ def streamed_host_step_(files: StateFiles, acc: torch.Tensor | None, runs: Seque
             b.numel() < need or b.dtype != torch.float32 for b in sums.buffers)):
         raise ValueError(f"streamed_host_step_: sums.buffers must hold at least depth={depth} fp32 buffers of "
                          f"min(block_numel, numel)={need} elements, got {[(b.numel(), b.dtype) for b in sums.buffers]}")
-    plan: dict[int, list[tuple[Run, int, int]]] = {}
+    plan: dict[int, list[tuple[RangeStep, int, int]]] = {}
     for run in runs:
         for j, _, s, e in files.pieces(run.lo, run.hi):
             plan.setdefault(j, []).append((run, s, e))

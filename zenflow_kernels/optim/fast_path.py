@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..launch_plan import LaunchItems
-from .run import Run
+from .run import BuiltOptimizer
 
 __all__ = ["FastPath"]
 
@@ -16,7 +16,7 @@ class FastPath:
     """The fast step's plan and state placement. ``offload``: the state's home is host memory (the link's);
     ``bucket_numel``: with it, the largest bucket of state elements on the device at once."""
 
-    def __init__(self, run: Run, *, offload: bool, bucket_numel: int):
+    def __init__(self, run: BuiltOptimizer, *, offload: bool, bucket_numel: int):
         self.run, self.offload, self.bucket_numel = run, offload, bucket_numel
         self._plan = None  # the per-selection lists (plan())
         self._split: tuple[list[int], list[int], list[int]] | None = None  # (active, its matrices, its vectors)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from .._memory import host_copy
-from .run import Run
+from .run import BuiltOptimizer
 
 __all__ = ["HostInterval"]
 
@@ -18,7 +18,7 @@ __all__ = ["HostInterval"]
 class HostInterval:
     """One optimizer's host interval. ``hyper()`` gives the param groups' rule numbers as they are now."""
 
-    def __init__(self, run: Run, sums, *, overlap: bool, hyper: Callable[[], list[dict]]):
+    def __init__(self, run: BuiltOptimizer, sums, *, overlap: bool, hyper: Callable[[], list[dict]]):
         self.run, self.sums, self.overlap, self.hyper = run, sums, overlap, hyper
         self.buf = 0  # the sums buffer this interval adds into
         # the training thread's ledger: gradients counted into each buffer this interval

@@ -150,7 +150,7 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         self._hooks = None  # the backward hooks (handover.GradHooks), where the link or the sharding uses them
         self._seed_from_host = False  # after loading a torch AdamW state dict (Selection.seed_from_host)
         self._stats = Telemetry()
-        # the parts (a Run, Selection, FastPath, HostInterval), made at the first step like torch's lazy state: _build
+        # the parts (BuiltOptimizer, Selection, FastPath, HostInterval), made lazily at the first step (_build)
         self.run = self.selection = self.fast_path = self.interval = None
         # whether gradients cross to the host from backward's hooks (handover.py): decided at the first step
         self.handover = HandOver("on", "no step yet")
@@ -356,10 +356,7 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         resolved schedule over the first ``steps`` steps), the CPUs of training and of the host worker (and why:
         ``zenflow.cores``), and, per param group, its own ``topk_ratio`` and ``importance`` and each matrix's ``k``
         of ``C`` columns on the fast path."""
-        if self._built:
-            cores = self.run.cores
-        else:  # those the first step picks, before it
-            cores = build.split_cores(self.config, build.device_of([p for g in self.param_groups for p in g["params"]]))
+        cores = self.run.cores if self._built else build.first_cores(self.config, self.param_groups)
         return explain_optimizer(self, steps, cores)
 
     def host_bytes(self) -> dict:

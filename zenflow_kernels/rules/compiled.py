@@ -229,7 +229,7 @@ _compiling = [0]  # compiles in progress, on any thread (``compiling``)
 
 def compiling() -> bool:
     """A compile is in progress: a wait for the host worker does not count it against ``host_timeout`` (a first
-    compile takes seconds to tens of seconds on a loaded machine; ``HostWorker.wait``)."""
+    compile takes seconds to tens of seconds on a loaded machine; ``link.worker.HostWorker.wait``)."""
     return _compiling[0] > 0
 
 
