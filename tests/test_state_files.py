@@ -187,11 +187,11 @@ def test_streamed_host_step_gives_the_in_memory_bits(tmp_path, name, block_numel
 @pytest.mark.parametrize("beside", [True, False])
 def test_streamed_host_step_reads_a_block_while_its_sums_are_fetched(tmp_path, monkeypatch, beside):
     """A fetch that returns a wait (a copy engine): the reader starts each block's fetches, reads the block, then
-    waits for them, so the link and the disk work side by side (``ablations.fetch_beside_read=False``: the former
+    waits for them, so the link and the disk work side by side (``orderings.fetch_beside_read=False``: the former
     order, read, then fetch and wait). Either way the in-memory bits, and every wait called once."""
-    from zenflow_kernels.ablations import ablations
+    from zenflow_kernels.orderings import orderings
 
-    monkeypatch.setattr(ablations, "fetch_beside_read", beside)
+    monkeypatch.setattr(orderings, "fetch_beside_read", beside)
     numel, block = 4096 + 300, 1024
     runs = [(0, 1500, torch.bfloat16, dict(HYPER, step=3, grad_scale=1.0)),
             (2000, numel, None, dict(HYPER, step=1, grad_scale=0.5))]

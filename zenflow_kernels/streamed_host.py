@@ -9,7 +9,7 @@ master and one per state tensor, 12 B for AdamW), whatever the shard's size.
 With ``device_accumulation`` the gradient sums stay on the device (:class:`DeviceSums`): the reader also
 fetches each block's piece of them into one more buffer (``DeviceSums.buffers``, reused across updates), so no
 shard-sized host buffer of sums exists. It starts the fetch before reading the block and waits for it after,
-so the copy over the link runs beside the disk read (``ablations.fetch_beside_read`` False: read, then fetch,
+so the copy over the link runs beside the disk read (``orderings.fetch_beside_read`` False: read, then fetch,
 the former order; bench.nvme_timeline measures both).
 
 Every block a run touches is read, updated and written once (runs sharing a block are updated in the same
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ablations import ablations
+from .orderings import orderings
 from .rules import UpdateRule
 from .state_files import StateFiles
 
@@ -124,7 +124,7 @@ def streamed_host_step_(files: StateFiles, acc: torch.Tensor | None, runs: Seque
                     return
                 bufs, fetched = item
                 waits: list[Callable[[], None]] = []
-                beside = ablations.fetch_beside_read  # (read at each block; False: the former order)
+                beside = orderings.fetch_beside_read  # (read at each block; False: the former order)
                 try:
                     if not beside:
                         files.read_block(j, bufs)

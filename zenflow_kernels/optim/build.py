@@ -11,10 +11,10 @@ import torch
 
 from .. import cpu_ops
 from .. import link as link_module
-from ..ablations import ablations
 from ..config import check_max_grad_norm
 from ..handover import GradHooks, handover_mode, release_hooks
 from ..host import HostShard
+from ..orderings import orderings
 from ..rules import UpdateRule, check_rule
 from ..sharding import FSDP2, Sharding, Zero1, Zero2, fsdp2_mesh
 from .run import BuiltOptimizer
@@ -274,7 +274,7 @@ def make_parts(run: BuiltOptimizer, classes, handover, *, seed_from_host: bool, 
         selection = classes.selection_class(run, fast_path, seed_from_host=seed_from_host)
         # (the parts hold the optimizer's param groups and state, never the optimizer: no cycle delays its finalizer)
         interval = classes.interval_class(run, make_sums(run), overlap=config.overlap_step, hyper=hyper)
-        handover.decide(*handover_mode(link, run.shard, config.device_accumulation, ablations.early_handover))
+        handover.decide(*handover_mode(link, run.shard, config.device_accumulation, orderings.early_handover))
         if handover.mode == "on" or run.shard.consumes_hooks:
             hooks = grad_hooks(run.params, grad_ready, range(len(run.params)))
     except BaseException:
