@@ -87,7 +87,7 @@ def disk_probe(params: int, folder: str, threads: int, passes: int = 5) -> float
         files.write_many([("master", 0, torch.randn(params))], fresh=True)
         acc = torch.zeros(params)
         out = torch.empty(params, dtype=torch.bfloat16)
-        numbers = rule.numbers(dict(rule.group_defaults(), lr=1e-4))
+        numbers = rule.hyperparams(dict(rule.group_defaults(), lr=1e-4))
         seconds = []
         for step in range(1, passes + 2):
             acc.normal_()

@@ -250,7 +250,7 @@ class HostShard:
         self,
         buf: int,
         counts: dict[int, int],
-        hyper: Sequence[dict],
+        hyperparams: Sequence[dict],
         max_grad_norm: float | None,
         wait_before_write: Any = None,
         last: dict[int, torch.Tensor] | None = None,
@@ -264,8 +264,8 @@ class HostShard:
         ``counts[i]`` (>= 1) is the number of gradients parameter ``i`` received in this interval, the one
         in ``last`` included (the training thread's count, taken when it requested the update). Clips by
         the global norm of those mean gradients when ``max_grad_norm`` is set, writes the updated weights
-        into the copy-out buffers, zeroes the accumulation and returns timings. ``hyper[g]`` holds the numbers of
-        param group g (``rule.numbers``, captured when the update was requested).
+        into the copy-out buffers, zeroes the accumulation and returns timings. ``hyperparams[g]`` holds the
+        hyper-parameters of param group g (``rule.hyperparams``, captured when the update was requested).
         ``wait_before_write`` (a completion with ``wait()``: the last write-back's) guards the copy-out
         buffers while a previous write-back copy may still read them.
 
@@ -326,7 +326,7 @@ class HostShard:
                 out=self.out_view(i).view(-1),
                 zero_acc=True,
                 **({} if rounding is None else {"rounding": rounding}),
-                **hyper[s.group],
+                **hyperparams[s.group],
             )
         runs = self._runs(todo, todo_set, last, counts)
         steps = []  # the rule's host kernel over each run (zero_grad: never a torch op here, see cpu_adam_'s)
@@ -337,7 +337,7 @@ class HostShard:
             step = self.host_step[first] + 1
             rounding = rule.rounding(step, lo + self._key_shift[first])  # (passed only where it rounds stochastically)
             steps.append(RangeStep(lo, hi, self.out[run[0].dtype][out_lo : out_lo + hi - lo],
-                             dict(step=step, grad_scale=counts[first] / coef, **hyper[run[0].group],
+                             dict(step=step, grad_scale=counts[first] / coef, **hyperparams[run[0].group],
                                   **({} if rounding is None else {"rounding": rounding}))))
             for s in run:
                 self.host_step[s.index] = step

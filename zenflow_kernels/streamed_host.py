@@ -38,8 +38,8 @@ __all__ = ["DeviceSums", "RangeStep", "streamed_host_step_"]
 @dataclass(frozen=True)
 class RangeStep:
     """Flat elements ``[lo, hi)`` of the shard stepped with one set of ``host_step_`` keyword arguments
-    (``step_args``: step, grad_scale and the rule's numbers, e.g. AdamW's lr, beta1, beta2, eps, weight_decay), their
-    weights rounded into ``out`` (``hi - lo`` elements)."""
+    (``step_args``: step, grad_scale and the rule's hyper-parameters, e.g. AdamW's lr, beta1, beta2, eps, weight_decay),
+    their weights rounded into ``out`` (``hi - lo`` elements)."""
 
     lo: int
     hi: int

@@ -259,12 +259,12 @@ def make_run(params, group_of, param_groups, state, config, shard, telemetry, *,
                           cores, torch_threads, frozenset(host_params), rule, name=name)
 
 
-def make_parts(run: BuiltOptimizer, classes, handover, *, seed_from_host: bool, hyper, grad_ready) -> tuple:
+def make_parts(run: BuiltOptimizer, classes, handover, *, seed_from_host: bool, hyperparams, grad_ready) -> tuple:
     """The parts of a built optimizer over ``run`` (docs/hacking.md), from ``classes``' ``fast_path_class``,
     ``selection_class`` and ``interval_class``: ``(fast_path, selection, interval, hooks)``, with ``handover``'s
     mode decided and the backward hooks registered where the link or the sharding uses them (``hooks`` None
-    elsewhere); ``hyper()``: the param groups' numbers as they are now. A failure stops what ``run`` started
-    (:func:`shutdown`) before it is raised."""
+    elsewhere); ``hyperparams()``: the param groups' hyper-parameters as they are now. A failure stops what ``run``
+    started (:func:`shutdown`) before it is raised."""
     config, link, hooks = run.config, run.link, None
     try:
         # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket around
@@ -273,7 +273,7 @@ def make_parts(run: BuiltOptimizer, classes, handover, *, seed_from_host: bool, 
                                             bucket_numel=classes.OFFLOAD_BUCKET_NUMEL)
         selection = classes.selection_class(run, fast_path, seed_from_host=seed_from_host)
         # (the parts hold the optimizer's param groups and state, never the optimizer: no cycle delays its finalizer)
-        interval = classes.interval_class(run, make_sums(run), overlap=config.overlap_step, hyper=hyper)
+        interval = classes.interval_class(run, make_sums(run), overlap=config.overlap_step, hyperparams=hyperparams)
         handover.decide(*handover_mode(link, run.shard, config.device_accumulation, orderings.early_handover))
         if handover.mode == "on" or run.shard.consumes_hooks:
             hooks = grad_hooks(run.params, grad_ready, range(len(run.params)))

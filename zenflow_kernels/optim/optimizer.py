@@ -34,7 +34,7 @@ from .fast_path import FastPath
 from .flushed import FlushedWeights
 from .interval import HostInterval
 from .selection import Selection
-from .step_inputs import ClipRequests, GradChecks, check_group, hyper, read_step
+from .step_inputs import ClipRequests, GradChecks, check_group, group_hyperparams, read_step
 from .telemetry import Telemetry, host_bytes
 
 __all__ = ["ZenFlow"]
@@ -188,7 +188,8 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         self.device, self._grad_checks = run.device, GradChecks(run.local, run.device, self.display_name)
         try:  # (the parts hold the param groups and state, never the optimizer: no cycle delays its finalizer)
             parts = build.make_parts(run, type(self), self.handover, seed_from_host=self._seed_from_host,
-                                     hyper=functools.partial(hyper, self.param_groups, self.rule, self.display_name),
+                                     hyperparams=functools.partial(group_hyperparams, self.param_groups, self.rule,
+                                                                   self.display_name),
                                      grad_ready=weakref.WeakMethod(self._grad_ready))
         except BaseException:
             self.run = None
@@ -425,7 +426,7 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         compact = self.selection.compact_gradients(matrices)  # (ZeRO-2's released gradients)
         grad_scale = self._amp if coef is None else self._amp / coef  # GradScaler's scale, clipping
         with self._stats.timed_fast_step():
-            self.fast_path.step(active, grads, hyper(self.param_groups, self.rule, self.display_name),
+            self.fast_path.step(active, grads, group_hyperparams(self.param_groups, self.rule, self.display_name),
                                 grad_scale=grad_scale, compact=compact)
         self.steps_accumulated += 1
         trigger = self.selection.auto_vote(matrices, self._amp) if self.schedule.is_auto else False
