@@ -354,7 +354,7 @@ def multi_selective_adamw_items_(items, *, beta1: float, beta2: float, eps: floa
     """``multi_selective_adamw_`` without validation, for a caller that built every tensor itself (the
     optimizer, whose state is made to the contract and whose gradients it checked): ``items`` are
     ``(param, grad, indices, exp_avg, exp_avg_sq, master, step, lr, weight_decay)`` tuples, ``step`` an
-    int or an int64 ``[k]`` tensor, the numbers floats already in range. Saves the per-tensor Python
+    int or an int64 ``[k]`` tensor, the hyper-parameters floats already in range. Saves the per-tensor Python
     checks (about 60 us a tensor) on every step; wrong input here is undefined behaviour."""
     if items:
         _impl(items[0][0]).multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
