@@ -169,7 +169,7 @@ def host_pass_section(RMSprop, names, rounds: int, numel: int) -> dict:
     for name in names:
         rule = make_rule(name, RMSprop)
         state = [torch.rand(numel, generator=g) for _ in rule.state_names]
-        numbers = rule.numbers(dict(rule.group_defaults(), lr=1e-3))
+        numbers = rule.hyperparams(dict(rule.group_defaults(), lr=1e-3))
         candidates[name] = (rule, state, numbers)
     samples = {name: [] for name in names}
 

@@ -133,7 +133,7 @@ class State:
         self.custom_state = {name: [torch.rand(n, generator=gen) * 1e-6 if "sq" in s or "square" in s
                                     else torch.randn(n, generator=gen) * 1e-3 for s in rule.state_names]
                              for name, rule in rules.items()}
-        self.numbers = {name: rule.numbers(dict(rule.group_defaults(), lr=1e-3)) for name, rule in rules.items()}
+        self.numbers = {name: rule.hyperparams(dict(rule.group_defaults(), lr=1e-3)) for name, rule in rules.items()}
         self.custom_steps = dict.fromkeys(rules, 0)
         self.rmw, self.copies = {}, {}
         for b in sorted(set(self.bytes.values())):

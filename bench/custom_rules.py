@@ -27,7 +27,7 @@ class RMSprop(rules.UpdateRule):
 
     name = "RMSpropPlain"
     state_names = ("square_avg",)
-    shared = ("alpha", "eps")
+    launch_hyperparams = ("alpha", "eps")
     uses_step = False
 
     def __init__(self, alpha=0.99, eps=1e-8, weight_decay=0.0, compile=True):
@@ -36,7 +36,7 @@ class RMSprop(rules.UpdateRule):
     def group_defaults(self):
         return dict(alpha=self.alpha, eps=self.eps, weight_decay=self.weight_decay)
 
-    def numbers(self, group):
+    def hyperparams(self, group):
         return dict(lr=float(group["lr"]), alpha=group["alpha"], eps=group["eps"],
                     weight_decay=group["weight_decay"])
 
@@ -54,7 +54,7 @@ class AdEMAMix(rules.UpdateRule):
 
     name = "AdEMAMixPlain"
     state_names = ("exp_avg", "exp_avg_slow", "exp_avg_sq")
-    shared = ("beta1", "beta2", "beta3", "alpha", "eps")
+    launch_hyperparams = ("beta1", "beta2", "beta3", "alpha", "eps")
 
     def __init__(self, beta1=0.9, beta2=0.999, beta3=0.9999, alpha=5.0, eps=1e-8, weight_decay=0.0, compile=True):
         self.beta1, self.beta2, self.beta3, self.alpha, self.eps = beta1, beta2, beta3, alpha, eps
@@ -64,7 +64,7 @@ class AdEMAMix(rules.UpdateRule):
         return dict(beta1=self.beta1, beta2=self.beta2, beta3=self.beta3, alpha=self.alpha, eps=self.eps,
                     weight_decay=self.weight_decay)
 
-    def numbers(self, group):
+    def hyperparams(self, group):
         return dict(lr=float(group["lr"]), **{k: float(group[k]) for k in self.group_defaults()})
 
     def step_(self, param, grad, state, *, step, lr, beta1, beta2, beta3, alpha, eps, weight_decay):

@@ -150,7 +150,7 @@ def measure(size_m: int, mode: str, where: str, repeats: int) -> dict:
 
     from zenflow_kernels.rules import AdamW
     from zenflow_kernels.state_files import StateFileError, StateFiles
-    from zenflow_kernels.streamed_host import Run, streamed_host_step_
+    from zenflow_kernels.streamed_host import RangeStep, streamed_host_step_
 
     numel, rule = size_m * (1 << 20), AdamW()
     try:
@@ -160,10 +160,10 @@ def measure(size_m: int, mode: str, where: str, repeats: int) -> dict:
         return dict(size_m=size_m, mode=mode, skipped=str(exc))
     try:
         acc = torch.ones(numel)
-        run = Run(0, numel, None, dict(step=1, grad_scale=1.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+        run = RangeStep(0, numel, None, dict(step=1, grad_scale=1.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                                        weight_decay=0.01))
         plain_pass(files)  # every block written once (allocated space reads as zeros but may be unwritten)
-        small = Run(0, min(numel, 1024), None, run.step_args)
+        small = RangeStep(0, min(numel, 1024), None, run.step_args)
         # the numba kernel compiled (or loaded) before anything is timed
         streamed_host_step_(files, acc, [small], rule=rule)
         out = dict(size_m=size_m, mode=mode, file_bytes=files.nbytes, traffic_bytes=2 * files.nbytes)

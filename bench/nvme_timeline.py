@@ -15,10 +15,10 @@ copies), ``ratio`` in ``RATIOS``: below 1 the disk's update outlasts the interva
 it waits; above 1 the interval hides it.
 
 Variants (``VARIANTS``): ``memory`` (the sums zeroed behind their copies; only the next write into them waits:
-``AsyncLink.sums_ready``), ``memory eager`` (``ablations.changed(sums_wait_at_boundary=True)``: the boundary step
+``AsyncLink.sums_ready``), ``memory eager`` (``orderings.changed(sums_wait_at_boundary=True)``: the boundary step
 waits for the crossing, the former order), ``disk`` (the reader starts a block's fetches, reads the block, then
-waits) and ``disk serial`` (``ablations.changed(fetch_beside_read=False)``: read, then fetch, the former order); both
-switches from ``zenflow_kernels.ablations``, set around the whole run of each variant's optimizer.
+waits) and ``disk serial`` (``orderings.changed(fetch_beside_read=False)``: read, then fetch, the former order); both
+switches from ``zenflow_kernels.orderings``, set around the whole run of each variant's optimizer.
 
 Lanes (a :class:`~zenflow_kernels.testing.Timeline`): ``compute`` and ``step`` (marked here), ``wait`` (the
 training thread blocked: ``join`` the write-back of the weights the next forward needs, ``sums`` the crossing
@@ -42,8 +42,8 @@ from bench.harness import OneLineParser, draw_lanes, int_at_least, machine_info_
 PCIE = 25e9
 SLOW_SHARE = 0.25  # "slow": the sums' crossing takes this share of the host update on disk (its probe)
 RATIOS = (0.5, 1.5)  # S * compute_s over the host update on disk
-# name: (offload_device, the sums' crossing waited for at the boundary: ablations.sums_wait_at_boundary, a block's
-# fetch started before its read: ablations.fetch_beside_read); "eager" and "serial" are the former orders
+# name: (offload_device, the sums' crossing waited for at the boundary: orderings.sums_wait_at_boundary, a block's
+# fetch started before its read: orderings.fetch_beside_read); "eager" and "serial" are the former orders
 VARIANTS = {"memory": ("cpu", False, True), "memory eager": ("cpu", True, True), "disk": ("nvme", False, True),
             "disk serial": ("nvme", False, False)}
 SIZE = (1024, 4)  # d x layers: 50 M parameters
@@ -109,8 +109,8 @@ def _lane_s(spans: list[tuple[float, float]]) -> float:
 def measure(spec: dict) -> dict:
     """Every variant, bandwidth and ratio at one size, in this process."""
     from bench.scale import build_params
-    from zenflow_kernels.ablations import ablations
     from zenflow_kernels.ops import use_backend
+    from zenflow_kernels.orderings import orderings
     from zenflow_kernels.testing import Timeline
 
     d, layers, interval, intervals = spec["d"], spec["layers"], spec["interval"], spec["intervals"]
@@ -135,7 +135,7 @@ def measure(spec: dict) -> dict:
                 compute_s = ratio * disk_s / interval
                 for variant, (offload, eager, beside) in VARIANTS.items():
                     timeline = Timeline()
-                    with ablations.changed(sums_wait_at_boundary=eager, fetch_beside_read=beside):
+                    with orderings.changed(sums_wait_at_boundary=eager, fetch_beside_read=beside):
                         opt = _optimizer(build_params(d, layers, "cpu"), offload, interval, folder, bw, timeline)
                         _train(opt, interval - 1, compute_s, timeline)  # to the first boundary (not measured)
                         steps = _train(opt, intervals * interval, compute_s, timeline)
@@ -163,11 +163,11 @@ def reader_pipeline(numel: int, bw_name: str, bandwidth: float | None, repeats: 
     import torch
 
     from zenflow_kernels import ZenFlowAdamW
-    from zenflow_kernels.ablations import ablations
     from zenflow_kernels.link import ThreadEngine
+    from zenflow_kernels.orderings import orderings
     from zenflow_kernels.rules import AdamW
     from zenflow_kernels.state_files import StateFiles
-    from zenflow_kernels.streamed_host import DeviceSums, Run, streamed_host_step_
+    from zenflow_kernels.streamed_host import DeviceSums, RangeStep, streamed_host_step_
 
     block, rule = ZenFlowAdamW.NVME_BLOCK_NUMEL, AdamW()
     files = StateFiles(folder, numel, fields=("master", *rule.state_names), block_numel=block,
@@ -176,7 +176,7 @@ def reader_pipeline(numel: int, bw_name: str, bandwidth: float | None, repeats: 
     flat = torch.full((numel,), 1e-3)  # the device's sums (left as they are: the update only reads them)
     acc = torch.empty(numel)
     sums = DeviceSums(engine.fetcher(flat), [torch.empty(min(block, numel)) for _ in range(3)])
-    runs = [Run(0, numel, None, dict(step=1, grad_scale=1.0, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+    runs = [RangeStep(0, numel, None, dict(step=1, grad_scale=1.0, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
                                      weight_decay=0.0))]
     times: dict[str, list[float]] = {"no fetch": []} if bandwidth is None else {"no fetch": [], "beside": [],
                                                                                   "serial": []}
@@ -184,7 +184,7 @@ def reader_pipeline(numel: int, bw_name: str, bandwidth: float | None, repeats: 
         for _ in range(repeats):
             for name in times:
                 acc.fill_(1e-3)  # (zeroed by the in-memory pass)
-                with ablations.changed(fetch_beside_read=name != "serial"):
+                with orderings.changed(fetch_beside_read=name != "serial"):
                     t0 = time.perf_counter()
                     if name == "no fetch":
                         streamed_host_step_(files, acc, runs, rule=rule)

@@ -15,8 +15,8 @@ backward (the median of three training steps without the model, taken first; on 
 GB/s hides almost anything; ``slow`` is where the design shows). Variants:
 
 * ``handover``: the link as it is: gradients cross from backward's hooks;
-* ``at_step``: hand-over from hooks switched off (``ablations.changed(early_handover=False)``, from
-  ``zenflow_kernels.ablations``, around every call into that run's optimizer): every gradient crosses at
+* ``at_step``: hand-over from hooks switched off (``orderings.changed(early_handover=False)``, from
+  ``zenflow_kernels.orderings``, around every call into that run's optimizer): every gradient crosses at
   ``step()``, after backward.
 
 Each variant runs twice, with the bandwidth model and without it (copies are memcpys), on copies of one
@@ -121,9 +121,9 @@ def _run(base, bytes_per_s: float | None, early: bool) -> dict:
 def _switches(run: dict):
     """The run's ablation switch (``early_handover``: read at the optimizer's first ``step()``), set around every
     call into its optimizer: the runs are interleaved step by step, each with its own setting."""
-    from zenflow_kernels.ablations import ablations
+    from zenflow_kernels.orderings import orderings
 
-    return ablations.changed(early_handover=run["early"])
+    return orderings.changed(early_handover=run["early"])
 
 
 def _close(run: dict) -> None:

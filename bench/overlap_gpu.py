@@ -11,8 +11,8 @@ after the other, every step ended by a device sync:
 * ``offload``: synchronous offload through ``ZenFlowAdamW`` (every step a host AdamW of the whole model);
 * ``zenflow``: ``ZenFlowAdamW(topk_ratio=0.1, update_interval=4, overlap_step=True)``: gradients cross from
   backward's hooks, copied into the host's landing area during backward (docs/design.md section 5.1);
-* ``zenflow_at_step``: the same with hand-over from hooks switched off (``ablations.changed(early_handover=False)``,
-  from ``zenflow_kernels.ablations``, around the whole run): every gradient crosses at ``step()``, after backward.
+* ``zenflow_at_step``: the same with hand-over from hooks switched off (``orderings.changed(early_handover=False)``,
+  from ``zenflow_kernels.orderings``, around the whole run): every gradient crosses at ``step()``, after backward.
 
 Per run: ms/step (median), backward ms, ``step()`` ms, the host's time folding each step's landed gradients
 into the sums (``fold_ms_per_step``: a worker's, beside the next forward), and for the ZenFlow runs the D2H time
@@ -102,9 +102,9 @@ def pinned_bandwidth(nbytes: int, device) -> float:
 def run(name: str, base, x, y, steps: int, warmup: int, device) -> dict:
     """One run, start to end (its optimizer's first ``step()`` reads the ablation switch: hand-over from backward's
     hooks, off for ``zenflow_at_step``)."""
-    from zenflow_kernels.ablations import ablations
+    from zenflow_kernels.orderings import orderings
 
-    with ablations.changed(early_handover=name != "zenflow_at_step"):
+    with orderings.changed(early_handover=name != "zenflow_at_step"):
         return _timed_run(name, base, x, y, steps, warmup, device)
 
 

@@ -75,7 +75,7 @@ def disk_probe(params: int, folder: str, threads: int, passes: int = 5) -> float
     from zenflow_kernels import planner, rules
     from zenflow_kernels.optim.build import Tunables
     from zenflow_kernels.state_files import StateFiles
-    from zenflow_kernels.streamed_host import Run, streamed_host_step_
+    from zenflow_kernels.streamed_host import RangeStep, streamed_host_step_
 
     rule = rules.AdamW()
     # the optimizer's file: its block size, and O_DIRECT (the page cache does not hold it) where it uses that
@@ -87,12 +87,12 @@ def disk_probe(params: int, folder: str, threads: int, passes: int = 5) -> float
         files.write_many([("master", 0, torch.randn(params))], fresh=True)
         acc = torch.zeros(params)
         out = torch.empty(params, dtype=torch.bfloat16)
-        numbers = rule.numbers(dict(rule.group_defaults(), lr=1e-4))
+        numbers = rule.hyperparams(dict(rule.group_defaults(), lr=1e-4))
         seconds = []
         for step in range(1, passes + 2):
             acc.normal_()
             t0 = time.perf_counter()
-            streamed_host_step_(files, acc, [Run(0, params, out, dict(step=step, grad_scale=1.0, **numbers))],
+            streamed_host_step_(files, acc, [RangeStep(0, params, out, dict(step=step, grad_scale=1.0, **numbers))],
                                 rule=rule)
             seconds.append(time.perf_counter() - t0)
     finally:

@@ -184,7 +184,7 @@ def overlap_section() -> str:
              line("hand-over from hooks: added wall time / transfer", [f"{r['added_stall_share']:.2f}" for r in slow]),
              line("hand-over from hooks: added training-thread waits / transfer",
                   [f"{r['added_waits_share']:.2f}" for r in slow]),
-             line("crossing at `step()` (`ablations.early_handover=False`): added wall time / transfer",
+             line("crossing at `step()` (`orderings.early_handover=False`): added wall time / transfer",
                   [f"{rows[(n, 'slow', 'at_step')]['added_stall_share']:.2f}" for n in sizes])]
     met = [n for n, r in zip(sizes, slow, strict=True) if r["added_stall_share"] <= 0.10]
     folds = [1e3 * r["fold_s"] for r in result["rows"] if r["variant"] == "handover"]
@@ -280,7 +280,7 @@ def nvme_timeline_section() -> str:
         "copies and only the next write into them waits. At `slow` the training thread waits for the sums "
         f"{fmt(wait('memory', lo, 'sums'))} s per interval (S x compute = {lo:g}) and "
         f"{fmt(wait('memory', hi, 'sums'))} "
-        f"({hi:g}); with the former order (`ablations.sums_wait_at_boundary`), {fmt(wait('memory eager', lo, 'sums'))} "
+        f"({hi:g}); with the former order (`orderings.sums_wait_at_boundary`), {fmt(wait('memory eager', lo, 'sums'))} "
         f"and {fmt(wait('memory eager', hi, 'sums'))} s, the whole crossing ({crossing:.3f} s). What stays at the "
         "boundary is the write-back of the weights the next forward needs "
         f"({wait('memory', lo, 'join'):.2f} s at `slow`).\n"

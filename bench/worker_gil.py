@@ -115,7 +115,7 @@ class Modes:
         self.jobs: list[dict] = []  # per job: mode, wall_s, kernel_s
         host = opt.host_shard
         rule, out = host.rule, host.out[torch.float32]
-        numbers = rule.numbers(opt.param_groups[0])
+        numbers = rule.hyperparams(opt.param_groups[0])
         fields = [host.fields[name] for name in rule.state_names]
 
         def kernel_only(buf: int):
@@ -250,7 +250,7 @@ def hold_profile(opt, top: int = 12) -> list[dict]:
 
     host = opt.host_shard
     counts = {s.index: INTERVAL for s in host.order}
-    hyper = [host.rule.numbers(g) for g in opt.param_groups]
+    hyper = [host.rule.hyperparams(g) for g in opt.param_groups]
     profiler = cProfile.Profile()
     profiler.runcall(host.update, 0, counts, hyper, None)
     stats = pstats.Stats(profiler)

@@ -52,12 +52,12 @@ class LrTimesIntervalHost(HostInterval):
 
     def boundary(self, max_norm, last=None):
         steps = max(self.counts[self.buf])  # (every parameter with a gradient counted once per step)
-        plain = self.hyper
-        self.hyper = lambda: [dict(h, lr=h["lr"] * steps) for h in plain()]
+        plain = self.hyperparams
+        self.hyperparams = lambda: [dict(h, lr=h["lr"] * steps) for h in plain()]
         try:
             super().boundary(max_norm, last)
         finally:
-            self.hyper = plain
+            self.hyperparams = plain
 
 
 class LrTimesInterval(ZenFlowAdamW):
@@ -71,7 +71,7 @@ class Signum(rules.UpdateRule):
 
     name = "Signum"
     state_names = ("momentum",)  # one fp32 tensor per parameter, on the host and for the selected columns
-    shared = ("beta",)  # numbers one multi-tensor launch shares (lr and weight_decay may differ per tensor)
+    launch_hyperparams = ("beta",)  # one value per launch (lr and weight_decay: one per tensor of it)
     uses_step = False  # the step count is not read: columns at different counts are stepped together
 
     def __init__(self, beta: float = 0.9, weight_decay: float = 0.0):
@@ -80,7 +80,7 @@ class Signum(rules.UpdateRule):
     def group_defaults(self):  # the param groups' keys and defaults
         return dict(beta=self.beta, weight_decay=self.weight_decay)
 
-    def numbers(self, group):  # what step_ reads of a param group
+    def hyperparams(self, group):  # what step_ reads of a param group
         return dict(lr=float(group["lr"]), beta=group["beta"], weight_decay=group["weight_decay"])
 
     def step_(self, param, grad, state, *, step, lr, beta, weight_decay):

@@ -49,8 +49,8 @@ def numba_backend():
 def host_workers_made(monkeypatch):
     """The keyword arguments of every HostWorker the link package creates from here on (threads, cores,
     timeout, name), in creation order (every module of it starts its workers through ``completions.new_worker``)."""
-    from zenflow_kernels.host import HostWorker
     from zenflow_kernels.link import completions
+    from zenflow_kernels.link.worker import HostWorker
 
     made = []
 

@@ -35,8 +35,8 @@ ULPS = 4
 
 
 class RMSprop(PlainRMSprop):
-    """RMSprop written as a researcher would (``bench.custom_rules``: state, numbers and a plain-torch ``step_``, no
-    kernel), with a user's default ``compile="auto"``."""
+    """RMSprop written as a researcher would (``bench.custom_rules``: state, hyper-parameters and a plain-torch
+    ``step_``, no kernel), with a user's default ``compile="auto"``."""
 
     def __init__(self, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, compile="auto"):
         super().__init__(alpha=alpha, eps=eps, weight_decay=weight_decay, compile=compile)
@@ -119,7 +119,7 @@ class LrOnly(rules.UpdateRule):
     def group_defaults(self):
         return {}
 
-    def numbers(self, group):
+    def hyperparams(self, group):
         return dict(lr=float(group["lr"]))
 
 
@@ -167,7 +167,7 @@ def test_a_builtins_step_compiled_is_its_hand_written_kernel_within_the_bound_an
     base = getattr(rules, name)
     stripped = type(f"{name}Stripped", (base,), {"host_step_": rules.UpdateRule.host_step_, "compile": True})
     kernel, rule = base(weight_decay=0.1), stripped(weight_decay=0.1)
-    numbers = rule.numbers(dict(rule.group_defaults(), lr=LR))
+    hyperparams = rule.hyperparams(dict(rule.group_defaults(), lr=LR))
     g = torch.Generator().manual_seed(6)
     n = 4099
     p0, g0 = torch.randn(n, generator=g), torch.randn(n, generator=g)
@@ -176,7 +176,7 @@ def test_a_builtins_step_compiled_is_its_hand_written_kernel_within_the_bound_an
         runs = []
         for r in (rule, kernel):
             p, state, out = p0.clone(), [s.clone() for s in s0], torch.empty(n, dtype=torch.bfloat16)
-            r.host_step_(p, g0.clone(), state, step=step, grad_scale=2.0, out=out, zero_grad=True, **numbers)
+            r.host_step_(p, g0.clone(), state, step=step, grad_scale=2.0, out=out, zero_grad=True, **hyperparams)
             assert torch.equal(out, p.bfloat16())
             runs.append((p, *state))
         for x, y, before in zip(*runs, (p0, *s0), strict=True):
@@ -192,7 +192,7 @@ def test_a_rule_from_torch_does_not_recompile_as_its_step_count_grows(name, hype
     step at each."""
     rule = rules.from_torch(getattr(torch.optim, name), **hyper)
     rule.compile = True
-    numbers = rule.numbers(dict(rule.group_defaults(), lr=LR))
+    hyperparams = rule.hyperparams(dict(rule.group_defaults(), lr=LR))
     g = torch.Generator().manual_seed(5)
     n = 2000
     p0, s0, g0 = torch.randn(n, generator=g), torch.rand(n, generator=g), torch.randn(n, generator=g)
@@ -200,7 +200,7 @@ def test_a_rule_from_torch_does_not_recompile_as_its_step_count_grows(name, hype
         runs = []
         for kernel in (rule.host_step_, rule.eager_host_step_):
             p, s = p0.clone(), s0.clone()
-            kernel(p, g0.clone(), [s], step=step, grad_scale=1.0, **numbers)
+            kernel(p, g0.clone(), [s], step=step, grad_scale=1.0, **hyperparams)
             runs.append((p, s))
         for x, y, before in zip(*runs, (p0, s0), strict=True):
             assert ulps(x, y, before) <= ULPS, (step, ulps(x, y, before))
@@ -324,12 +324,12 @@ def test_from_torch_reads_state_and_numbers_from_torch_and_refuses_what_zenflow_
     rms = rules.from_torch(torch.optim.RMSprop, alpha=0.9, momentum=0.5, centered=True)
     assert rms.name == "RMSprop" and rms.state_names == ("square_avg", "grad_avg", "momentum_buffer")
     assert rms.group_defaults() == dict(alpha=0.9, eps=1e-8, weight_decay=0, momentum=0.5)
-    assert rms.numbers(dict(rms.group_defaults(), lr=0.1)) == dict(lr=0.1, alpha=0.9, eps=1e-8, weight_decay=0.0,
+    assert rms.hyperparams(dict(rms.group_defaults(), lr=0.1)) == dict(lr=0.1, alpha=0.9, eps=1e-8, weight_decay=0.0,
                                                                  momentum=0.5)
-    assert rms.per_tensor == ("lr", "weight_decay") and not rms.uses_step
+    assert rms.tensor_hyperparams == ("lr", "weight_decay") and not rms.uses_step
     assert repr(rms) == "rules.from_torch(torch.optim.RMSprop, alpha=0.9, momentum=0.5, centered=True)"
     adam = rules.from_torch(torch.optim.Adam, betas=(0.8, 0.95))
-    assert adam.numbers(dict(adam.group_defaults(), lr=0.1))["beta2"] == 0.95 and adam.uses_step
+    assert adam.hyperparams(dict(adam.group_defaults(), lr=0.1))["beta2"] == 0.95 and adam.uses_step
     assert not rules.from_torch(torch.optim.Adagrad).uses_step  # (its step count only scales lr_decay)
     for cls, kw, match in [(torch.optim.SGD, dict(momentum=0.9), "lazily"), (torch.optim.NAdam, {}, "mu_product"),
                            (torch.optim.Adagrad, dict(initial_accumulator_value=0.1), "starts at 0.1"),
@@ -427,9 +427,9 @@ class NoDecay(LrOnly):
 
 
 def test_a_rule_without_weight_decay_runs_on_both_paths():
-    """Its ``per_tensor`` is ``("lr",)`` without saying so; the run is the reference's (the fast path's first step
-    after warm-up raised ``KeyError: 'weight_decay'`` before)."""
-    assert NoDecay().per_tensor == ("lr",) and RMSprop().per_tensor == ("lr", "weight_decay")
+    """Its ``tensor_hyperparams`` is ``("lr",)`` without saying so; the run is the reference's (the fast path's first
+    step after warm-up raised ``KeyError: 'weight_decay'`` before)."""
+    assert NoDecay().tensor_hyperparams == ("lr",) and RMSprop().tensor_hyperparams == ("lr", "weight_decay")
     grads = grad_sequence(8)
     runs = []
     for mode in ("sync", "reference"):
@@ -445,10 +445,12 @@ def _broken(**attrs):
 
 
 @pytest.mark.parametrize("attrs, error, match", [
-    (dict(shared=("alpha", "eps", "beta")), ValueError, r"shared names 'beta', which numbers\(\) does not give"),
-    (dict(per_tensor=("lr", "decay")), ValueError, r"per_tensor names 'decay'"),
-    (dict(shared=("alpha",)), ValueError, r"numbers\(\) gives 'eps', which neither per_tensor"),
-    (dict(shared=("alpha", "eps", "lr")), ValueError, r"'lr' is in both per_tensor and shared"),
+    (dict(launch_hyperparams=("alpha", "eps", "beta")), ValueError,
+     r"launch_hyperparams names 'beta', which hyperparams\(\) does not give"),
+    (dict(tensor_hyperparams=("lr", "decay")), ValueError, r"tensor_hyperparams names 'decay'"),
+    (dict(launch_hyperparams=("alpha",)), ValueError, r"hyperparams\(\) gives 'eps', which neither tensor_hyperparams"),
+    (dict(launch_hyperparams=("alpha", "eps", "lr")), ValueError,
+     r"'lr' is in both tensor_hyperparams and launch_hyperparams"),
     (dict(state_names=("step",)), ValueError, "state_names=.* is invalid"),
     (dict(state_names=("m", "m")), ValueError, "state_names=.* is invalid"),
     (dict(step_=lambda self, param, grad, state, *, step, lr: None), TypeError, "step_ does not take 'alpha'"),
@@ -484,7 +486,7 @@ def test_the_checks_rules_use_are_public():
     check_rule(RMSprop(), dict(RMSprop().group_defaults(), lr=LR), "mine")
     p = torch.zeros(2, 3)
     item = unpack_item(RMSprop(), (p, p, None, p, None, 4, 0.1, 0.0))
-    assert item.state == (p,) and item.step == 4 and item.numbers == dict(lr=0.1, weight_decay=0.0)
+    assert item.state == (p,) and item.step == 4 and item.tensor_hyperparams == dict(lr=0.1, weight_decay=0.0)
 
 
 def test_a_rule_of_ones_own_checkpoints_with_its_compiled_path(tmp_path):
@@ -510,7 +512,7 @@ def test_a_compile_on_the_worker_does_not_count_against_host_timeout():
     while one is in progress, and keeps it otherwise (a stuck update still fails, naming the limit)."""
     import time
 
-    from zenflow_kernels.host import HostWorker, HostWorkerError
+    from zenflow_kernels.link.worker import HostWorker, HostWorkerError
 
     def compiling_job():
         with compiled._compile_clock():
@@ -571,3 +573,32 @@ def test_the_compiled_fast_path_on_cuda_is_the_reference_within_the_bound():
                 assert ulps(x[at].cpu(), y[at].cpu(), was.cpu()) <= ULPS, (step, at)
     fast = compiled.paths(rule)["fast"]
     assert fast["path"] == "compiled" and fast["compiles"] == 1, fast
+
+
+def test_a_rule_written_with_the_old_names_still_works_and_is_told_the_new_ones():
+    """``numbers``, ``per_tensor`` and ``shared`` became ``hyperparams``, ``tensor_hyperparams`` and
+    ``launch_hyperparams``: a rule of one's own that still writes the old names runs, with a DeprecationWarning."""
+    from zenflow_kernels.rules import check_rule
+
+    with pytest.warns(DeprecationWarning, match="numbers is now called hyperparams") as caught:
+        class OldSignum(rules.UpdateRule):
+            name = "OldSignum"
+            state_names = ("momentum",)
+            shared = ("beta",)
+            per_tensor = ("lr",)
+            uses_step = False
+
+            def group_defaults(self):
+                return dict(beta=0.9)
+
+            def numbers(self, group):
+                return dict(lr=float(group["lr"]), beta=group["beta"])
+
+            def step_(self, param, grad, state, *, step, lr, beta):
+                param.add_(state["momentum"].lerp_(grad, 1 - beta).sign(), alpha=-lr)
+
+    assert sorted(str(w.message).split(".")[1].split(" ")[0] for w in caught) == ["numbers", "per_tensor", "shared"]
+    rule = OldSignum()
+    assert rule.launch_hyperparams == ("beta",) and rule.tensor_hyperparams == ("lr",)
+    assert rule.hyperparams(dict(lr=0.1, beta=0.5)) == dict(lr=0.1, beta=0.5)
+    check_rule(rule, dict(rule.group_defaults(), lr=0.1), "test")

@@ -164,7 +164,7 @@ def test_cpu_dispatch_picks_numba_without_the_interpreter(monkeypatch):
     with ops.use_backend("torch"):
         assert ops._impl(param) is torch_ops
     with ops.use_backend("numba"):
-        assert ops._impl(param).multi_selective_adamw_ is numba_ops.multi_selective_adamw_
+        assert ops._impl(param).multi_selective_adamw_items_ is numba_ops.multi_selective_adamw_items_
         assert ops._impl(param).column_scores is torch_ops.column_scores
 
 

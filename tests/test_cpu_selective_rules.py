@@ -91,7 +91,7 @@ LAYOUTS = [(*d, k, per_column) for d in DTYPES for k in (None, 5) for per_column
 def test_fused_fast_path_equals_the_rules_torch_step(name, grad_scale):
     """Every layout in one launch list (several launch groups), three steps with changing gradients, counts and lr,
     the layout kept (LaunchItems) against a plain list stepped by the torch reference."""
-    rule, shared = RULES[name]
+    rule, launch_hyperparams = RULES[name]
     gen = torch.Generator().manual_seed(len(name))
     items = []
     for n, (pdtype, gdtype, master, k, per_column) in enumerate(LAYOUTS):
@@ -105,8 +105,8 @@ def test_fused_fast_path_equals_the_rules_torch_step(name, grad_scale):
     cache: dict = {}
     for _ in range(3):
         with ops.use_backend("numba"):
-            rule.fast_step_(LaunchItems(fused, cache), grad_scale=grad_scale, **shared)
-        rule.reference_fast_step_(ref, grad_scale=grad_scale, **shared)
+            rule.fast_step_(LaunchItems(fused, cache), grad_scale=grad_scale, **launch_hyperparams)
+        rule.reference_fast_step_(ref, grad_scale=grad_scale, **launch_hyperparams)
         compare(fused, ref, name in EXACT)
         nxt = advance(fused)
         fused = nxt
@@ -119,7 +119,7 @@ def test_fused_fast_path_equals_the_rules_torch_step(name, grad_scale):
 def test_specials_like_the_torch_step(name):
     """inf and NaN in parameters, gradients and state, with and without weight decay: what the torch step does
     (Lion's sign of NaN is 0; no 0 * inf from a weight decay of 0)."""
-    rule, shared = RULES[name]
+    rule, launch_hyperparams = RULES[name]
     vals = torch.tensor([0.0, -0.0, 1.0, -2.0, float("inf"), float("-inf"), float("nan"), 1e-30])
     n = vals.numel()
     p = vals.repeat(n, 1).t().contiguous()  # [8, 8]: every parameter value against every gradient value
@@ -129,8 +129,8 @@ def test_specials_like_the_torch_step(name):
         items = [(p.clone(), g.clone(), None, *state, None, 2, 1e-2, wd)]
         fused, ref = clone(items), clone(items)
         with ops.use_backend("numba"):
-            rule.fast_step_(fused, grad_scale=1.0, **shared)
-        rule.reference_fast_step_(ref, grad_scale=1.0, **shared)
+            rule.fast_step_(fused, grad_scale=1.0, **launch_hyperparams)
+        rule.reference_fast_step_(ref, grad_scale=1.0, **launch_hyperparams)
         for x, y in zip(fused[0], ref[0], strict=True):
             if torch.is_tensor(x):
                 torch.testing.assert_close(x, y, equal_nan=True, rtol=1e-6, atol=0)
@@ -139,7 +139,7 @@ def test_specials_like_the_torch_step(name):
 @pytest.mark.parametrize("name", ["lion", "sgd-momentum", "adam"])
 def test_dispatch_goes_to_the_fused_kernel(name, monkeypatch):
     """On CPU tensors the rule's fast step is the numba kernel, not the torch step (a path nothing runs is broken)."""
-    rule, shared = RULES[name]
+    rule, launch_hyperparams = RULES[name]
     calls = []
     monkeypatch.setattr(type(rule), "reference_fast_step_", lambda self, *a, **k: calls.append(a))
     gen = torch.Generator().manual_seed(0)
@@ -147,5 +147,5 @@ def test_dispatch_goes_to_the_fused_kernel(name, monkeypatch):
                        per_column=True)]
     before = items[0][0].clone()
     with ops.use_backend("numba"):
-        rule.fast_step_(items, grad_scale=1.0, **shared)
+        rule.fast_step_(items, grad_scale=1.0, **launch_hyperparams)
     assert not calls and not torch.equal(items[0][0], before)

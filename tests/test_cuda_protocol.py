@@ -26,7 +26,7 @@ import torch.distributed as dist
 from worker_clock import accumulate_worker_times  # noqa: E402
 
 from zenflow_kernels import ZenFlowAdamW, link
-from zenflow_kernels.host import HostWorkerError
+from zenflow_kernels.link.worker import HostWorkerError
 from zenflow_kernels.sharding import zero_context
 from zenflow_kernels.testing import chaos
 

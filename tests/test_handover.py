@@ -691,7 +691,7 @@ def test_chaos_refuses_bad_device_models(kwargs, match):
 def test_a_model_many_times_a_fold_job_moves_its_gradients_during_backward():
     """The modeled device (issue 23): a model 12x a fold job of 1 MiB, copies at a bandwidth where a step's
     transfer takes 60% of backward (bench.overlap.measure_size). With hand-over from hooks most gradient bytes
-    cross during backward; copying at step() (ablations.early_handover off) none do. How much of the transfer
+    cross during backward; copying at step() (orderings.early_handover off) none do. How much of the transfer
     that hides is a speed, measured by ``python -m bench.overlap`` (bench/results/overlap_cpu.json: the training
     thread's added waits with hand-over on and off), not asserted here: on a loaded machine the copy thread's
     modeled sleeps and the training thread's waits move with the scheduler."""

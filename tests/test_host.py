@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from zenflow_kernels.host import HostShard, HostWorker, HostWorkerError, _Job, layout
+from zenflow_kernels.host import HostShard, layout
+from zenflow_kernels.link.worker import HostWorker, HostWorkerError, _Job
 from zenflow_kernels.rules import AdamW
 
 
@@ -148,7 +149,7 @@ def test_copy_out_buffers_are_sized_by_their_dtype_and_views_do_not_overlap():
 
 
 def test_a_worker_that_stopped_with_jobs_queued_says_so_without_a_traceback():
-    from zenflow_kernels.host import _STOP, _Job
+    from zenflow_kernels.link.worker import _STOP, _Job
 
     w = HostWorker(timeout=5, poll=0.01)
     w._jobs.put(_STOP)

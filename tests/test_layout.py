@@ -73,9 +73,10 @@ def test_no_test_module_imports_another_and_only_workers_touch_sys_path():
 
 
 def test_the_per_parameter_state_has_one_writer(tmp_path, monkeypatch):
-    """``optimizer.state[p]`` is written only by ``Run.set_state`` / ``Run.replace_state`` (optim/run.py): selection's
-    column moves and votes, the fast path's vectors and step counts and a checkpoint's restore all go through them,
-    and ``Run.fast_state`` hands the parts a read-only view. The scan is shown to find planted writes."""
+    """``optimizer.state[p]`` is written only by ``BuiltOptimizer.set_state`` / ``BuiltOptimizer.replace_state``
+    (optim/run.py): selection's column moves and votes, the fast path's vectors and step counts and a checkpoint's
+    restore all go through them, and ``BuiltOptimizer.fast_state`` hands the parts a read-only view. The scan is
+    shown to find planted writes."""
     assert layout.state_writers() == []
     fake = tmp_path / "zenflow_kernels"
     (fake / "optim").mkdir(parents=True)

@@ -464,8 +464,8 @@ def test_fold_merges_neighbours_in_the_layout(monkeypatch):
 def test_a_stuck_copy_times_out_with_host_timeout(monkeypatch, stuck):
     """Every thread of the asynchronous link obeys host_timeout: a copy or an accumulation that never
     completes ends the step with an error within seconds, not a hang."""
-    from zenflow_kernels.host import HostWorkerError
     from zenflow_kernels.link import ThreadEngine, _submit
+    from zenflow_kernels.link.worker import HostWorkerError
 
     release = threading.Event()
 

@@ -225,7 +225,7 @@ def test_an_io_error_in_an_update_fails_the_optimizer_naming_file_and_offset(tmp
     state_dict refuse: the file may hold half an update), and close() still removes the file."""
     import errno
 
-    from zenflow_kernels.host import HostWorkerError
+    from zenflow_kernels.link.worker import HostWorkerError
     from zenflow_kernels.state_files import _PosixIO
 
     data = batches()

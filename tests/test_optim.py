@@ -32,7 +32,7 @@ from support import (
 
 from zenflow_kernels import ZenFlowAdamW
 from zenflow_kernels.config import ZenFlowWarning
-from zenflow_kernels.host import HostWorkerError
+from zenflow_kernels.link.worker import HostWorkerError
 from zenflow_kernels.ops import use_backend
 from zenflow_kernels.reference import ReferenceZenFlow
 from zenflow_kernels.testing import chaos

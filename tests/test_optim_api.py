@@ -716,3 +716,20 @@ def test_a_tensor_lr_checkpoint_is_copied_on_load():
         assert torch.is_tensor(lr) and float(lr) == pytest.approx(0.01)
         lr.fill_(0.02)  # (a scheduler's write) leaves the caller's state dict as it was
         assert float(saved["param_groups"][0]["lr"]) == pytest.approx(0.01)
+
+
+def test_zenflow_adamw_takes_torch_adamws_arguments_and_zenflows_options():
+    """ZenFlowAdamW writes only AdamW's arguments; ZenFlow's keyword-only ones are written once (on ZenFlow) and
+    forwarded, its signature listing them all, an unknown keyword refused under its own name."""
+    import inspect
+
+    from zenflow_kernels import ZenFlow
+
+    own = list(inspect.signature(ZenFlowAdamW).parameters)
+    assert own[:5] == ["params", "lr", "betas", "eps", "weight_decay"]
+    options = [n for n, p in inspect.signature(ZenFlow).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    assert own[5:] == options and "zenflow" in options and "max_grad_norm" in options
+    with pytest.raises(TypeError, match=r"^ZenFlowAdamW.__init__\(\) got an unexpected keyword argument 'zen_flow'"):
+        ZenFlowAdamW(make_params(), zen_flow={})
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        ZenFlowAdamW(make_params(), max_grad_norm=-1.0)

@@ -92,7 +92,7 @@ def test_each_rule_step_is_its_torch_optimizer(name):
     for t, step in enumerate(grads):
         for p, g, st in zip(params, step, state, strict=True):
             with torch.no_grad():
-                rule.step_(p, g.clone(), st, step=t + 1, **rule.numbers(group))
+                rule.step_(p, g.clone(), st, step=t + 1, **rule.hyperparams(group))
         for x, y in zip(snapshot(params), want[t], strict=True):
             if name == "lion":
                 torch.testing.assert_close(x, y, **tolerance(name))

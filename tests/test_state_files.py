@@ -17,7 +17,7 @@ from support import recording_device_sums
 from zenflow_kernels import cpu_ops
 from zenflow_kernels.rules import AdamW
 from zenflow_kernels.state_files import StateFileError, StateFiles, _PosixIO
-from zenflow_kernels.streamed_host import DeviceSums, Run, streamed_host_step_
+from zenflow_kernels.streamed_host import DeviceSums, RangeStep, streamed_host_step_
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
 ADAMW = AdamW()
@@ -162,7 +162,7 @@ def test_streamed_host_step_gives_the_in_memory_bits(tmp_path, name, block_numel
         files.write(f, 0, state[f])
     acc, fetched = state["acc"].clone(), []
     got_outs = [None if dtype is None else torch.empty(hi - lo, dtype=dtype) for lo, hi, dtype, _ in runs]
-    work = [Run(lo, hi, o, args) for (lo, hi, _, args), o in zip(runs, got_outs, strict=True)]
+    work = [RangeStep(lo, hi, o, args) for (lo, hi, _, args), o in zip(runs, got_outs, strict=True)]
     if sums == "host":
         report = streamed_host_step_(files, acc, work, rule=ADAMW, depth=depth)
     else:
@@ -187,11 +187,11 @@ def test_streamed_host_step_gives_the_in_memory_bits(tmp_path, name, block_numel
 @pytest.mark.parametrize("beside", [True, False])
 def test_streamed_host_step_reads_a_block_while_its_sums_are_fetched(tmp_path, monkeypatch, beside):
     """A fetch that returns a wait (a copy engine): the reader starts each block's fetches, reads the block, then
-    waits for them, so the link and the disk work side by side (``ablations.fetch_beside_read=False``: the former
+    waits for them, so the link and the disk work side by side (``orderings.fetch_beside_read=False``: the former
     order, read, then fetch and wait). Either way the in-memory bits, and every wait called once."""
-    from zenflow_kernels.ablations import ablations
+    from zenflow_kernels.orderings import orderings
 
-    monkeypatch.setattr(ablations, "fetch_beside_read", beside)
+    monkeypatch.setattr(orderings, "fetch_beside_read", beside)
     numel, block = 4096 + 300, 1024
     runs = [(0, 1500, torch.bfloat16, dict(HYPER, step=3, grad_scale=1.0)),
             (2000, numel, None, dict(HYPER, step=1, grad_scale=0.5))]
@@ -211,7 +211,7 @@ def test_streamed_host_step_reads_a_block_while_its_sums_are_fetched(tmp_path, m
         return lambda: events.append(("wait", lo // block))
 
     got_outs = [None if dtype is None else torch.empty(hi - lo, dtype=dtype) for lo, hi, dtype, _ in runs]
-    work = [Run(lo, hi, o, args) for (lo, hi, _, args), o in zip(runs, got_outs, strict=True)]
+    work = [RangeStep(lo, hi, o, args) for (lo, hi, _, args), o in zip(runs, got_outs, strict=True)]
     streamed_host_step_(files, None, work, rule=ADAMW,
                         sums=DeviceSums(fetch, [torch.full((block,), float("nan")) for _ in range(3)]))
     for f in FIELDS:
@@ -234,7 +234,7 @@ def test_streamed_host_step_waits_for_started_fetches_before_a_read_error_and_ra
     for f in FIELDS:
         files.write(f, 0, state[f])
     before = files.read("master", 0, numel)
-    work = [Run(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))]
+    work = [RangeStep(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))]
     started, waited = [], []
 
     def fetch(dst, lo, hi):
@@ -272,7 +272,7 @@ def test_streamed_host_step_refuses_ambiguous_sums_and_short_buffers_and_raises_
     files = StateFiles(tmp_path, numel, fields=FIELDS, block_numel=1024)
     for f in FIELDS:
         files.write(f, 0, state[f])
-    work = [Run(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))]
+    work = [RangeStep(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))]
     sums = recording_device_sums(state["acc"], 1024, 3, [])
     with pytest.raises(ValueError, match="either as acc .* or as sums .* exactly one"):
         streamed_host_step_(files, state["acc"], work, rule=ADAMW, sums=sums)
@@ -333,7 +333,8 @@ def test_short_transfers_continue_where_they_stopped(tmp_path):
     files = StateFiles(tmp_path, numel, fields=FIELDS, block_numel=1024, io=FailAt(short=5000))
     for f in FIELDS:
         files.write(f, 0, state[f])
-    streamed_host_step_(files, state["acc"].clone(), [Run(lo, hi, None, args) for lo, hi, _, args in runs], rule=ADAMW)
+    streamed_host_step_(files, state["acc"].clone(), [RangeStep(lo, hi, None, args) for lo, hi, _, args in runs],
+                        rule=ADAMW)
     for f in FIELDS:
         assert torch.equal(files.read(f, 0, numel), expected[f])
 
@@ -350,8 +351,8 @@ def test_an_io_error_during_the_stream_raises_naming_file_and_offset(tmp_path, o
     io.op, io.offset, io.code, io.writes = op, 3 * block_bytes, code, []
     with pytest.raises(StateFileError, match=rf"{op} of {block_bytes} bytes at offset {3 * block_bytes} of "
                                              rf".*rank0.state failed: {os.strerror(code)}") as info:
-        streamed_host_step_(files, state["acc"].clone(), [Run(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))],
-                            rule=ADAMW)
+        streamed_host_step_(files, state["acc"].clone(),
+                            [RangeStep(0, numel, None, dict(HYPER, step=1, grad_scale=1.0))], rule=ADAMW)
     assert info.value.errno == code
     # the blocks after the failed one were not written
     assert all(offset < 3 * block_bytes for offset in io.writes), io.writes

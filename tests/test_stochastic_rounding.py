@@ -222,7 +222,7 @@ class HalfSum(rules.UpdateRule):
 
     name = "HalfSum"
     state_names = ("acc", "acc2")
-    per_tensor = ("lr",)
+    tensor_hyperparams = ("lr",)
 
     def __init__(self, compile_mode):
         self.set_state_storage("HalfSum", torch.bfloat16, "stochastic", 77)
@@ -231,7 +231,7 @@ class HalfSum(rules.UpdateRule):
     def group_defaults(self):
         return {}
 
-    def numbers(self, group):
+    def hyperparams(self, group):
         return dict(lr=float(group["lr"]))
 
     def step_(self, param, grad, state, *, step, lr):

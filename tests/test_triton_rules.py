@@ -56,7 +56,7 @@ class Spec:
 
 @dataclass(frozen=True)
 class Scenario:
-    """One launch's items and the rule's shared numbers, run STEPS times."""
+    """One launch's items and the rule's launch_hyperparams, run STEPS times."""
 
     rule: str  # "adam", "lion", "sgd"
     hyper: dict = field(default_factory=dict)  # the rule's constructor arguments (weight decay is per item)
@@ -95,7 +95,7 @@ SCENARIOS = [
 
 
 def rule_of(sc: Scenario):
-    """(rule, shared numbers) of a scenario."""
+    """(rule, its launch_hyperparams) of a scenario."""
     if sc.rule == "adam":
         b1, b2 = sc.hyper["betas"]
         return rules.Adam(**sc.hyper), dict(beta1=b1, beta2=b2, eps=sc.hyper["eps"])
@@ -106,15 +106,14 @@ def rule_of(sc: Scenario):
     return r, dict(momentum=r.momentum, dampening=r.dampening, nesterov=r.nesterov)
 
 
-def kernel_step(sc: Scenario, items, shared: dict) -> None:
+def kernel_step(sc: Scenario, items, launch_hyperparams: dict) -> None:
+    h = launch_hyperparams
     if sc.rule == "adam":
-        sa.multi_selective_adamw_items_(items, shared["beta1"], shared["beta2"], shared["eps"], sc.grad_scale,
-                                        decoupled=False)
+        sa.multi_selective_adamw_items_(items, h["beta1"], h["beta2"], h["eps"], sc.grad_scale, decoupled=False)
     elif sc.rule == "lion":
-        sl.multi_selective_lion_items_(items, shared["beta1"], shared["beta2"], sc.grad_scale)
+        sl.multi_selective_lion_items_(items, h["beta1"], h["beta2"], sc.grad_scale)
     else:
-        ss.multi_selective_sgd_items_(items, shared["momentum"], shared["dampening"], shared["nesterov"],
-                                      sc.grad_scale)
+        ss.multi_selective_sgd_items_(items, h["momentum"], h["dampening"], h["nesterov"], sc.grad_scale)
 
 
 def build(spec: Spec, n_state: int, device: str, seed: int) -> dict:
@@ -219,16 +218,16 @@ KERNEL = {"adam": "_multi_selective_adamw_kernel", "lion": "_multi_selective_lio
 def run_scenario(sc: Scenario, device: str, seed: int = 0):
     """Kernel and torch on clones of the same items, STEPS steps. Returns per item (index, spec, asserted measures
     (<= 0 passes), measured differences), the launches of each call, and the number of groups expected."""
-    rule, shared = rule_of(sc)
+    rule, launch_hyperparams = rule_of(sc)
     n_state = len(rule.state_names)
     data = [build(s, n_state, device, seed + i) for i, s in enumerate(sc.items)]
     got, ref = [clone(d) for d in data], [clone(d) for d in data]
     launches = []
     for t in range(STEPS):
         with count_launches() as n:
-            kernel_step(sc, items_at(sc, got, t), shared)
+            kernel_step(sc, items_at(sc, got, t), launch_hyperparams)
         launches.append(dict(n))
-        UpdateRule.fast_step_(rule, items_at(sc, ref, t), grad_scale=sc.grad_scale, **shared)
+        UpdateRule.fast_step_(rule, items_at(sc, ref, t), grad_scale=sc.grad_scale, **launch_hyperparams)
     rows = []
     for i, (s, d0, a, b) in enumerate(zip(sc.items, data, got, ref, strict=True)):
         m, seen = {}, {}  # asserted (<= 0 passes); measured (fp32: ulps at scale, low precision: ulps)
@@ -313,7 +312,7 @@ def test_launch_items_plan_reused(device, rule):
     hyper = {"adam": dict(betas=(0.9, 0.99), eps=1e-8), "lion": dict(betas=(0.9, 0.99)),
              "sgd": dict(momentum=0.9, nesterov=True)}[rule]
     sc = Scenario(rule, hyper, 2.0**-7, (MIX[0], MIX[3], MIX[5], MIX[7]))
-    r, shared = rule_of(sc)
+    r, launch_hyperparams = rule_of(sc)
     n_state = len(r.state_names)
     data = [build(s, n_state, device, 10 + i) for i, s in enumerate(sc.items)]
     got, ref = [clone(d) for d in data], [clone(d) for d in data]
@@ -323,11 +322,11 @@ def test_launch_items_plan_reused(device, rule):
         items = LaunchItems([(d["param"], d["grads"][t].clone(), d["idx"], *d["state"], d["master"], d["step"], s.lr,
                               s.wd) for s, d in zip(sc.items, got, strict=True)], cache, same_tensors=t % 2 == 1)
         keep.append(items)  # the old gradients stay alive: the new ones are at new addresses
-        kernel_step(sc, items, shared)
+        kernel_step(sc, items, launch_hyperparams)
         plans.append(cache["triton"])
         UpdateRule.fast_step_(r, [(d["param"], d["grads"][t], d["idx"], *d["state"], d["master"], d["step"], s.lr,
                                    s.wd) for s, d in zip(sc.items, ref, strict=True)],
-                              grad_scale=sc.grad_scale, **shared)
+                              grad_scale=sc.grad_scale, **launch_hyperparams)
         for d in (*got, *ref):
             d["step"] += 1  # a step tensor in place: the same object at the next step
     assert all(p is plans[0] for p in plans)
@@ -343,7 +342,7 @@ def test_launch_items_plan_reused(device, rule):
     # a gradient with other strides: laid out again
     items = LaunchItems([(d["param"], d["grads"][0].t().contiguous().t(), d["idx"], *d["state"], d["master"],
                           d["step"], s.lr, s.wd) for s, d in zip(sc.items, got, strict=True)], cache)
-    kernel_step(sc, items, shared)
+    kernel_step(sc, items, launch_hyperparams)
     assert cache["triton"] is not plans[0]
 
 
@@ -363,11 +362,11 @@ def test_non_finite_edges(device):
     ]
     for name, hyper, state in cases:
         sc = Scenario(name, hyper, 1.0)
-        r, shared = rule_of(sc)
+        r, launch_hyperparams = rule_of(sc)
         a = [p.clone(), *(s.clone() for s in state)]
         b = [p.clone(), *(s.clone() for s in state)]
-        kernel_step(sc, [(a[0], g, None, *a[1:], None, 2, 0.1, 0.0)], shared)
-        UpdateRule.fast_step_(r, [(b[0], g, None, *b[1:], None, 2, 0.1, 0.0)], grad_scale=1.0, **shared)
+        kernel_step(sc, [(a[0], g, None, *a[1:], None, 2, 0.1, 0.0)], launch_hyperparams)
+        UpdateRule.fast_step_(r, [(b[0], g, None, *b[1:], None, 2, 0.1, 0.0)], grad_scale=1.0, **launch_hyperparams)
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, rtol=RTOL, atol=ATOL, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}")
         assert torch.isinf(a[0][0, 2:4]).all(), (name, a[0])

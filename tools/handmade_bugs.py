@@ -224,8 +224,8 @@ BUGS = [
     Bug(
         "every-group-gets-group-0-hyper",
         "zenflow_kernels/optim/fast_path.py",
-        "        numbers = [tuple(h[k] for k in rule.per_tensor) for h in hyper]\n",
-        "        numbers = [tuple(hyper[0][k] for k in rule.per_tensor) for h in hyper]\n",
+        "        tensor_values = [tuple(h[k] for k in rule.tensor_hyperparams) for h in hyperparams]\n",
+        "        tensor_values = [tuple(hyperparams[0][k] for k in rule.tensor_hyperparams) for h in hyperparams]\n",
         "the fast path uses the first param group's lr and weight decay for every parameter",
     ),
     # -- the hand-over's bookkeeping (handover.py: one owner since the optimizer became a facade) ----------------
@@ -501,7 +501,7 @@ BUGS = [
     ),
     Bug(
         "worker-joins-itself",
-        "zenflow_kernels/host.py",
+        "zenflow_kernels/link/worker.py",
         "            if threading.current_thread() is not self._thread:\n                self._thread.join(timeout)",
         "            self._thread.join(timeout)",
         "an optimizer collected on its own worker thread fails in its finalizer (cannot join current thread)",
@@ -734,8 +734,8 @@ BUGS = [
     Bug(
         "rule-plan-keeps-the-first-lr",
         "zenflow_kernels/cpu_ops/_rule_plan.py",
-        "        if numbers != self.numbers:  # a scheduler changes lr at every step\n",
-        "        if self.numbers is None:  # a scheduler changes lr at every step\n",
+        "        if tensor_hyperparams != self.tensor_hyperparams:  # a scheduler changes lr at every step\n",
+        "        if self.tensor_hyperparams is None:  # a scheduler changes lr at every step\n",
         "Lion's and SGD's numba fast path keeps the lr (and weight decay) of the selection's first step while the "
         "layout is kept: an LR scheduler is followed only at re-selections",
         tests=ORACLES, k="scheduler and numba and (lion or sgd)",
@@ -807,8 +807,8 @@ BUGS = [
     Bug(
         "adam-host-kernel-decoupled",
         "zenflow_kernels/rules/adamw.py",
-        "zero_grad=zero_grad, adamw=self.decoupled, rounding=rounding, **numbers)",
-        "zero_grad=zero_grad, adamw=True, rounding=rounding, **numbers)",
+        "zero_grad=zero_grad, adamw=self.decoupled, rounding=rounding, **hyperparams)",
+        "zero_grad=zero_grad, adamw=True, rounding=rounding, **hyperparams)",
         "Adam's host pass runs the numba kernel as AdamW: the host decays the weight decoupled while the fast path "
         "adds the L2 term to the gradient",
         tests=ORACLES, k="adam-groups-host-every-step-numbafast-numbahost or adam-numba-host",
@@ -832,8 +832,8 @@ BUGS = [
     Bug(
         "reference-columns-at-the-largest-count",
         "zenflow_kernels/reference.py",
-        "        rule.step_(p, grad[:, cols], held, step=int(s), **numbers)\n",
-        "        rule.step_(p, grad[:, cols], held, step=int(steps.max()), **numbers)\n",
+        "        rule.step_(p, grad[:, cols], held, step=int(s), **hyperparams)\n",
+        "        rule.step_(p, grad[:, cols], held, step=int(steps.max()), **hyperparams)\n",
         "the reference steps a matrix's selected columns at the largest count among them: entering columns take "
         "the staying ones' bias correction",
         tests=ORACLES, k="scheduler and adamw and not triton",
@@ -940,7 +940,7 @@ BUGS = [
     ),
     Bug(
         "explain-leaves-out-the-kept-fields",
-        "zenflow_kernels/__main__.py",
+        "zenflow_kernels/explain.py",
         "    found = [*config.notes, *s.warnings]",
         "    found = list(s.warnings)",
         "`explain` lists only the schedule's warnings, not the fields kept against semantics=\"deepspeed\" (their "
@@ -1020,7 +1020,7 @@ BUGS = [
     ),
     Bug(
         "compile-counted-against-host-timeout",
-        "zenflow_kernels/host.py",
+        "zenflow_kernels/link/worker.py",
         "            waited += 0.0 if compiling() else now - last\n",
         "            waited += now - last\n",
         "a first compile on the worker counts against host_timeout: a slow compile fails the run as a stuck worker",

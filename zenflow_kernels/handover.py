@@ -118,14 +118,14 @@ class HandOver:
 def handover_mode(link, shard, device_accumulation: bool, early: bool) -> tuple[str, str]:
     """Whether a run's gradients cross from backward's hooks (``"on"``/``"off"``), and why: where the link is
     asynchronous, the step's gradient is final at backward (ZeRO-1 averages it in ``step()``) and crosses at every
-    step (not summed on the device); ``early``: the ablation switch (``ablations.early_handover``)."""
+    step (not summed on the device); ``early``: the ordering switch (``orderings.early_handover``)."""
     copies = link.asynchronous and shard.final_at_backward and not device_accumulation
     why = ("ZeRO-2 reduces gradients to their owners first" if shard.consumes_hooks else
            "a synchronous link (nothing to overlap)" if not link.asynchronous else
            "ZeRO-1 averages gradients in step()" if not shard.final_at_backward else
            "device_accumulation: gradients are summed on the device and cross once per update"
            if device_accumulation else
-           "ablations.early_handover is False" if not early else
+           "orderings.early_handover is False" if not early else
            "gradients cross from backward's hooks (each checked at step() against its fingerprint)")
     return ("on" if copies and early else "off"), why
 

@@ -4,7 +4,8 @@ gradient sums live); the shard and the host update go through the same methods e
 
 Both hold the fields ``names`` (``"master"`` and the rule's ``state_names``), flat over the shard's layout: ``read``
 a parameter's piece, ``write_many`` pieces, ``set_columns`` of matrices, ``snapshot`` for a checkpoint, and
-``step_runs``, the host update of runs of the layout (``streamed_host.Run``) with the rule's host kernel.
+``step_runs``, the host update of runs of the layout (each a ``streamed_host.RangeStep``: a range of flat elements
+and its step arguments) with the rule's host kernel.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .streamed_host import DeviceSums, Run, streamed_host_step_
+from .streamed_host import DeviceSums, RangeStep, streamed_host_step_
 
 __all__ = ["FieldsInMemory", "FieldsOnDisk"]
 
@@ -46,7 +47,7 @@ class FieldsInMemory:
     def snapshot(self, extra: torch.Tensor | None = None) -> None:
         return None  # the buffers themselves are the state
 
-    def step_runs(self, rule, acc: torch.Tensor, runs: Sequence[Run], sums: DeviceSums | None = None) -> None:
+    def step_runs(self, rule, acc: torch.Tensor, runs: Sequence[RangeStep], sums: DeviceSums | None = None) -> None:
         """The rule's host kernel over each run, with the sums in ``acc`` (zeroed as they are read)."""
         master, state = self.buffers["master"], [self.buffers[name] for name in rule.state_names]
         for run in runs:
@@ -85,7 +86,8 @@ class FieldsOnDisk:
     def snapshot(self, extra: torch.Tensor | None = None) -> torch.Tensor:
         return self.files.snapshot(extra)
 
-    def step_runs(self, rule, acc: torch.Tensor | None, runs: Sequence[Run], sums: DeviceSums | None = None) -> None:
+    def step_runs(self, rule, acc: torch.Tensor | None, runs: Sequence[RangeStep],
+                  sums: DeviceSums | None = None) -> None:
         if runs:
             streamed_host_step_(self.files, acc, runs, rule=rule, sums=sums)
 

@@ -51,7 +51,7 @@ class PlannedFor:
     ``n_state``: the state tensors per item (the rule's ``state_names``: AdamW 2, Lion 1, SGD 0 or 1)."""
 
     def __init__(self, items, grad_layout: Callable[[torch.Tensor], tuple], *, n_state: int = 2):
-        # an item is (param, grad, indices, *state (n_state tensors), master, step, *numbers)
+        # an item is (param, grad, indices, *state (n_state tensors), master, step, *hyperparams)
         self.n, self.n_state = len(items), n_state
         # kept alive: the tables hold their addresses
         self.static = [(it[0], it[2], *it[3 : 4 + n_state],

@@ -137,7 +137,6 @@ def _implementation(scores, topk, adamw, fingerprint, lion, sgd) -> SimpleNamesp
         topk_columns=topk.topk_columns,
         multi_topk_columns=topk.multi_topk_columns,
         selective_adamw_=adamw.selective_adamw_,
-        multi_selective_adamw_=adamw.multi_selective_adamw_,
         multi_selective_adamw_items_=adamw.multi_selective_adamw_items_,
         multi_selective_lion_items_=lion.multi_selective_lion_items_,
         multi_selective_sgd_items_=sgd.multi_selective_sgd_items_,
@@ -316,9 +315,11 @@ def multi_selective_adamw_(
     is written. Triton: one launch per group of tensors sharing (param dtype, grad dtype, dense or not,
     master or not, int or tensor steps, tile shape) -- a constant number, not one per layer.
     """
-    _impl(params).multi_selective_adamw_(
-        params, grads, indices_list, exp_avgs, exp_avg_sqs, steps=steps, lrs=lrs, beta1=beta1, beta2=beta2,
-        eps=eps, weight_decays=weight_decays, masters=masters, grad_scale=grad_scale, check_data=check_data)
+    impl = _impl(params)  # (the backend first: its errors before the arguments')
+    items, (beta1, beta2, eps, grad_scale) = torch_ops.multi_adamw_args(
+        "multi_selective_adamw_", params, grads, indices_list, exp_avgs, exp_avg_sqs, steps, lrs, beta1, beta2, eps,
+        weight_decays, masters, grad_scale, check_data)
+    impl.multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
 
 
 def multi_fingerprint(tensors, key: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -353,7 +354,7 @@ def multi_selective_adamw_items_(items, *, beta1: float, beta2: float, eps: floa
     """``multi_selective_adamw_`` without validation, for a caller that built every tensor itself (the
     optimizer, whose state is made to the contract and whose gradients it checked): ``items`` are
     ``(param, grad, indices, exp_avg, exp_avg_sq, master, step, lr, weight_decay)`` tuples, ``step`` an
-    int or an int64 ``[k]`` tensor, the numbers floats already in range. Saves the per-tensor Python
+    int or an int64 ``[k]`` tensor, the hyper-parameters floats already in range. Saves the per-tensor Python
     checks (about 60 us a tensor) on every step; wrong input here is undefined behaviour."""
     if items:
         _impl(items[0][0]).multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)

@@ -81,14 +81,14 @@ __all__ = ["ReferenceZenFlow", "adamw_step_"]
 _REFERENCE_DTYPES = (torch.float32, torch.float64)
 
 
-def _columns_step_(rule: UpdateRule, block, grad, state: dict, steps, numbers: dict) -> None:
+def _columns_step_(rule: UpdateRule, block, grad, state: dict, steps, hyperparams: dict) -> None:
     """The rule's step on the columns of ``block [R, k]`` where column i is at its own step ``steps[i]``:
     columns sharing a step count are stepped together by ``rule.step_``."""
     for s in torch.unique(steps).tolist():
         cols = (steps == s).nonzero().flatten()
         p = block[:, cols]
         held = {name: t[:, cols] for name, t in state.items()}
-        rule.step_(p, grad[:, cols], held, step=int(s), **numbers)
+        rule.step_(p, grad[:, cols], held, step=int(s), **hyperparams)
         block[:, cols] = p
         for name, t in held.items():
             state[name][:, cols] = t
@@ -209,7 +209,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
     # -- helpers ---------------------------------------------------------------------------------
 
     def _hyper(self, group: dict) -> dict:
-        return self.rule.numbers(group)
+        return self.rule.hyperparams(group)
 
     def _step(self, p: torch.Tensor, grad: torch.Tensor, state: dict, step: int, group: dict,
               prefix: str = "") -> None:

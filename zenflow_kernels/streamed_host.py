@@ -9,7 +9,7 @@ master and one per state tensor, 12 B for AdamW), whatever the shard's size.
 With ``device_accumulation`` the gradient sums stay on the device (:class:`DeviceSums`): the reader also
 fetches each block's piece of them into one more buffer (``DeviceSums.buffers``, reused across updates), so no
 shard-sized host buffer of sums exists. It starts the fetch before reading the block and waits for it after,
-so the copy over the link runs beside the disk read (``ablations.fetch_beside_read`` False: read, then fetch,
+so the copy over the link runs beside the disk read (``orderings.fetch_beside_read`` False: read, then fetch,
 the former order; bench.nvme_timeline measures both).
 
 Every block a run touches is read, updated and written once (runs sharing a block are updated in the same
@@ -28,18 +28,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .ablations import ablations
+from .orderings import orderings
 from .rules import UpdateRule
 from .state_files import StateFiles
 
-__all__ = ["DeviceSums", "Run", "streamed_host_step_"]
+__all__ = ["DeviceSums", "RangeStep", "streamed_host_step_"]
 
 
 @dataclass(frozen=True)
-class Run:
+class RangeStep:
     """Flat elements ``[lo, hi)`` of the shard stepped with one set of ``host_step_`` keyword arguments
-    (``step_args``: step, grad_scale and the rule's numbers, e.g. AdamW's lr, beta1, beta2, eps, weight_decay), their
-    weights rounded into ``out`` (``hi - lo`` elements)."""
+    (``step_args``: step, grad_scale and the rule's hyper-parameters, e.g. AdamW's lr, beta1, beta2, eps, weight_decay),
+    their weights rounded into ``out`` (``hi - lo`` elements)."""
 
     lo: int
     hi: int
@@ -81,8 +81,8 @@ def _settle(waits: list[Callable[[], None]]) -> None:
 
 _STOP = object()
 
-def streamed_host_step_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[Run], *, rule: UpdateRule,
-                        depth: int = 3, sums: DeviceSums | None = None) -> dict:
+def streamed_host_step_(files: StateFiles, acc: torch.Tensor | None, runs: Sequence[RangeStep], *,
+                        rule: UpdateRule, depth: int = 3, sums: DeviceSums | None = None) -> dict:
     """One host step of ``rule`` (the file holds ``master`` and its ``state_names``) over ``runs`` (disjoint,
     ascending) of the state in ``files``, with the gradient sums in ``acc`` (flat fp32, the shard's size; zeroed where
     used, as the in-memory update does) or, with ``acc`` None, fetched block by block from ``sums`` (left as they are:
@@ -100,7 +100,7 @@ def streamed_host_step_(files: StateFiles, acc: torch.Tensor | None, runs: Seque
             b.numel() < need or b.dtype != torch.float32 for b in sums.buffers)):
         raise ValueError(f"streamed_host_step_: sums.buffers must hold at least depth={depth} fp32 buffers of "
                          f"min(block_numel, numel)={need} elements, got {[(b.numel(), b.dtype) for b in sums.buffers]}")
-    plan: dict[int, list[tuple[Run, int, int]]] = {}
+    plan: dict[int, list[tuple[RangeStep, int, int]]] = {}
     for run in runs:
         for j, _, s, e in files.pieces(run.lo, run.hi):
             plan.setdefault(j, []).append((run, s, e))
@@ -124,7 +124,7 @@ def streamed_host_step_(files: StateFiles, acc: torch.Tensor | None, runs: Seque
                     return
                 bufs, fetched = item
                 waits: list[Callable[[], None]] = []
-                beside = ablations.fetch_beside_read  # (read at each block; False: the former order)
+                beside = orderings.fetch_beside_read  # (read at each block; False: the former order)
                 try:
                     if not beside:
                         files.read_block(j, bufs)

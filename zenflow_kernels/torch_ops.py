@@ -13,15 +13,9 @@ import torch
 from . import _validate as V
 from ._memory import transient_empty
 
-__all__ = [
-    "column_scores",
-    "topk_columns",
-    "selective_adamw_",
-    "multi_column_scores",
-    "multi_topk_columns",
-    "multi_selective_adamw_",
-    "multi_fingerprint",
-    "multi_fingerprint_unchecked",
+__all__ = [  # ops' contract, but multi_selective_adamw_: ops validates with multi_adamw_args, then runs the items
+    "column_scores", "topk_columns", "selective_adamw_", "multi_column_scores", "multi_topk_columns",
+    "multi_adamw_args", "multi_selective_adamw_items_", "multi_fingerprint", "multi_fingerprint_unchecked",
 ]
 
 
@@ -199,31 +193,9 @@ def multi_adamw_args(op, params, grads, indices_list, exp_avgs, exp_avg_sqs, ste
     return items, common
 
 
-def multi_selective_adamw_(
-    params,
-    grads,
-    indices_list,
-    exp_avgs,
-    exp_avg_sqs,
-    *,
-    steps,
-    lrs,
-    beta1,
-    beta2,
-    eps,
-    weight_decays,
-    masters=None,
-    grad_scale=1.0,
-    check_data: bool = True,
-) -> None:
-    items, (beta1, beta2, eps, grad_scale) = multi_adamw_args(
-        "multi_selective_adamw_", params, grads, indices_list, exp_avgs, exp_avg_sqs, steps, lrs, beta1, beta2, eps,
-        weight_decays, masters, grad_scale, check_data)
-    multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale)
-
-
 def multi_selective_adamw_items_(items, beta1, beta2, eps, grad_scale) -> None:
-    """The work of ``multi_selective_adamw_`` on items as :func:`multi_adamw_args` returns them."""
+    """The work of ``ops.multi_selective_adamw_`` on items as :func:`multi_adamw_args` (its validation, every
+    backend's) returns them."""
     for p, g, idx, m, v, w, step, lr, wd in items:
         _adamw(p, g, idx, m, v, w, step, lr, beta1, beta2, eps, wd, grad_scale)
 

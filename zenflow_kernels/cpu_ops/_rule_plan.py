@@ -4,8 +4,8 @@
 tensors sharing (param dtype, grad dtype, master or not), one row per tensor (columns ``_kernels.R_*``), the work
 items (tensor, row, block of columns) and their ranges, and the per-tensor lr and weight decay. Laid out once for
 :class:`~zenflow_kernels.launch_plan.LaunchItems` (kept in ``launch_cache["numba"]``); a call then writes only
-the gradients' addresses, the integer steps' first-step flags and, when they changed, the numbers. A strided
-parameter, gradient or step tensor is launched on contiguous copies (``run_contiguous``).
+the gradients' addresses, the integer steps' first-step flags and, when they changed, the per-tensor hyper-parameters
+(lr, weight decay). A strided parameter, gradient or step tensor is launched on contiguous copies (``run_contiguous``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class RulePlan:
                 continue
             by_key.setdefault((p.dtype, g.dtype, master is None), []).append(t)
         self.groups = [RuleGroup(items, positions, n_state) for positions in by_key.values()]
-        self.numbers = None
+        self.tensor_hyperparams = None
 
     def fits(self, items) -> bool:
         return self.made_for.fits(items)
@@ -63,11 +63,11 @@ class RulePlan:
         if not self.groups:
             return
         at = 5 + self.n_state
-        numbers = [it[at : at + 2] for it in items]
-        if numbers != self.numbers:  # a scheduler changes lr at every step
-            self.numbers = numbers
+        tensor_hyperparams = [it[at : at + 2] for it in items]
+        if tensor_hyperparams != self.tensor_hyperparams:  # a scheduler changes lr at every step
+            self.tensor_hyperparams = tensor_hyperparams
             for group in self.groups:
-                group.set_numbers(numbers)
+                group.set_tensor_hyperparams(tensor_hyperparams)
         grad_ptrs = np.array([it[1].data_ptr() for it in items], dtype=np.int64)
         for group in self.groups:
             group.prepare(items, grad_ptrs)
@@ -106,8 +106,8 @@ class RuleGroup:
         self.lr64 = self.wd64 = None
         self._keep: list[torch.Tensor] = []
 
-    def set_numbers(self, numbers: list) -> None:
-        chosen = numbers if self.take is None else [numbers[t] for t in self.positions]
+    def set_tensor_hyperparams(self, tensor_hyperparams: list) -> None:
+        chosen = tensor_hyperparams if self.take is None else [tensor_hyperparams[t] for t in self.positions]
         self.lr64 = np.array([n[0] for n in chosen], dtype=np.float64)
         self.wd64 = np.array([n[1] for n in chosen], dtype=np.float64)
 

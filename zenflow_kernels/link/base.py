@@ -12,9 +12,10 @@ import torch
 from .._memory import gather_columns
 from ..cpu_ops.accumulate import SUM_CHUNK
 from ..device_model import Timeline
-from ..host import HostShard, HostWorker
+from ..host import HostShard
 from ..streamed_host import DeviceSums
 from .completions import Future, new_worker
+from .worker import HostWorker
 
 
 class _Link:

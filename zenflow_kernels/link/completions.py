@@ -2,7 +2,7 @@
 its worker threads.
 
 Every asynchronous operation returns or records a handle, and nothing is read before its handle was waited on.
-A :class:`Future` is a job on a :class:`~zenflow_kernels.host.HostWorker` (the CPU engine's streams, the
+A :class:`Future` is a job on a :class:`~zenflow_kernels.link.worker.HostWorker` (the CPU engine's streams, the
 accumulate and update workers), an :class:`Event` a CUDA event on a copy stream.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..device_model import Delays
-from ..host import HostWorker
+from .worker import HostWorker
 
 
 class Future:

@@ -11,13 +11,13 @@ import torch
 
 from .. import cpu_ops
 from .. import link as link_module
-from ..ablations import ablations
 from ..config import check_max_grad_norm
 from ..handover import GradHooks, handover_mode, release_hooks
 from ..host import HostShard
+from ..orderings import orderings
 from ..rules import UpdateRule, check_rule
 from ..sharding import FSDP2, Sharding, Zero1, Zero2, fsdp2_mesh
-from .run import Run
+from .run import BuiltOptimizer
 from .sums import host_buffers, make_sums
 
 __all__ = ["Tunables", "PARAM_DTYPES", "display_name", "check_arguments", "check_host_timeout", "check_nvme_path",
@@ -181,6 +181,11 @@ def rank_cores(config, name: str = "ZenFlow") -> tuple[list[int], str]:
     return cpu_ops.physical_cores(cores), why
 
 
+def first_cores(config, param_groups: list[dict]) -> dict:
+    """The CPUs of training and of the host worker (:func:`split_cores`) that the first step will pick, before it."""
+    return split_cores(config, device_of([p for g in param_groups for p in g["params"]]))
+
+
 def split_cores(config, device: torch.device, name: str = "ZenFlow") -> dict:
     """``{"train": cores, "host": cores, "why": ...}``: training's and the host worker's CPUs."""
     cores, why = rank_cores(config, name)
@@ -220,10 +225,10 @@ def trained(params, kept=()) -> set[int]:
 
 
 def make_run(params, group_of, param_groups, state, config, shard, telemetry, *, timeout, chaos, nvme_block: int,
-             nvme_direct: bool, host_params: set[int], rule, name: str = "ZenFlow") -> Run:
+             nvme_direct: bool, host_params: set[int], rule, name: str = "ZenFlow") -> BuiltOptimizer:
     """The first step's setup: the CPUs of training and of the host worker, the sharding started, the host shard
     of ``host_params`` (those of them this rank holds) laid out, the link and the context the parts share
-    (:class:`Run`). A failure leaves nothing running: training's thread count restored, no worker started."""
+    (:class:`BuiltOptimizer`). A failure leaves nothing running: training's thread count restored, no worker started."""
     device = device_of(params)
     cores = split_cores(config, device, name)
     shard.start(params, group_of, device, chaos)
@@ -250,16 +255,16 @@ def make_run(params, group_of, param_groups, state, config, shard, telemetry, *,
             torch.set_num_threads(torch_threads)
         raise
     shard.use_host_memory(link.alloc)  # ZeRO: the write-back's receive buffers (pinned on a GPU)
-    return Run(params, local, group_of, param_groups, state, config, device, shard, link, host, telemetry, cores,
-               torch_threads, frozenset(host_params), rule, name=name)
+    return BuiltOptimizer(params, local, group_of, param_groups, state, config, device, shard, link, host, telemetry,
+                          cores, torch_threads, frozenset(host_params), rule, name=name)
 
 
-def make_parts(run: Run, classes, handover, *, seed_from_host: bool, hyper, grad_ready) -> tuple:
+def make_parts(run: BuiltOptimizer, classes, handover, *, seed_from_host: bool, hyperparams, grad_ready) -> tuple:
     """The parts of a built optimizer over ``run`` (docs/hacking.md), from ``classes``' ``fast_path_class``,
     ``selection_class`` and ``interval_class``: ``(fast_path, selection, interval, hooks)``, with ``handover``'s
     mode decided and the backward hooks registered where the link or the sharding uses them (``hooks`` None
-    elsewhere); ``hyper()``: the param groups' numbers as they are now. A failure stops what ``run`` started
-    (:func:`shutdown`) before it is raised."""
+    elsewhere); ``hyperparams()``: the param groups' hyper-parameters as they are now. A failure stops what ``run``
+    started (:func:`shutdown`) before it is raised."""
     config, link, hooks = run.config, run.link, None
     try:
         # offload: the fast path's Adam state lives in host memory and visits the device bucket by bucket around
@@ -268,8 +273,8 @@ def make_parts(run: Run, classes, handover, *, seed_from_host: bool, hyper, grad
                                             bucket_numel=classes.OFFLOAD_BUCKET_NUMEL)
         selection = classes.selection_class(run, fast_path, seed_from_host=seed_from_host)
         # (the parts hold the optimizer's param groups and state, never the optimizer: no cycle delays its finalizer)
-        interval = classes.interval_class(run, make_sums(run), overlap=config.overlap_step, hyper=hyper)
-        handover.decide(*handover_mode(link, run.shard, config.device_accumulation, ablations.early_handover))
+        interval = classes.interval_class(run, make_sums(run), overlap=config.overlap_step, hyperparams=hyperparams)
+        handover.decide(*handover_mode(link, run.shard, config.device_accumulation, orderings.early_handover))
         if handover.mode == "on" or run.shard.consumes_hooks:
             hooks = grad_hooks(run.params, grad_ready, range(len(run.params)))
     except BaseException:

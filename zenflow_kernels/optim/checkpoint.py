@@ -26,7 +26,7 @@ import torch
 from ..config import CHOICES, ZenFlowConfig, ZenFlowWarning, check_adamw_hyperparameters
 from ..schedule import Schedule
 from .interval import HostInterval
-from .run import Run
+from .run import BuiltOptimizer
 
 __all__ = ["FORMAT", "COUNTERS", "header", "pack", "before_pack", "Loaded", "read", "unpack", "restore",
            "unpack_torch_adamw", "restore_torch_adamw"]
@@ -78,7 +78,7 @@ def pack_groups(param_groups: list[dict], group_of: list[int]) -> list[dict]:
 
 
 @torch.no_grad()
-def pack(run: Run | None, interval: HostInterval | None, *, groups: list[dict], zenflow: dict,
+def pack(run: BuiltOptimizer | None, interval: HostInterval | None, *, groups: list[dict], zenflow: dict,
          consolidated: bool) -> dict:
     """The state dict of an optimizer (``run``/``interval`` None before its first step). ``zenflow``: its counters
     and settings (``format`` and ``built`` are added here). The caller has drained and synchronized."""
@@ -109,7 +109,7 @@ def pack(run: Run | None, interval: HostInterval | None, *, groups: list[dict], 
     return {"state": state, "param_groups": groups, "zenflow": zenflow}
 
 
-def before_pack(run: Run, interval: HostInterval) -> None:
+def before_pack(run: BuiltOptimizer, interval: HostInterval) -> None:
     """Before :func:`pack`: a failed host update refused (it may have left half its result: no torn state handed
     out), the in-flight one drained (its result stays pending), the accumulation, write-backs and offloaded state
     landed."""
@@ -131,7 +131,7 @@ class Loaded:
     groups: list[dict]
     counters: dict[str, int]
     built: bool
-    restore: Callable[[Run, HostInterval, Callable], None]
+    restore: Callable[[BuiltOptimizer, HostInterval, Callable], None]
     changed: list[str]  # settings of the checkpoint that differ from the loading optimizer's
     host_params: set[int]  # the parameters that had host state (they keep it whatever requires_grad says now)
 
@@ -236,7 +236,7 @@ def unpack(state_dict: dict, *, config: ZenFlowConfig, max_grad_norm, local: lis
 
 
 @torch.no_grad()
-def restore(saved_state: dict, run: Run, interval: HostInterval, to_state: Callable) -> None:
+def restore(saved_state: dict, run: BuiltOptimizer, interval: HostInterval, to_state: Callable) -> None:
     """Write a checked state dict's entries into a freshly built optimizer: the host state of this rank's
     parameters, the interval's sums, counts and pending results, the fast path's state (``to_state`` places it),
     and inside-``flushed()`` weights into the parameters. A parameter the state holds no host state of (frozen when
@@ -316,7 +316,7 @@ def unpack_torch_adamw(state_dict: dict, params: list[torch.Tensor], config, sch
                   lambda run, interval, to_state: restore_torch_adamw(imported, run), [], set(imported))
 
 
-def restore_torch_adamw(imported: dict[int, tuple], run: Run) -> None:
+def restore_torch_adamw(imported: dict[int, tuple], run: BuiltOptimizer) -> None:
     """The host takes a torch AdamW/Adam run's moments and step counts (:func:`unpack_torch_adamw`'s) as if warm-up
     had produced them."""
     host = run.host

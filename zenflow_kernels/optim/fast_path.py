@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..launch_plan import LaunchItems
-from .run import Run
+from .run import BuiltOptimizer
 
 __all__ = ["FastPath"]
 
@@ -16,7 +16,7 @@ class FastPath:
     """The fast step's plan and state placement. ``offload``: the state's home is host memory (the link's);
     ``bucket_numel``: with it, the largest bucket of state elements on the device at once."""
 
-    def __init__(self, run: Run, *, offload: bool, bucket_numel: int):
+    def __init__(self, run: BuiltOptimizer, *, offload: bool, bucket_numel: int):
         self.run, self.offload, self.bucket_numel = run, offload, bucket_numel
         self._plan = None  # the per-selection lists (plan())
         self._split: tuple[list[int], list[int], list[int]] | None = None  # (active, its matrices, its vectors)
@@ -109,10 +109,10 @@ class FastPath:
         self._plan = (entries, flat, {}, fixed)
         return self._plan
 
-    def step(self, active: list[int], grads: dict[int, torch.Tensor], hyper: list[dict], *, grad_scale: float,
+    def step(self, active: list[int], grads: dict[int, torch.Tensor], hyperparams: list[dict], *, grad_scale: float,
              compact: dict[int, torch.Tensor] | None = None) -> None:
         """The rule's multi-tensor step over the selected columns of every active matrix and every active vector
-        (one launch set per distinct ``rule.shared`` numbers of the param groups, AdamW's (beta1, beta2, eps):
+        (one launch set per distinct ``rule.launch_hyperparams`` of the param groups, AdamW's (beta1, beta2, eps):
         usually one). With every parameter active, each launch is laid out once per selection (``LaunchItems``).
         ``grads``: the step's own gradients by index (``StepInputs.grads``); ``grad_scale`` divides them
         (GradScaler's scale, clipping); ``compact``: released gradients, only the selected columns' ``[R, k]``."""
@@ -132,22 +132,22 @@ class FastPath:
         if compact is not None or self.offload:
             launches = None  # tensors made at this step (gathered columns, state visiting the device)
         rule = run.rule
-        numbers = [tuple(h[k] for k in rule.per_tensor) for h in hyper]
-        group_keys = [tuple(h[k] for k in rule.shared) for h in hyper]
+        tensor_values = [tuple(h[k] for k in rule.tensor_hyperparams) for h in hyperparams]
+        group_keys = [tuple(h[k] for k in rule.launch_hyperparams) for h in hyperparams]
         items, gathered = [], []
         # (the entry's fixed part spliced in whole: unpacking it into names would build a list per entry)
         for (i, pv, is_matrix, st, gi), head in zip(entries, fixed, strict=True):
             if not is_matrix:
-                items.append((pv, grads[i][None], *head, st["step"], *numbers[gi]))  # [1, n], as pv
+                items.append((pv, grads[i][None], *head, st["step"], *tensor_values[gi]))  # [1, n], as pv
             elif compact is None:
-                items.append((pv, grads[i], *head, st["step"], *numbers[gi]))
+                items.append((pv, grads[i], *head, st["step"], *tensor_values[gi]))
             else:
                 # released gradients: only the selected columns' [R, k] exist; a dense update of the gathered
                 # columns, scattered back after (the same arithmetic as the indexed update)
                 idx = head[0]
                 cols = pv.detach().index_select(1, idx)
                 gathered.append((pv, idx, cols))
-                items.append((cols, compact[i], None, *head[1:], st["step"], *numbers[gi]))
+                items.append((cols, compact[i], None, *head[1:], st["step"], *tensor_values[gi]))
         distinct = dict.fromkeys(group_keys)
         keys = [group_keys[e[4]] for e in entries] if len(distinct) > 1 else None
         for key in distinct:
@@ -170,7 +170,7 @@ class FastPath:
                      for item in bucket]
         else:
             moved = bucket
-        rule.fast_step_(moved, grad_scale=grad_scale, **dict(zip(rule.shared, key, strict=True)))
+        rule.fast_step_(moved, grad_scale=grad_scale, **dict(zip(rule.launch_hyperparams, key, strict=True)))
         if self.offload:
             for home, there in zip(bucket, moved, strict=True):
                 for dst, src in zip(home[held], there[held], strict=True):

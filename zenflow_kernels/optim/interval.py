@@ -10,16 +10,17 @@ from collections.abc import Callable
 import torch
 
 from .._memory import host_copy
-from .run import Run
+from .run import BuiltOptimizer
 
 __all__ = ["HostInterval"]
 
 
 class HostInterval:
-    """One optimizer's host interval. ``hyper()`` gives the param groups' rule numbers as they are now."""
+    """One optimizer's host interval. ``hyperparams()`` gives the param groups' rule hyper-parameters as they are
+    now."""
 
-    def __init__(self, run: Run, sums, *, overlap: bool, hyper: Callable[[], list[dict]]):
-        self.run, self.sums, self.overlap, self.hyper = run, sums, overlap, hyper
+    def __init__(self, run: BuiltOptimizer, sums, *, overlap: bool, hyperparams: Callable[[], list[dict]]):
+        self.run, self.sums, self.overlap, self.hyperparams = run, sums, overlap, hyperparams
         self.buf = 0  # the sums buffer this interval adds into
         # the training thread's ledger: gradients counted into each buffer this interval
         self.counts = [[0] * len(run.params) for _ in range(sums.buffers)]
@@ -84,7 +85,7 @@ class HostInterval:
             run.link.wait(accumulated)
         mine = {i: counts[i] for i in run.shard.mine(counts)}
         result = run.host.update(
-            self.buf, mine, self.hyper(), max_norm, run.link.copy_out_guard(), last=last,
+            self.buf, mine, self.hyperparams(), max_norm, run.link.copy_out_guard(), last=last,
             sum_over_ranks=self._sum_over_ranks(max_norm),
             sums=self.sums.for_update(mine, self.buf, max_norm is not None), step=self._host_step(),
         )
@@ -119,13 +120,13 @@ class HostInterval:
         sums = self.sums.for_update(mine, self.buf, max_norm is not None)
         self.write_back(self.pending)  # the previous interval's result lands now
         accumulated, guard = run.link.accumulation(), run.link.copy_out_guard()
-        hyper, buf, host, shard, step = self.hyper(), self.buf, run.host, run.shard, self._host_step()
+        hyperparams, buf, host, shard, step = self.hyperparams(), self.buf, run.host, run.shard, self._host_step()
         ranks_sum, dtypes = self._sum_over_ranks(max_norm), {i: run.params[i].dtype for i in counts}
 
         def job():
             if accumulated is not None:
                 accumulated.wait()
-            result = host.update(buf, mine, hyper, max_norm, wait_before_write=guard, sum_over_ranks=ranks_sum,
+            result = host.update(buf, mine, hyperparams, max_norm, wait_before_write=guard, sum_over_ranks=ranks_sum,
                                  sums=sums, step=step)
             # ZeRO: the owners' results start towards the replicas now, behind training
             result["exchange"] = shard.start_exchange(host, list(counts), dtypes)

@@ -24,6 +24,7 @@ import torch
 
 from ..config import ZenFlowConfig, ZenFlowWarning
 from ..device_model import current_chaos
+from ..explain import explain_optimizer
 from ..handover import HandOver
 from ..rules import UpdateRule
 from ..schedule import Schedule, make_schedule
@@ -33,7 +34,7 @@ from .fast_path import FastPath
 from .flushed import FlushedWeights
 from .interval import HostInterval
 from .selection import Selection
-from .step_inputs import ClipRequests, GradChecks, check_group, hyper, read_step
+from .step_inputs import ClipRequests, GradChecks, check_group, group_hyperparams, read_step
 from .telemetry import Telemetry, host_bytes
 
 __all__ = ["ZenFlow"]
@@ -149,7 +150,7 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         self._hooks = None  # the backward hooks (handover.GradHooks), where the link or the sharding uses them
         self._seed_from_host = False  # after loading a torch AdamW state dict (Selection.seed_from_host)
         self._stats = Telemetry()
-        # the parts (a Run, Selection, FastPath, HostInterval), made at the first step like torch's lazy state: _build
+        # the parts (BuiltOptimizer, Selection, FastPath, HostInterval), made lazily at the first step (_build)
         self.run = self.selection = self.fast_path = self.interval = None
         # whether gradients cross to the host from backward's hooks (handover.py): decided at the first step
         self.handover = HandOver("on", "no step yet")
@@ -187,7 +188,8 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         self.device, self._grad_checks = run.device, GradChecks(run.local, run.device, self.display_name)
         try:  # (the parts hold the param groups and state, never the optimizer: no cycle delays its finalizer)
             parts = build.make_parts(run, type(self), self.handover, seed_from_host=self._seed_from_host,
-                                     hyper=functools.partial(hyper, self.param_groups, self.rule, self.display_name),
+                                     hyperparams=functools.partial(group_hyperparams, self.param_groups, self.rule,
+                                                                   self.display_name),
                                      grad_ready=weakref.WeakMethod(self._grad_ready))
         except BaseException:
             self.run = None
@@ -355,9 +357,8 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         resolved schedule over the first ``steps`` steps), the CPUs of training and of the host worker (and why:
         ``zenflow.cores``), and, per param group, its own ``topk_ratio`` and ``importance`` and each matrix's ``k``
         of ``C`` columns on the fast path."""
-        from ..__main__ import explain_optimizer
-
-        return explain_optimizer(self, steps)
+        cores = self.run.cores if self._built else build.first_cores(self.config, self.param_groups)
+        return explain_optimizer(self, steps, cores)
 
     def host_bytes(self) -> dict:
         """The optimizer's host memory, by buffer, in bytes as allocated (``{}`` before the first step): the keys
@@ -425,7 +426,7 @@ class ZenFlow(build.Tunables, torch.optim.Optimizer):
         compact = self.selection.compact_gradients(matrices)  # (ZeRO-2's released gradients)
         grad_scale = self._amp if coef is None else self._amp / coef  # GradScaler's scale, clipping
         with self._stats.timed_fast_step():
-            self.fast_path.step(active, grads, hyper(self.param_groups, self.rule, self.display_name),
+            self.fast_path.step(active, grads, group_hyperparams(self.param_groups, self.rule, self.display_name),
                                 grad_scale=grad_scale, compact=compact)
         self.steps_accumulated += 1
         trigger = self.selection.auto_vote(matrices, self._amp) if self.schedule.is_auto else False

@@ -16,11 +16,11 @@ from ..rules import UpdateRule
 from ..sharding import Sharding
 from .telemetry import Telemetry
 
-__all__ = ["Run"]
+__all__ = ["BuiltOptimizer"]
 
 
 @dataclasses.dataclass
-class Run:
+class BuiltOptimizer:
     """One built optimizer's shared context. ``params`` are the optimizer's parameters (the keys of ``state``),
     ``local`` the tensors the algorithm reads and writes (the parameters, or under FSDP2 this rank's rows);
     ``param_groups`` and ``state`` are the optimizer's own (live) objects."""

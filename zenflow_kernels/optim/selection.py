@@ -13,7 +13,7 @@ from .. import ops
 from .._memory import gather_columns
 from ..concentration import gradient_concentration
 from .fast_path import FastPath
-from .run import Run
+from .run import BuiltOptimizer
 
 __all__ = ["Selection"]
 
@@ -23,7 +23,7 @@ class Selection:
     dict, a matrix's first selection takes its columns' rule state from the host (the imported moments and step)
     instead of starting them from zero."""
 
-    def __init__(self, run: Run, fast: FastPath, *, seed_from_host: bool = False):
+    def __init__(self, run: BuiltOptimizer, fast: FastPath, *, seed_from_host: bool = False):
         self.run, self.fast, self.seed_from_host = run, fast, seed_from_host
         self._selected: set[int] = set()  # matrices known to have a selection (unselected())
 

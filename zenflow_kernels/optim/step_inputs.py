@@ -1,5 +1,5 @@
 """What a step reads besides the gradients: GradScaler's scale (the fused-optimizer protocol), the clipping norm in
-force, the param groups' update-rule numbers as they are now, and the one-pass check of every gradient."""
+force, the param groups' update-rule hyper-parameters as they are now, and the one-pass check of every gradient."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from ..config import check_group_settings
 from .build import PARAM_DTYPES, display_name
 
-__all__ = ["ClipRequests", "grad_scaler", "check_group", "hyper", "GradChecks", "StepInputs", "read_step"]
+__all__ = ["ClipRequests", "grad_scaler", "check_group", "group_hyperparams", "GradChecks", "StepInputs", "read_step"]
 
 
 def grad_scaler(opt, divide: int = 1) -> tuple[float, float, bool]:
@@ -67,20 +67,20 @@ class ClipRequests:
 
 
 def check_group(g: dict, gi: int, rule, name: str | None = None) -> None:
-    """Param group ``gi``'s update-rule numbers and ZenFlow settings, or an error naming the optimizer (``name``,
-    ``build.display_name``; by default ``ZenFlow(<rule name>)``) and the group."""
+    """Param group ``gi``'s update-rule hyper-parameters and ZenFlow settings, or an error naming the optimizer
+    (``name``, ``build.display_name``; by default ``ZenFlow(<rule name>)``) and the group."""
     name = name or display_name(rule)
     rule.check_group(g, f"{name} group {gi}")
     check_group_settings(g, f"{name} param group {gi}")
 
 
-def hyper(param_groups: list[dict], rule, name: str | None = None) -> list[dict]:
-    """Each param group's update-rule numbers as they are now (a scheduler may have changed them; ``rule.numbers``),
-    checked: the kernels are called without per-tensor validation."""
+def group_hyperparams(param_groups: list[dict], rule, name: str | None = None) -> list[dict]:
+    """Each param group's update-rule hyper-parameters as they are now (a scheduler may have changed them;
+    ``rule.hyperparams``), checked: the kernels are called without per-tensor validation."""
     out = []
     for gi, g in enumerate(param_groups):
         check_group(g, gi, rule, name)
-        out.append(rule.numbers(g))
+        out.append(rule.hyperparams(g))
     return out
 
 

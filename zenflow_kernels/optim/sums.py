@@ -17,7 +17,7 @@ import torch
 
 from ..cpu_ops.accumulate import accumulate_unchecked
 from ..streamed_host import DeviceSums
-from .run import Run
+from .run import BuiltOptimizer
 
 __all__ = ["SumsInHost", "SumsOnDevice", "SumsStreamed", "make_sums"]
 
@@ -27,7 +27,7 @@ class SumsInHost:
 
     fuses = True  # a synchronous CPU update may fold the interval's last gradient into its host pass
 
-    def __init__(self, run: Run):
+    def __init__(self, run: BuiltOptimizer):
         self.run = run
         self.buffers = len(run.host.acc)
 
@@ -60,7 +60,7 @@ class SumsOnDevice(SumsInHost):
 
     fuses = False
 
-    def __init__(self, run: Run, count: int = 1):
+    def __init__(self, run: BuiltOptimizer, count: int = 1):
         self.run = run
         self.tensors = [torch.zeros(run.host.numel, dtype=torch.float32, device=run.device) for _ in range(count)]
         self.buffers = count
@@ -99,7 +99,7 @@ class SumsStreamed(SumsOnDevice):
     """``device_accumulation`` with the state on disk: the sums stay on the device; a host update fetches each
     block's piece of them (:meth:`for_update`) and they are zeroed once it is done (:meth:`updated`)."""
 
-    def __init__(self, run: Run, count: int):
+    def __init__(self, run: BuiltOptimizer, count: int):
         super().__init__(run, count)
         self._read: list[torch.Tensor] = []  # sums an update reads: zeroed once it is done
 
@@ -122,7 +122,7 @@ class SumsStreamed(SumsOnDevice):
             self._read = []
 
 
-def make_sums(run: Run):
+def make_sums(run: BuiltOptimizer):
     """The sums' home for this run's config."""
     cfg = run.config
     if not cfg.device_accumulation:

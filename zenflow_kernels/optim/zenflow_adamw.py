@@ -3,9 +3,10 @@ signature."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
-from ..config import ZenFlowConfig, check_adamw_hyperparameters
+from ..config import check_adamw_hyperparameters
 from ..rules import AdamW
 from .optimizer import ZenFlow
 
@@ -26,19 +27,27 @@ class ZenFlowAdamW(ZenFlow):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
-        *,
-        zenflow: ZenFlowConfig | dict | str | None = None,
-        max_grad_norm: float | None = None,
-        steps_per_epoch: int | None = None,
-        dataloader: Any = None,
-        host_timeout: float | None = 600.0,
-        zero_stage: int = 0,
-        process_group: Any = None,
-        collective_timeout: float = 300.0,
-        release_gradients: bool | None = None,
+        **options: Any,
     ):
-        check_adamw_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm, where=self.facade_name)
-        super().__init__(params, AdamW(betas, eps, weight_decay), lr, zenflow=zenflow, max_grad_norm=max_grad_norm,
-                         steps_per_epoch=steps_per_epoch, dataloader=dataloader, host_timeout=host_timeout,
-                         zero_stage=zero_stage, process_group=process_group, collective_timeout=collective_timeout,
-                         release_gradients=release_gradients)
+        # ``options``: ZenFlow's keyword-only arguments (zenflow, max_grad_norm, ...), written once there; the
+        # signature below lists them
+        unknown = sorted(options.keys() - _ZENFLOW_OPTIONS)
+        if unknown:
+            raise TypeError(f"{self.facade_name}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        check_adamw_hyperparameters(lr, betas, eps, weight_decay, options.get("max_grad_norm"),
+                                    where=self.facade_name)
+        super().__init__(params, AdamW(betas, eps, weight_decay), lr, **options)
+
+
+def _signature(own, base) -> inspect.Signature:
+    """``own``'s signature with its ``**options`` replaced by ``base``'s keyword-only arguments (what ``help()`` and
+    an editor show)."""
+    mine = inspect.signature(own)
+    kept = [p for p in mine.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    theirs = [p for p in inspect.signature(base).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return mine.replace(parameters=kept + theirs)
+
+
+ZenFlowAdamW.__init__.__signature__ = _signature(ZenFlowAdamW.__init__, ZenFlow.__init__)
+_ZENFLOW_OPTIONS = frozenset(p.name for p in inspect.signature(ZenFlow.__init__).parameters.values()
+                             if p.kind is inspect.Parameter.KEYWORD_ONLY)

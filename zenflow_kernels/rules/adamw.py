@@ -37,7 +37,7 @@ class AdamW(UpdateRule):
 
     name = "AdamW"
     state_names = ("exp_avg", "exp_avg_sq")
-    shared = ("beta1", "beta2", "eps")
+    launch_hyperparams = ("beta1", "beta2", "eps")
     decoupled = True
 
     def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01, *,
@@ -58,7 +58,7 @@ class AdamW(UpdateRule):
         check_real(where, "eps", group.get("eps"))
         check_real(where, "weight_decay", group.get("weight_decay"))
 
-    def numbers(self, group: dict) -> dict:
+    def hyperparams(self, group: dict) -> dict:
         return dict(lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                     weight_decay=group["weight_decay"])
 
@@ -70,30 +70,31 @@ class AdamW(UpdateRule):
     fuses_last = True
 
     def host_step_(self, param, grad, state, *, step, grad_scale, out=None, zero_grad=False, rounding=None,
-                   **numbers) -> None:
+                   **hyperparams) -> None:
         from .. import cpu_ops
 
         cpu_ops.cpu_adam_(param, grad, state[0], state[1], step=step, grad_scale=grad_scale, out=out,
-                          zero_grad=zero_grad, adamw=self.decoupled, rounding=rounding, **numbers)
+                          zero_grad=zero_grad, adamw=self.decoupled, rounding=rounding, **hyperparams)
 
     def host_accumulate_step_(self, param, acc, grad, state, *, step, grad_scale, out=None, zero_acc=False,
-                              rounding=None, **numbers) -> None:
+                              rounding=None, **hyperparams) -> None:
         from .. import cpu_ops
 
         cpu_ops.accumulate_adam_(param, acc, grad, state[0], state[1], step=step, grad_scale=grad_scale, out=out,
-                                 zero_acc=zero_acc, adamw=self.decoupled, rounding=rounding, **numbers)
+                                 zero_acc=zero_acc, adamw=self.decoupled, rounding=rounding, **hyperparams)
 
-    def fast_step_(self, items, *, grad_scale, **shared) -> None:
+    def fast_step_(self, items, *, grad_scale, **launch_hyperparams) -> None:
         from .. import ops
 
         if self.decoupled:
-            ops.multi_selective_adamw_items_(items, grad_scale=grad_scale, **shared)
+            ops.multi_selective_adamw_items_(items, grad_scale=grad_scale, **launch_hyperparams)
             return
         kernels = ops.fused_kernels(items[0][0]) if items else None
         if kernels is None:  # the "torch" backend
-            self.reference_fast_step_(items, grad_scale=grad_scale, **shared)
+            self.reference_fast_step_(items, grad_scale=grad_scale, **launch_hyperparams)
         else:
-            kernels.multi_selective_adamw_items_(items, shared["beta1"], shared["beta2"], shared["eps"], grad_scale,
+            h = launch_hyperparams
+            kernels.multi_selective_adamw_items_(items, h["beta1"], h["beta2"], h["eps"], grad_scale,
                                                  False)
 
 

@@ -8,8 +8,9 @@ names and never looks inside. A rule is:
 * ``state_names``: its per-element state, tensors shaped like the parameter, zero at the start (AdamW:
   ``exp_avg``, ``exp_avg_sq``; Lion: ``exp_avg``; SGD with momentum: ``momentum_buffer``; torch's names, so that a
   torch state dict reads the same);
-* its hyper-parameters as param-group keys (``group_defaults``, checked by ``check_group``) and the numbers the step
-  reads (``numbers``: ``lr`` and the rule's own, flat floats);
+* its hyper-parameters as param-group keys (``group_defaults``, checked by ``check_group``) and as the step
+  reads them (``hyperparams``: ``lr`` and the rule's own, flat floats), split into those each tensor of a launch
+  carries (``tensor_hyperparams``) and those one launch shares (``launch_hyperparams``);
 * ``step_``: one step of one tensor in plain torch, at an int step count (1 for the first): the reference the kernels
   are tested against, and the implementation wherever a rule has no kernel;
 * kernels where speed matters: ``host_step_`` (the host pass over flat fp32 runs of the shard, the update ZenFlow
@@ -26,6 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers as _numbers
+import warnings
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -64,25 +66,25 @@ def check_betas(where: str, betas: Any) -> None:
         raise ValueError(f"{where}: betas={betas!r} is invalid: allowed a pair of numbers in [0, 1)")
 
 
-def _number_names(rule) -> frozenset | None:
-    """The names of ``rule.numbers`` at the rule's defaults (None where they cannot be read so)."""
+def _hyperparam_names(rule) -> frozenset | None:
+    """The names of ``rule.hyperparams`` at the rule's defaults (None where they cannot be read so)."""
     try:
-        return frozenset(rule.numbers(dict(rule.group_defaults(), lr=1e-3)))
+        return frozenset(rule.hyperparams(dict(rule.group_defaults(), lr=1e-3)))
     except Exception:
         return None
 
 
-class _DefaultPerTensor:
-    """``UpdateRule.per_tensor``'s default: ``("lr", "weight_decay")``, or ``("lr",)`` for a rule whose numbers have
-    no ``weight_decay`` (a rule without weight decay need not say so). A subclass that sets ``per_tensor`` replaces
-    it."""
+class _DefaultTensorHyperparams:
+    """``UpdateRule.tensor_hyperparams``'s default: ``("lr", "weight_decay")``, or ``("lr",)`` for a rule whose
+    hyper-parameters have no ``weight_decay`` (a rule without weight decay need not say so). A subclass that sets
+    ``tensor_hyperparams`` replaces it."""
 
     def __get__(self, obj, cls=None) -> tuple[str, ...]:
         if obj is None:
             return ("lr", "weight_decay")
-        names = obj.__dict__.get("_zenflow_number_names", False)
+        names = obj.__dict__.get("_zenflow_hyperparam_names", False)
         if names is False:
-            names = obj.__dict__["_zenflow_number_names"] = _number_names(obj)
+            names = obj.__dict__["_zenflow_hyperparam_names"] = _hyperparam_names(obj)
         return ("lr", "weight_decay") if names is None or "weight_decay" in names else ("lr",)
 
 
@@ -95,45 +97,48 @@ class FastItem(NamedTuple):
     state: tuple[torch.Tensor, ...]  # [R, k] each, in state_names order (fp32)
     master: torch.Tensor | None  # [R, k] fp32 values of a low-precision parameter's columns, or None
     step: Any  # an int, or the columns' int64 step counts [k]
-    numbers: dict  # the item's per_tensor numbers by name
+    tensor_hyperparams: dict  # the item's tensor_hyperparams by name
 
 
 def unpack_item(rule: UpdateRule, item: tuple) -> FastItem:
     """A fast-path item (the positional tuple :meth:`UpdateRule.fast_step_` receives) by name."""
     n = len(rule.state_names)
     return FastItem(item[0], item[1], item[2], tuple(item[3 : 3 + n]), item[3 + n], item[4 + n],
-                    dict(zip(rule.per_tensor, item[5 + n :], strict=True)))
+                    dict(zip(rule.tensor_hyperparams, item[5 + n :], strict=True)))
 
 
 def check_rule(rule: UpdateRule, group: dict, where: str) -> None:
     """The rule contract, checked when an optimizer is made (``group``: the rule's defaults with ``lr``): distinct
     ``state_names`` (identifiers, none of the fast path's own ``step``, ``selected``, ``master``); every name the
-    parts read (``per_tensor``: per tensor, ``shared``: per launch) a key of ``numbers(group)``, and every key of it
-    named by one of them (the device's step receives only those); ``step_`` takes ``step`` and every number by
-    keyword. A ValueError (TypeError for ``step_``'s signature) names what is wrong."""
+    parts read (``tensor_hyperparams``: per tensor, ``launch_hyperparams``: per launch) a key of ``hyperparams(group)``,
+    and every key of it named by one of them (the device's step receives only those); ``step_`` takes ``step`` and every
+    hyper-parameter by keyword. A ValueError (TypeError for ``step_``'s signature) names what is wrong."""
     label = f"{where}: {rule!r}"
     names = rule.state_names
     if not isinstance(names, tuple) or not all(isinstance(n, str) and n.isidentifier() for n in names) or len(
             set(names)) != len(names) or set(names) & set(RESERVED_STATE_NAMES):
         raise ValueError(f"{label}: state_names={names!r} is invalid: allowed a tuple of distinct identifiers, none "
                          f"of {', '.join(RESERVED_STATE_NAMES)} (the fast path's own entries)")
-    numbers = rule.numbers(group)
-    if not isinstance(numbers, dict) or not all(isinstance(k, str) for k in numbers):
-        raise ValueError(f"{label}: numbers() returned {type(numbers).__name__}: allowed a dict of numbers by name")
-    per_tensor, shared = tuple(rule.per_tensor), tuple(rule.shared)
-    given = ", ".join(map(repr, numbers)) or "nothing"
-    for part, read in (("per_tensor", per_tensor), ("shared", shared)):
-        missing = [n for n in read if n not in numbers]
+    hyperparams = rule.hyperparams(group)
+    if not isinstance(hyperparams, dict) or not all(isinstance(k, str) for k in hyperparams):
+        raise ValueError(f"{label}: hyperparams() returned {type(hyperparams).__name__}: allowed a dict of floats by "
+                         "name")
+    tensor_hyperparams, launch_hyperparams = tuple(rule.tensor_hyperparams), tuple(rule.launch_hyperparams)
+    given = ", ".join(map(repr, hyperparams)) or "nothing"
+    for part, read in (("tensor_hyperparams", tensor_hyperparams), ("launch_hyperparams", launch_hyperparams)):
+        missing = [n for n in read if n not in hyperparams]
         if missing:
-            raise ValueError(f"{label}: {part} names {', '.join(map(repr, missing))}, which numbers() does not give "
-                             f"(it gives {given}): every name the parts read must be a key of numbers()")
-    both = sorted(set(per_tensor) & set(shared))
+            raise ValueError(f"{label}: {part} names {', '.join(map(repr, missing))}, which hyperparams() does not "
+                             f"give (it gives {given}): every name the parts read must be a key of hyperparams()")
+    both = sorted(set(tensor_hyperparams) & set(launch_hyperparams))
     if both:
-        raise ValueError(f"{label}: {', '.join(map(repr, both))} is in both per_tensor and shared: allowed in one")
-    unread = [n for n in numbers if n not in per_tensor and n not in shared]
+        raise ValueError(f"{label}: {', '.join(map(repr, both))} is in both tensor_hyperparams and launch_hyperparams: "
+                         "allowed in one")
+    unread = [n for n in hyperparams if n not in tensor_hyperparams and n not in launch_hyperparams]
     if unread:
-        raise ValueError(f"{label}: numbers() gives {', '.join(map(repr, unread))}, which neither per_tensor "
-                         f"{per_tensor!r} nor shared {shared!r} names: the device's step would not receive it")
+        raise ValueError(f"{label}: hyperparams() gives {', '.join(map(repr, unread))}, which neither "
+                         f"tensor_hyperparams {tensor_hyperparams!r} nor launch_hyperparams {launch_hyperparams!r} "
+                         "names: the device's step would not receive it")
     try:
         params = inspect.signature(rule.step_).parameters
     except (TypeError, ValueError):  # a builtin or a C callable: nothing to read
@@ -141,15 +146,29 @@ def check_rule(rule: UpdateRule, group: dict, where: str) -> None:
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         takes = {n for n, p in params.items()
                  if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
-        missing = [n for n in ("step", *numbers) if n not in takes]
+        missing = [n for n in ("step", *hyperparams) if n not in takes]
         if missing:
             raise TypeError(f"{label}: step_ does not take {', '.join(map(repr, missing))} by keyword: it is called "
-                            f"as step_(param, grad, state, step=..., {', '.join(f'{n}=...' for n in numbers)})")
+                            f"as step_(param, grad, state, step=..., {', '.join(f'{n}=...' for n in hyperparams)})")
+
+
+RENAMED = {"numbers": "hyperparams", "per_tensor": "tensor_hyperparams", "shared": "launch_hyperparams"}
+"""The names a rule of one's own wrote before 0.1's renaming (old -> new); a subclass that still writes one gets it
+under the new name, with a DeprecationWarning."""
 
 
 class UpdateRule:
     """An optimizer's update rule, as ZenFlow applies it (module docstring). Subclasses set ``name``,
-    ``state_names``, ``shared`` and write ``group_defaults``, ``check_group``, ``numbers`` and ``step_``."""
+    ``state_names``, ``launch_hyperparams`` and write ``group_defaults``, ``check_group``, ``hyperparams`` and
+    ``step_``."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for old, new in RENAMED.items():
+            if old in cls.__dict__ and new not in cls.__dict__:
+                warnings.warn(f"{cls.__name__}.{old} is now called {new}: rename it (the old name stops working in a "
+                              "later release)", DeprecationWarning, stacklevel=2)
+                setattr(cls, new, cls.__dict__[old])
 
     name: ClassVar[str] = ""
     """Recorded in checkpoints: a checkpoint of another rule is refused."""
@@ -164,11 +183,11 @@ class UpdateRule:
     counter-based hash of ``rounding_seed``, the host step and the element: ``zenflow_kernels.rounding``)."""
     rounding_seed: int = 0
     """The seed of stochastic rounding (an integer in [0, 2^32))."""
-    per_tensor: ClassVar[tuple[str, ...]] = _DefaultPerTensor()
-    """Numbers a multi-tensor launch takes per tensor (they may differ between param groups in one launch); by
-    default ``("lr", "weight_decay")``, or ``("lr",)`` where ``numbers`` gives no ``weight_decay``."""
-    shared: ClassVar[tuple[str, ...]] = ()
-    """The other numbers: one launch per distinct set of them."""
+    tensor_hyperparams: ClassVar[tuple[str, ...]] = _DefaultTensorHyperparams()
+    """Hyper-parameters a multi-tensor launch takes per tensor (they may differ between param groups in one launch); by
+    default ``("lr", "weight_decay")``, or ``("lr",)`` where ``hyperparams`` gives no ``weight_decay``."""
+    launch_hyperparams: ClassVar[tuple[str, ...]] = ()
+    """The other hyper-parameters: one launch per distinct set of them."""
     uses_step: ClassVar[bool] = True
     """``step_`` reads its step count (False: the columns of a matrix need not be grouped by it)."""
     compile: bool | str = "auto"
@@ -216,11 +235,11 @@ class UpdateRule:
         raise NotImplementedError
 
     def check_group(self, group: dict, where: str) -> None:
-        """A param group's numbers (``lr`` included), or a ValueError naming the key, its value and what is
+        """A param group's hyper-parameters (``lr`` included), or a ValueError naming the key, its value and what is
         allowed."""
         check_lr(group.get("lr"), where)  # a number, or a 1-element float tensor (as torch.optim takes it)
 
-    def numbers(self, group: dict) -> dict:
+    def hyperparams(self, group: dict) -> dict:
         """The floats ``step_`` and the kernels read of a (checked) param group: ``lr`` and the rule's own."""
         raise NotImplementedError
 
@@ -239,27 +258,27 @@ class UpdateRule:
     # -- the step -------------------------------------------------------------------------------------
 
     def step_(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], *, step: int,
-              **numbers) -> None:
+              **hyperparams) -> None:
         """One step of ``param`` in place with ``grad`` (fp32, its shape), ``state`` its tensors by name (updated in
-        place), ``step`` this step's count (1 for the first); ``numbers`` as :meth:`numbers` gives them."""
+        place), ``step`` this step's count (1 for the first); ``hyperparams`` as :meth:`hyperparams` gives them."""
         raise NotImplementedError
 
     def columns_step_(self, block: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
-                      steps: torch.Tensor | int, **numbers) -> None:
+                      steps: torch.Tensor | int, **hyperparams) -> None:
         """:meth:`step_` on the columns of ``block`` [R, k] where column j is at its own step ``steps[j]``: columns
         sharing a step count are stepped together (a rule that does not read it: all at once)."""
         if isinstance(steps, int) or not self.uses_step:
-            self.step_(block, grad, state, step=steps if isinstance(steps, int) else 0, **numbers)
+            self.step_(block, grad, state, step=steps if isinstance(steps, int) else 0, **hyperparams)
             return
         values = torch.unique(steps).tolist()
         if len(values) == 1:
-            self.step_(block, grad, state, step=int(values[0]), **numbers)
+            self.step_(block, grad, state, step=int(values[0]), **hyperparams)
             return
         for s in values:
             cols = (steps == s).nonzero().flatten()
             part = block.index_select(1, cols)
             held = {name: t.index_select(1, cols) for name, t in state.items()}
-            self.step_(part, grad.index_select(1, cols), held, step=int(s), **numbers)
+            self.step_(part, grad.index_select(1, cols), held, step=int(s), **hyperparams)
             block.index_copy_(1, cols, part)
             for name, t in held.items():
                 state[name].index_copy_(1, cols, t)
@@ -272,7 +291,7 @@ class UpdateRule:
 
     def host_step_(self, param: torch.Tensor, grad: torch.Tensor, state: list[torch.Tensor], *, step: int,
                    grad_scale: float, out: torch.Tensor | None = None, zero_grad: bool = False,
-                   rounding: StochasticRounding | None = None, **numbers) -> None:
+                   rounding: StochasticRounding | None = None, **hyperparams) -> None:
         """The host pass over flat fp32 runs: ``param`` (the master) stepped with ``grad / grad_scale`` (``grad``
         the sums, fp32), ``state`` in ``state_names`` order, the result rounded into ``out`` (fp32/bf16/fp16, the
         copy-out) and ``grad`` zeroed with ``zero_grad``. ``rounding`` (passed only where ``state_rounding`` is
@@ -283,20 +302,20 @@ class UpdateRule:
         from .compiled import compiled_host_step_
 
         if not compiled_host_step_(self, param, grad, state, step=step, grad_scale=grad_scale, out=out,
-                                   zero_grad=zero_grad, numbers=numbers, rounding=rounding):
+                                   zero_grad=zero_grad, hyperparams=hyperparams, rounding=rounding):
             self.eager_host_step_(param, grad, state, step=step, grad_scale=grad_scale, out=out, zero_grad=zero_grad,
-                                  rounding=rounding, **numbers)
+                                  rounding=rounding, **hyperparams)
 
     def eager_host_step_(self, param: torch.Tensor, grad: torch.Tensor, state: list[torch.Tensor], *, step: int,
                          grad_scale: float, out: torch.Tensor | None = None, zero_grad: bool = False,
-                         rounding: StochasticRounding | None = None, **numbers) -> None:
+                         rounding: StochasticRounding | None = None, **hyperparams) -> None:
         """:meth:`host_step_` as :meth:`step_` in eager torch (torch ops on the host worker's thread use torch's
         thread count and start a second OpenMP team of torch's). State in bf16 is stepped in fp32 copies and
         rounded back, to nearest even or (``rounding``) stochastically, as the kernels do."""
         g = grad.float()
         g = g.clone() if grad_scale == 1.0 else g.mul(1.0 / grad_scale)  # the kernels' float32 reciprocal
         work = [t if t.dtype == torch.float32 else t.float() for t in state]
-        self.step_(param, g, dict(zip(self.state_names, work, strict=True)), step=step, **numbers)
+        self.step_(param, g, dict(zip(self.state_names, work, strict=True)), step=step, **hyperparams)
         for k, (t, w) in enumerate(zip(state, work, strict=True)):
             if w is not t:
                 t.copy_(w if rounding is None else round_to_bf16(w, rounding, k))
@@ -306,26 +325,26 @@ class UpdateRule:
             grad.zero_()
 
     def host_accumulate_step_(self, param, acc, grad, state, *, step, grad_scale, out=None, zero_acc=False,
-                              **numbers) -> None:
+                              **hyperparams) -> None:
         """``acc += grad`` and :meth:`host_step_` with ``acc`` in one pass (where ``fuses_last``; ``rounding``
-        passed on in ``numbers`` as to :meth:`host_step_`)."""
+        passed on in ``hyperparams`` as to :meth:`host_step_`)."""
         acc.add_(grad.reshape(acc.shape).float())
-        self.host_step_(param, acc, state, step=step, grad_scale=grad_scale, out=out, zero_grad=zero_acc, **numbers)
+        self.host_step_(param, acc, state, step=step, grad_scale=grad_scale, out=out, zero_grad=zero_acc, **hyperparams)
 
-    def fast_step_(self, items: list[tuple], *, grad_scale: float, **shared) -> None:
+    def fast_step_(self, items: list[tuple], *, grad_scale: float, **launch_hyperparams) -> None:
         """The device's update of every item of one launch: ``(param [R, C], grad [R, C], columns [k] or None,
-        *state ([R, k] each, in state_names order), master [R, k] fp32 or None, step, *per_tensor)``. ``columns``
-        None: every column (a vector as [1, n]). ``master``: the fp32 values of a low-precision parameter's
+        *state ([R, k] each, in state_names order), master [R, k] fp32 or None, step, *tensor_hyperparams)``.
+        ``columns`` None: every column (a vector as [1, n]). ``master``: the fp32 values of a low-precision parameter's
         columns, stepped and rounded into it. ``step``: an int, or the columns' int64 counts [k]
         (:func:`unpack_item` names the parts). The default is :meth:`step_` compiled over every item in one call
         (``rules.compiled``), or :meth:`reference_fast_step_` where it is not compiled (``compile``); the
         built-in rules launch fused kernels (``zenflow_kernels.ops``)."""
         from .compiled import compiled_fast_step_
 
-        if not compiled_fast_step_(self, items, grad_scale=grad_scale, shared=shared):
-            self.reference_fast_step_(items, grad_scale=grad_scale, **shared)
+        if not compiled_fast_step_(self, items, grad_scale=grad_scale, launch_hyperparams=launch_hyperparams):
+            self.reference_fast_step_(items, grad_scale=grad_scale, **launch_hyperparams)
 
-    def reference_fast_step_(self, items: list[tuple], *, grad_scale: float, **shared) -> None:
+    def reference_fast_step_(self, items: list[tuple], *, grad_scale: float, **launch_hyperparams) -> None:
         """:meth:`fast_step_` in plain torch: each item's gradient columns gathered, multiplied by
         ``1 / grad_scale``, and stepped with :meth:`columns_step_`; the reference the fused kernels are tested
         against, and the torch backend's implementation (``ops.use_backend("torch")``)."""
@@ -334,7 +353,7 @@ class UpdateRule:
         for item in items:
             p, g, idx = item[:3]
             state, master, step = item[3 : 3 + n], item[3 + n], item[4 + n]
-            numbers = dict(zip(self.per_tensor, item[5 + n :], strict=True), **shared)
+            hyperparams = dict(zip(self.tensor_hyperparams, item[5 + n :], strict=True), **launch_hyperparams)
             grad = g.float() if idx is None else g.index_select(1, idx).float()
             if grad_scale != 1.0:
                 grad = grad.mul_(inv) if grad is not g else grad.mul(inv)
@@ -344,7 +363,7 @@ class UpdateRule:
                 work = p if p.dtype == torch.float32 else p.float()  # fp32 arithmetic, one rounding (the kernels')
             else:
                 work = p.index_select(1, idx).float()
-            self.columns_step_(work, grad, dict(zip(self.state_names, state, strict=True)), step, **numbers)
+            self.columns_step_(work, grad, dict(zip(self.state_names, state, strict=True)), step, **hyperparams)
             if idx is None:
                 if work is not p:
                     p.copy_(work)

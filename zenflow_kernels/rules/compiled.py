@@ -13,14 +13,14 @@ A rule whose author wrote ``step_`` and no kernel (``host_step_`` and ``fast_ste
 * the fast path over the selected columns (``UpdateRule.fast_step_``): every item's selected columns packed into
   flat fp32 buffers (``rules.packing``: one numba launch on the CPU, where the state can live in the packed buffer
   between steps; torch ops on a device), the same compiled flat step over each run of columns that share their
-  numbers (param groups) and, for a rule that reads its step count (``uses_step``), their count (the reference's
-  grouping, ``UpdateRule.columns_step_``), and unpacked back into the parameters, masters and state: a few calls per
-  launch whatever the number of tensors. Inductor's C++ on the CPU, Triton on a CUDA device.
+  hyper-parameters (param groups) and, for a rule that reads its step count (``uses_step``), their count (the
+  reference's grouping, ``UpdateRule.columns_step_``), and unpacked back into the parameters, masters and state: a few
+  calls per launch whatever the number of tensors. Inductor's C++ on the CPU, Triton on a CUDA device.
 
 Compiled once per rule class, device type and thread count; Dynamo's guards add one compile per dtype combination it
 meets (fp32 or bf16 state, the copy-out's dtype, a low-precision parameter's master) and per branch a ``step_``
 takes on a number (``if weight_decay != 0``). Lengths are dynamic (a new selection or another run length does not
-recompile), and the numbers (``lr``, the rule's own, ``grad_scale``, the step count) are graph inputs, not
+recompile), and the hyper-parameters (``lr``, the rule's own, ``grad_scale``, the step count) are graph inputs, not
 constants: the step count an int (a symbolic integer: ``math.sqrt(1 - beta2 ** step)`` stays symbolic), each Python
 float a 0-dim tensor, and the decompositions below rewrite the ops that take a number as a Scalar argument
 (``add_(x, alpha=-lr)``, ``addcmul_(.., value=)``, ``addcdiv_``, ``lerp_(.., weight)``, ``pow``, ``clamp``) into
@@ -28,7 +28,7 @@ tensor arithmetic, so an LR schedule does not recompile. An op outside that list
 Dynamo recompile when it changes: after ``MAX_COMPILES`` compiles of one place the rule runs eager there, with a
 warning. Inductor's caches (``TORCHINDUCTOR_CACHE_DIR``) make a second process's compile cheap.
 
-Known cost: numbers a ``step_`` derives from its numbers (``1 - beta1 ** step``, ``lr / bias_correction1``) are
+Known cost: values a ``step_`` derives from its hyper-parameters (``1 - beta1 ** step``, ``lr / bias_correction1``) are
 scalar computations that Inductor fuses into the elementwise loop, recomputed once per vector of elements; a ``pow``
 there costs more than the bytes (2^22 elements, one thread: AdamW's own ``step_`` compiled 55 ms against its numba
 kernel's 7.5, bench/results/compiled_rules_cpu.json; a three-state rule with two bias corrections 48 ms against
@@ -229,7 +229,7 @@ _compiling = [0]  # compiles in progress, on any thread (``compiling``)
 
 def compiling() -> bool:
     """A compile is in progress: a wait for the host worker does not count it against ``host_timeout`` (a first
-    compile takes seconds to tens of seconds on a loaded machine; ``HostWorker.wait``)."""
+    compile takes seconds to tens of seconds on a loaded machine; ``link.worker.HostWorker.wait``)."""
     return _compiling[0] > 0
 
 
@@ -373,22 +373,22 @@ def _step_input(step) -> int:
     return int(step)
 
 
-def compiled_host_step_(rule, param, grad, state, *, step, grad_scale, out, zero_grad, numbers: dict,
+def compiled_host_step_(rule, param, grad, state, *, step, grad_scale, out, zero_grad, hyperparams: dict,
                         rounding=None) -> bool:
     """``UpdateRule.host_step_`` compiled (the module docstring); False where the call runs eager instead.
     ``rounding`` (stochastic rounding of bf16 state) enters as 0-d int64 tensors: the key, then each state tensor's
-    salt (numbers that change every call: as tensors no recompile)."""
+    salt (hyper-parameters that change every call: as tensors no recompile)."""
     if _own(rule, "host_step_"):
         return False
     why = _wants(rule, "host", param.numel() >= HOST_MIN_NUMEL)
     if why is not None:
         return _eager(rule, "host", why)
     entry = _entry(rule, "flat", param.device.type, _threads(param.device, param.numel()))
-    names = tuple(numbers)
+    names = tuple(hyperparams)
     rounded = None if rounding is None else (torch.tensor(rounding.key), *(
         torch.tensor(rounding.salt(k)) for k in range(len(state))))
     return _call(rule, "host", entry, (rule, param, grad, tuple(state), out, bool(zero_grad), _step_input(step),
-                                       1.0 / grad_scale, names, tuple(numbers[n] for n in names), rounded))
+                                       1.0 / grad_scale, names, tuple(hyperparams[n] for n in names), rounded))
 
 
 def _item_steps(steps: list) -> list:
@@ -407,10 +407,10 @@ def _item_steps(steps: list) -> list:
     return out
 
 
-def compiled_fast_step_(rule, items: list, *, grad_scale: float, shared: dict) -> bool:
+def compiled_fast_step_(rule, items: list, *, grad_scale: float, launch_hyperparams: dict) -> bool:
     """``UpdateRule.fast_step_`` compiled (the module docstring): the items' selected columns packed into flat
-    buffers (``rules.packing``), the compiled flat step over each run of columns that share their numbers (and step
-    count), unpacked back. False where the call runs eager instead."""
+    buffers (``rules.packing``), the compiled flat step over each run of columns that share their hyper-parameters (and
+    step count), unpacked back. False where the call runs eager instead."""
     if _own(rule, "fast_step_"):
         return False
     if not items:
@@ -426,18 +426,19 @@ def compiled_fast_step_(rule, items: list, *, grad_scale: float, shared: dict) -
     entry = _entry(rule, "flat", device.type, _threads(device, numel))  # (the host pass's function)
     if entry.failed is not None:
         return _eager(rule, "fast", entry.failed)
-    inv, names, first = 1.0 / grad_scale, (*rule.per_tensor, *shared), True
+    inv, names, first = 1.0 / grad_scale, (*rule.tensor_hyperparams, *launch_hyperparams), True
     for part in dtype_parts(items, n):  # (the numba packing takes one combination of dtypes per launch)
         packed = packed_for(part, n)
         if packed.numel == 0:
             continue
         keys: dict[tuple, int] = {}
         groups = [keys.setdefault(tuple(it[5 + n :]), len(keys)) for it in part]
-        numbers = list(keys)
+        tensor_values = list(keys)
         runs = packed.runs(part, groups, _item_steps([it[4 + n] for it in part]) if rule.uses_step else None)
         for lo, hi, g, step in runs:
             args = (rule, packed.P[lo:hi], packed.G[lo:hi], tuple(packed.S[i, lo:hi] for i in range(n)), None, False,
-                    _step_input(step), inv, names, (*numbers[g], *shared.values()), None)  # (fp32 state: no rounding)
+                    _step_input(step), inv, names, (*tensor_values[g], *launch_hyperparams.values()),
+                    None)  # (fp32 state: no rounding)
             if not _call(rule, "fast", entry, args):
                 if first:
                     return False  # (nothing was written: the caller runs the launch eager)

@@ -177,10 +177,10 @@ class TorchRule(UpdateRule):
     torch_class: type = torch.optim.Optimizer
     _layout: _Layout
 
-    def __init__(self, hyper: dict, defaults: dict, mapping: dict, layout: _Layout, state_dtype: torch.dtype,
+    def __init__(self, torch_kwargs: dict, defaults: dict, mapping: dict, layout: _Layout, state_dtype: torch.dtype,
                  uses_step: bool, state_rounding: str = "nearest", rounding_seed: int = 0):
-        self.hyper = dict(hyper)  # what from_torch was given (repr)
-        self._defaults = defaults  # group key -> value (the numbers' keys)
+        self.torch_kwargs = dict(torch_kwargs)  # what from_torch was given (repr)
+        self._defaults = defaults  # group key -> value (the hyper-parameters' keys)
         self._mapping = mapping  # functional keyword -> (group key, element or None)
         self._layout = layout
         self._fixed = {k: v[1] for k, v in layout.layout.items() if v[0] == "value" and k not in mapping}
@@ -213,7 +213,7 @@ class TorchRule(UpdateRule):
     def _check_values(self, values: dict, where: str) -> bool:
         """torch's own checks of a group's values, the same state layout as the rule's, and whether the step reads its
         step count at them."""
-        layout = _probe(self.torch_class, {**self.hyper, **values, "lr": 1e-3}, where)
+        layout = _probe(self.torch_class, {**self.torch_kwargs, **values, "lr": 1e-3}, where)
         if layout.signature() != self._layout.signature():
             raise ValueError(
                 f"{where}: {', '.join(f'{k}={v!r}' for k, v in values.items())} needs torch's state "
@@ -221,7 +221,7 @@ class TorchRule(UpdateRule):
                 f"({self!r}): pass such values to rules.from_torch")
         return _reads_step(self, values)
 
-    def numbers(self, group: dict) -> dict:
+    def hyperparams(self, group: dict) -> dict:
         out = {}
         for kw, (key, element) in self._mapping.items():
             value = group[key]
@@ -229,11 +229,11 @@ class TorchRule(UpdateRule):
         return out
 
     @property
-    def per_tensor(self) -> tuple[str, ...]:
+    def tensor_hyperparams(self) -> tuple[str, ...]:
         return ("lr", "weight_decay") if "weight_decay" in self._mapping else ("lr",)
 
     @property
-    def shared(self) -> tuple[str, ...]:
+    def launch_hyperparams(self) -> tuple[str, ...]:
         return tuple(k for k in self._mapping if k not in ("lr", "weight_decay"))
 
     def to_dict(self) -> dict:
@@ -241,12 +241,12 @@ class TorchRule(UpdateRule):
                 "flags": {k: v for k, v in self._fixed.items() if isinstance(v, (bool, int, float, str, type(None)))}}
 
     def __repr__(self) -> str:
-        args = "".join(f", {k}={v!r}" for k, v in self.hyper.items()) + self.storage_args()
+        args = "".join(f", {k}={v!r}" for k, v in self.torch_kwargs.items()) + self.storage_args()
         return f"rules.from_torch(torch.optim.{self.torch_class.__name__}{args})"
 
     # -- the step ---------------------------------------------------------------------------------------------------
 
-    def step_(self, param, grad, state, *, step, **numbers) -> None:
+    def step_(self, param, grad, state, *, step, **hyperparams) -> None:
         """torch's functional step of ``param`` (its single-tensor implementation), at step count ``step``."""
         args = {}
         for arg, how in self._layout.layout.items():
@@ -262,7 +262,7 @@ class TorchRule(UpdateRule):
             elif kind == "empty":
                 args[arg] = []
         args.update(self._fixed)
-        args.update(numbers)
+        args.update(hyperparams)
         positional = [args.pop(name) for name in self._layout.positional]
         self._layout.fn(*positional, **args)
 
@@ -272,13 +272,13 @@ def _reads_step(rule: TorchRule, values: dict) -> bool:
     these values)."""
     g = torch.Generator().manual_seed(0)
     p0, grads = torch.randn(64, generator=g), [torch.randn(64, generator=g) for _ in range(2)]
-    numbers = rule.numbers(dict(values, lr=1e-2))
+    hyperparams = rule.hyperparams(dict(values, lr=1e-2))
     outs = []
     with torch.no_grad():
         for first in (1, 5):
             p, st = p0.clone(), {n: torch.zeros(64) for n in rule.state_names}
             for n, grad in enumerate(grads):
-                rule.step_(p, grad.clone(), st, step=first + n, **numbers)
+                rule.step_(p, grad.clone(), st, step=first + n, **hyperparams)
             outs.append((p, *st.values()))
     return not all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
@@ -287,29 +287,29 @@ _classes: dict[tuple, type] = {}
 
 
 def from_torch(optimizer_class: type, *, state_dtype: torch.dtype = torch.float32, state_rounding: str = "nearest",
-               rounding_seed: int = 0, **hyper) -> TorchRule:
+               rounding_seed: int = 0, **torch_kwargs) -> TorchRule:
     """The update rule of ``optimizer_class`` (a ``torch.optim`` optimizer with per-element state) with its
-    hyper-parameters ``hyper`` (its keyword arguments but ``lr``, ZenFlow's, and ``foreach``, ``fused``,
+    hyper-parameters ``torch_kwargs`` (its keyword arguments but ``lr``, ZenFlow's, and ``foreach``, ``fused``,
     ``capturable``, ``differentiable``, ZenFlow's choice: the single-tensor step); ``state_dtype`` as the built-in
     rules' (bf16 host state), ``state_rounding`` and ``rounding_seed`` too (``UpdateRule``). The module docstring
     says what is read from torch and what is refused, with a ValueError that says why."""
     where = f"rules.from_torch({getattr(optimizer_class, '__name__', optimizer_class)!s})"
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"{where}: {optimizer_class!r} is invalid: allowed a torch.optim.Optimizer subclass")
-    taken = [k for k in _NOT_RULE if k in hyper]
+    taken = [k for k in _NOT_RULE if k in torch_kwargs]
     if taken:
         raise ValueError(f"{where}: {', '.join(f'{k}=' for k in taken)} is not the rule's: lr is ZenFlow's "
                          "(ZenFlow(params, rule, lr=...)); the step is torch's single-tensor one")
     check_state_dtype(where, state_dtype)
     check_state_rounding(where, state_rounding, state_dtype, rounding_seed)
-    layout = _probe(optimizer_class, dict(hyper, lr=1e-3), where)
-    probe_opt = optimizer_class([torch.zeros(1, requires_grad=True)], lr=1e-3, **hyper)
+    layout = _probe(optimizer_class, dict(torch_kwargs, lr=1e-3), where)
+    probe_opt = optimizer_class([torch.zeros(1, requires_grad=True)], lr=1e-3, **torch_kwargs)
     defaults = {k: v for k, v in probe_opt.defaults.items() if k not in _NOT_RULE}
     # which functional keyword reads which group value: a probe with every real value distinct
     distinct = _distinct({"lr": 1e-3, **defaults})
     mapping: dict[str, tuple] = {}
     try:
-        second = _probe(optimizer_class, {**hyper, **distinct}, where, zero_start=False)
+        second = _probe(optimizer_class, {**torch_kwargs, **distinct}, where, zero_start=False)
     except ValueError:  # (values torch refuses: match the first probe's values, where they are unique)
         second, distinct = layout, {"lr": 1e-3, **{k: v for k, v in defaults.items()}}
     where_is: dict[float, list] = {}
@@ -338,7 +338,7 @@ def from_torch(optimizer_class: type, *, state_dtype: torch.dtype = torch.float3
         cls = _classes[key] = type(name, (TorchRule,), {
             "name": name, "state_names": layout.state_names, "torch_class": optimizer_class,
             "__module__": __name__, "__doc__": f"torch.optim.{name}'s step as a ZenFlow rule (rules.from_torch)."})
-    rule = cls(hyper, group_keys, mapping, layout, state_dtype, uses_step=False, state_rounding=state_rounding,
+    rule = cls(torch_kwargs, group_keys, mapping, layout, state_dtype, uses_step=False, state_rounding=state_rounding,
                rounding_seed=int(rounding_seed))
     rule.uses_step = _reads_step(rule, group_keys)
     rule._checked[tuple(group_keys.items())] = rule.uses_step

@@ -18,7 +18,7 @@ class Lion(UpdateRule):
 
     name = "Lion"
     state_names = ("exp_avg",)
-    shared = ("beta1", "beta2")
+    launch_hyperparams = ("beta1", "beta2")
     uses_step = False
 
     def __init__(self, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
@@ -36,7 +36,7 @@ class Lion(UpdateRule):
         check_betas(where, group.get("betas"))
         check_real(where, "weight_decay", group.get("weight_decay"))
 
-    def numbers(self, group: dict) -> dict:
+    def hyperparams(self, group: dict) -> dict:
         return dict(lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                     weight_decay=group["weight_decay"])
 
@@ -49,11 +49,11 @@ class Lion(UpdateRule):
         exp_avg.lerp_(grad, 1 - beta2)
 
     def host_step_(self, param, grad, state, *, step, grad_scale, out=None, zero_grad=False, rounding=None,
-                   **numbers) -> None:
+                   **hyperparams) -> None:
         from .. import cpu_ops
 
         cpu_ops.cpu_lion_(param, grad, state[0], grad_scale=grad_scale, out=out, zero_grad=zero_grad,
-                          rounding=rounding, **numbers)
+                          rounding=rounding, **hyperparams)
 
     def fast_step_(self, items, *, grad_scale, beta1, beta2) -> None:
         from .. import ops

@@ -1,13 +1,13 @@
 """The compiled fast path's layout (``rules.compiled``): the selected columns of every item of a launch packed into flat
-fp32 buffers, stepped there by the rule's compiled flat step (a call per run of columns that share their numbers and,
-for a rule that reads it, their step count), and unpacked back.
+fp32 buffers, stepped there by the rule's compiled flat step (a call per run of columns that share their
+hyper-parameters and, for a rule that reads it, their step count), and unpacked back.
 
 On the CPU, packing and unpacking are one numba launch each over every item (``cpu_ops/column_packing.py``:
 addresses in an int64 table, the multi-tensor launches' way), so a launch of many small tensors costs three calls
 whatever their number; elsewhere (a CUDA device, a strided tensor) they are torch ops, a few per item. The layout of
 one list of tensors is kept in its ``LaunchItems.launch_cache`` (the optimizer launches the same tensors at every
-step of a selection) and rebuilt when the items' numbers split them differently or (``uses_step``) their columns'
-step counts do.
+step of a selection) and rebuilt when the items' hyper-parameters split them differently or (``uses_step``) their
+columns' step counts do.
 
 Columns are packed column by column (``rows`` values each) in the order of their run: the step is elementwise, as
 the host pass over flat runs of many parameters already requires of a rule.
@@ -28,11 +28,11 @@ def _grad_layout(g: torch.Tensor) -> tuple:
 
 
 class Packed:
-    """The packing of one list of items ``(param, grad, columns, *state, master, step, *per_tensor)`` (the layout of
-    ``UpdateRule.fast_step_``): ``runs(items, ...)`` packs them and gives the flat runs to step, ``unpack()`` writes
-    them back. A block is one item's columns at one step count (all of them, but for a rule that reads its step
+    """The packing of one list of items ``(param, grad, columns, *state, master, step, *tensor_hyperparams)`` (the
+    layout of ``UpdateRule.fast_step_``): ``runs(items, ...)`` packs them and gives the flat runs to step, ``unpack()``
+    writes them back. A block is one item's columns at one step count (all of them, but for a rule that reads its step
     count and a matrix whose columns are at several), packed row-major ``[rows, columns]``; blocks are ordered by
-    their numbers and step count, so that each run is contiguous."""
+    their hyper-parameters and step count, so that each run is contiguous."""
 
     def __init__(self, items, n_state: int, *, home: bool = False):
         self.n_state = n_state
@@ -65,10 +65,10 @@ class Packed:
         return self.made_for.fits(items)
 
     def runs(self, items, groups: list[int], steps: list | None) -> list[tuple[int, int, int, float]]:
-        """Pack ``items`` (``groups[t]``: item t's group of numbers; ``steps``: None, or each item's step count: a
-        float, or its columns' counts as a numpy array) and return the flat runs ``(lo, hi, group, step)``."""
-        # the blocks depend on which columns share their numbers and step counts, not on the counts' values (they all
-        # advance by one at a step): kept while that partition stays
+        """Pack ``items`` (``groups[t]``: item t's group of hyper-parameters; ``steps``: None, or each item's step
+        count: a float, or its columns' counts as a numpy array) and return the flat runs ``(lo, hi, group, step)``."""
+        # the blocks depend on which columns share their hyper-parameters and step counts, not on the counts' values
+        # (they all advance by one at a step): kept while that partition stays
         pattern = None if steps is None else tuple(
             None if isinstance(a, float) else np.unique(a, return_inverse=True)[1].tobytes() for a in steps)
         key = (tuple(groups), pattern)

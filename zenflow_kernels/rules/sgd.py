@@ -18,7 +18,7 @@ class SGD(UpdateRule):
     step takes the gradient as it is (torch's), so a column entering the fast path starts its buffer afresh."""
 
     name = "SGD"
-    shared = ("momentum", "dampening", "nesterov")
+    launch_hyperparams = ("momentum", "dampening", "nesterov")
 
     def __init__(self, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, *, state_dtype: torch.dtype = torch.float32,
@@ -53,7 +53,7 @@ class SGD(UpdateRule):
             raise ValueError(f"{where}: momentum={group['momentum']!r} is invalid for rules.SGD(momentum=0), which "
                              "keeps no momentum buffer: allowed 0 (give the rule a momentum to use it in any group)")
 
-    def numbers(self, group: dict) -> dict:
+    def hyperparams(self, group: dict) -> dict:
         return dict(lr=float(group["lr"]), momentum=group["momentum"], dampening=group["dampening"],
                     nesterov=group["nesterov"], weight_decay=group["weight_decay"])
 
@@ -71,11 +71,11 @@ class SGD(UpdateRule):
         param.add_(d, alpha=-lr)
 
     def host_step_(self, param, grad, state, *, step, grad_scale, out=None, zero_grad=False, rounding=None,
-                   **numbers) -> None:
+                   **hyperparams) -> None:
         from .. import cpu_ops
 
         cpu_ops.cpu_sgd_(param, grad, state[0] if state else None, step=step, grad_scale=grad_scale, out=out,
-                         zero_grad=zero_grad, rounding=rounding, **numbers)
+                         zero_grad=zero_grad, rounding=rounding, **hyperparams)
 
     def fast_step_(self, items, *, grad_scale, momentum, dampening, nesterov) -> None:
         from .. import ops

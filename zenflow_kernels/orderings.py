@@ -1,12 +1,13 @@
-"""The switches that put back a former order of work, for benchmarks and ablations: one documented place.
+"""The switches that put back a former order of work (the library's orderings, for benchmarks to measure): one
+documented place.
 
 Each switch names an ordering the library chose because it is faster; turning it off restores the order it
 replaced, with the same results (every switch is about *when* work runs, never about *what* is computed: the
 tests compare both settings bit for bit). Benchmarks set them to measure what each choice is worth::
 
-    from zenflow_kernels.ablations import ablations
+    from zenflow_kernels.orderings import orderings
 
-    with ablations.changed(early_handover=False):   # read when the optimizer is built: its first step()
+    with orderings.changed(early_handover=False):   # read when the optimizer is built: its first step()
         opt = ZenFlowAdamW(model.parameters(), ...)
         train(opt, steps)
 
@@ -29,12 +30,12 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-__all__ = ["Ablations", "ablations"]
+__all__ = ["Orderings", "orderings"]
 
 
 @dataclasses.dataclass
-class Ablations:
-    """The ordering switches (see the module's docstring); :data:`ablations` is the one instance the library reads."""
+class Orderings:
+    """The ordering switches (see the module's docstring); :data:`orderings` is the one instance the library reads."""
 
     early_handover: bool = True
     sums_wait_at_boundary: bool = False
@@ -43,17 +44,17 @@ class Ablations:
     def __setattr__(self, name: str, value) -> None:
         if name not in {f.name for f in dataclasses.fields(self)}:
             allowed = ", ".join(f.name for f in dataclasses.fields(self))
-            raise AttributeError(f"Ablations: {name!r} is not a switch: allowed {allowed}")
+            raise AttributeError(f"Orderings: {name!r} is not a switch: allowed {allowed}")
         if not isinstance(value, bool):
-            raise TypeError(f"Ablations: {name}={value!r} is invalid: allowed True or False")
+            raise TypeError(f"Orderings: {name}={value!r} is invalid: allowed True or False")
         super().__setattr__(name, value)
 
     @contextlib.contextmanager
-    def changed(self, **switches: bool) -> Iterator[Ablations]:
+    def changed(self, **switches: bool) -> Iterator[Orderings]:
         """Set these switches for the block and put the former values back after it (also on an error). Every
         switch is checked before any is set: a bad name or value changes nothing."""
         for name, value in switches.items():
-            Ablations().__setattr__(name, value)  # (a scratch instance: checks without touching this one)
+            Orderings().__setattr__(name, value)  # (a scratch instance: checks without touching this one)
         before = {name: getattr(self, name) for name in switches}
         try:
             for name, value in switches.items():
@@ -64,5 +65,5 @@ class Ablations:
                 setattr(self, name, value)
 
 
-ablations = Ablations()
-"""The switches every part of the library reads (benchmarks and ablation notebooks change them here)."""
+orderings = Orderings()
+"""The switches every part of the library reads (benchmarks change them here)."""
