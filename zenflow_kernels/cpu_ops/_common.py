@@ -2,7 +2,7 @@
 
 Validation happens completely before the kernel runs, so an error leaves every tensor untouched.
 Tensors are shared with numba without copies (``Tensor.numpy()``); bf16 is handed over as its
-``int16`` bit pattern and fp16 as ``uint16`` (numba has no 16-bit float type, see ``_kernels``).
+``int16`` bit pattern and fp16 as ``uint16`` (numba has no 16-bit float type, see ``kernels``).
 The whole launcher costs ~15-25 us per call on this 2-core host (checks, views, numba dispatch): it
 is written for that (no ABC isinstance on the fast path, numba's thread count switched through its
 ctypes entry points rather than the public functions, which take two process-wide locks per call).

@@ -35,7 +35,7 @@ import torch
 
 from ..rounding import StochasticRounding
 from . import _common as C
-from ._kernels import adam_kernel
+from .kernels.adam import adam_kernel
 
 
 def _adam_scalars(*, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale) -> tuple:

@@ -15,7 +15,7 @@ Math (Chen et al. 2023, Algorithm 2; the op order of ``rules.Lion.step_``), as t
     exp_avg.lerp_(g, 1 - beta2)
 
 Rounding: every scalar is computed in float64 and rounded to float32 once (as torch converts a Python
-float), and every operation rounds as ATen's vectorised CPU kernels do (``_kernels`` says how that was
+float), and every operation rounds as ATen's vectorised CPU kernels do (``kernels.lion`` says how that was
 measured), so param, exp_avg and out are bit-identical to those torch ops for every grad_scale wherever torch
 uses those kernels (x86 with AVX2 or AVX512; its scalar DEFAULT kernels differ in the last bit or two).
 Against a caller that divides, ``grad / grad_scale``, g can differ by an ulp unless grad_scale is a power of
@@ -29,7 +29,7 @@ import torch
 
 from ..rounding import StochasticRounding
 from . import _common as C
-from ._kernels import lion_kernel
+from .kernels.lion import lion_kernel
 
 
 def _lion_scalars(*, lr, beta1, beta2, weight_decay, grad_scale) -> tuple:

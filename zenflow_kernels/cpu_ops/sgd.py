@@ -18,7 +18,7 @@ Math: ``torch.optim.SGD(foreach=False)``'s single-tensor loop, as torch ops on f
 
 Rounding: every scalar is computed in float64 and rounded to float32 once (as torch converts a Python
 float), and every ``add`` with ``alpha`` is one fused multiply-add, as ATen's vectorised CPU kernel computes it
-(measured, see ``_kernels``). param and momentum_buffer are therefore bit-identical to
+(measured, see ``kernels.lion``). param and momentum_buffer are therefore bit-identical to
 ``torch.optim.SGD(foreach=False)`` stepping with the gradient ``grad * (1 / grad_scale)`` (so with
 ``grad`` itself at grad_scale 1) wherever torch uses those kernels (x86 with AVX2 or AVX512; its scalar
 DEFAULT kernels round product and sum separately, and differ in the last bit or two). A caller that divides,
@@ -32,7 +32,7 @@ import torch
 
 from ..rounding import StochasticRounding
 from . import _common as C
-from ._kernels import sgd_kernel
+from .kernels.sgd import sgd_kernel
 
 
 def _sgd_scalars(*, step, lr, momentum, dampening, nesterov, weight_decay, grad_scale) -> tuple:

@@ -1,0 +1,92 @@
+"""The column walk of the CPU fast path's kernels (AdamW, Lion, SGD on selected columns): a row's columns with or
+without an index array, the master or the parameter as the weight, the work items of a multi-tensor launch dealt
+out in ranges, and the rules' address table."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray, njit, types
+from numba.extending import overload
+
+from ._dtype import array_at, load_f32
+from ._ir import pointer_at
+
+
+def column_of(idx, j):
+    """``idx[j]`` as an unsigned index, or ``j`` when idx is None (a dense update) (numba only). Unsigned:
+    numba then indexes without its negative-index wraparound check."""
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(column_of, inline="always")
+def _ov_column_of(idx, j):
+    if isinstance(idx, (types.NoneType, types.Omitted)):
+        return lambda idx, j: j
+    if isinstance(idx, types.Array):
+        return lambda idx, j: np.uint64(idx[j])
+    return None
+
+
+def row_of(a, base, j0, idx):
+    """The part of a flat parameter or gradient that ``column_of(idx, j)`` indexes for columns from ``j0``
+    of the row at ``base``: from the row's start with indices, from column ``j0`` without (numba only)."""
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(row_of, inline="always")
+def _ov_row_of(a, base, j0, idx):
+    if isinstance(idx, (types.NoneType, types.Omitted)):
+        return lambda a, base, j0, idx: a[base + j0 :]
+    return lambda a, base, j0, idx: a[base:]
+
+
+def part_of(a, lo, hi):
+    """``a[lo:hi]``, or None for None (numba only)."""
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(part_of, inline="always")
+def _ov_part_of(a, lo, hi):
+    if isinstance(a, (types.NoneType, types.Omitted)):
+        return lambda a, lo, hi: None
+    return lambda a, lo, hi: a[lo:hi]
+
+
+def load_master(master, s, param, i):
+    """``master[s]`` when a master is given, else ``float32(param[i])`` (numba only)."""
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(load_master, inline="always")
+def _ov_load_master(master, s, param, i):
+    if isinstance(master, (types.NoneType, types.Omitted)):
+        return lambda master, s, param, i: load_f32(param, i)
+    if isinstance(master, types.Array) and master.dtype == types.float32:
+        return lambda master, s, param, i: master[s]
+    return None
+
+
+# Columns of the address table of the rules' multi-tensor kernels: the addresses of param, grad, indices (0: dense,
+# every column), the state tensor (0: none), master (0: none), then rows, cols, k, the address of the tensor's
+# per-column int64 step counts (0: an int step for the whole tensor) and whether that int step is its first (1/0).
+R_PARAM, R_GRAD, R_IDX, R_STATE, R_MASTER, R_ROWS, R_COLS, R_K, R_STEPS, R_FIRST = range(10)
+
+
+@njit(inline="always")
+def part_start(q, parts, chunk_starts):
+    """Range ``q`` of ``parts`` over the work items: its first item, its end, and the tensor owning the first."""
+    total = chunk_starts[chunk_starts.size - 1]
+    c = q * total // parts
+    return c, (q + 1) * total // parts, np.searchsorted(chunk_starts, c, side="right") - 1
+
+
+@njit(inline="always")
+def rule_tensor(table, t, param_proto, grad_proto, state_proto, master_proto, idx_proto):
+    """Tensor ``t`` of a rules' table (columns ``R_*``): rows, cols, k, and its param, grad, state and master
+    (None for a None proto) and indices (empty when ``dense``) as flat arrays, and ``dense``."""
+    rows, cols, k = table[t, R_ROWS], table[t, R_COLS], table[t, R_K]
+    dense = table[t, R_IDX] == 0
+    return (rows, cols, k, carray(pointer_at(table[t, R_PARAM], param_proto), rows * cols),
+            carray(pointer_at(table[t, R_GRAD], grad_proto), rows * cols),
+            array_at(table[t, R_STATE], rows * k, state_proto), array_at(table[t, R_MASTER], rows * k, master_proto),
+            carray(pointer_at(table[t, R_IDX], idx_proto), 0 if dense else k), dense)
