@@ -8,7 +8,7 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import overload
 
-from ._dtype import array_at, load_f32
+from ._dtype import array_at, is_none, load_f32
 from ._ir import pointer_at
 
 
@@ -20,7 +20,7 @@ def column_of(idx, j):
 
 @overload(column_of, inline="always")
 def _ov_column_of(idx, j):
-    if isinstance(idx, (types.NoneType, types.Omitted)):
+    if is_none(idx):
         return lambda idx, j: j
     if isinstance(idx, types.Array):
         return lambda idx, j: np.uint64(idx[j])
@@ -35,7 +35,7 @@ def row_of(a, base, j0, idx):
 
 @overload(row_of, inline="always")
 def _ov_row_of(a, base, j0, idx):
-    if isinstance(idx, (types.NoneType, types.Omitted)):
+    if is_none(idx):
         return lambda a, base, j0, idx: a[base + j0 :]
     return lambda a, base, j0, idx: a[base:]
 
@@ -47,7 +47,7 @@ def part_of(a, lo, hi):
 
 @overload(part_of, inline="always")
 def _ov_part_of(a, lo, hi):
-    if isinstance(a, (types.NoneType, types.Omitted)):
+    if is_none(a):
         return lambda a, lo, hi: None
     return lambda a, lo, hi: a[lo:hi]
 
@@ -59,7 +59,7 @@ def load_master(master, s, param, i):
 
 @overload(load_master, inline="always")
 def _ov_load_master(master, s, param, i):
-    if isinstance(master, (types.NoneType, types.Omitted)):
+    if is_none(master):
         return lambda master, s, param, i: load_f32(param, i)
     if isinstance(master, types.Array) and master.dtype == types.float32:
         return lambda master, s, param, i: master[s]
@@ -81,12 +81,30 @@ def part_start(q, parts, chunk_starts):
 
 
 @njit(inline="always")
-def rule_tensor(table, t, param_proto, grad_proto, state_proto, master_proto, idx_proto):
-    """Tensor ``t`` of a rules' table (columns ``R_*``): rows, cols, k, and its param, grad, state and master
-    (None for a None proto) and indices (empty when ``dense``) as flat arrays, and ``dense``."""
+def tensor_items(c, stop, t, chunk_starts):
+    """The items from ``c`` (of tensor ``t``) to ``stop`` that tensor ``t`` owns: the first and the end one, counted
+    within the tensor, and the end one of the range."""
+    end = min(stop, chunk_starts[t + 1])
+    return c - chunk_starts[t], end - chunk_starts[t], end
+
+
+@njit(inline="always")
+def item_block(local, blocks, block, k):
+    """Work item ``local`` of a tensor whose rows are cut in ``blocks`` blocks of ``block`` of its ``k`` selected
+    columns (a row's blocks in order): its row ``r`` and columns ``j0`` to ``j1 - 1``."""
+    r = local // blocks
+    j0 = (local - r * blocks) * block
+    return r, j0, min(k, j0 + block)
+
+
+@njit(inline="always")
+def rule_tensor(table, t, block, param_proto, grad_proto, state_proto, master_proto, idx_proto):
+    """Tensor ``t`` of a rules' table (columns ``R_*``): rows, cols, k, its blocks of ``block`` columns a row, and its
+    param, grad, state and master (None for a None proto) and indices (empty when ``dense``) as flat arrays, and
+    ``dense``."""
     rows, cols, k = table[t, R_ROWS], table[t, R_COLS], table[t, R_K]
     dense = table[t, R_IDX] == 0
-    return (rows, cols, k, carray(pointer_at(table[t, R_PARAM], param_proto), rows * cols),
+    return (rows, cols, k, (k + block - 1) // block, carray(pointer_at(table[t, R_PARAM], param_proto), rows * cols),
             carray(pointer_at(table[t, R_GRAD], grad_proto), rows * cols),
             array_at(table[t, R_STATE], rows * k, state_proto), array_at(table[t, R_MASTER], rows * k, master_proto),
             carray(pointer_at(table[t, R_IDX], idx_proto), 0 if dense else k), dense)

@@ -20,6 +20,11 @@ from ._ir import (
 )
 
 
+def is_none(t) -> bool:
+    """A numba argument type that is None or left out (the feature it carries compiles out)."""
+    return isinstance(t, (types.NoneType, types.Omitted))
+
+
 def load_f32(a, i):
     """``float32(a[i])`` for float32, bf16-as-int16 and fp16-as-uint16 arrays (numba only)."""
     raise NotImplementedError("numba-only helper")
@@ -45,7 +50,7 @@ def store_f32(out, i, x):
 
 @overload(store_f32, inline="always")
 def _ov_store_f32(out, i, x):
-    if isinstance(out, (types.NoneType, types.Omitted)):
+    if is_none(out):
         return lambda out, i, x: None
     if not isinstance(out, types.Array):
         return None
@@ -70,10 +75,6 @@ def _ov_store_f32(out, i, x):
     return None
 
 
-def _none(t) -> bool:
-    return isinstance(t, (types.NoneType, types.Omitted))
-
-
 def state_hash(key, i, salt):
     """The random bits of element ``i`` of a pass whose element 0 has key ``key`` (numba only): ``rounding_hash(key
     + i, salt)``, or 0 where ``salt`` is None (round to nearest: the hash compiles away)."""
@@ -82,7 +83,7 @@ def state_hash(key, i, salt):
 
 @overload(state_hash, inline="always")
 def _ov_state_hash(key, i, salt):
-    if _none(salt):
+    if is_none(salt):
         return lambda key, i, salt: np.uint32(0)
     return lambda key, i, salt: rounding_hash(np.int64(key + i), salt)
 
@@ -100,7 +101,7 @@ def store_state_high(out, i, x, h, salt):
 
 def _store_state(convert):
     def ov(out, i, x, h, salt):
-        if _none(salt):
+        if is_none(salt):
             return lambda out, i, x, h, salt: store_f32(out, i, x)
         if not (isinstance(out, types.Array) and out.dtype == types.int16):
             return None
@@ -129,8 +130,8 @@ def take_grad(acc, grad, i, zero_acc):
 
 @overload(take_grad, inline="always")
 def _ov_take_grad(acc, grad, i, zero_acc):
-    no_acc = isinstance(acc, (types.NoneType, types.Omitted))
-    no_grad = isinstance(grad, (types.NoneType, types.Omitted))
+    no_acc = is_none(acc)
+    no_grad = is_none(grad)
     if no_acc and not no_grad:
         return lambda acc, grad, i, zero_acc: load_f32(grad, i)
     if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
@@ -161,7 +162,7 @@ def array_at(addr, n, proto):
 
 @overload(array_at, inline="always")
 def _ov_array_at(addr, n, proto):
-    if isinstance(proto, (types.NoneType, types.Omitted)):
+    if is_none(proto):
         return lambda addr, n, proto: None
     if isinstance(proto, types.Array):
         return lambda addr, n, proto: carray(pointer_at(addr, proto), n)

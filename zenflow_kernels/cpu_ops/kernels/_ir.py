@@ -42,6 +42,14 @@ def bf16_to_f32(typingctx, h):
     return types.float32(types.int16), codegen
 
 
+def _bf16_or_quiet_nan(b, u, rounded):
+    """The bf16 bits (i16) of float bits ``u`` (i32): ``rounded`` (the high half, rounded), or for a NaN the quiet NaN
+    ``(u >> 16) | 0x40``, keeping its sign (rounding could carry a NaN's mantissa into an infinity)."""
+    quiet_nan = b.or_(b.lshr(u, _i32(16)), _i32(0x40))
+    is_nan = b.icmp_unsigned(">", b.and_(u, _i32(0x7FFFFFFF)), _i32(0x7F800000))
+    return b.trunc(b.select(is_nan, quiet_nan, rounded), _I16)
+
+
 @intrinsic
 def f32_to_bf16(typingctx, x):
     """float32 -> bf16 bit pattern (int16), round to nearest even.
@@ -57,10 +65,7 @@ def f32_to_bf16(typingctx, x):
         b = builder
         u = b.bitcast(args[0], _I32)
         lsb = b.and_(b.lshr(u, _i32(16)), _i32(1))
-        rounded = b.lshr(b.add(b.add(u, _i32(0x7FFF)), lsb), _i32(16))
-        quiet_nan = b.or_(b.lshr(u, _i32(16)), _i32(0x40))
-        is_nan = b.icmp_unsigned(">", b.and_(u, _i32(0x7FFFFFFF)), _i32(0x7F800000))
-        return b.trunc(b.select(is_nan, quiet_nan, rounded), _I16)
+        return _bf16_or_quiet_nan(b, u, b.lshr(b.add(b.add(u, _i32(0x7FFF)), lsb), _i32(16)))
 
     return types.int16(types.float32), codegen
 
@@ -159,10 +164,7 @@ def _stochastic_bf16(high: bool):
             b = builder
             u = b.bitcast(args[0], _I32)
             r = b.lshr(args[1], _i32(16)) if high else b.and_(args[1], _i32(0xFFFF))
-            rounded = b.lshr(b.add(u, r), _i32(16))
-            quiet_nan = b.or_(b.lshr(u, _i32(16)), _i32(0x40))
-            is_nan = b.icmp_unsigned(">", b.and_(u, _i32(0x7FFFFFFF)), _i32(0x7F800000))
-            return b.trunc(b.select(is_nan, quiet_nan, rounded), _I16)
+            return _bf16_or_quiet_nan(b, u, b.lshr(b.add(u, r), _i32(16)))
 
         return types.int16(types.float32, types.uint32), codegen
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, prange
 
-from ._columns import column_of, load_master, part_of, row_of
+from ._columns import column_of, item_block, load_master, part_of, part_start, row_of, tensor_items
 from ._dtype import array_at, load_f32, state_hash, store_f32, store_state_high, store_state_low, take_grad
 from ._ir import fma, pointer_at
 from ._jit import host_kernel
@@ -198,13 +198,10 @@ def multi_selective_adam_kernel(
     )
     state_proto = np.empty(0, dtype=np.float32)
     idx_proto = np.empty(0, dtype=np.int64)
-    total = chunk_starts[chunk_starts.size - 1]
     for q in prange(parts):
-        c = q * total // parts
-        stop = (q + 1) * total // parts
-        t = np.searchsorted(chunk_starts, c, side="right") - 1
+        c, stop, t = part_start(q, parts, chunk_starts)
         while c < stop:
-            end = min(stop, chunk_starts[t + 1])
+            lo, hi, end = tensor_items(c, stop, t, chunk_starts)
             rows, cols, k = table[t, T_ROWS], table[t, T_COLS], table[t, T_K]
             blocks = (k + block - 1) // block
             param = carray(pointer_at(table[t, T_PARAM], param_proto), rows * cols)
@@ -217,10 +214,8 @@ def multi_selective_adam_kernel(
             coef = table[t, T_COEF]
             dense = table[t, T_IDX] == 0
             idx = carray(pointer_at(table[t, T_IDX], idx_proto), 0 if dense else k)
-            for local in range(c - chunk_starts[t], end - chunk_starts[t]):
-                r = local // blocks
-                j0 = (local - r * blocks) * block
-                j1 = min(k, j0 + block)
+            for local in range(lo, hi):
+                r, j0, j1 = item_block(local, blocks, block, k)
                 if dense:
                     _adam_columns(param, grad, None, exp_avg, exp_avg_sq, master, r * cols, r * k, j0, j1,
                                   neg_step_size, bc2_sqrt, coef, grad_scale, decay, l2, lerp_coeff, lerp_small, beta2,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._columns import column_of, load_master, part_of, part_start, row_of, rule_tensor
+from ._columns import column_of, item_block, load_master, part_of, part_start, row_of, rule_tensor, tensor_items
 from ._dtype import load_f32, state_hash, store_f32, store_state_low, take_grad
 from ._ir import fma
 from ._jit import host_kernel
@@ -113,16 +113,13 @@ def multi_selective_lion_kernel(table, chunk_starts, parts, lr64, wd64, param_pr
     for q in prange(parts):
         c, stop, t = part_start(q, parts, chunk_starts)
         while c < stop:
-            end = min(stop, chunk_starts[t + 1])
-            rows, cols, k, param, grad, exp_avg, master, idx, dense = rule_tensor(
-                table, t, param_proto, grad_proto, state_proto, master_proto, idx_proto)
-            blocks = (k + block - 1) // block
+            lo, hi, end = tensor_items(c, stop, t, chunk_starts)
+            rows, cols, k, blocks, param, grad, exp_avg, master, idx, dense = rule_tensor(
+                table, t, block, param_proto, grad_proto, state_proto, master_proto, idx_proto)
             decay = np.float32(1.0 - lr64[t] * wd64[t])
             neg_lr = np.float32(-lr64[t])
-            for local in range(c - chunk_starts[t], end - chunk_starts[t]):
-                r = local // blocks
-                j0 = (local - r * blocks) * block
-                j1 = min(k, j0 + block)
+            for local in range(lo, hi):
+                r, j0, j1 = item_block(local, blocks, block, k)
                 if dense:
                     _lion_columns(param, grad, None, exp_avg, master, r * cols, r * k, j0, j1, inv_scale, decay,
                                   neg_lr, coeff1, small1, coeff2, small2)

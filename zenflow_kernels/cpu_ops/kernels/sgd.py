@@ -8,8 +8,19 @@ import numpy as np
 from numba import carray, njit, prange, types
 from numba.extending import overload
 
-from ._columns import R_FIRST, R_STEPS, column_of, load_master, part_of, part_start, row_of, rule_tensor
-from ._dtype import load_f32, state_hash, store_f32, store_state_low, take_grad
+from ._columns import (
+    R_FIRST,
+    R_STEPS,
+    column_of,
+    item_block,
+    load_master,
+    part_of,
+    part_start,
+    row_of,
+    rule_tensor,
+    tensor_items,
+)
+from ._dtype import is_none, load_f32, state_hash, store_f32, store_state_low, take_grad
 from ._ir import fma, pointer_at
 from ._jit import host_kernel
 
@@ -27,7 +38,7 @@ def momentum_step(buf, i, d, first, momentum, one_minus_dampening, nesterov, h=0
 
 @overload(momentum_step, inline="always")
 def _ov_momentum_step(buf, i, d, first, momentum, one_minus_dampening, nesterov, h=0, salt=None):
-    if isinstance(buf, (types.NoneType, types.Omitted)):
+    if is_none(buf):
         return lambda buf, i, d, first, momentum, one_minus_dampening, nesterov, h=0, salt=None: d
     if not (isinstance(buf, types.Array) and buf.dtype in (types.float32, types.int16)):
         return None
@@ -116,19 +127,16 @@ def multi_selective_sgd_kernel(table, chunk_starts, parts, lr64, wd64, param_pro
     for q in prange(parts):
         c, stop, t = part_start(q, parts, chunk_starts)
         while c < stop:
-            end = min(stop, chunk_starts[t + 1])
-            rows, cols, k, param, grad, buf, master, idx, dense = rule_tensor(
-                table, t, param_proto, grad_proto, buf_proto, master_proto, idx_proto)
-            blocks = (k + block - 1) // block
+            lo, hi, end = tensor_items(c, stop, t, chunk_starts)
+            rows, cols, k, blocks, param, grad, buf, master, idx, dense = rule_tensor(
+                table, t, block, param_proto, grad_proto, buf_proto, master_proto, idx_proto)
             weight_decay = np.float32(wd64[t])
             neg_lr = np.float32(-lr64[t])
             per_column = table[t, R_STEPS] != 0
             steps = carray(pointer_at(table[t, R_STEPS], step_proto), k if per_column else 0)
             first = table[t, R_FIRST] != 0
-            for local in range(c - chunk_starts[t], end - chunk_starts[t]):
-                r = local // blocks
-                j0 = (local - r * blocks) * block
-                j1 = min(k, j0 + block)
+            for local in range(lo, hi):
+                r, j0, j1 = item_block(local, blocks, block, k)
                 if dense:
                     _sgd_columns(param, grad, None, buf, master, steps, per_column, first, r * cols, r * k, j0, j1,
                                  inv_scale, weight_decay, neg_lr, momentum, one_minus_dampening, nesterov)
