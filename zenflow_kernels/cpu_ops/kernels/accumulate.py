@@ -62,6 +62,7 @@ def multi_sum_squares_kernel(addrs, numels, chunk_starts, chunk, proto, out):
         for i in range(x.size):
             v = np.float64(load_f32(x, i))
             s += v * v
+        out[c] = s
 
 
 @host_kernel()
