@@ -73,19 +73,20 @@ R_PARAM, R_GRAD, R_IDX, R_STATE, R_MASTER, R_ROWS, R_COLS, R_K, R_STEPS, R_FIRST
 
 
 @njit(inline="always")
-def part_start(q, parts, chunk_starts):
-    """Range ``q`` of ``parts`` over the work items: its first item, its end, and the tensor owning the first."""
+def part_tensors(q, parts, chunk_starts):
+    """Range ``q`` of ``parts`` over the work items: its first item ``c0``, its end ``c1``, and the tensors ``t0`` to
+    ``t1 - 1`` owning its items (a tensor between them may own none)."""
     total = chunk_starts[chunk_starts.size - 1]
-    c = q * total // parts
-    return c, (q + 1) * total // parts, np.searchsorted(chunk_starts, c, side="right") - 1
+    c0 = q * total // parts
+    c1 = (q + 1) * total // parts
+    t0 = np.searchsorted(chunk_starts, c0, side="right") - 1
+    return c0, c1, t0, np.searchsorted(chunk_starts, c1 - 1, side="right") if c1 > c0 else t0
 
 
 @njit(inline="always")
-def tensor_items(c, stop, t, chunk_starts):
-    """The items from ``c`` (of tensor ``t``) to ``stop`` that tensor ``t`` owns: the first and the end one, counted
-    within the tensor, and the end one of the range."""
-    end = min(stop, chunk_starts[t + 1])
-    return c - chunk_starts[t], end - chunk_starts[t], end
+def tensor_items(c0, c1, t, chunk_starts):
+    """Tensor ``t``'s items among items ``c0`` to ``c1 - 1``, counted within the tensor: the first and the end."""
+    return max(c0, chunk_starts[t]) - chunk_starts[t], min(c1, chunk_starts[t + 1]) - chunk_starts[t]
 
 
 @njit(inline="always")

@@ -5,7 +5,7 @@ with or without an accumulator, arrays at raw addresses."""
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, types
+from numba import carray, njit, types
 from numba.extending import overload
 
 from ._ir import (
@@ -15,6 +15,7 @@ from ._ir import (
     f32_to_bf16_stochastic_high,
     f32_to_bf16_stochastic_low,
     f32_to_f16,
+    fma,
     pointer_at,
     rounding_hash,
 )
@@ -152,6 +153,15 @@ def _ov_take_grad(acc, grad, i, zero_acc):
         return s
 
     return impl
+
+
+@njit(inline="always")
+def coupled_grad(acc, grad, i, zero_acc, inv_scale, p, l2):
+    """``take_grad(acc, grad, i, zero_acc) * inv_scale`` with the coupled (L2) decay of param value ``p``: ``fma(p,
+    l2, g)`` (torch's ``g.add(p, alpha=l2)``), skipped where l2 == 0 so an inf/NaN ``p`` leaves g untouched (fma(inf,
+    0, g) is NaN)."""
+    g = take_grad(acc, grad, i, zero_acc) * inv_scale
+    return g if l2 == np.float32(0.0) else fma(p, l2, g)
 
 
 def array_at(addr, n, proto):

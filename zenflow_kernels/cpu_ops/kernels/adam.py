@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, prange
 
-from ._columns import column_of, item_block, load_master, part_of, part_start, row_of, tensor_items
-from ._dtype import array_at, load_f32, state_hash, store_f32, store_state_high, store_state_low, take_grad
+from ._columns import column_of, item_block, load_master, part_of, part_tensors, row_of, tensor_items
+from ._dtype import array_at, coupled_grad, load_f32, state_hash, store_f32, store_state_high, store_state_low
 from ._ir import fma, pointer_at
 from ._jit import host_kernel
 
@@ -69,9 +69,7 @@ def adam_kernel(
     neg_step_size = np.float32(neg_step_size64)
     for i in prange(param.size):
         p = param[i]
-        g = take_grad(acc, grad, i, zero_acc) * inv_scale
-        # l2 == 0 (AdamW, or no decay) must leave g untouched even when p is inf/NaN
-        g = g if l2 == np.float32(0.0) else fma(p, l2, g)
+        g = coupled_grad(acc, grad, i, zero_acc, inv_scale, p, l2)  # (AdamW: l2 = 0)
         m = load_f32(exp_avg, i)
         m = fma(lerp_coeff, g - m, m if lerp_small else g)
         v = fma(one_minus_beta2 * g, g, load_f32(exp_avg_sq, i) * beta2)
@@ -192,16 +190,15 @@ def multi_selective_adam_kernel(
     one ``prange`` iteration each, walked in order: a tensor's row is found once per range, not per item
     (a tiny item, a row of a few selected columns, costs little more than its arithmetic).
     """
+    state_proto = np.empty(0, dtype=np.float32)  # (the element types the walk views memory as)
+    idx_proto = np.empty(0, dtype=np.int64)
     grad_scale = np.float32(grad_scale64)
     lerp_coeff, lerp_small, beta2, one_minus_beta2, eps = adam_constants(
         one_minus_beta1_64, beta2_64, one_minus_beta2_64, eps64
     )
-    state_proto = np.empty(0, dtype=np.float32)
-    idx_proto = np.empty(0, dtype=np.int64)
     for q in prange(parts):
-        c, stop, t = part_start(q, parts, chunk_starts)
-        while c < stop:
-            lo, hi, end = tensor_items(c, stop, t, chunk_starts)
+        c0, c1, t0, t1 = part_tensors(q, parts, chunk_starts)
+        for t in range(t0, t1):
             rows, cols, k = table[t, T_ROWS], table[t, T_COLS], table[t, T_K]
             blocks = (k + block - 1) // block
             param = carray(pointer_at(table[t, T_PARAM], param_proto), rows * cols)
@@ -214,6 +211,7 @@ def multi_selective_adam_kernel(
             coef = table[t, T_COEF]
             dense = table[t, T_IDX] == 0
             idx = carray(pointer_at(table[t, T_IDX], idx_proto), 0 if dense else k)
+            lo, hi = tensor_items(c0, c1, t, chunk_starts)
             for local in range(lo, hi):
                 r, j0, j1 = item_block(local, blocks, block, k)
                 if dense:
@@ -224,5 +222,3 @@ def multi_selective_adam_kernel(
                     _adam_columns(param, grad, idx, exp_avg, exp_avg_sq, master, r * cols, r * k, j0, j1,
                                   neg_step_size, bc2_sqrt, coef, grad_scale, decay, l2, lerp_coeff, lerp_small, beta2,
                                   one_minus_beta2, eps)
-            c = end
-            t += 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._columns import column_of, item_block, load_master, part_of, part_start, row_of, rule_tensor, tensor_items
+from ._columns import column_of, item_block, load_master, part_of, part_tensors, row_of, rule_tensor, tensor_items
 from ._dtype import load_f32, state_hash, store_f32, store_state_low, take_grad
 from ._ir import fma
 from ._jit import host_kernel
@@ -105,19 +105,19 @@ def multi_selective_lion_kernel(table, chunk_starts, parts, lr64, wd64, param_pr
     """Lion on the selected columns of many tensors in one launch: ``table`` int64 ``[n, 10]`` (columns ``R_*``),
     ``lr64[t]``, ``wd64[t]`` tensor t's numbers (decay ``1 - lr * wd`` in float64, rounded once, as torch's
     ``mul_`` of a Python float); the walk of ``multi_selective_adam_kernel``."""
+    state_proto = np.empty(0, dtype=np.float32)  # (the element types the walk views memory as)
+    idx_proto = np.empty(0, dtype=np.int64)
     inv_scale = np.float32(inv_scale64)
     coeff1, small1 = lerp_constants(one_minus_beta1_64)
     coeff2, small2 = lerp_constants(one_minus_beta2_64)
-    state_proto = np.empty(0, dtype=np.float32)
-    idx_proto = np.empty(0, dtype=np.int64)
     for q in prange(parts):
-        c, stop, t = part_start(q, parts, chunk_starts)
-        while c < stop:
-            lo, hi, end = tensor_items(c, stop, t, chunk_starts)
+        c0, c1, t0, t1 = part_tensors(q, parts, chunk_starts)
+        for t in range(t0, t1):
             rows, cols, k, blocks, param, grad, exp_avg, master, idx, dense = rule_tensor(
                 table, t, block, param_proto, grad_proto, state_proto, master_proto, idx_proto)
             decay = np.float32(1.0 - lr64[t] * wd64[t])
             neg_lr = np.float32(-lr64[t])
+            lo, hi = tensor_items(c0, c1, t, chunk_starts)
             for local in range(lo, hi):
                 r, j0, j1 = item_block(local, blocks, block, k)
                 if dense:
@@ -126,5 +126,3 @@ def multi_selective_lion_kernel(table, chunk_starts, parts, lr64, wd64, param_pr
                 else:
                     _lion_columns(param, grad, idx, exp_avg, master, r * cols, r * k, j0, j1, inv_scale, decay,
                                   neg_lr, coeff1, small1, coeff2, small2)
-            c = end
-            t += 1

@@ -15,12 +15,12 @@ from ._columns import (
     item_block,
     load_master,
     part_of,
-    part_start,
+    part_tensors,
     row_of,
     rule_tensor,
     tensor_items,
 )
-from ._dtype import is_none, load_f32, state_hash, store_f32, store_state_low, take_grad
+from ._dtype import coupled_grad, is_none, load_f32, state_hash, store_f32, store_state_low
 from ._ir import fma, pointer_at
 from ._jit import host_kernel
 
@@ -80,9 +80,7 @@ def sgd_kernel(param, grad, momentum_buffer, acc, out, zero_acc, inv_scale64, we
     neg_lr = np.float32(neg_lr64)
     for i in prange(param.size):
         p = param[i]
-        d = take_grad(acc, grad, i, zero_acc) * inv_scale
-        # weight_decay == 0 must leave d untouched even when p is inf/NaN (fma(inf, 0, d) is NaN)
-        d = d if weight_decay == np.float32(0.0) else fma(p, weight_decay, d)
+        d = coupled_grad(acc, grad, i, zero_acc, inv_scale, p, weight_decay)
         d = momentum_step(momentum_buffer, i, d, first, momentum, one_minus_dampening, nesterov,
                           state_hash(key, i, salt), salt)
         p = fma(d, neg_lr, p)
@@ -119,15 +117,14 @@ def multi_selective_sgd_kernel(table, chunk_starts, parts, lr64, wd64, param_pro
     """SGD on the selected columns of many tensors in one launch (``multi_selective_lion_kernel``'s table and walk);
     ``buf_proto`` None: no momentum buffer (momentum 0). A column's first step (its count 1, or ``R_FIRST``) starts
     its buffer as torch's does."""
+    idx_proto = np.empty(0, dtype=np.int64)  # (the element types the walk views memory as)
+    step_proto = np.empty(0, dtype=np.int64)
     inv_scale = np.float32(inv_scale64)
     momentum = np.float32(momentum64)
     one_minus_dampening = np.float32(one_minus_dampening64)
-    idx_proto = np.empty(0, dtype=np.int64)
-    step_proto = np.empty(0, dtype=np.int64)
     for q in prange(parts):
-        c, stop, t = part_start(q, parts, chunk_starts)
-        while c < stop:
-            lo, hi, end = tensor_items(c, stop, t, chunk_starts)
+        c0, c1, t0, t1 = part_tensors(q, parts, chunk_starts)
+        for t in range(t0, t1):
             rows, cols, k, blocks, param, grad, buf, master, idx, dense = rule_tensor(
                 table, t, block, param_proto, grad_proto, buf_proto, master_proto, idx_proto)
             weight_decay = np.float32(wd64[t])
@@ -135,6 +132,7 @@ def multi_selective_sgd_kernel(table, chunk_starts, parts, lr64, wd64, param_pro
             per_column = table[t, R_STEPS] != 0
             steps = carray(pointer_at(table[t, R_STEPS], step_proto), k if per_column else 0)
             first = table[t, R_FIRST] != 0
+            lo, hi = tensor_items(c0, c1, t, chunk_starts)
             for local in range(lo, hi):
                 r, j0, j1 = item_block(local, blocks, block, k)
                 if dense:
@@ -143,5 +141,3 @@ def multi_selective_sgd_kernel(table, chunk_starts, parts, lr64, wd64, param_pro
                 else:
                     _sgd_columns(param, grad, idx, buf, master, steps, per_column, first, r * cols, r * k, j0, j1,
                                  inv_scale, weight_decay, neg_lr, momentum, one_minus_dampening, nesterov)
-            c = end
-            t += 1
