@@ -23,7 +23,8 @@ MIN_PINS ?= triton==3.4.0 numba==0.59.0 numpy==1.24.0
 MIN_AT_FLOORS ?= triton numba numpy
 TORCH_MIN ?= $(TORCH_PIN)
 MIN_TESTS ?= tests/test_versions.py tests/test_triton_compile.py tests/test_cpu_ops.py \
-	tests/test_cpu_ops_convert.py tests/test_cpu_ops_cores.py tests/test_cpu_selective_adamw.py
+	tests/test_cpu_ops_convert.py tests/test_cpu_ops_cores.py tests/test_cpu_selective_adamw.py \
+	tests/test_numba_cache.py
 
 .PHONY: install install-dev demo bench-results test test-fast test-min lint bench mutation mutation-sample clean
 

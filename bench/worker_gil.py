@@ -247,6 +247,9 @@ def hold_profile(opt, top: int = 12) -> list[dict]:
     longest own time."""
     import cProfile
     import pstats
+    from pathlib import Path
+
+    from zenflow_kernels.cpu_ops import kernels as cpu_kernels
 
     host = opt.host_shard
     counts = {s.index: INTERVAL for s in host.order}
@@ -254,9 +257,10 @@ def hold_profile(opt, top: int = 12) -> list[dict]:
     profiler = cProfile.Profile()
     profiler.runcall(host.update, 0, counts, hyper, None)
     stats = pstats.Stats(profiler)
-    # (the numba kernels themselves, in _kernels.py, release the GIL: left out; so is this module's kernel clock)
-    rows = sorted(((key, row) for key, row in stats.stats.items() if not key[0].endswith(("_kernels.py", __file__))),
-                  key=lambda kv: -kv[1][2])[:top]
+    # (the numba kernels themselves, in cpu_ops/kernels/, release the GIL: left out; so is this module's kernel clock)
+    kernels = str(Path(cpu_kernels.__file__).parent)
+    rows = sorted(((key, row) for key, row in stats.stats.items()
+                   if not (key[0].startswith(kernels) or key[0].endswith(__file__))), key=lambda kv: -kv[1][2])[:top]
     return [dict(function=f"{file.rsplit('/', 1)[-1]}:{line}({name})", calls=nc, own_ms=tt * 1e3, cum_ms=ct * 1e3)
             for (file, line, name), (_cc, nc, tt, ct, _callers) in rows]
 

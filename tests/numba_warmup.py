@@ -41,7 +41,7 @@ _SCALARS = {"bool": "boolean", "none": "none"}
 def recorded_signatures(cache_dir: Path) -> dict[str, list[list[str]]]:
     """kernel name -> the argument types (numba's spelling) of every entry in numba's cache index files."""
     out: dict[str, list[list[str]]] = {}
-    for index in sorted(cache_dir.glob("_kernels.*.nbi")):
+    for index in sorted(cache_dir.glob("*.nbi")):
         kernel = index.name.split(".")[1].rsplit("-", 1)[0]
         with open(index, "rb") as f:
             pickle.load(f)  # numba's version
@@ -67,11 +67,12 @@ def numba_type(spelling: str):
 
 def compile_recorded(kernels: list[str]) -> None:
     """Compile these kernels' recorded signatures (a worker of :func:`warm`)."""
-    from zenflow_kernels.cpu_ops import _kernels
+    from zenflow_kernels.cpu_ops.kernels import all_kernels
 
     record = json.loads(RECORD.read_text())
+    dispatchers = all_kernels()
     for name in kernels:
-        dispatcher = getattr(_kernels, name, None)
+        dispatcher = dispatchers.get(name)
         for signature in record[name]:
             try:
                 dispatcher.compile(tuple(numba_type(t) for t in signature))
@@ -164,9 +165,9 @@ def main(argv=None) -> None:
     ap.add_argument("--kernels", nargs="+", help="(internal) compile these kernels' recorded signatures")
     args = ap.parse_args(argv)
     if args.record:
-        import zenflow_kernels.cpu_ops as cpu_ops
+        from zenflow_kernels.cpu_ops import kernels
 
-        record = recorded_signatures(Path(cpu_ops.__file__).parent / "__pycache__")
+        record = recorded_signatures(Path(kernels.__file__).parent / "__pycache__")
         RECORD.write_text(dumps(record))
         print(f"wrote {RECORD}: {sum(map(len, record.values()))} signatures of {len(record)} kernels")
     elif args.kernels:

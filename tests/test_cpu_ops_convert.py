@@ -12,21 +12,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llvmlite import binding as llvm
 
-from zenflow_kernels.cpu_ops import _kernels as K
 from zenflow_kernels.cpu_ops._common import as_numpy
+from zenflow_kernels.cpu_ops.kernels.accumulate import convert_kernel, multi_accumulate_kernel, sum_squares_kernel
+from zenflow_kernels.cpu_ops.kernels.adam import adam_kernel
 
 HALF = (torch.bfloat16, torch.float16)
 
 
 def to_16(x: torch.Tensor, dtype) -> torch.Tensor:
     out = torch.empty(x.numel(), dtype=dtype)
-    K.convert_kernel(as_numpy(x), as_numpy(out))
+    convert_kernel(as_numpy(x), as_numpy(out))
     return out
 
 
 def from_16(h: torch.Tensor) -> torch.Tensor:
     out = torch.empty(h.numel())
-    K.convert_kernel(as_numpy(h), as_numpy(out))
+    convert_kernel(as_numpy(h), as_numpy(out))
     return out
 
 
@@ -147,21 +148,21 @@ def test_adam_and_sum_squares_loops_are_vectorised():
         bias_correction=True,
         grad_scale=1.0,
     )
-    asm = _fresh_asm(K.adam_kernel, f[0], f[1], f[2], f[3], None, out, False, *scalars, np.int64(0), None)
+    asm = _fresh_asm(adam_kernel, f[0], f[1], f[2], f[3], None, out, False, *scalars, np.int64(0), None)
     assert _count(asm, r"vsqrtps\s+[^\n]*[yz]mm") >= 1, "Adam: no 8-wide sqrt"
     assert _count(asm, r"vdivps\s+[^\n]*[yz]mm") >= 1, "Adam: no 8-wide division"
     assert _count(asm, r"vfn?m(add|sub)\w*ps\s+[^\n]*[yz]mm") >= 2, "Adam: no 8-wide fma"
     assert _count(asm, r"vpsrld\s+[^\n]*[yz]mm") >= 1, "bf16 copy-out: no 8-wide integer shift"
     # bf16 moments rounded stochastically: the hash's 32-bit multiplies stay 8-wide (vpmulld), the loop vectorised
     m16, v16 = np.zeros(n, np.int16), np.zeros(n, np.int16)
-    asm = _fresh_asm(K.adam_kernel, f[0], f[1], m16, v16, None, out, False, *scalars, np.int64(0), np.uint32(7))
+    asm = _fresh_asm(adam_kernel, f[0], f[1], m16, v16, None, out, False, *scalars, np.int64(0), np.uint32(7))
     assert _count(asm, r"vpmulld\s+[^\n]*[yz]mm") >= 2, "stochastic rounding: no 8-wide 32-bit multiply"
     assert _count(asm, r"vsqrtps\s+[^\n]*[yz]mm") >= 1, "Adam with stochastic rounding: no 8-wide sqrt"
-    asm = _fresh_asm(K.sum_squares_kernel, np.zeros(n, np.float32))
+    asm = _fresh_asm(sum_squares_kernel, np.zeros(n, np.float32))
     assert _count(asm, r"v(fmadd\w*|add|mul)pd\s+[^\n]*[yz]mm") >= 1, "sum_squares: no 4-wide float64 sum"
     # the fold of the landing area into the sums (acc += grad * scale; the product rounded, then added: no fma)
     acc, grad = np.zeros(n, np.float32), np.zeros(n, np.int16)  # a bf16 gradient
-    asm = _fresh_asm(K.multi_accumulate_kernel, np.array([acc.ctypes.data], np.int64),
+    asm = _fresh_asm(multi_accumulate_kernel, np.array([acc.ctypes.data], np.int64),
                      np.array([grad.ctypes.data], np.int64), np.array([n], np.int64), np.array([0, 1], np.int64),
                      n, np.empty(0, np.int16), np.float32(0.5))
     assert _count(asm, r"vmulps\s+[^\n]*[yz]mm") >= 1 and _count(asm, r"vaddps\s+[^\n]*[yz]mm") >= 1, \

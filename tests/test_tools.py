@@ -36,7 +36,7 @@ def test_each_handmade_bug_patches_code_that_exists_once(bug):
 
 def test_the_recorded_numba_signatures_are_kernels_and_types_that_exist():
     """tests/numba_warmup.py compiles the recorded signatures before the workers start: each names a kernel of
-    cpu_ops/_kernels.py with as many argument types as it has parameters, each type spelled as numba spells it
+    cpu_ops/kernels/ with as many argument types as it has parameters, each type spelled as numba spells it
     (``numba_type`` turns it back: ``str`` gives the spelling again); the compile processes split whole kernels,
     each once, none empty."""
     import inspect
@@ -44,12 +44,13 @@ def test_the_recorded_numba_signatures_are_kernels_and_types_that_exist():
 
     from numba_warmup import RECORD, numba_type, split
 
-    from zenflow_kernels.cpu_ops import _kernels
+    from zenflow_kernels.cpu_ops.kernels import all_kernels
 
     record = json.loads(RECORD.read_text())
     assert sum(map(len, record.values())) > 20
+    kernels = all_kernels()
     for name, signatures in record.items():
-        arity = len(inspect.signature(getattr(_kernels, name).py_func).parameters)
+        arity = len(inspect.signature(kernels[name].py_func).parameters)
         for signature in signatures:
             assert len(signature) == arity, (name, signature)
             assert [str(numba_type(t)) for t in signature] == signature

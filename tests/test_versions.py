@@ -100,8 +100,10 @@ def test_the_makefiles_cpu_torch_satisfies_the_torch_range():
 
 
 def _modules(package: str) -> list[str]:
+    """The package and every module below it (cpu_ops/kernels/ too: the numba kernels and their cache)."""
     path = REPO.joinpath(*package.split("."))
-    return [package] + [f"{package}.{m.name}" for m in pkgutil.iter_modules([str(path)])]
+    return [package] + [name for m in pkgutil.iter_modules([str(path)]) for name in (
+        _modules(f"{package}.{m.name}") if m.ispkg else [f"{package}.{m.name}"])]
 
 
 @pytest.mark.parametrize("module", _modules("zenflow_kernels.triton") + _modules("zenflow_kernels.cpu_ops"))

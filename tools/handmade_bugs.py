@@ -383,7 +383,7 @@ BUGS = [
     ),
     Bug(
         "fingerprint-odd-tail-weight",
-        "zenflow_kernels/cpu_ops/_kernels.py",
+        "zenflow_kernels/cpu_ops/kernels/fingerprint.py",
         "                s += np.uint64(x[x.size - 1]) * fingerprint_weight(lo + full, key)\n",
         "                s += np.uint64(x[x.size - 1]) * fingerprint_weight(full, key)\n",
         "a 2-byte tensor's odd last element is weighted as if its work item were the first: past the first item the "
@@ -537,7 +537,7 @@ BUGS = [
     # -- issue 41: the update rule as a seam ------------------------------------------------------------------------
     Bug(
         "lion-host-ignores-weight-decay",
-        "zenflow_kernels/cpu_ops/_kernels.py",
+        "zenflow_kernels/cpu_ops/kernels/lion.py",
         "        p = p if decay == np.float32(1.0) else p * decay\n",
         "        p = p\n",
         "the host's Lion kernel skips the decoupled weight decay (the device's torch step keeps it)",
@@ -545,7 +545,7 @@ BUGS = [
     ),
     Bug(
         "sgd-first-step-dampened",
-        "zenflow_kernels/cpu_ops/_kernels.py",
+        "zenflow_kernels/cpu_ops/kernels/sgd.py",
         "        b = d if first else fma(d, one_minus_dampening, load_f32(buf, i) * momentum)\n",
         "        b = fma(d, one_minus_dampening, load_f32(buf, i) * momentum)\n",
         "SGD's momentum buffer takes dampening at its first step (torch's starts as the gradient itself)",
@@ -724,7 +724,7 @@ BUGS = [
     ),
     Bug(
         "sgd-steps-along-the-rounded-buffer",
-        "zenflow_kernels/cpu_ops/_kernels.py",
+        "zenflow_kernels/cpu_ops/kernels/sgd.py",
         "        return fma(b, momentum, d) if nesterov else b\n",
         "        return fma(b, momentum, d) if nesterov else load_f32(buf, i)\n",
         "SGD's numba kernels without Nesterov step along the stored momentum buffer: with bf16 state, the buffer "
@@ -1055,7 +1055,7 @@ BUGS = [
     ),
     Bug(
         "stochastic-rounding-moments-share-bits",
-        "zenflow_kernels/cpu_ops/_kernels.py",
+        "zenflow_kernels/cpu_ops/kernels/adam.py",
         "        store_state_high(exp_avg_sq, i, v, h, salt)\n",
         "        store_state_low(exp_avg_sq, i, v, h, salt)\n",
         "the host Adam kernel rounds both moments with the same 16 bits (they round up together)",

@@ -2,7 +2,7 @@
 
 Validation happens completely before the kernel runs, so an error leaves every tensor untouched.
 Tensors are shared with numba without copies (``Tensor.numpy()``); bf16 is handed over as its
-``int16`` bit pattern and fp16 as ``uint16`` (numba has no 16-bit float type, see ``_kernels``).
+``int16`` bit pattern and fp16 as ``uint16`` (numba has no 16-bit float type, see ``kernels``).
 The whole launcher costs ~15-25 us per call on this 2-core host (checks, views, numba dispatch): it
 is written for that (no ABC isinstance on the fast path, numba's thread count switched through its
 ctypes entry points rather than the public functions, which take two process-wide locks per call).
@@ -100,6 +100,28 @@ def check_host_pass(param, grad, state: dict, out, acc=None) -> int:
     return n
 
 
+def launch_update(kernel, n: int, num_threads, rounding, param, grad, state: dict, out, scalars, *, acc=None,
+                  zero_acc: bool = False, zero_grad: bool = False, kernel_state: dict | None = None) -> None:
+    """The end of every host update (``cpu_adam_``, ``accumulate_adam_``, ``cpu_lion_``, ``cpu_sgd_``), its tensors and
+    numbers checked: check ``num_threads`` and ``rounding`` (against ``state``), then run ``kernel(param, grad,
+    *kernel_state, acc, out, zero_acc, *scalars, key, salt)`` on the tensors' views (``kernel_state``: ``state``
+    unless given; a None entry is compiled out, and with no state tensor nothing is rounded: salt None).
+    ``zero_grad``: ``grad`` is an accumulation buffer the pass consumes, the kernel's accumulator path (g = acc[i],
+    then acc[i] = 0)."""
+    num_threads = check_num_threads(num_threads)
+    key, salt = rounding_args(rounding, state)
+    if n == 0:
+        return
+    if zero_grad:
+        grad, acc, zero_acc = None, grad, True
+    tensors = list((state if kernel_state is None else kernel_state).values())
+    if all(t is None for t in tensors):
+        salt = None
+    launch(kernel, n, num_threads, as_numpy_or_none(param), as_numpy_or_none(grad), *map(as_numpy_or_none, tensors),
+           as_numpy_or_none(acc), as_numpy_or_none(out), zero_acc, *scalars, key, salt)
+    bump_versions(param, *tensors, acc, out)
+
+
 def rounding_args(rounding, state: dict) -> tuple:
     """The kernel's ``(key, salt)`` for ``rounding`` (None: round to nearest; or a
     ``zenflow_kernels.rounding.StochasticRounding``, which needs every given state tensor in bf16): ``(int64 key,
@@ -185,6 +207,11 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
     else:
         a = t.numpy()
     return a if a.ndim == 1 else a.reshape(-1)
+
+
+def as_numpy_or_none(t: torch.Tensor | None) -> np.ndarray | None:
+    """``as_numpy(t)``; None for None (a kernel argument compiled out)."""
+    return None if t is None else as_numpy(t)
 
 
 def bump_versions(*tensors) -> None:

@@ -1,8 +1,8 @@
 """The layout of one multi-tensor launch of a rule's CPU fast path (``selective_lion``, ``selective_sgd``).
 
 ``selective_adamw``'s ``_Plan`` without AdamW's per-column bias corrections: an int64 address table per group of
-tensors sharing (param dtype, grad dtype, master or not), one row per tensor (columns ``_kernels.R_*``), the work
-items (tensor, row, block of columns) and their ranges, and the per-tensor lr and weight decay. Laid out once for
+tensors sharing (param dtype, grad dtype, master or not), one row per tensor (columns ``kernels._columns.R_*``), the
+work items (tensor, row, block of columns) and their ranges, and the per-tensor lr and weight decay. Laid out once for
 :class:`~zenflow_kernels.launch_plan.LaunchItems` (kept in ``launch_cache["numba"]``); a call then writes only
 the gradients' addresses, the integer steps' first-step flags and, when they changed, the per-tensor hyper-parameters
 (lr, weight decay). A strided parameter, gradient or step tensor is launched on contiguous copies (``run_contiguous``).
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..launch_plan import PlannedFor
-from ._kernels import R_FIRST, R_GRAD, R_IDX, R_K, R_ROWS
+from .kernels._columns import R_FIRST, R_GRAD, R_IDX, R_K, R_ROWS
 from .selective_adamw import (
     _PROTO,
     MULTI_BLOCK,

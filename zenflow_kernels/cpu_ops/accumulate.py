@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import _common as C
-from ._kernels import accumulate_kernel, multi_accumulate_kernel, multi_sum_squares_kernel, sum_squares_kernel
+from .kernels.accumulate import accumulate_kernel, multi_accumulate_kernel, multi_sum_squares_kernel, sum_squares_kernel
 
 
 def accumulate_(acc: torch.Tensor, grad: torch.Tensor, *, num_threads: int | None = None) -> None:

@@ -35,10 +35,11 @@ import torch
 
 from ..rounding import StochasticRounding
 from . import _common as C
-from ._kernels import adam_kernel
+from .kernels.adam import adam_kernel
 
 
-def _adam_scalars(*, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale) -> tuple:
+def _adam_scalars(*, step, lr, beta1, beta2, eps, weight_decay, adamw=True, bias_correction=True,
+                  grad_scale=1.0) -> tuple:
     """Validate the hyper-parameters; return the kernel's scalars (float64; the kernel rounds them to
     float32 once): inv_scale, l2, decay, 1 - beta1, beta2, 1 - beta2, 1/sqrt(bc2), eps, -lr/bc1."""
     bias_correction = C.check_bool("bias_correction", bias_correction)
@@ -66,31 +67,6 @@ def _adam_scalars(*, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_corr
         eps,
         -lr / bc1,  # neg_step_size
     )
-
-
-def _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, nthreads, rounding_args) -> None:
-    n = param.numel()
-    if n == 0:
-        return
-    C.launch(
-        adam_kernel,
-        n,
-        nthreads,
-        C.as_numpy(param),
-        None if grad is None else C.as_numpy(grad),
-        C.as_numpy(exp_avg),
-        C.as_numpy(exp_avg_sq),
-        None if acc is None else C.as_numpy(acc),
-        None if out is None else C.as_numpy(out),
-        zero_acc,
-        *scalars,
-        *rounding_args,
-    )
-    C.bump_versions(param, exp_avg, exp_avg_sq, acc, out)
-
-
-def _check_state(param, grad, exp_avg, exp_avg_sq, out, acc=None) -> None:
-    C.check_host_pass(param, grad, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, out, acc=acc)
 
 
 def cpu_adam_(
@@ -144,25 +120,12 @@ def cpu_adam_(
     here). Every argument is checked before anything is written: a ``TypeError``/``ValueError``
     leaves all tensors unchanged. n = 0 is a no-op. Returns None.
     """
-    _check_state(param, grad, exp_avg, exp_avg_sq, out)
+    state = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    n = C.check_host_pass(param, grad, state, out)
     zero_grad = C.check_zero_grad(zero_grad, grad)
-    scalars = _adam_scalars(
-        step=step,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        adamw=adamw,
-        bias_correction=bias_correction,
-        grad_scale=grad_scale,
-    )
-    num_threads = C.check_num_threads(num_threads)
-    rounded = C.rounding_args(rounding, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
-    if zero_grad:  # the kernel's accumulator path: g = acc[i], then acc[i] = 0
-        _launch_adam(param, grad, None, exp_avg, exp_avg_sq, out, True, scalars, num_threads, rounded)
-    else:
-        _launch_adam(param, None, grad, exp_avg, exp_avg_sq, out, False, scalars, num_threads, rounded)
+    scalars = _adam_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                            bias_correction=bias_correction, grad_scale=grad_scale)
+    C.launch_update(adam_kernel, n, num_threads, rounding, param, grad, state, out, scalars, zero_grad=zero_grad)
 
 
 def accumulate_adam_(
@@ -172,19 +135,11 @@ def accumulate_adam_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw: bool = True,
-    bias_correction: bool = True,
-    grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
     zero_acc: bool = False,
     num_threads: int | None = None,
     rounding: StochasticRounding | None = None,
+    **hyper,
 ) -> None:
     """Add the last gradient of an interval into ``acc`` and take the Adam step with
     ``(acc + grad) / grad_scale``, in the same pass (the update-boundary case of docs/design.md 2.5).
@@ -193,30 +148,20 @@ def accumulate_adam_(
     grad_scale=grad_scale, out=out)``, reading and writing ``acc`` once instead of three times.
 
     Args:
-        param, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw,
-        bias_correction, out, num_threads, rounding: as ``cpu_adam_``.
+        param, exp_avg, exp_avg_sq, out, num_threads, rounding: as ``cpu_adam_``.
+        hyper: ``cpu_adam_``'s numbers by keyword (step, lr, beta1, beta2, eps, weight_decay, adamw,
+            bias_correction, grad_scale), checked by the same function.
         acc: fp32, contiguous, n elements: the accumulated gradient of the interval so far.
             Afterwards it holds the full sum ``acc + grad`` (unscaled), so a caller can still read it
             (checkpoint, norm, debugging); the caller zeroes or swaps it before the next interval.
             With ``zero_acc=True`` it holds 0 instead, saving that separate zeroing pass.
         grad: fp32, bf16 or fp16, n elements: the interval's last gradient; read only.
-        grad_scale: > 0; e.g. ``loss_scale * interval_length / clip_coef``.
+            (grad_scale: e.g. ``loss_scale * interval_length / clip_coef``.)
 
     Tensors must not overlap. Everything is checked before anything is written. n = 0 is a no-op.
     """
-    _check_state(param, grad, exp_avg, exp_avg_sq, out, acc=acc)
-    scalars = _adam_scalars(
-        step=step,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        adamw=adamw,
-        bias_correction=bias_correction,
-        grad_scale=grad_scale,
-    )
+    state = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    n = C.check_host_pass(param, grad, state, out, acc=acc)
+    scalars = _adam_scalars(**hyper)
     zero_acc = C.check_bool("zero_acc", zero_acc)
-    num_threads = C.check_num_threads(num_threads)
-    rounded = C.rounding_args(rounding, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
-    _launch_adam(param, acc, grad, exp_avg, exp_avg_sq, out, zero_acc, scalars, num_threads, rounded)
+    C.launch_update(adam_kernel, n, num_threads, rounding, param, grad, state, out, scalars, acc=acc, zero_acc=zero_acc)

@@ -3,7 +3,7 @@
 A fingerprint tells, cheaply and soundly up to a stated bound, whether a tensor's bits changed: the
 asynchronous link takes one of each gradient as a backward hook copies it to the host and compares it with
 the gradient ``step()`` sees (docs/design.md section 5.1). The value is a linear hash over the integers
-modulo 2**64 (``_kernels.multi_fingerprint_kernel``; the same on every backend: ``ops.multi_fingerprint``).
+modulo 2**64 (``kernels.fingerprint.multi_fingerprint_kernel``; the same on every backend: ``ops.multi_fingerprint``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import _common as C
-from ._kernels import multi_fingerprint_kernel
+from .kernels.fingerprint import multi_fingerprint_kernel
 
 FINGERPRINT_CHUNK = 1 << 14
 """Words per work item (a fixed split: the per-item partial sums are added modulo 2**64, in any order)."""

@@ -15,7 +15,7 @@ Math (Chen et al. 2023, Algorithm 2; the op order of ``rules.Lion.step_``), as t
     exp_avg.lerp_(g, 1 - beta2)
 
 Rounding: every scalar is computed in float64 and rounded to float32 once (as torch converts a Python
-float), and every operation rounds as ATen's vectorised CPU kernels do (``_kernels`` says how that was
+float), and every operation rounds as ATen's vectorised CPU kernels do (``kernels.lion`` says how that was
 measured), so param, exp_avg and out are bit-identical to those torch ops for every grad_scale wherever torch
 uses those kernels (x86 with AVX2 or AVX512; its scalar DEFAULT kernels differ in the last bit or two).
 Against a caller that divides, ``grad / grad_scale``, g can differ by an ulp unless grad_scale is a power of
@@ -29,7 +29,7 @@ import torch
 
 from ..rounding import StochasticRounding
 from . import _common as C
-from ._kernels import lion_kernel
+from .kernels.lion import lion_kernel
 
 
 def _lion_scalars(*, lr, beta1, beta2, weight_decay, grad_scale) -> tuple:
@@ -61,45 +61,17 @@ def cpu_lion_(
     """One Lion step on CPU tensors, in place, in one multithreaded pass (GIL released).
 
     Args:
-        param: fp32, contiguous, any shape with n elements; updated in place.
-        grad: fp32, bf16 or fp16, contiguous, n elements; read only (unless ``zero_grad``). Multiplied by
-            ``float32(1 / grad_scale)``.
+        param, grad, out, zero_grad, num_threads: as ``cpu_adam_``.
         exp_avg: fp32 or bf16 (stored rounded to nearest even), contiguous, n elements: the moment, updated in place.
         lr, weight_decay: >= 0; decoupled decay ``p *= 1 - lr * weight_decay``.
         beta1, beta2: in [0, 1]: the interpolation of the update's sign and of the moment.
-        grad_scale: > 0; the gradient used is ``grad * (1 / grad_scale)``.
-        out: optional fp32/bf16/fp16 tensor with n elements, contiguous; receives the updated parameter,
-            equal to ``param.to(out.dtype)`` (round to nearest even, inf/NaN preserved).
-        zero_grad: True zeroes ``grad`` in the same pass, after reading it (an accumulation buffer this
-            step consumes; ``grad`` must then be fp32).
-        num_threads: threads for this call (1..NUMBA_NUM_THREADS); None uses the calling thread's
-            ``numba.get_num_threads()``. Small tensors use fewer.
-        rounding: None (a bf16 exp_avg rounded to nearest even), or a
-            ``zenflow_kernels.rounding.StochasticRounding`` (bf16 exp_avg): rounded stochastically, element i
-            with key ``rounding.key + i`` and the low 16 bits of its hash (state tensor 0), as ``round_to_bf16``.
+        grad_scale: > 0; the gradient used is ``grad * float32(1 / grad_scale)``.
+        rounding: as ``cpu_adam_``'s for a bf16 exp_avg (state tensor 0: the low 16 bits of the hash).
 
-    Tensors must not overlap in memory. Every argument is checked before anything is written: a
-    ``TypeError``/``ValueError`` leaves all tensors unchanged. n = 0 is a no-op. Returns None.
+    Checked completely before anything is written, as ``cpu_adam_``. Returns None.
     """
-    n = C.check_host_pass(param, grad, {"exp_avg": exp_avg}, out)
+    state = {"exp_avg": exp_avg}
+    n = C.check_host_pass(param, grad, state, out)
     zero_grad = C.check_zero_grad(zero_grad, grad)
     scalars = _lion_scalars(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, grad_scale=grad_scale)
-    num_threads = C.check_num_threads(num_threads)
-    rounded = C.rounding_args(rounding, {"exp_avg": exp_avg})
-    if n == 0:
-        return
-    g = C.as_numpy(grad)
-    C.launch(
-        lion_kernel,
-        n,
-        num_threads,
-        C.as_numpy(param),
-        None if zero_grad else g,  # zero_grad: the kernel's accumulator path, g = acc[i], then acc[i] = 0
-        C.as_numpy(exp_avg),
-        g if zero_grad else None,
-        None if out is None else C.as_numpy(out),
-        zero_grad,
-        *scalars,
-        *rounded,
-    )
-    C.bump_versions(param, exp_avg, grad if zero_grad else None, out)
+    C.launch_update(lion_kernel, n, num_threads, rounding, param, grad, state, out, scalars, zero_grad=zero_grad)

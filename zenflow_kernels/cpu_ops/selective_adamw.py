@@ -27,7 +27,7 @@ import torch
 from .. import torch_ops
 from ..launch_plan import PlannedFor
 from . import _common as C
-from ._kernels import T_COEF, T_GRAD, T_IDX, T_K, T_ROWS, multi_selective_adam_kernel, selective_adam_kernel
+from .kernels.adam import T_COEF, T_GRAD, T_IDX, T_K, T_ROWS, multi_selective_adam_kernel, selective_adam_kernel
 
 MULTI_BLOCK = 2048
 """Selected columns per work item of the multi-tensor kernel: a row of a matrix, or a block of a long

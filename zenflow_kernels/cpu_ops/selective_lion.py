@@ -2,7 +2,7 @@
 
 The contract is ``rules.Lion.reference_fast_step_`` (its torch step on the gathered columns, the reference beside
 it): per element ``lion_kernel``'s arithmetic, which equals the torch op sequence bit for bit
-on x86 with AVX2 (``_kernels`` says how that was measured), so this path equals the torch path there too
+on x86 with AVX2 (``kernels.lion`` says how that was measured), so this path equals the torch path there too
 (tests/test_cpu_rules.py). The layout is ``_rule_plan``'s (one launch per combination of dtypes, laid out once
 for :class:`~zenflow_kernels.launch_plan.LaunchItems`); a strided parameter or gradient is launched on a
 contiguous copy.
@@ -11,8 +11,8 @@ contiguous copy.
 from __future__ import annotations
 
 from . import _common as C
-from ._kernels import multi_selective_lion_kernel
 from ._rule_plan import run_plan
+from .kernels.lion import multi_selective_lion_kernel
 
 __all__ = ["multi_selective_lion_items_"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _common as C
-from ._kernels import multi_selective_sgd_kernel
 from ._rule_plan import run_plan
+from .kernels.sgd import multi_selective_sgd_kernel
 
 __all__ = ["multi_selective_sgd_items_"]
 

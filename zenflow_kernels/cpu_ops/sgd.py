@@ -18,7 +18,7 @@ Math: ``torch.optim.SGD(foreach=False)``'s single-tensor loop, as torch ops on f
 
 Rounding: every scalar is computed in float64 and rounded to float32 once (as torch converts a Python
 float), and every ``add`` with ``alpha`` is one fused multiply-add, as ATen's vectorised CPU kernel computes it
-(measured, see ``_kernels``). param and momentum_buffer are therefore bit-identical to
+(measured, see ``kernels.lion``). param and momentum_buffer are therefore bit-identical to
 ``torch.optim.SGD(foreach=False)`` stepping with the gradient ``grad * (1 / grad_scale)`` (so with
 ``grad`` itself at grad_scale 1) wherever torch uses those kernels (x86 with AVX2 or AVX512; its scalar
 DEFAULT kernels round product and sum separately, and differ in the last bit or two). A caller that divides,
@@ -32,7 +32,7 @@ import torch
 
 from ..rounding import StochasticRounding
 from . import _common as C
-from ._kernels import sgd_kernel
+from .kernels.sgd import sgd_kernel
 
 
 def _sgd_scalars(*, step, lr, momentum, dampening, nesterov, weight_decay, grad_scale) -> tuple:
@@ -71,9 +71,7 @@ def cpu_sgd_(
     """One SGD step on CPU tensors, in place, in one multithreaded pass (GIL released).
 
     Args:
-        param: fp32, contiguous, any shape with n elements; updated in place.
-        grad: fp32, bf16 or fp16, contiguous, n elements; read only (unless ``zero_grad``). Multiplied by
-            ``float32(1 / grad_scale)``.
+        param, grad, out, zero_grad, num_threads: as ``cpu_adam_``.
         momentum_buffer: fp32 or bf16 (stored rounded to nearest even), contiguous, n elements, updated in
             place; may be None only when ``momentum == 0`` (a buffer given then is checked but neither read nor
             written).
@@ -82,48 +80,19 @@ def cpu_sgd_(
         lr, weight_decay: >= 0; L2 decay ``d += weight_decay * param`` (torch.optim.SGD's).
         momentum, dampening: >= 0.
         nesterov: Nesterov momentum; needs momentum > 0 and dampening == 0 (torch's rule).
-        grad_scale: > 0; the gradient used is ``grad * (1 / grad_scale)``.
-        out: optional fp32/bf16/fp16 tensor with n elements, contiguous; receives the updated parameter,
-            equal to ``param.to(out.dtype)`` (round to nearest even, inf/NaN preserved).
-        zero_grad: True zeroes ``grad`` in the same pass, after reading it (an accumulation buffer this
-            step consumes; ``grad`` must then be fp32).
-        num_threads: threads for this call (1..NUMBA_NUM_THREADS); None uses the calling thread's
-            ``numba.get_num_threads()``. Small tensors use fewer.
-        rounding: None (a bf16 momentum_buffer rounded to nearest even), or a
-            ``zenflow_kernels.rounding.StochasticRounding`` (bf16 momentum_buffer): rounded stochastically, element i
-            with key ``rounding.key + i`` and the low 16 bits of its hash (state tensor 0), as ``round_to_bf16``.
+        grad_scale: > 0; the gradient used is ``grad * float32(1 / grad_scale)``.
+        rounding: as ``cpu_adam_``'s for a bf16 momentum_buffer (state tensor 0: the low 16 bits of the hash).
 
-    Tensors must not overlap in memory. Every argument is checked before anything is written: a
-    ``TypeError``/``ValueError`` leaves all tensors unchanged. n = 0 is a no-op. Returns None.
+    Checked completely before anything is written, as ``cpu_adam_``. Returns None.
     """
-    n = C.check_host_pass(param, grad, {"momentum_buffer": momentum_buffer}, out)
+    state = {"momentum_buffer": momentum_buffer}
+    n = C.check_host_pass(param, grad, state, out)
     zero_grad = C.check_zero_grad(zero_grad, grad)
     first, nesterov, scalars = _sgd_scalars(step=step, lr=lr, momentum=momentum, dampening=dampening,
                                             nesterov=nesterov, weight_decay=weight_decay, grad_scale=grad_scale)
     has_momentum = scalars[2] != 0.0
     if has_momentum and momentum_buffer is None:
         raise ValueError(f"momentum_buffer must be a tensor when momentum != 0, got None (momentum={momentum!r})")
-    num_threads = C.check_num_threads(num_threads)
-    buf = momentum_buffer if has_momentum else None  # momentum == 0 compiles the buffer out
-    # (no buffer: nothing is rounded, the hash compiles away; a given buffer must still be bf16)
-    key, salt = C.rounding_args(rounding, {"momentum_buffer": momentum_buffer})
-    if n == 0:
-        return
-    g = C.as_numpy(grad)
-    C.launch(
-        sgd_kernel,
-        n,
-        num_threads,
-        C.as_numpy(param),
-        None if zero_grad else g,  # zero_grad: the kernel's accumulator path, g = acc[i], then acc[i] = 0
-        None if buf is None else C.as_numpy(buf),
-        g if zero_grad else None,
-        None if out is None else C.as_numpy(out),
-        zero_grad,
-        *scalars,
-        first,
-        nesterov,
-        key,
-        None if buf is None else salt,
-    )
-    C.bump_versions(param, buf, grad if zero_grad else None, out)
+    # momentum == 0 compiles the buffer out, and with it the rounding (a given buffer must still be bf16 for it)
+    C.launch_update(sgd_kernel, n, num_threads, rounding, param, grad, state, out, (*scalars, first, nesterov),
+                    zero_grad=zero_grad, kernel_state={"momentum_buffer": momentum_buffer if has_momentum else None})

@@ -17,8 +17,9 @@
 # weight decay and bias corrections) and a 1-D grid over (tensor, tile); one launch per group of
 # tensors sharing (param dtype, grad dtype, master?, dense?, per-column steps?, tile shape).
 # Limits: R, k < 2^31; offsets int64; step counts exact up to 2^24 in the per-column form.
-# The tile addressing (`tile_offsets`, `table_tile`) and the plan helpers (`plan_groups`, `cached_plan`)
-# are shared with the Lion and SGD kernels (selective_lion.py, selective_sgd.py).
+# The tile's walk (_tile.py: its offsets, the gather of gradient and weights, the scatter back) and the plan
+# helpers (`plan_groups`, `cached_plan`) are shared with the Lion and SGD kernels (selective_lion.py,
+# selective_sgd.py).
 from __future__ import annotations
 
 import math
@@ -31,7 +32,8 @@ import triton.language as tl
 from .. import _validate as V
 from ..launch_plan import PlannedFor
 from ..torch_ops import multi_adamw_args
-from ._util import TL_DTYPE, device_table, find_segment, launch, search_steps
+from ._tile import gather_tile, pointer_at, program_tile, scatter_tile
+from ._util import TL_DTYPE, device_table, launch, search_steps
 
 _TILE_ELEMS = 1024
 _WARPS = 4
@@ -74,57 +76,6 @@ def _one_minus_pow(log_beta, s):
 
 
 @triton.jit
-def _round_to(w, DTYPE: tl.constexpr):
-    """fp32 -> DTYPE, round to nearest even. bf16 goes through integer ops (the torch/c10 sequence),
-    bit-identical to the GPU's cvt.rn.bf16.f32 and also correct under TRITON_INTERPRET, whose own
-    fp32 -> bf16 cast truncates."""
-    if DTYPE == tl.bfloat16:  # noqa: SIM300 - a constexpr dtype, compared at compile time
-        bits = w.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        r = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        nan = tl.full(w.shape, 0x7FC0, tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.where(w != w, nan, r)
-    else:
-        return w.to(DTYPE)
-
-
-@triton.jit
-def tile_offsets(idx_ptr, R, K, stride_pr, stride_pc, stride_gr, stride_gc, r0, j0,
-                 HAS_IDX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The [BLOCK_R, BLOCK_K] tile at (r0, j0) of the compact [R, K] space: its compact column numbers
-    ``js`` and their mask, the tile's mask, and the int64 offsets into param, grad and the compact state."""
-    rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
-    js = j0 + tl.arange(0, BLOCK_K).to(tl.int64)
-    kmask = js < K
-    mask = (rows < R)[:, None] & kmask[None, :]
-    if HAS_IDX:  # noqa: SIM108 - constexpr branch: the dense kernel has no index load
-        cols = tl.load(idx_ptr + js, mask=kmask, other=0)
-    else:
-        cols = js
-    p_off = rows[:, None] * stride_pr + cols[None, :] * stride_pc
-    g_off = rows[:, None] * stride_gr + cols[None, :] * stride_gc
-    s_off = rows[:, None] * K + js[None, :]
-    return js, kmask, mask, p_off, g_off, s_off
-
-
-@triton.jit
-def table_tile(itab, WIDTH: tl.constexpr, n_tensors, pid, n_steps, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's tensor and tile in a multi-tensor launch whose int table rows (WIDTH columns) end with
-    (R, K, stride_pr, stride_pc, stride_gr, stride_gc, first unit): (table row index, row pointer, R, K, the
-    four strides, first row, first column)."""
-    t = find_segment(itab + WIDTH - 1, WIDTH, n_tensors, pid, n_steps)
-    row = itab + t.to(tl.int64) * WIDTH
-    R = tl.load(row + WIDTH - 7)
-    K = tl.load(row + WIDTH - 6)
-    local = pid - tl.load(row + WIDTH - 1)
-    n_k = tl.cdiv(K, BLOCK_K)
-    r0 = (local // n_k) * BLOCK_R
-    j0 = (local % n_k) * BLOCK_K
-    return (t, row, R, K, tl.load(row + WIDTH - 5), tl.load(row + WIDTH - 4), tl.load(row + WIDTH - 3),
-            tl.load(row + WIDTH - 2), r0, j0)
-
-
-@triton.jit
 def _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr,
                 R, K, stride_pr, stride_pc, stride_gr, stride_gc, r0, j0,
                 lr, decay, step_size, bc2_sqrt, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2,
@@ -132,13 +83,10 @@ def _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr,
                 HAS_IDX: tl.constexpr, HAS_MASTER: tl.constexpr, PER_COL_STEP: tl.constexpr, L2: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """``decay``: 1 - lr * weight_decay (AdamW), or the weight decay itself with ``L2`` (Adam)."""
-    js, kmask, mask, p_off, g_off, s_off = tile_offsets(idx_ptr, R, K, stride_pr, stride_pc, stride_gr, stride_gc,
-                                                        r0, j0, HAS_IDX, BLOCK_R, BLOCK_K)
-    g = tl.math.div_rn(tl.load(g_ptr + g_off, mask=mask, other=0.0).to(tl.float32), grad_scale)
-    if HAS_MASTER:
-        w = tl.load(w_ptr + s_off, mask=mask, other=0.0)
-    else:
-        w = tl.load(p_ptr + p_off, mask=mask, other=0.0).to(tl.float32)
+    js, kmask, mask, p_off, s_off, g, w = gather_tile(p_ptr, g_ptr, idx_ptr, w_ptr, R, K, stride_pr, stride_pc,
+                                                      stride_gr, stride_gc, r0, j0, HAS_IDX, HAS_MASTER, BLOCK_R,
+                                                      BLOCK_K)
+    g = tl.math.div_rn(g, grad_scale)
     m = tl.load(m_ptr + s_off, mask=mask, other=0.0)
     v = tl.load(v_ptr + s_off, mask=mask, other=0.0)
 
@@ -163,9 +111,7 @@ def _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr,
 
     tl.store(m_ptr + s_off, m, mask=mask)
     tl.store(v_ptr + s_off, v, mask=mask)
-    if HAS_MASTER:
-        tl.store(w_ptr + s_off, w, mask=mask)
-    tl.store(p_ptr + p_off, _round_to(w, p_ptr.dtype.element_ty), mask=mask)
+    scatter_tile(p_ptr, w_ptr, p_off, s_off, w, mask, HAS_MASTER)
 
 
 @triton.jit
@@ -197,17 +143,10 @@ def _multi_selective_adamw_kernel(itab, ftab, n_tensors, n_steps,
                                   HAS_IDX: tl.constexpr, HAS_MASTER: tl.constexpr, PER_COL_STEP: tl.constexpr,
                                   L2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid (total tiles,): unit = (tensor, row tile, column tile)."""
-    pid = tl.program_id(0)
-    t, row, R, K, spr, spc, sgr, sgc, r0, j0 = table_tile(itab, 14, n_tensors, pid, n_steps, BLOCK_R, BLOCK_K)
-    frow = ftab + t.to(tl.int64) * 4
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
-    idx_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int64))
-    m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    w_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    step_ptr = tl.load(row + 6).to(tl.pointer_type(tl.int64))
-    _adamw_tile(p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, w_ptr, step_ptr, R, K, spr, spc, sgr, sgc, r0, j0,
+    row, frow, p_ptr, g_ptr, idx_ptr, R, K, spr, spc, sgr, sgc, r0, j0 = program_tile(
+        itab, 14, ftab, 4, n_tensors, n_steps, P_DTYPE, G_DTYPE, BLOCK_R, BLOCK_K)
+    _adamw_tile(p_ptr, g_ptr, idx_ptr, pointer_at(row, 3, tl.float32), pointer_at(row, 4, tl.float32),
+                pointer_at(row, 5, tl.float32), pointer_at(row, 6, tl.int64), R, K, spr, spc, sgr, sgc, r0, j0,
                 tl.load(frow + 0), tl.load(frow + 1), tl.load(frow + 2), tl.load(frow + 3),
                 one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, grad_scale,
                 HAS_IDX, HAS_MASTER, PER_COL_STEP, L2, BLOCK_R, BLOCK_K)

@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tile import gather_tile, pointer_at, program_tile, scatter_tile
 from ._util import TL_DTYPE, device_table, launch, search_steps
-from .selective_adamw import _round_to, cached_plan, plan_groups, planned_for, table_tile, tile_offsets
+from .selective_adamw import cached_plan, plan_groups, planned_for
 
 _WARPS = 4
 
@@ -34,13 +35,10 @@ def _lerp(a, b, weight):
 def _lion_tile(p_ptr, g_ptr, idx_ptr, m_ptr, w_ptr, R, K, stride_pr, stride_pc, stride_gr, stride_gc, r0, j0,
                lr, decay, one_minus_beta1, one_minus_beta2, inv_scale,
                HAS_IDX: tl.constexpr, HAS_MASTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    js, kmask, mask, p_off, g_off, s_off = tile_offsets(idx_ptr, R, K, stride_pr, stride_pc, stride_gr, stride_gc,
-                                                        r0, j0, HAS_IDX, BLOCK_R, BLOCK_K)
-    g = tl.load(g_ptr + g_off, mask=mask, other=0.0).to(tl.float32) * inv_scale
-    if HAS_MASTER:
-        w = tl.load(w_ptr + s_off, mask=mask, other=0.0)
-    else:
-        w = tl.load(p_ptr + p_off, mask=mask, other=0.0).to(tl.float32)
+    js, kmask, mask, p_off, s_off, g, w = gather_tile(p_ptr, g_ptr, idx_ptr, w_ptr, R, K, stride_pr, stride_pc,
+                                                      stride_gr, stride_gc, r0, j0, HAS_IDX, HAS_MASTER, BLOCK_R,
+                                                      BLOCK_K)
+    g = g * inv_scale
     m = tl.load(m_ptr + s_off, mask=mask, other=0.0)
 
     c = _lerp(m, g, one_minus_beta1)
@@ -50,9 +48,7 @@ def _lion_tile(p_ptr, g_ptr, idx_ptr, m_ptr, w_ptr, R, K, stride_pr, stride_pc, 
     m = _lerp(m, g, one_minus_beta2)
 
     tl.store(m_ptr + s_off, m, mask=mask)
-    if HAS_MASTER:
-        tl.store(w_ptr + s_off, w, mask=mask)
-    tl.store(p_ptr + p_off, _round_to(w, p_ptr.dtype.element_ty), mask=mask)
+    scatter_tile(p_ptr, w_ptr, p_off, s_off, w, mask, HAS_MASTER)
 
 
 # Table, int64, one row per tensor: 0 param ptr, 1 grad ptr, 2 indices ptr, 3 exp_avg ptr, 4 master ptr,
@@ -63,12 +59,10 @@ def _multi_selective_lion_kernel(itab, ftab, n_tensors, n_steps, one_minus_beta1
                                  P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, HAS_IDX: tl.constexpr,
                                  HAS_MASTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid (total tiles,): unit = (tensor, row tile, column tile)."""
-    pid = tl.program_id(0)
-    t, row, R, K, spr, spc, sgr, sgc, r0, j0 = table_tile(itab, 12, n_tensors, pid, n_steps, BLOCK_R, BLOCK_K)
-    frow = ftab + t.to(tl.int64) * 2
-    _lion_tile(tl.load(row + 0).to(tl.pointer_type(P_DTYPE)), tl.load(row + 1).to(tl.pointer_type(G_DTYPE)),
-               tl.load(row + 2).to(tl.pointer_type(tl.int64)), tl.load(row + 3).to(tl.pointer_type(tl.float32)),
-               tl.load(row + 4).to(tl.pointer_type(tl.float32)), R, K, spr, spc, sgr, sgc, r0, j0,
+    row, frow, p_ptr, g_ptr, idx_ptr, R, K, spr, spc, sgr, sgc, r0, j0 = program_tile(
+        itab, 12, ftab, 2, n_tensors, n_steps, P_DTYPE, G_DTYPE, BLOCK_R, BLOCK_K)
+    _lion_tile(p_ptr, g_ptr, idx_ptr, pointer_at(row, 3, tl.float32), pointer_at(row, 4, tl.float32),
+               R, K, spr, spc, sgr, sgc, r0, j0,
                tl.load(frow + 0), tl.load(frow + 1), one_minus_beta1, one_minus_beta2, inv_scale,
                HAS_IDX, HAS_MASTER, BLOCK_R, BLOCK_K)
 

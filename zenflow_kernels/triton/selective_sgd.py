@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tile import gather_tile, pointer_at, program_tile, scatter_tile
 from ._util import TL_DTYPE, device_table, launch, search_steps
-from .selective_adamw import _round_to, cached_plan, plan_groups, planned_for, table_tile, tile_offsets
+from .selective_adamw import cached_plan, plan_groups, planned_for
 
 _WARPS = 4
 
@@ -32,13 +33,10 @@ def _sgd_tile(p_ptr, g_ptr, idx_ptr, b_ptr, w_ptr, step_ptr, R, K, stride_pr, st
               HAS_IDX: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_BUF: tl.constexpr, PER_COL_STEP: tl.constexpr,
               NESTEROV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """``first``: 1.0 when an int step count is 1 (read when not PER_COL_STEP)."""
-    js, kmask, mask, p_off, g_off, s_off = tile_offsets(idx_ptr, R, K, stride_pr, stride_pc, stride_gr, stride_gc,
-                                                        r0, j0, HAS_IDX, BLOCK_R, BLOCK_K)
-    d = tl.load(g_ptr + g_off, mask=mask, other=0.0).to(tl.float32) * inv_scale
-    if HAS_MASTER:
-        w = tl.load(w_ptr + s_off, mask=mask, other=0.0)
-    else:
-        w = tl.load(p_ptr + p_off, mask=mask, other=0.0).to(tl.float32)
+    js, kmask, mask, p_off, s_off, d, w = gather_tile(p_ptr, g_ptr, idx_ptr, w_ptr, R, K, stride_pr, stride_pc,
+                                                      stride_gr, stride_gc, r0, j0, HAS_IDX, HAS_MASTER, BLOCK_R,
+                                                      BLOCK_K)
+    d = d * inv_scale
 
     d = tl.where(wd != 0.0, tl.fma(w, wd, d), d)
     if HAS_BUF:
@@ -55,9 +53,7 @@ def _sgd_tile(p_ptr, g_ptr, idx_ptr, b_ptr, w_ptr, step_ptr, R, K, stride_pr, st
             d = b
     w = tl.fma(d, -lr, w)
 
-    if HAS_MASTER:
-        tl.store(w_ptr + s_off, w, mask=mask)
-    tl.store(p_ptr + p_off, _round_to(w, p_ptr.dtype.element_ty), mask=mask)
+    scatter_tile(p_ptr, w_ptr, p_off, s_off, w, mask, HAS_MASTER)
 
 
 # Table, int64, one row per tensor: 0 param ptr, 1 grad ptr, 2 indices ptr, 3 momentum buffer ptr,
@@ -69,14 +65,11 @@ def _multi_selective_sgd_kernel(itab, ftab, n_tensors, n_steps, momentum, one_mi
                                 HAS_MASTER: tl.constexpr, HAS_BUF: tl.constexpr, PER_COL_STEP: tl.constexpr,
                                 NESTEROV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid (total tiles,): unit = (tensor, row tile, column tile)."""
-    pid = tl.program_id(0)
-    t, row, R, K, spr, spc, sgr, sgc, r0, j0 = table_tile(itab, 13, n_tensors, pid, n_steps, BLOCK_R, BLOCK_K)
-    frow = ftab + t.to(tl.int64) * 3
-    _sgd_tile(tl.load(row + 0).to(tl.pointer_type(P_DTYPE)), tl.load(row + 1).to(tl.pointer_type(G_DTYPE)),
-              tl.load(row + 2).to(tl.pointer_type(tl.int64)), tl.load(row + 3).to(tl.pointer_type(tl.float32)),
-              tl.load(row + 4).to(tl.pointer_type(tl.float32)), tl.load(row + 5).to(tl.pointer_type(tl.int64)),
-              R, K, spr, spc, sgr, sgc, r0, j0, tl.load(frow + 0), tl.load(frow + 1), tl.load(frow + 2),
-              momentum, one_minus_dampening, inv_scale,
+    row, frow, p_ptr, g_ptr, idx_ptr, R, K, spr, spc, sgr, sgc, r0, j0 = program_tile(
+        itab, 13, ftab, 3, n_tensors, n_steps, P_DTYPE, G_DTYPE, BLOCK_R, BLOCK_K)
+    _sgd_tile(p_ptr, g_ptr, idx_ptr, pointer_at(row, 3, tl.float32), pointer_at(row, 4, tl.float32),
+              pointer_at(row, 5, tl.int64), R, K, spr, spc, sgr, sgc, r0, j0, tl.load(frow + 0), tl.load(frow + 1),
+              tl.load(frow + 2), momentum, one_minus_dampening, inv_scale,
               HAS_IDX, HAS_MASTER, HAS_BUF, PER_COL_STEP, NESTEROV, BLOCK_R, BLOCK_K)
 
 
