@@ -208,9 +208,14 @@ def bench_multi_adamw(timer: Timer, shapes, device, label) -> list[dict]:
     vs_ = [torch.zeros_like(m) for m in ms_]
     ws = [p[:, i].float() for p, i in zip(ps, idxs, strict=True)]
     def ours(impl_ops):
-        return lambda: impl_ops.multi_selective_adamw_(ps, gs, idxs, ms_, vs_, steps=10, lrs=1e-4, beta1=0.9,
-                                                       beta2=0.999, eps=1e-8, weight_decays=0.01, masters=ws,
-                                                       check_data=False)
+        # ops' one signature, its backend forced: the backends keep only the launches (their items_)
+        backend = {numba_ops: "numba", torch_ops: "torch"}.get(impl_ops, "auto")
+
+        def step():
+            with ops.use_backend(backend):
+                ops.multi_selective_adamw_(ps, gs, idxs, ms_, vs_, steps=10, lrs=1e-4, beta1=0.9, beta2=0.999,
+                                           eps=1e-8, weight_decays=0.01, masters=ws, check_data=False)
+        return step
 
     bufs = [p[:, i].clone().requires_grad_(True) for p, i in zip(ps, idxs, strict=True)]
     opt = torch.optim.AdamW(bufs, lr=1e-4, weight_decay=0.01, foreach=device == "cuda")

@@ -13,8 +13,8 @@ hits both alike), one subprocess per tree with ``PYTHONPATH`` at that tree, whic
   link and torch's foreach AdamW, one repeat): the training thread's CPU time per step and its ratio to torch's foreach
   AdamW measured in the same process.
 
-When the base's numba kernels (``zenflow_kernels/cpu_ops``) are byte for byte this tree's, the worktree gets this
-tree's compiled kernels (numba's cache is keyed by the source file's path and time stamp, so a fresh worktree would
+When the base's numba kernels (``zenflow_kernels/cpu_ops/kernels``) are byte for byte this tree's, the worktree gets
+this tree's compiled kernels (numba's cache is keyed by the source file's path and time stamp, so a fresh worktree would
 compile every kernel again: half a minute of the suite's quick run).
 
 Reported per metric: each tree's median over the rounds and the ratio this tree / base (1.0: unchanged). Results:
@@ -56,13 +56,13 @@ print(json.dumps(out))
 """
 
 
-KERNELS = Path("zenflow_kernels", "cpu_ops")
+KERNELS = Path("zenflow_kernels", "cpu_ops", "kernels")  # every numba kernel and its cache (__pycache__)
 
 
 def share_numba_cache(base_tree: Path) -> bool:
-    """Give ``base_tree`` this tree's compiled numba kernels when its ``cpu_ops`` sources are identical to this
-    tree's (numba checks a cached kernel against its source file's modification time and size, and does not
-    track what a kernel calls in other files: hence the whole folder must match). Returns whether it did."""
+    """Give ``base_tree`` this tree's compiled numba kernels when its ``cpu_ops/kernels`` sources are identical to
+    this tree's (a cached kernel is checked against its source file's modification time and size and the digest of
+    the whole folder: ``cpu_ops/kernels/_jit.py``). Returns whether it did."""
     ours, theirs = REPO / KERNELS, base_tree / KERNELS
     sources = sorted(p.name for p in ours.glob("*.py"))
     if sources != sorted(p.name for p in theirs.glob("*.py")):
