@@ -7,8 +7,6 @@ which notebooks/tuned_comparison.ipynb prints too)."""
 
 from __future__ import annotations
 
-import json
-
 from bench.results_text import load_study, lr_text, where
 
 STUDIES = "studies/results"
@@ -35,7 +33,6 @@ def tuned_section() -> str:
     """The tuned comparison: per workload, each main variant's final loss and steps to the target over tuned AdamW's
     with its best rate; the time to target on the modeled machine; the findings."""
     from studies import findings
-    from studies.tuned_comparison import RESULTS
 
     records = findings.load_results()
     summaries = {w: r["summary"] for w, r in records.items()}
@@ -56,7 +53,7 @@ def tuned_section() -> str:
             cells.append(f"{v['final_over_adamw']['mean']:.2f} / {reach} / {v['lr_over_adamw']:.2g}x")
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     adamw = ", ".join(f"{w} {lr_text(s['adamw_best_lr'])}" for w, s in summaries.items())
-    ttt = json.loads((RESULTS / "time_to_target.json").read_text())
+    ttt = load_study("time_to_target.json")
     tt_lines = []
     for key, t in ttt["tables"].items():
         rows = t["rows"]
