@@ -332,6 +332,35 @@ def plt():
     return pyplot
 
 
+def figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (11, 4)):
+    """A headless figure and its axes (``pyplot.subplots``)."""
+    return plt().subplots(nrows, ncols, figsize=size)
+
+
+def style(ax, xlabel: str | None = None, ylabel: str | None = None, title: str | None = None, *,
+          logx: int | None = None, logy: int | None = None, legend: float | None = 7, grid: str | None = "both"):
+    """One call for an axis's labels, log scales (the base), legend (font size; None: none) and grid."""
+    for setter, value in ((ax.set_xlabel, xlabel), (ax.set_ylabel, ylabel), (ax.set_title, title)):
+        if value is not None:
+            setter(value)
+    if logx:
+        ax.set_xscale("log", base=logx)
+    if logy:
+        ax.set_yscale("log", base=logy)
+    if legend is not None and ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=legend)
+    if grid:
+        ax.grid(alpha=0.3, axis=grid)
+    return ax
+
+
+def save(fig, path, dpi: int = 110) -> None:
+    """Lay out, write and close a figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt().close(fig)
+
+
 def draw_lanes(ax, spans, lanes, colors: dict, *, scale: float = 1.0) -> None:
     """A ``testing.Timeline``'s spans ``(lane, label, start, end, nbytes)`` as a row of bars per lane, ``lanes``
     from top to bottom, times multiplied by ``scale`` (1e3: milliseconds)."""
