@@ -1,0 +1,154 @@
+"""The measured results in README.md and docs/*.md, kept true to the committed JSONs.
+
+Two forms, each checked against the data itself:
+
+- **Tables** between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``: rendered from the JSON by
+  ``SECTIONS[NAME]`` (``tools/results_tables.py``), one line naming the result's file, machine and commit, then a
+  table of its figures. ``python -m tools.docs_results`` rewrites them; ``--check`` exits 1 when one differs.
+- **Figures in prose**, each followed at once by ``<!--= FILE EXPR -->``: ``EXPR`` is evaluated with the JSON
+  ``FILE`` as ``r`` (``a.b.c`` is short for ``r["a"]["b"]["c"]``), and the figure as written must be that value
+  rounded to the digits written (a span ``1.6-4.0x`` is the min and max of a list). ``--check`` lists every figure
+  that is not.
+
+Prose outside both says no figure (tests/test_readme.py holds the figures it checks by hand).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULT_DIRS = [REPO / "bench" / "results", REPO / "studies" / "results"]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def load(name: str) -> dict:
+    """A committed result by its path under bench/results/ or studies/results/."""
+    for folder in RESULT_DIRS:
+        if (folder / name).exists():
+            return json.loads((folder / name).read_text())
+    raise FileNotFoundError(f"no result {name!r} under {', '.join(str(d) for d in RESULT_DIRS)}")
+
+
+def link(name: str, up: str = "../") -> str:
+    """A markdown link to a result, from docs/ (``up="../"``) or from README.md (``up=""``)."""
+    folder = next(d for d in RESULT_DIRS if (d / name).exists()).relative_to(REPO)
+    return f"[`{Path(name).name}`]({up}{folder.as_posix()}/{name})"
+
+
+def where(result: dict) -> str:
+    """The run's machine and commit, from its record (or, for a result made before records, its machine entry)."""
+    record = result.get("record")
+    machine = (record or result)["machine"]
+    commit = record["commit"][:7] if record else f"{result['machine'].get('git_commit')}, no record"
+    cpu = machine["cpu"].replace("(R)", "").replace(" Processor", "").strip()
+    detail = machine.get("cpu_detail")
+    if detail:  # records from before cpu_detail name the model only
+        l3 = detail["caches"].get("L3")
+        simd = "AVX-512" if "avx512f" in detail["flags"] else "AVX2" if "avx2" in detail["flags"] else "no AVX2"
+        cpu += " (" + ", ".join([f"{detail['mhz']} MHz"] + ([f"L3 {l3}"] if l3 else []) + [simd]) + ")"
+    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
+    return f"{cpu}, {machine['logical_cores']} cores{gpu}; {commit}"
+
+
+def source(name: str, up: str = "../", command: str | None = None) -> str:
+    """The line above a table: which result, made by which command, on which machine and commit."""
+    result = load(name)
+    command = command or (result.get("record") or result).get("command", "")
+    return f"{link(name, up)}" + (f", `{command}`" if command else "") + f"; {where(result)}."
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    """A markdown table; a float cell is written to 2 decimals unless it is already text."""
+    cell = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
+
+def begin(name: str) -> str:
+    return f"<!-- results:{name}: from its JSON by `python -m tools.docs_results`; edit tools/results_tables.py -->"
+
+
+def end(name: str) -> str:
+    return f"<!-- /results:{name} -->"
+
+
+def section(name: str) -> str:
+    from tools.results_tables import SECTIONS
+
+    return f"{begin(name)}\n{SECTIONS[name][1]()}\n{end(name)}"
+
+
+def current(text: str, name: str) -> str:
+    start, stop = text.find(f"<!-- results:{name}:"), text.find(end(name))
+    if start < 0 or stop < start:
+        raise SystemExit(f"no results markers for {name!r} ({begin(name)!r} ... {end(name)!r})")
+    return text[start:stop + len(end(name))]
+
+
+# -- figures in prose ---------------------------------------------------------------------------------------------
+
+FIGURE = re.compile(r"(\S+?)<!--=\s+(\S+)\s+(.+?)\s*-->", re.S)
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?")
+
+
+def value_of(name: str, expr: str):
+    """``expr`` on the result ``name``: a dotted path of keys, or a Python expression of ``r``."""
+    r = load(name)
+    if re.fullmatch(r"[\w^\-]+(\.[\w^\-]+)*", expr):
+        for key in expr.split("."):
+            r = r[int(key)] if isinstance(r, list) else r[key]
+        return r
+    return eval(expr, {"r": r, "min": min, "max": max, "sum": sum, "len": len, "abs": abs, "sorted": sorted})
+
+
+def _written(text: str) -> list[tuple[float, int]]:
+    """The numbers in a figure as written, each with its decimals (``1.6-4.0x``: two of them)."""
+    numbers = NUMBER.findall(text.replace("\u2212", "-"))
+    numbers = [n.lstrip("-") if i and n.startswith("-") else n for i, n in enumerate(numbers)]  # 1.6-4.0: a span
+    return [(float(n.replace(",", "")), len(n.split(".")[1].split("e")[0]) if "." in n else 0) for n in numbers]
+
+
+def wrong_figures(page: Path) -> list[str]:
+    """Every annotated figure of ``page`` that is not its value rounded as written, as ``page: figure (value)``."""
+    wrong = []
+    for figure, name, expr in FIGURE.findall(page.read_text()):
+        value = value_of(name, " ".join(expr.split()))
+        values = sorted(value) if isinstance(value, (list, tuple)) else [value]
+        written = _written(figure)
+        want = [values[0], values[-1]] if len(written) == 2 else [values[0]] if len(set(values)) == 1 else None
+        if want is None or len(written) != len(want) or not all(
+                math.isclose(round(v, digits), w, rel_tol=0, abs_tol=10 ** -digits / 2)
+                for (w, digits), v in zip(written, want, strict=True)):
+            wrong.append(f"{page.relative_to(REPO)}: {figure} from {name} {expr} (the data: {value!r})")
+    return wrong
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from tools.results_tables import SECTIONS
+
+    ap = argparse.ArgumentParser(prog="python -m tools.docs_results", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when a table or a figure differs from its data")
+    args = ap.parse_args(argv)
+    problems = []
+    for name, (path, _) in SECTIONS.items():
+        text = path.read_text()
+        old, new = current(text, name), section(name)
+        if old != new:
+            problems.append(f"{path.relative_to(REPO)}: table {name} differs from its data")
+            if not args.check:
+                path.write_text(text.replace(old, new))
+    problems += [w for page in PAGES for w in wrong_figures(page)]
+    for line in problems:
+        print(line, file=sys.stderr)
+    return 1 if args.check and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
