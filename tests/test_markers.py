@@ -10,7 +10,7 @@ A static check of tests/test_*.py: each test function is read with the module's 
 * ``bench``: ``[..., "-m", "bench.<name>", ...]`` (a benchmark run in a subprocess);
 * ``subprocess``: ``[..., "-m", <anything but zenflow_kernels>, ...]`` (a study, a tool, a bench module named by a
   variable), a path under ``examples/`` or ``tools/``, or a script of tests/ run as a program;
-* ``notebook``: a name imported from ``nbclient`` or ``bench.notebooks`` used.
+* ``notebook``: a name imported from ``nbclient`` or ``tools.notebooks`` used.
 
 Not a tier: ``python -c <snippet>`` and ``python -m zenflow_kernels ...`` (one short process of the library, in
 the edit loop like any single-process case). A marker may be on the module (``pytestmark``), a class or the test.
@@ -93,9 +93,9 @@ def module_problems(path: Path) -> list[str]:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
             module_marks |= _marks(node.value)
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "nbclient" or \
-                isinstance(node, ast.ImportFrom) and node.module == "bench" and \
+                isinstance(node, ast.ImportFrom) and node.module == "tools" and \
                 any(a.name == "notebooks" for a in node.names) or \
-                isinstance(node, ast.ImportFrom) and node.module == "bench.notebooks":
+                isinstance(node, ast.ImportFrom) and node.module == "tools.notebooks":
             notebook_names |= {a.asname or a.name for a in node.names}
         if isinstance(node, ast.Import):
             for a in node.names:
@@ -209,7 +209,6 @@ BENCH_IMPORTERS = {
     "test_bench.py": "every benchmark entry point",
     "test_results.py": "bench.refresh and bench.harness's record of a result",
     "test_readme.py": "bench.readme_results, the docs' results sections",
-    "test_notebooks.py": "bench.notebooks, the notebooks' runner",
     "test_handover.py": "bench.overlap's measurement at test sizes",
     "test_studies.py": "bench.e2e's demo settings against the tuned comparison, bench.e2e_target",
     "test_compiled_rules.py": "bench.custom_rules' RMSprop, the rule the benchmarks time, compiled against eager",

@@ -15,7 +15,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from bench import notebooks as runner
+from tools import notebooks as runner
 
 pytestmark = pytest.mark.notebook
 

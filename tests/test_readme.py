@@ -61,43 +61,58 @@ def test_make_demo_writes_to_an_ignored_folder():
     assert re.search(r"^bench-results:.*\n\t.*-m bench\.refresh", makefile, re.MULTILINE)
 
 
-@pytest.mark.parametrize("name", ["readme", "e2e", "deepspeed_choices", "deepspeed_rounding", "step_overhead", "zero",
-                                  "overlap", "rules_step", "seam", "cpu_adam", "kernels_cpu", "cpu_rules", "fsdp2",
-                                  "scale", "nvme_timeline", "tuned", "concentration",
-                                  "kernels_gpu", "nvme", "stochastic_rounding"])
-def test_the_results_sections_are_what_the_committed_results_say(name):
-    """Every figure of the README's Results section, docs/benchmarks.md's end-to-end and step-cost sections,
-    docs/deepspeed.md's tables and docs/nvme.md's measured section is computed from the JSON it links
-    (bench/readme_results.py): each section is exactly what that module writes from bench/results/ today."""
-    from bench import readme_results
+def _sections():
+    from tools.results_tables import SECTIONS
 
-    assert set(readme_results.SECTIONS) == {"readme", "e2e", "deepspeed_choices", "deepspeed_rounding",
-                                            "step_overhead", "zero", "overlap", "rules_step", "seam", "cpu_adam",
-                                            "kernels_cpu", "cpu_rules", "fsdp2", "scale",
-                                            "nvme_timeline", "tuned", "concentration",
-                                            "kernels_gpu", "nvme", "stochastic_rounding"}
-    path = readme_results.SECTIONS[name][0]
-    assert readme_results.current(path.read_text(), name) == readme_results.section(name), (
-        f"{path.name}'s results differ from bench/results: run python -m bench.readme_results")
+    return list(SECTIONS)
 
 
-def test_the_results_section_follows_its_results(tmp_path, monkeypatch):
-    """A figure changes with its JSON: a copy of e2e.json with another stall gives another section."""
+@pytest.mark.parametrize("name", _sections())
+def test_the_results_tables_are_what_the_committed_results_say(name):
+    """Every results table of README.md and docs/ is what tools/results_tables.py renders from its JSON today."""
+    from tools import docs_results
+    from tools.results_tables import SECTIONS
+
+    path = SECTIONS[name][0]
+    assert docs_results.current(path.read_text(), name) == docs_results.section(name), (
+        f"{path.name}'s table {name} differs from its JSON: run python -m tools.docs_results")
+
+
+def test_the_annotated_figures_in_prose_are_their_data():
+    from tools import docs_results
+
+    assert [w for page in docs_results.PAGES for w in docs_results.wrong_figures(page)] == []
+
+
+def test_a_table_and_a_figure_follow_their_json(tmp_path, monkeypatch):
+    """Change a result and its table changes; a figure written against it is then wrong, and one that is its
+    value rounded as written (a single figure, a span of a list) is right."""
     import json
     import shutil
 
-    from bench import readme_results, results_text
+    from tools import docs_results, results_tables
 
-    for path in (ROOT / "bench" / "results").rglob("*.json"):
-        target = tmp_path / path.relative_to(ROOT / "bench" / "results")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, target)
-    demo = json.loads((tmp_path / "e2e.json").read_text())
+    dirs = [tmp_path / d / "results" for d in ("bench", "studies")]
+    for d in dirs:
+        shutil.copytree(ROOT / d.relative_to(tmp_path), d)
+    bench = dirs[0]
+    demo = json.loads((bench / "e2e.json").read_text())
     demo["comparison"]["per_run"]["zenflow"]["stall_pct"] = 12.34
-    (tmp_path / "e2e.json").write_text(json.dumps(demo))
-    monkeypatch.setattr(results_text, "RESULTS_DIR", tmp_path)
-    assert "ZenFlow's stall 12.3% of wall time" in readme_results.render()
-    assert "| 12.3 |" in readme_results.e2e_section()  # the stall cell of ZenFlow's row
+    (bench / "e2e.json").write_text(json.dumps(demo | {"spread": [1.64, 4.04, 2.0]}))
+    monkeypatch.setattr(docs_results, "RESULT_DIRS", dirs)
+    monkeypatch.setattr(docs_results, "REPO", tmp_path)
+    assert "| 12.3 / " in results_tables.readme()
+    page = tmp_path / "page.md"
+    key = "e2e.json comparison.per_run.zenflow.stall_pct"
+    cases = {f"stall 12.3%<!--= {key} -->": True, f"stall 12.34%<!--= {key} -->": True,
+             f"stall 12.4%<!--= {key} -->": False, f"stall 12%<!--= {key} -->": True,
+             f"a (12.3x,<!--= {key} -->": True, "1.6-4.0x<!--= e2e.json spread -->": True,
+             "1.6-4.1x<!--= e2e.json spread -->": False, "2.0x<!--= e2e.json spread -->": False,
+             "12.3<!--= e2e.json r['comparison']['per_run']['zenflow']['stall_pct'] -->": True,
+             "24.7<!--= e2e.json 2 * r['comparison']['per_run']['zenflow']['stall_pct'] -->": True}
+    for text, right in cases.items():
+        page.write_text(f"Some prose, {text} more prose.\n")
+        assert (docs_results.wrong_figures(page) == []) is right, text
 
 
 def _results(name: str) -> dict:

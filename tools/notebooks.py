@@ -1,6 +1,6 @@
 """Execute the ablation notebooks in ``notebooks/`` with nbclient, and save them with their outputs.
 
-    python -m bench.notebooks [--quick] [--no-save] [--timeout S] [NAME ...]
+    python -m tools.notebooks [--quick] [--no-save] [--timeout S] [NAME ...]
 
 Each notebook runs top to bottom in a fresh ``python3`` kernel started from this interpreter (the
 ``python3`` kernelspec resolves ``python`` to ``sys.executable``), with the working directory set to
@@ -71,7 +71,7 @@ def execute(path: Path, quick: bool = False, timeout: int = 600, save: bool = Fa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.notebooks", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.notebooks", description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="notebook names (default: all)")
     ap.add_argument("--quick", action="store_true", help="reduced mode (ZENFLOW_NOTEBOOK_QUICK=1)")
     ap.add_argument("--no-save", dest="save", action="store_false", help="do not write the outputs back")
