@@ -208,7 +208,6 @@ def test_each_tier_is_registered_and_deselected_by_make_test_fast(tier):
 BENCH_IMPORTERS = {
     "test_bench.py": "every benchmark entry point",
     "test_results.py": "bench.refresh and bench.harness's record of a result",
-    "test_readme.py": "bench.readme_results, the docs' results sections",
     "test_handover.py": "bench.overlap's measurement at test sizes",
     "test_studies.py": "bench.e2e's demo settings against the tuned comparison, bench.e2e_target",
     "test_compiled_rules.py": "bench.custom_rules' RMSprop, the rule the benchmarks time, compiled against eager",
