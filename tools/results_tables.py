@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from tools.docs_results import REPO, link, load, source, table, where  # noqa: F401
 
 README = REPO / "README.md"
@@ -187,7 +189,71 @@ def concentration() -> str:
 
 
 def nvme() -> str:
-    return _old('nvme')
+    one, two = load("nvme_cpu.json"), load("nvme_cpu_repeat.json")
+    cfgs, goal, size = one["run_config"]["configs"], one["goal_streamed_over_roofline"], one["run_config"]["stall_size"]
+    m = lambda p: f"{p / 1e9:.2f} B" if p >= 1e9 else f"{p / 1e6:.0f} M"  # noqa: E731
+    both = lambda f, xs: " / ".join(f(x) for x in xs)  # noqa: E731 (the first run / the second)
+    each = lambda f, xs: ", ".join(f(x) for x in xs)  # noqa: E731
+    store = {(r["mode"], r["size_m"]): [] for r in one["results"]}
+    for r in one["results"] + two["results"]:
+        store[r["mode"], r["size_m"]].append(r)
+    disk, inmem = (lambda c: one["memory"][c + " nvme"]), (lambda c: one["memory"][c + " cpu"])
+    ups = lambda res, c: [x["host_update"]["roofline_over_last"] for x in res["runs"]  # noqa: E731
+                          if x["config"] == c and x["offload"] == "nvme" and x["host_update"].get("roofline_over_last")]
+    plain = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}x, {sum(x >= goal for x in xs)} of {len(xs)} met"  # noqa: E731
+    same = lambda res, c: "{} of {}".format(*(f([w["identical"] for w in res["weights_identical"]  # noqa: E731
+                                                 if w["config"] == c]) for f in (sum, len)))
+    cache = lambda c: max(p["growth_max"] for p in one["page_cache"]  # noqa: E731
+                          if p["config"] == c and p["offload"] == "nvme") / 2**20
+    big = {r["config"]: r for r in one["billion"]}
+    b = big[cfgs[0]]
+    skip = {s["config"]: s["predicted_memory_bytes"] / 2**30 for s in one["skipped_runs"] if s["offload"] == "cpu"}
+    run = {(r["config"], r["offload"], r["update_interval"]): r for r in one["runs"] if r["size"] == size}
+    again = {s["update_interval"]: s["disk_over_memory"] for s in two["stall"]}
+    rate = lambda r: statistics.median(r["host_update"]["disk_traffic_bytes"] / s  # noqa: E731
+                                       for s in r["host_update"]["seconds"]) / 1e9
+    stall = [(s, run["overlap", "nvme", s["update_interval"]], run["overlap", "cpu", s["update_interval"]])
+             for s in one["stall"]]
+    return "\n\n".join([
+        _wrap(source("nvme_cpu.json", command="python -m bench.nvme") + " Repeated: "
+              + source("nvme_cpu_repeat.json", command="python -m bench.nvme --attempts 3")),
+        table(["storage pass (first run / second)", "streamed over plain pass", "streamed GB/s",
+               "page cache growth, most (MiB)"],
+              [[f"{n} M, {mode}", both(lambda r: f"{r['streamed_over_roofline']:.2f}x", rs),
+                both(lambda r: f"{r['streamed']['gb_per_s']:.1f}", rs),
+                both(lambda r: f"{max(r['streamed']['cache_growth_bytes'] + [0]) / 2**20:.0f}", rs)]
+               for (mode, n), rs in sorted(store.items())]),
+        table([f"bytes per parameter ({each(lambda s: m(s['params']), disk('overlap')['sizes'])})",
+               "host side on disk, slope", "goal", "met", "host side at each size", "`host_bytes()` at each size",
+               "device side, largest", "peak RSS beyond the reported buffers, MiB", "host side in memory, slope",
+               "whole RSS on disk, slope", "second run: host side on disk"],
+              [[c, disk(c)["host_side_rss_growth_slope"], f"<= {one['run_config']['goal_bytes_per_param'][c]}",
+                "met" if disk(c)["goal_met"] else "missed",
+                each(lambda s: f"{s['host_side_rss_growth']:.2f}", disk(c)["sizes"]),
+                each(lambda s: f"{s['host_buffers_reported']:.2f}", disk(c)["sizes"]),
+                disk(c)["sizes"][-1]["device_side_reported"],
+                each(lambda s: f"{s['peak_unreported_bytes'] / 2**20:.0f}", disk(c)["sizes"]),
+                inmem(c)["host_side_rss_growth_slope"], disk(c)["rss_growth_slope"],
+                two["memory"][c + " nvme"]["host_side_rss_growth_slope"]] for c in cfgs]),
+        table([f"{m(b['params'])} ({b['size']}, {b['steps']} steps, `update_interval` {b['update_interval']}, file "
+               f"{b['disk_bytes'] / 1e9:.1f} GB), on disk", "mean `step()`", "cold first step", "host updates",
+               "last over plain pass", "peak RSS", "in memory", "page cache growth, most over its disk runs (MiB)",
+               f"every disk run: update over plain pass (goal >= {goal}), first run / second",
+               "weights identical on disk and in memory, first / second"],
+              [[c, f"{big[c]['mean_step_s']:.2f} s", f"{big[c]['cold_first_step_s']:.0f} s",
+                each(lambda x: f"{x:.1f}", big[c]["host_update_s"]) + " s", f"{big[c]['roofline_over_last']:.2f}x",
+                f"{big[c]['rss_peak'] / 2**30:.1f} GiB", f"skipped (predicted {skip[c]:.1f} GiB)" if c in skip
+                else "run", f"{cache(c):.0f}", both(plain, [ups(one, c), ups(two, c)]),
+                f"{same(one, c)} / {same(two, c)}"] for c in cfgs]),
+        table([f"`update_interval` S ({size}, {m(stall[0][1]['params'])}, overlap)", "disk: mean `step()`",
+               "at boundaries", "between", "memory: mean `step()`", "disk over memory", "second run: disk over memory",
+               "B, GB/s (median update)", "rule: S >= 24 N / (B step)", "other processes' CPU, disk / memory run"],
+              [[s["update_interval"], *(f"{1e3 * s['nvme'][x]:.0f} ms" for x in ("mean_step_s", "boundary_mean_s",
+                                                                               "between_mean_s")),
+                f"{1e3 * s['cpu']['mean_step_s']:.0f} ms", f"{s['disk_over_memory']:.2f}x",
+                f"{again[s['update_interval']]:.2f}x" if s["update_interval"] in again else "not run",
+                rate(d), f"{24 * d['params'] / (rate(d) * 1e9 * s['nvme']['between_mean_s']):.1f}",
+                both(lambda r: f"{r['other_processes_cpu_fraction']:.0%}", [d, c])] for s, d, c in stall])])
 
 
 # -- docs/deepspeed.md ----------------------------------------------------------------------------------------------
