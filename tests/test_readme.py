@@ -150,6 +150,8 @@ def _doc_figures() -> list[tuple[str, str]]:
     fingerprint_gbps = [r["fingerprint_gbps"] for r in fingerprint]
     at16 = {r["dtype"]: r["fingerprint_s"] / r["fold_s"] for r in fingerprint if r["n"] == 1 << 24}
     zero = _results("zero_cpu.json")["summary"]["2"]["collective_bytes_per_step"]
+    suite = (ROOT / "bench" / "gpu_suite.sh").read_text()
+    budgets = sum(int(n) for n in re.findall(r"^\s*stage \w+ (\d+) ", suite, re.MULTILINE))
     reader = {p["bandwidth"]: p["serial_over_beside"] for p in _results("nvme_timeline_cpu.json")["reader_pipeline"]}
     ratios = {n: " ".join(f"{_tuned(w, n)['ratio']:.2f}x" for w in ("study_flat", "study_concentrated",
                                                                       "gpt_finetune"))
@@ -186,6 +188,7 @@ def _doc_figures() -> list[tuple[str, str]]:
         ("design.md", f"host fingerprint takes {at16['float32']:.2f}x (fp32) and {at16['bfloat16']:.2f}x (bf16) the "
                       "fold's time"),
         ("benchmarks.md", f"RSS grows within {rss:.2f} bytes per parameter of the report in each run of"),
+        ("testing.md", f"its stage budgets add up to {budgets} s"),
     ]
 
 

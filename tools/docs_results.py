@@ -85,9 +85,18 @@ def end(name: str) -> str:
 
 
 def section(name: str) -> str:
+    """A section as it stands in its page: the markers around its text, lines other than a table's wrapped at 116
+    characters (a list item's continued under its text)."""
+    import textwrap
+
     from tools.results_tables import SECTIONS
 
-    return f"{begin(name)}\n{SECTIONS[name][1]()}\n{end(name)}"
+    lines = []
+    for line in SECTIONS[name][1]().split("\n"):
+        indent = "  " if line.startswith("- ") else ""
+        lines += [line] if line.startswith("|") or not line else textwrap.wrap(
+            line, 116, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False)
+    return f"{begin(name)}\n" + "\n".join(lines) + f"\n{end(name)}"
 
 
 def current(text: str, name: str) -> str:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from tools.docs_results import REPO, link, load, source, table, where  # noqa: F401
 
 README = REPO / "README.md"
@@ -203,42 +205,319 @@ def stochastic_rounding() -> str:
 
 # -- docs/benchmarks.md: whole runs (e2e, ZeRO, overlap, FSDP2, the sums' crossing) --------------------------------
 
+def _goals(c: dict) -> str:
+    """bench.e2e's three goals for a ZenFlow run, from its comparison row: stall, speed, loss at equal wall time."""
+    met = [c["stall_pct"] < 5, c["steps_per_s_vs_adamw"] >= 0.9, c["heldout_gap_vs_offload_equal_wall"] <= 0]
+    return ", ".join("met" if ok else "missed" for ok in met)
+
+
+def _e2e_rows(name: str) -> list[list]:
+    """One row per run of an e2e JSON: speed and stall (medians over repeats), held-out loss, goals."""
+    r = load(name)
+    cfg, per, start = r["config"], r["comparison"]["per_run"], r["pretrain"]["heldout_loss"]
+    gain = start - next(x for x in r["runs"] if x["name"] == "adamw")["final_heldout_loss"]
+    labels = {"adamw": "AdamW (fused)", "adamw_t1": "AdamW, 1 thread", "offload": "sync offload",
+              "zenflow": f"ZenFlow, {'overlap' if cfg['overlap'] else 'no overlap'}",
+              "zenflow_pt1": "ZenFlow, overlap, `pt_reserved_cores_perc` 1.0",
+              "zenflow_pt0.5": "ZenFlow, overlap, `pt_reserved_cores_perc` 0.5",
+              "zenflow_nooverlap": "ZenFlow, no overlap"}
+    setting = f"{name.removesuffix('.json')}: {cfg['lr']:g}, {cfg['topk_ratio']:g}, {cfg['update_interval']}"
+    return [[setting, labels[x["name"]], f"{c['steps_per_s_vs_adamw']:.2f}x", f"{c['stall_pct']:.1f}",
+             x["host_updates"], f"{x['final_heldout_loss']:.4f}", f"{(start - x['final_heldout_loss']) / gain:.0%}",
+             f"{c['heldout_gap_vs_offload_equal_wall']:+.4f}", _goals(c) if x["name"].startswith("zenflow") else ""]
+            for x in r["runs"] for c in [per[x["name"]]]]
+
+
+_E2E = ["result: lr, `topk_ratio`, `update_interval`", "run", "steps/s vs AdamW", "stall, % of wall time",
+        "host updates", "held-out loss at the end", "its gain on the start, share of AdamW's",
+        "held-out loss minus sync offload's at equal wall time",
+        "goals: stall < 5%, steps/s >= 0.9x AdamW's, loss <= sync offload's"]
+
+
 def e2e() -> str:
-    return _old('e2e')
+    demo = load("e2e.json")
+    to = demo["to_target"]
+    rows = [row + [f"{t['cpu_s']:.1f}" if t["steps"] is not None else "not reached", f"{t['modeled_s']:.0f}"]
+            for row, x in zip(_e2e_rows("e2e.json"), demo["runs"], strict=True) for t in [to["runs"][x["name"]]]]
+    others = ("e2e_variants.json", "e2e_lr1e-3.json", "e2e_base_batch2.json")
+    head = [*_E2E, f"to AdamW's loss at {to['target_at']:.0%} of its steps, s",
+            f"the same, modeled for {to['model']} on the H200 profile, s"]
+    return "\n\n".join([source("e2e.json"), table(head, rows),
+                        "\n".join(f"- {source(n)}" for n in others),
+                        table(_E2E, [row for n in others for row in _e2e_rows(n)])])
 
 
 def zero() -> str:
-    return _old('zero')
+    r = load("zero_cpu.json")
+    runs, steps = r["summary"], r["config"]["warmup"] + r["config"]["steps"]
+    ranks = [[w, i, s["torch_threads_per_rank"], f"{s['steps_per_s_median']:.2f}",
+              f"{s['steps_per_s_vs_first_world']:.2f}x", f"{s['host_state_bytes_per_rank'][i] / 1e6:.1f}",
+              *(f"{held[k]:,}" for k in ("grad", "own", "in_flight"))]
+             for w, s in runs.items() for i, held in enumerate(s["gradient_elements_held_per_rank"])]
+    moved = runs[max(runs)]["collective_bytes_per_step"]
+    kinds = [[k, f"{b:,.0f}", f"{b * steps:,.0f}"] for k, b in sorted(moved.items(), key=lambda kb: -kb[1])]
+    return "\n\n".join([source("zero_cpu.json"), table(
+        ["ranks", "rank", "torch threads", "steps/s", "vs 1 rank", "host state, MB",
+         "gradient elements held after backward: `.grad`", "own range's sums", "another rank's bucket in flight"],
+        ranks), table([f"collective at {max(runs)} ranks (rank 0)", f"bytes a step (the run's total / {steps})",
+                       "bytes over the run"], kinds)])
 
 
 def overlap() -> str:
-    return _old('overlap')
+    r = load("overlap_cpu.json")
+    sizes = {s["size"]: s for s in r["sizes"]}
+    row = {(x["size"], x["variant"]): x for x in r["rows"] if x["bandwidth"] == "slow"}
+    hand = [row[(n, "handover")] for n in sizes]
+    goal = r["config"]["goal_share"]
+    lines = [("parameters, M", [f"{s['params'] / 1e6:.1f}" for s in sizes.values()]),
+             ("transfer at `slow`, ms", [f"{1e3 * x['transfer_s']:.1f}" for x in hand]),
+             ("transfer / backward", [x["transfer_share_of_backward"] for x in hand]),
+             ("hand-over from hooks: added wall time / transfer", [x["added_stall_share"] for x in hand]),
+             ("hand-over from hooks: added training-thread waits / transfer", [x["added_waits_share"] for x in hand]),
+             ("crossing at `step()` (`orderings.early_handover=False`): added wall time / transfer",
+              [row[(n, "at_step")]["added_stall_share"] for n in sizes]),
+             (f"goal: hand-over's added wall time <= {goal:g} of the transfer where backward is longer",
+              ["met" if x["added_stall_share"] <= goal else "missed" if x["transfer_share_of_backward"] < 1 else ""
+               for x in hand]),
+             ("folds into the sums, ms a step (`fold_s`)", [f"{1e3 * x['fold_s']:.1f}" for x in hand]),
+             ("hooks' waits for the folds, ms a step (`fold_wait_s`)", [f"{1e3 * x['fold_wait_s']:.1f}" for x in hand])]
+    return source("overlap_cpu.json") + "\n\n" + table(["model / fold job", *(f"{n}x" for n in sizes)],
+                                                       [[label, *cells] for label, cells in lines])
 
 
 def fsdp2() -> str:
-    return _old('fsdp2')
+    r = load("fsdp2_cpu.json")
+    summary, comp, steps = r["summary"], r["comparisons"], r["config"]["warmup"] + r["config"]["steps"]
+    labels = {"one_zenflow": "one process, ZenFlowAdamW", "one_adamw": "one process, `torch.optim.AdamW(fused=True)`",
+              "fsdp2_zenflow": "FSDP2, ZenFlowAdamW", "fsdp2_adamw": "FSDP2, AdamW",
+              "fsdp2_offload_adamw": "FSDP2 + `CPUOffloadPolicy(pin_memory=False)`, AdamW"}
+    rows = []
+    for name, label in labels.items():
+        s, c = summary[name], comp.get(name)
+        inside = sum(k["ms_per_step_calm"] for k in s["fsdp2_collectives"].values())
+        rows.append([label, f"{s['calm_repeats']} of {len(s['step_ms_per_repeat'])}", f"{s['steps_per_s_calm']:.1f}",
+                     f"{c['steps_per_s_ratio_calm']:.2f}x" if c else "", f"{s['step_call_ms_calm']:.1f}",
+                     f"{s['optimizer_state_bytes_per_rank'][0] / 1e6:.2f}", f"{s['final_loss']:.4f}",
+                     f"{c['max_abs_loss_diff']:.1e}" if c else "", f"{inside:.0f}" if c else "",
+                     f"{s['step_ms_calm'] - summary[c['twin']]['step_ms_calm']:.0f}" if c else ""])
+    zen = summary["fsdp2_zenflow"]
+    kinds = [[f"FSDP2 {k}", f"{v['calls_per_step']:.0f}", f"{v['bytes_per_step']:,.0f}",
+              f"{v['bytes_per_step'] * steps:,.0f}"] for k, v in zen["fsdp2_collectives"].items()]
+    kinds += [[f"ZenFlow {k}", "", f"{b / steps:,.0f}", f"{b:,}"]
+              for k, b in zen["zenflow"]["collective_bytes_total"].items()]
+    return "\n\n".join([source("fsdp2_cpu.json"), table(
+        ["run", "calm repeats", "steps/s", "vs one process, same optimizer", "`step()` + `zero_grad()`, ms",
+         "optimizer state per rank, MB", f"loss, mean of steps {steps - 3}-{steps}",
+         "largest loss difference to one process, any step", "ms a step inside FSDP2's collectives",
+         "ms a step longer than one process"], rows),
+        table(["collective (rank 0, FSDP2 with ZenFlowAdamW)", "calls a step", f"bytes a step (over {steps} steps)",
+               "bytes over the run"], kinds)])
 
 
 def nvme_timeline() -> str:
-    return _old('nvme_timeline')
+    r = load("nvme_timeline_cpu.json")
+    rows = [[f"`{x['variant']}`", f"{x['ratio']:g}", f"{x['update_s']:.2f}", f"{x['per_crossing_s']:.3f}",
+             f"{x['crossing_inside_update_share']:.0%}",
+             *(f"{x['waits_per_interval_s'].get(k, 0.0):.3f}" for k in ("sums", "join", "drain")),
+             f"{x['predicted_drain_s']:.3f}"]
+            for x in r["rows"] if x["bandwidth"] == "slow"]
+    pipe = [[p["bandwidth"], f"{p['fetch_model_s']:.2f}", *(f"{p['median_s'][k]:.3f}" for k in
+                                                             ("no fetch", "beside", "serial")),
+             f"{p['serial_over_beside']:.2f}x",
+             "yes" if min(p["seconds"]["serial"]) > max(p["seconds"]["beside"]) else "no",
+             f"{min(min(v) for v in p['seconds'].values()):.2f}-{max(max(v) for v in p['seconds'].values()):.2f}"]
+            for p in r["reader_pipeline"]]
+    return "\n\n".join([source("nvme_timeline_cpu.json"), table(
+        ["variant, at `slow`", "S x compute / update on disk", "host update, s", "crossing, s",
+         "share of the crossing during the host update", "training thread's waits per interval, s: `sums`", "`join`",
+         "drain", "drain predicted, s"], rows), table(
+        [f"streamed pass alone ({r['reader_pipeline'][0]['numel'] / 2**20:.0f} M elements), link",
+         "fetches alone (modeled), s", "pass without fetches, s", "fetch beside the read, s",
+         "fetch after each read, s", "after / beside", "every after sample above every beside one",
+         "single passes, s"], pipe)])
 
 
 # -- docs/benchmarks.md: scale; quality (tuned comparison, concentration); docs/nvme.md -------------------------------
 
+def _wrap(text: str) -> str:
+    """A source line wrapped at 120 characters, as the pages are."""
+    import textwrap
+    return textwrap.fill(text, 120, break_long_words=False, break_on_hyphens=False)
+
+
+def _grid(header: list[str], cols: list, rows: list[tuple[str, object]]) -> str:
+    """A table with one column per ``cols`` entry: each row a label and a function of the column's item."""
+    return table(header, [[label] + [f(c) for c in cols] for label, f in rows])
+
+
 def scale() -> str:
-    return _old('scale')
+    r = load("scale_cpu.json")
+    top = max(x["params"] for x in r["runs"])
+    at = [next(x for x in r["runs"] if x["params"] == top and x["config"] == c) for c in ("overlap", "sync", "devacc")]
+    g, pt = r["growth"], r["per_tensor"]["summary"]
+    mem = (r.get("record") or r)["machine"]["memory_gib"] * 2**30
+    stale = r["record"]["started_utc"] < "2026-12-04T19:02:50Z"  # 1f58ea0 changed what a step reads
+    return "\n\n".join([_wrap(source("scale_cpu.json", command="python -m bench.scale")), _grid(
+        [f"{top / 1e6:.0f} M parameters ({at[0]['size']}, {at[0]['tensors']} tensors)", "overlap", "no overlap",
+         "`device_accumulation`"], at, [
+            ("host buffers (`host_bytes()`), bytes per parameter", lambda x: f"{x['bytes_per_param']['total']:.1f}"
+             + (f" + {x['bytes_per_param']['device_sums']:.1f} device-side sums" if x["host_bytes"]["device_sums"]
+                else "")),
+            ("fast path's state, bytes per parameter", lambda x: f"{x['bytes_per_param']['fast_state']:.1f}"),
+            ("RSS growth over the run / peak RSS, bytes per parameter",
+             lambda x: f"{x['rss']['growth_per_param']:.1f} / {x['rss']['peak_per_param']:.1f}"),
+            (f"parameters its {mem / 2**30:g} GiB would hold (peak RSS over the process's base)",
+             lambda x: f"{mem / x['rss']['peak_over_base_per_param'] / 1e6:.0f} M"),
+            ("first `step()` (cold)", lambda x: f"{x['times']['cold_first_step_s']:.1f} s"),
+            ("`step()` between update boundaries / at one; fast path alone",
+             lambda x: f"{x['times']['between_boundaries_median_s']:.2f} / {x['times']['boundary_median_s']:.2f}; "
+                       f"{x['fast_path_median_s']:.2f} s"),
+            ("host update alone (threads), fraction of the roofline",
+             lambda x: f"{x['host_update']['last_s']:.2f} s ({x['host_threads']}"
+                       f"{', fused' if x['host_update']['pattern'].startswith('fused') else ''}), "
+                       f"{x['host_update']['fraction_of_roofline_last']:.2f}"),
+            ("mean `step()` over all sizes: ns per parameter (exponent)",
+             lambda x: "{ns_per_param:.2f} ({exponent:.2f})".format(**g[x["config"]]["mean_step"])),
+            ("other processes' CPU share, most over the sizes", lambda x: "{:.0%}".format(max(
+                y["other_processes_cpu_fraction"] for y in r["runs"] if y["config"] == x["config"]))),
+        ]), table(["`step()` per tensor" + (" (recorded before 1f58ea0; not this version's)" if stale else ""),
+                   "ms at 150 tensors", "ms at 300", "us per added tensor"],
+                  [[f"`{n}`", pt[n]["ms_at_150"], pt[n]["ms_at_300"], f"{pt[n]['us_per_tensor']:.0f}"]
+                   for n in ("torch_adamw_foreach", "zenflow_cpu_link", "zenflow_async_link")])])
 
 
 def tuned() -> str:
-    return _old('tuned')
+    from studies import findings
+
+    res = findings.load_results()
+    s = {w: x["summary"] for w, x in res.items()}
+    v = lambda w, n: s[w]["variants"].get(n)  # noqa: E731
+    base = lambda n: "-" if v(next(iter(s)), n)["family"] != "adam" or n == "zenflow" else (  # noqa: E731
+        "yes" if findings.wins_everywhere(s, n) else "no")
+
+    def cell(w: str, n: str) -> str:
+        if v(w, n) is None:
+            return "-"
+        steps, bound = findings.steps_ratio(s[w], n), v(w, n)["steps_over_adamw_at_least"]
+        reach = f"{steps:.2f}" if steps is not None else f">={bound:.2f}" if bound is not None else "-"
+        star = "*" if findings.beats_adamw(s[w], n) else ""
+        lr = v(w, n)["lr_over_adamw"]
+        return f"{findings.final_ratio(s[w], n)['mean']:.2f}{star} / {reach} / {lr:.2g}x".replace(
+            f"{lr:.2g}x", f"{lr:.2g}x" if lr < 10 else f"{lr:.0f}x")
+
+    def best(w: str) -> str:
+        n = min((n for n in s[w]["variants"] if v(w, n)["family"] == "adam" and n not in ("adamw", "offload")),
+                key=lambda n: findings.final_ratio(s[w], n)["mean"])
+        return f"`{n}`"
+    z = lambda w: findings.final_ratio(s[w], "zenflow")  # noqa: E731
+    head = [["ZenFlow's top-10% share", *(v(w, "zenflow")["top10_share"] for w in s)],
+            ["AdamW's best rate; its held-out gain", *(f"{s[w]['adamw_best_lr']:.2g}; "
+             f"{1 - v(w, 'adamw')['final']['mean'] / s[w]['initial_heldout']:.1%}" for w in s)],
+            ["runs", *(len(res[w]["runs"]) for w in s)],
+            ["`zenflow`'s final over AdamW's, seeds' range", *(f"{z(w)['min']:.2f}-{z(w)['max']:.2f}" for w in s)],
+            ["lowest final among ZenFlow's AdamW variants", *(best(w) for w in s)]]
+    names = ["zenflow", "overlap", "deepspeed", "host_step_count", "reselect_state", "lr_times_interval",
+             "topk0.05_ui2", "topk0.05_ui8", "topk0.25_ui2", "bf16_nearest", "bf16_stochastic", "lion",
+             "zenflow_lion", "sgd", "zenflow_sgd"]
+    tt = load("time_to_target.json")["tables"]
+    shown = ("offload", "zenflow", "overlap", "deepspeed", "lr_times_interval", "topk0.25_ui2")
+    ttc = lambda t, n: "-" if t["rows"].get(n, {}).get("time_vs_" + t["base"]) is None else (  # noqa: E731
+        f"{'>=' if t['rows'][n]['at_least'] else ''}{t['rows'][n]['time_vs_' + t['base']]:.2f}")
+    resumed = any("--resume" in x["record"]["command"] for x in res.values())
+    return "\n\n".join([
+        _wrap(", ".join(link(f"tuned_{w}.json") for w in s) + ", `python -m studies.tuned_comparison --workload W"
+              + (" --resume`, the summaries written from the runs' log (the runs came from earlier commits)"
+                 if resumed else "`") + "; " + "; ".join(sorted({where(x) for x in res.values()})) + "."),
+        table(["", *s, "beats `zenflow` on every workload"],
+              [h + [""] for h in head] + [[f"`{n}`", *(cell(w, n) for w in s), base(n)] for n in names]),
+        _wrap(source("time_to_target.json") + f" Assumed: {load('time_to_target.json')['assumption']}."),
+        table(["time to target over AdamW's", *(f"`{n}`" for n in shown)],
+              [[k, *(ttc(t, n) for n in shown)] for k, t in tt.items()])])
 
 
 def concentration() -> str:
-    return _old('concentration')
+    r = load("concentration_study.json")
+    c, z = r["config"], r["config"]["zenflow"]
+    rec = lambda x, k: f"{x[k]:.3f} ({x[k + '_range'][0]:.3f}-{x[k + '_range'][1]:.3f})"  # noqa: E731
+    return "\n\n".join([
+        _wrap(source("concentration_study.json", command="python -m studies.concentration_study")),
+        table(["steps", "lr", "`topk_ratio`", "`update_interval`", "`select_interval`", "seeds"],
+              [[c["steps"], f"{c['lr']:g}", str(z["topk_ratio"]), z["update_interval"], z["select_interval"],
+                len(c["seeds"])]]),
+        table(["exponent", "top 1%", "top 10%", "selected", "recovered, overlap (seeds)",
+               "recovered, no overlap (seeds)", "AdamW's final over its half-way loss"],
+              [[f"{x['alpha']:g}" + (" (flat)" if x["alpha"] == 0 else ""), x["top1_share"], x["top10_share"],
+                x["selected_share"], rec(x, "zenflow_overlap_recovered"), rec(x, "zenflow_sync_recovered"),
+                x["adamw_end_over_half"]]
+               for x in r["summary"]])])
 
 
 def nvme() -> str:
-    return _old('nvme')
+    one, two = load("nvme_cpu.json"), load("nvme_cpu_repeat.json")
+    cfgs, goal, size = one["run_config"]["configs"], one["goal_streamed_over_roofline"], one["run_config"]["stall_size"]
+    m = lambda p: f"{p / 1e9:.2f} B" if p >= 1e9 else f"{p / 1e6:.0f} M"  # noqa: E731
+    both = lambda f, xs: " / ".join(f(x) for x in xs)  # noqa: E731 (the first run / the second)
+    each = lambda f, xs: ", ".join(f(x) for x in xs)  # noqa: E731
+    store = {(r["mode"], r["size_m"]): [] for r in one["results"]}
+    for r in one["results"] + two["results"]:
+        store[r["mode"], r["size_m"]].append(r)
+    disk, inmem = (lambda c: one["memory"][c + " nvme"]), (lambda c: one["memory"][c + " cpu"])
+    ups = lambda res, c: [x["host_update"]["roofline_over_last"] for x in res["runs"]  # noqa: E731
+                          if x["config"] == c and x["offload"] == "nvme" and x["host_update"].get("roofline_over_last")]
+    plain = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}x, {sum(x >= goal for x in xs)} of {len(xs)} met"  # noqa: E731
+    same = lambda res, c: "{} of {}".format(*(f([w["identical"] for w in res["weights_identical"]  # noqa: E731
+                                                 if w["config"] == c]) for f in (sum, len)))
+    cache = lambda c: max(p["growth_max"] for p in one["page_cache"]  # noqa: E731
+                          if p["config"] == c and p["offload"] == "nvme") / 2**20
+    big = {r["config"]: r for r in one["billion"]}
+    b = big[cfgs[0]]
+    skip = {s["config"]: s["predicted_memory_bytes"] / 2**30 for s in one["skipped_runs"] if s["offload"] == "cpu"}
+    run = {(r["config"], r["offload"], r["update_interval"]): r for r in one["runs"] if r["size"] == size}
+    again = {s["update_interval"]: s["disk_over_memory"] for s in two["stall"]}
+    rate = lambda r: statistics.median(r["host_update"]["disk_traffic_bytes"] / s  # noqa: E731
+                                       for s in r["host_update"]["seconds"]) / 1e9
+    stall = [(s, run["overlap", "nvme", s["update_interval"]], run["overlap", "cpu", s["update_interval"]])
+             for s in one["stall"]]
+    return "\n\n".join([
+        _wrap(source("nvme_cpu.json", command="python -m bench.nvme") + " Repeated: "
+              + source("nvme_cpu_repeat.json", command="python -m bench.nvme --attempts 3")),
+        table(["storage pass (first run / second)", "streamed over plain pass", "streamed GB/s",
+               "page cache growth, most (MiB)"],
+              [[f"{n} M, {mode}", both(lambda r: f"{r['streamed_over_roofline']:.2f}x", rs),
+                both(lambda r: f"{r['streamed']['gb_per_s']:.1f}", rs),
+                both(lambda r: f"{max(r['streamed']['cache_growth_bytes'] + [0]) / 2**20:.0f}", rs)]
+               for (mode, n), rs in sorted(store.items())]),
+        table([f"bytes per parameter ({each(lambda s: m(s['params']), disk('overlap')['sizes'])})",
+               "host side on disk, slope", "goal", "met", "host side at each size", "`host_bytes()` at each size",
+               "device side, largest", "peak RSS beyond the reported buffers, MiB", "host side in memory, slope",
+               "whole RSS on disk, slope", "second run: host side on disk"],
+              [[c, disk(c)["host_side_rss_growth_slope"], f"<= {one['run_config']['goal_bytes_per_param'][c]}",
+                "met" if disk(c)["goal_met"] else "missed",
+                each(lambda s: f"{s['host_side_rss_growth']:.2f}", disk(c)["sizes"]),
+                each(lambda s: f"{s['host_buffers_reported']:.2f}", disk(c)["sizes"]),
+                disk(c)["sizes"][-1]["device_side_reported"],
+                each(lambda s: f"{s['peak_unreported_bytes'] / 2**20:.0f}", disk(c)["sizes"]),
+                inmem(c)["host_side_rss_growth_slope"], disk(c)["rss_growth_slope"],
+                two["memory"][c + " nvme"]["host_side_rss_growth_slope"]] for c in cfgs]),
+        table([f"{m(b['params'])} ({b['size']}, {b['steps']} steps, `update_interval` {b['update_interval']}, file "
+               f"{b['disk_bytes'] / 1e9:.1f} GB), on disk", "mean `step()`", "cold first step", "host updates",
+               "last over plain pass", "peak RSS", "in memory", "page cache growth, most over its disk runs (MiB)",
+               f"every disk run: update over plain pass (goal >= {goal}), first run / second",
+               "weights identical on disk and in memory, first / second"],
+              [[c, f"{big[c]['mean_step_s']:.2f} s", f"{big[c]['cold_first_step_s']:.0f} s",
+                each(lambda x: f"{x:.1f}", big[c]["host_update_s"]) + " s", f"{big[c]['roofline_over_last']:.2f}x",
+                f"{big[c]['rss_peak'] / 2**30:.1f} GiB", f"skipped (predicted {skip[c]:.1f} GiB)" if c in skip
+                else "run", f"{cache(c):.0f}", both(plain, [ups(one, c), ups(two, c)]),
+                f"{same(one, c)} / {same(two, c)}"] for c in cfgs]),
+        table([f"`update_interval` S ({size}, {m(stall[0][1]['params'])}, overlap)", "disk: mean `step()`",
+               "at boundaries", "between", "memory: mean `step()`", "disk over memory", "second run: disk over memory",
+               "B, GB/s (median update)", "rule: S >= 24 N / (B step)", "other processes' CPU, disk / memory run"],
+              [[s["update_interval"], *(f"{1e3 * s['nvme'][x]:.0f} ms" for x in ("mean_step_s", "boundary_mean_s",
+                                                                               "between_mean_s")),
+                f"{1e3 * s['cpu']['mean_step_s']:.0f} ms", f"{s['disk_over_memory']:.2f}x",
+                f"{again[s['update_interval']]:.2f}x" if s["update_interval"] in again else "not run",
+                rate(d), f"{24 * d['params'] / (rate(d) * 1e9 * s['nvme']['between_mean_s']):.1f}",
+                both(lambda r: f"{r['other_processes_cpu_fraction']:.0%}", [d, c])] for s, d, c in stall])])
 
 
 # -- docs/deepspeed.md ----------------------------------------------------------------------------------------------
