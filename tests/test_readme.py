@@ -178,7 +178,13 @@ def _doc_figures() -> list[tuple[str, str]]:
         ("deepspeed.md", f"best learning rate is {_tuned('study_concentrated', 'deepspeed')['lr']:.2g}x AdamW's"),
         ("deepspeed.md", "helps with the energy flat, {} against our {}".format(
             ratios["host_step_count"].split()[0], ratios["zenflow"].split()[0])),
+        ("deepspeed.md", "and not otherwise: {} against {} concentrated, {} against {} on the byte GPT".format(
+            *(ratios[n].split()[w] for w in (1, 2) for n in ("host_step_count", "zenflow")))),
+        ("deepspeed.md", "where ours keeps falling up to {:.0f}x that rate".format(
+            _tuned("study_concentrated", "zenflow")["lr"] / _tuned("study_concentrated", "deepspeed")["lr"])),
         ("deepspeed.md", "hurts: {}, {} and {}".format(*ratios["reselect_state"].split())),
+        ("deepspeed.md", f"(its best rate {_tuned('study_concentrated', 'reselect_state')['lr']:.2g}x AdamW's with the "
+                         "gradient concentrated)"),
         ("deepspeed.md", "ends at {} with the energy flat, the best of ZenFlow's AdamW variants there, but {} with it "
                          "concentrated and {} on the byte GPT".format(*ratios["lr_times_interval"].split())),
         ("torchrun.md", f"the matrices' gradients {zero['gradients'] / 1e6:.2f} MB a step, the selected columns' "
