@@ -252,6 +252,130 @@ def _notebook_figures() -> list[str]:
     ]
 
 
+def _notebook_markdown(name: str) -> str:
+    """A committed notebook's markdown cells, whitespace collapsed (line breaks as spaces)."""
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())
+    return " ".join(" ".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown").split())
+
+
+def _notebook_text_figures() -> list[tuple[str, str]]:
+    """(notebook, text its markdown must hold): the figures the notebooks' own text quotes from their saved runs
+    (concentration, selection_policy, update_rules), each computed here from what the notebook printed."""
+    pct = lambda x: f"{100 * float(x):.0f}%"  # noqa: E731
+    out = []
+
+    # concentration: the table of levels (alpha, top 1%, top 10%, selected, overlap, no overlap, AdamW end/half)
+    conc = _notebook_output("concentration")
+    table = [line.split() for line in conc.splitlines() if re.fullmatch(r"\s*[\d.]+(\s+[\d.]+){6}\s*", line)]
+    assert len(table) == 5, conc
+    top10, selected, recovered = ([float(r[i]) for r in table] for i in (2, 3, 4))
+    assert max(abs(a - b) for a, b in zip(top10, selected, strict=True)) <= 0.01 + 1e-9  # "within 0.01 of `top 10%`"
+    half = [float(r[6]) for r in table]
+    out += [("concentration", f"(the top 10% of columns hold {pct(top10[0])} of it: the first layer's flat columns "
+                              f"plus the second layer), ZenFlow recovers {pct(recovered[0])} of AdamW's improvement at "
+                              f"equal steps; at {pct(top10[1])} in the top 10%, {pct(recovered[1])}; " +
+                              "; ".join(f"at {pct(a)}, {pct(b)}" for a, b in zip(top10[2:], recovered[2:],
+                                                                                  strict=True))),
+            ("concentration", f"its final held-out loss is {min(half):.2f}-{max(half):.2f} of its loss at half the "
+                              "steps")]
+    first, = re.findall(r"topk_ratio=0\.1 .*first selection held (\d+)% of the gradient energy",
+                        _notebook_output("topk_ratio"))
+    out.append(("concentration", f"(its first selection held {first}% of the energy in its top 10%)"))
+
+    # selection_policy: its printed comparison
+    pol = _notebook_output("selection_policy")
+    line = {m.group(1): m.groups()[1:] for m in re.finditer(
+        r"^(top-k by l2|top-k by l1|random|first k|topk_ratio=0) +[\d.]+ +[\d.-]+ +([+-][\d.]+) +\(([+-][\d.]+)\.\."
+        r"([+-][\d.]+)\)(?: +([\d.]+)% +([\d.]+)% +[\d.]+ +([\d.]+))?", pol, re.M)}
+    floor = dict(re.findall(r"^(top-k by l2|random) +gap to AdamW .*?, (\d+)% of the floor's gap", pol, re.M))
+    ahead = re.search(r"random - l2, per seed: ([^(]*?) \(", pol).group(1)
+    diffs = [float(v) for v in ahead.split(", ")]
+    sync, = re.findall(r"sync offload against AdamW: largest held-out difference over the seeds ([\d.e+-]+)", pol)
+    l2, rnd, l1, fixed = line["top-k by l2"], line["random"], line["top-k by l1"], line["first k"]
+    assert round(float(l2[3]) / float(rnd[3])) == 3 and 0.15 < 1 - float(l2[0]) / float(rnd[0]) < 0.25  # "three
+    # times the energy buys a gap about a fifth smaller"
+    out += [("selection_policy", f"top-k by l2 {l2[0]} nats/byte (seeds {l2[1]}..{l2[2]}), random columns {rnd[0]} "
+                                 f"({rnd[1]}..{rnd[2]}); l2 is ahead on {sum(v > 0 for v in diffs)} of the "
+                                 f"{len(diffs)} seeds (random - l2: {ahead})"),
+            ("selection_policy", f"The l2 columns hold {l2[3]}% of the gradient energy when chosen ({l2[4]}% on "
+                                 f"average until the next selection), random ones {rnd[3]}%"),
+            ("selection_policy", f"`l1` cannot be told from `l2` ({l1[0]}; its selections overlap l2's with Jaccard "
+                                 f"{float(l1[5]):.2f})"),
+            ("selection_policy", f"(`topk_ratio=0`) the gap is {line['topk_ratio=0'][0]}; a random 10%, re-drawn every "
+                                 f"10 steps, already removes {100 - int(floor['random'])}% of it, top-k by l2 "
+                                 f"{100 - int(floor['top-k by l2'])}%"),
+            ("selection_policy", f"end at {fixed[0]} ({fixed[1]}..{fixed[2]}), behind random columns re-drawn every 10 "
+                                 f"steps. They hold {fixed[3]}% of the energy"),
+            ("selection_policy", f"(largest difference {float(sync):.1e} over the seeds)".replace("e-0", "e-")),
+            ("selection_policy", "(top 10% of the columns: {:.0f}% of the energy".format(*(
+                float(v) for v in re.findall(r"top 10% of columns: ([\d.]+)% on average",
+                                             _notebook_output("selection_dynamics")))))]
+
+    # update_rules: the sweep's picks, the comparison at the picks, the extra runs, bf16
+    rules = _notebook_output("update_rules")
+    short = lambda lr: re.sub(r"e-0(\d)", r"e-\1", lr)  # noqa: E731  (1e-03 as 1e-3)
+    pick = {m[0]: short(m[1]) for m in re.findall(r"^(AdamW|Adam|Lion|SGD) .* (\de-\d\d)$", rules, re.M)}
+    main = {m[0]: m[1:] for m in re.findall(
+        r"^(AdamW|Adam|Lion|SGD) +\S+ +[\d.]+ \+- ([\d.]+) +[\d.]+ \+- ([\d.]+) +(-?\d+)% +([\d.]+) +([\d.]+) ms +"
+        r"[\d.]+ +([\d.]+)$", rules, re.M)}
+    gain = {m[0]: m[1:] for m in re.findall(r"^(AdamW|Adam|Lion|SGD) +lr \S+: plain improves held-out by \+([\d.]+), "
+                                            r"ZenFlow by ([+-][\d.]+)", rules, re.M)}
+    extra = {m[0]: m[1:] for m in re.findall(  # lr, ZenFlow, no overlap's %, one lr lower, its ZenFlow and %
+        r"^(AdamW|Adam|Lion|SGD) +(\S+) +[\d.]+ +([\d.]+) +\S+ +[\d.]+ +(\S+)% +(\S+) +[\d.]+ +([\d.]+) +(\S+)$",
+        rules, re.M)}
+    peak, = re.findall(r"along the ZenFlow runs \(mean of seeds\): AdamW [\d.]+ \(\+([\d.]+) vs the start\)", rules)
+    bf16 = re.findall(r"^(AdamW|Lion) +(fp32|bf16) +[\d.]+ \+- ([\d.]+) +([\d.]+) ", rules, re.M)
+    train = re.findall(r"largest per-step train-loss difference, seed 0: ([\d.e+-]+)", rules)
+    params, updates = re.search(r"the host holds ([\d,]+) of the [\d,]+ parameters; (\d+) host updates", rules).groups()
+    sds = [float(v) for r in ("AdamW", "Adam", "Lion") for v in main[r][:2]]
+    b16_sds = [float(b[2]) for b in bf16]
+    loads = [float(v[-1]) for v in main.values()] + [float(v) for v in re.findall(
+        r"^(?:AdamW|Lion) +(?:fp32|bf16) .* ms +([\d.]+)$", rules, re.M)]
+    times = [float(v[4]) for v in main.values()]
+    assert min(times) > 0.5 and max(times) < 3.5  # "about 1-3 ms per update"
+    assert max(float(main["SGD"][i]) for i in (0, 1)) < 0.001  # "standard deviations under 0.001"
+    assert float(gain["AdamW"][0]) - float(gain["Lion"][0]) < 0.001  # "AdamW and Lion: 0.100"
+    e = lambda x: short(f"{float(x):.0e}")  # noqa: E731
+    out += [("update_rules", f"AdamW {pick['AdamW']}, Adam {pick['Adam']}, Lion {pick['Lion']} (about 3x below "
+                             f"AdamW's, as usual for Lion), SGD {pick['SGD']}"),
+            ("update_rules", f"its best plain run improves the held-out loss by {float(gain['SGD'][0]):.3f} (AdamW and "
+                             f"Lion: {float(gain['AdamW'][0]):.3f})"),
+            ("update_rules", "AdamW recovers {}% of plain AdamW's {:.3f}, Lion {}% of its {:.3f}, Adam {}% of its "
+                             "{:.3f}".format(*(v for r in ("AdamW", "Lion", "Adam")
+                                               for v in (main[r][2], float(gain[r][0]))))),
+            ("update_rules", f"(standard deviations {min(sds):.4f}-{max(sds):.4f})"),
+            ("update_rules", f"(AdamW's by {float(peak):.3f} above the start at its highest"),
+            ("update_rules", f"ZenFlow recovers {main['SGD'][2]}% of its small gain ({float(gain['SGD'][1]):.4f} of "
+                             f"{float(gain['SGD'][0]):.4f}"),
+            ("update_rules", f"recovers {extra['AdamW'][2]}%, and with overlap at {short(extra['AdamW'][3])} ZenFlow "
+                             f"recovers {extra['AdamW'][5]} of plain AdamW's gain at {short(extra['AdamW'][3])} and "
+                             f"ends lower ({extra['AdamW'][4]}) than ZenFlow at {short(extra['AdamW'][0])} "
+                             f"({extra['AdamW'][1]})"),
+            ("update_rules", f"Without overlap Lion recovers only {extra['Lion'][2]}% at {short(extra['Lion'][0])}; at "
+                             f"{short(extra['Lion'][3])} with overlap it recovers {extra['Lion'][5]}"),
+            ("update_rules", f"AdamW and Adam {main['AdamW'][3]} bytes per parameter"),
+            ("update_rules", f"Lion and SGD with momentum {main['Lion'][3]} (one moment). The host holds all {params} "
+                             "parameters"),
+            ("update_rules", f"the 1-minute load average was {min(loads):.1f}-{max(loads):.1f} on 2 CPUs"),
+            ("update_rules", "saves 4 bytes per parameter for AdamW ({:.0f} to {:.0f}) and 2 for Lion ({:.0f} to "
+                             "{:.0f})".format(*(float(b[3]) for b in bf16))),
+            ("update_rules", f"(standard deviation over seeds {min(b16_sds):.4f}-{max(b16_sds):.4f})"),
+            ("update_rules", f"differ by at most {e(train[0])} (AdamW) and {e(train[1])} (Lion"),
+            ("update_rules", f"In these runs the host takes {updates} steps")]
+    assert extra["AdamW"][4] < extra["AdamW"][1] and extra["Lion"][4] < extra["Lion"][1]  # "a 3x lower rate did
+    # better under ZenFlow for AdamW and Lion (seed 0)"
+    return out
+
+
+def test_the_notebooks_text_quotes_their_saved_runs():
+    """The figures the notebooks' markdown quotes from their own saved outputs are what those outputs say (a
+    notebook run again with other results fails this until its text follows)."""
+    missing = [f"{name}: {text!r}" for name, text in _notebook_text_figures() if text not in _notebook_markdown(name)]
+    assert not missing, "\n".join(missing)
+
+
 def test_notebook_figures_in_the_docs_are_what_the_notebooks_printed():
     """docs/benchmarks.md's Ablations list quotes the saved notebooks: each figure is recomputed here from the
     output it comes from (a notebook run again with other results fails this until the text follows)."""
