@@ -262,7 +262,10 @@ def _notebook_markdown(name: str) -> str:
 
 def _notebook_text_figures() -> list[tuple[str, str]]:
     """(notebook, text its markdown must hold): the figures the notebooks' own text quotes from their saved runs
-    (concentration, selection_policy, update_rules), each computed here from what the notebook printed."""
+    (concentration, selection_policy, update_rules; tuned_comparison's sweep hours), each computed here from what the
+    notebook printed or the JSON it reads."""
+    import json
+
     pct = lambda x: f"{100 * float(x):.0f}%"  # noqa: E731
     out = []
 
@@ -280,6 +283,14 @@ def _notebook_text_figures() -> list[tuple[str, str]]:
                                                                                   strict=True))),
             ("concentration", f"its final held-out loss is {min(half):.2f}-{max(half):.2f} of its loss at half the "
                               "steps")]
+    study = json.loads((ROOT / "studies" / "results" / "concentration_study.json").read_text())["summary"]
+    assert all(hi - lo <= 0.01 for level in study for k in ("zenflow_overlap_recovered_range",
+                                                            "zenflow_sync_recovered_range")
+               for lo, hi in [level[k]])  # "The seeds agree within 0.01 at every level"
+    hours = sum(json.loads(p.read_text())["runs_s"]
+                for p in (ROOT / "studies" / "results").glob("tuned_*.json")) / 3600
+    out.append(("tuned_comparison", f"The sweeps take about {hours:.1f} hours of training on two cores (the `runs_s` "
+                                    "of the four JSONs)"))
     first, = re.findall(r"topk_ratio=0\.1 .*first selection held (\d+)% of the gradient energy",
                         _notebook_output("topk_ratio"))
     out.append(("concentration", f"(its first selection held {first}% of the energy in its top 10%)"))
