@@ -63,7 +63,7 @@ def source(name: str, up: str = "../", command: str | None = None) -> str:
     """The line above a table: which result, made by which command, on which machine and commit."""
     result = load(name)
     command = command or (result.get("record") or result).get("command", "")
-    command = re.sub(r" --out \S+", "", command)  # where the run wrote is not how to make it
+    command = re.sub(r" --out \S+", "", command).strip()  # where the run wrote is not how to make it
     if name in STUDY_RESULTS():
         command = command.replace("-m bench.", "-m studies.")  # the studies moved from bench/ (issue 57)
     return f"{link(name, up)}" + (f", `{command}`" if command else "") + f"; {where(result)}."

@@ -339,12 +339,6 @@ def nvme_timeline() -> str:
 
 # -- docs/benchmarks.md: scale; quality (tuned comparison, concentration); docs/nvme.md -------------------------------
 
-def _wrap(text: str) -> str:
-    """A source line wrapped at 120 characters, as the pages are."""
-    import textwrap
-    return textwrap.fill(text, 120, break_long_words=False, break_on_hyphens=False)
-
-
 def _grid(header: list[str], cols: list, rows: list[tuple[str, object]]) -> str:
     """A table with one column per ``cols`` entry: each row a label and a function of the column's item."""
     return table(header, [[label] + [f(c) for c in cols] for label, f in rows])
@@ -357,7 +351,7 @@ def scale() -> str:
     g, pt = r["growth"], r["per_tensor"]["summary"]
     mem = (r.get("record") or r)["machine"]["memory_gib"] * 2**30
     stale = r["record"]["started_utc"] < "2026-12-04T19:02:50Z"  # 1f58ea0 changed what a step reads
-    return "\n\n".join([_wrap(source("scale_cpu.json", command="python -m bench.scale")), _grid(
+    return "\n\n".join([source("scale_cpu.json"), _grid(
         [f"{top / 1e6:.0f} M parameters ({at[0]['size']}, {at[0]['tensors']} tensors)", "overlap", "no overlap",
          "`device_accumulation`"], at, [
             ("host buffers (`host_bytes()`), bytes per parameter", lambda x: f"{x['bytes_per_param']['total']:.1f}"
@@ -425,12 +419,12 @@ def tuned() -> str:
         f"{'>=' if t['rows'][n]['at_least'] else ''}{t['rows'][n]['time_vs_' + t['base']]:.2f}")
     resumed = any("--resume" in x["record"]["command"] for x in res.values())
     return "\n\n".join([
-        _wrap(", ".join(link(f"tuned_{w}.json") for w in s) + ", `python -m studies.tuned_comparison --workload W"
+        (", ".join(link(f"tuned_{w}.json") for w in s) + ", `python -m studies.tuned_comparison --workload W"
               + (" --resume`, the summaries written from the runs' log (the runs came from earlier commits)"
                  if resumed else "`") + "; " + "; ".join(sorted({where(x) for x in res.values()})) + "."),
         table(["", *s, "beats `zenflow` on every workload"],
               [h + [""] for h in head] + [[f"`{n}`", *(cell(w, n) for w in s), base(n)] for n in names]),
-        _wrap(source("time_to_target.json") + f" Assumed: {load('time_to_target.json')['assumption']}."),
+        (source("time_to_target.json") + f" Assumed: {load('time_to_target.json')['assumption']}."),
         table(["time to target over AdamW's", *(f"`{n}`" for n in shown)],
               [[k, *(ttc(t, n) for n in shown)] for k, t in tt.items()])])
 
@@ -440,7 +434,7 @@ def concentration() -> str:
     c, z = r["config"], r["config"]["zenflow"]
     rec = lambda x, k: f"{x[k]:.3f} ({x[k + '_range'][0]:.3f}-{x[k + '_range'][1]:.3f})"  # noqa: E731
     return "\n\n".join([
-        _wrap(source("concentration_study.json", command="python -m studies.concentration_study")),
+        source("concentration_study.json"),
         table(["steps", "lr", "`topk_ratio`", "`update_interval`", "`select_interval`", "seeds"],
               [[c["steps"], f"{c['lr']:g}", str(z["topk_ratio"]), z["update_interval"], z["select_interval"],
                 len(c["seeds"])]]),
@@ -479,7 +473,7 @@ def nvme() -> str:
     stall = [(s, run["overlap", "nvme", s["update_interval"]], run["overlap", "cpu", s["update_interval"]])
              for s in one["stall"]]
     return "\n\n".join([
-        _wrap(source("nvme_cpu.json", command="python -m bench.nvme") + " Repeated: "
+        (source("nvme_cpu.json") + " Repeated: "
               + source("nvme_cpu_repeat.json", command="python -m bench.nvme --attempts 3")),
         table(["storage pass (first run / second)", "streamed over plain pass", "streamed GB/s",
                "page cache growth, most (MiB)"],
@@ -556,12 +550,6 @@ def deepspeed_rounding() -> str:
         [[f"ui {ui}, si {si}, W {w}" + (" (an interval cut short)" if s == "ui3_si4_w0" else ""),
           _sci(cell[("deepspeed", "sync", s)]), _sci(cell[("deepspeed", "reference", s)])]
          for s, (ui, si, w) in settings.items()])])
-
-
-def _old(name: str) -> str:
-    """The section as bench.readme_results wrote it (until this module renders it)."""
-    from bench.readme_results import section
-    return section(name).split("\n", 1)[1].rsplit("\n", 1)[0]
 
 
 BENCHMARKS = DOCS / "benchmarks.md"
