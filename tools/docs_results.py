@@ -16,7 +16,6 @@ Prose outside both says no figure (tests/test_readme.py holds the figures it che
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 from pathlib import Path
@@ -122,11 +121,17 @@ def value_of(name: str, expr: str):
     return eval(expr, {"r": r, "min": min, "max": max, "sum": sum, "len": len, "abs": abs, "sorted": sorted})
 
 
-def _written(text: str) -> list[tuple[float, int]]:
-    """The numbers in a figure as written, each with its decimals (``1.6-4.0x``: two of them)."""
+def _written(text: str) -> list[tuple[float, float]]:
+    """The numbers in a figure as written, each with half its last digit's unit (``1.6-4.0x``: two of them;
+    ``5.6e-7``: 0.05e-7)."""
     numbers = NUMBER.findall(text.replace("\u2212", "-"))
     numbers = [n.lstrip("-") if i and n.startswith("-") else n for i, n in enumerate(numbers)]  # 1.6-4.0: a span
-    return [(float(n.replace(",", "")), len(n.split(".")[1].split("e")[0]) if "." in n else 0) for n in numbers]
+    out = []
+    for n in numbers:
+        mantissa, _, exponent = n.replace(",", "").partition("e")
+        digits = len(mantissa.split(".")[1]) if "." in mantissa else 0
+        out.append((float(n.replace(",", "")), 10 ** (int(exponent or 0) - digits) / 2))
+    return out
 
 
 def wrong_figures(page: Path) -> list[str]:
@@ -138,8 +143,7 @@ def wrong_figures(page: Path) -> list[str]:
         written = _written(figure)
         want = [values[0], values[-1]] if len(written) == 2 else [values[0]] if len(set(values)) == 1 else None
         if want is None or len(written) != len(want) or not all(
-                math.isclose(round(v, digits), w, rel_tol=0, abs_tol=10 ** -digits / 2)
-                for (w, digits), v in zip(written, want, strict=True)):
+                abs(v - w) <= half * (1 + 1e-9) for (w, half), v in zip(written, want, strict=True)):
             wrong.append(f"{page.relative_to(REPO)}: {figure} from {name} {expr} (the data: {value!r})")
     return wrong
 
