@@ -27,6 +27,7 @@ multi-tensor forms validate every tensor before launching anything. Checks that 
 from __future__ import annotations
 
 import contextvars
+import inspect
 import os
 from types import SimpleNamespace
 
@@ -423,31 +424,31 @@ def _(scores, k, check_data):
     return scores.new_empty((k,), dtype=torch.int64)
 
 
-@torch.library.custom_op("zenflow_kernels::selective_adamw_", mutates_args=("param", "exp_avg", "exp_avg_sq", "master"))
-def _selective_adamw_op(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    indices: torch.Tensor | None,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step_per_column: torch.Tensor | None,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    master: torch.Tensor | None,
-    grad_scale: float,
-    check_data: bool,
-) -> None:
-    _impl(param).selective_adamw_(
-        param, grad, indices, exp_avg, exp_avg_sq, step=step if step_per_column is None else step_per_column, lr=lr,
-        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, master=master, grad_scale=grad_scale,
-        check_data=check_data)
+def _selective_adamw_op_signature() -> inspect.Signature:
+    """The custom op's parameters, from which torch infers its schema: ``selective_adamw_``'s in its order, all
+    positional, with its ``step`` (a Python int or an int64 tensor, which no schema type is) split in two:
+    ``step_per_column`` (the tensor, or None) and ``step`` (the int; 0 beside a tensor)."""
+    P = inspect.Parameter
+    params = []
+    for p in inspect.signature(selective_adamw_).parameters.values():
+        if p.name == "step":
+            params += [P("step_per_column", P.POSITIONAL_OR_KEYWORD, annotation="torch.Tensor | None"),
+                       P("step", P.POSITIONAL_OR_KEYWORD, annotation="int")]
+        else:
+            params.append(p.replace(kind=P.POSITIONAL_OR_KEYWORD, default=P.empty))
+    return inspect.Signature(params, return_annotation="None")
 
 
-@_selective_adamw_op.register_fake
-def _(param, grad, indices, exp_avg, exp_avg_sq, step_per_column, step, lr, beta1, beta2, eps, weight_decay, master,
-      grad_scale, check_data):
-    return None
+def _selective_adamw_op_kernel(*args) -> None:
+    kw = dict(zip(_selective_adamw_op_kernel.__signature__.parameters, args, strict=True))
+    step_per_column = kw.pop("step_per_column")
+    if step_per_column is not None:
+        kw["step"] = step_per_column
+    _impl(kw["param"]).selective_adamw_(**kw)
+
+
+_selective_adamw_op_kernel.__signature__ = _selective_adamw_op_signature()
+_selective_adamw_op = torch.library.custom_op(
+    "zenflow_kernels::selective_adamw_", mutates_args=("param", "exp_avg", "exp_avg_sq", "master"))(
+    _selective_adamw_op_kernel)
+_selective_adamw_op.register_fake(lambda *args: None)

@@ -26,6 +26,8 @@ the parent launched any.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 import threading
@@ -33,6 +35,8 @@ import threading
 import numba
 import numpy as np
 import torch
+
+from ..rounding import StochasticRounding
 
 STATE_DTYPES = (torch.float32,)
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # optimizer state: bf16 stored rounded to nearest even
@@ -122,12 +126,52 @@ def launch_update(kernel, n: int, num_threads, rounding, param, grad, state: dic
     bump_versions(param, *tensors, acc, out)
 
 
+# the options every host update takes, after its own parameters (``host_update``): name, default, annotation
+_PASS_OPTIONS = tuple(
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+    for name, default, annotation in (
+        ("out", None, "torch.Tensor | None"),
+        ("zero_grad", False, "bool"),
+        ("num_threads", None, "int | None"),
+        ("rounding", None, "StochasticRounding | None"),
+    )
+)
+
+
+def host_update(kernel):
+    """Make the public launcher of a host update (``cpu_adam_``, ``cpu_lion_``, ``cpu_sgd_``) from its declaration
+    ``rule(param, grad, *state tensors, *, its numbers)``, which returns ``(param, grad, state, numbers)``: ``state``
+    the state tensors by name, ``numbers()`` the check of the numbers, returning the kernel's ``(scalars,
+    kernel_state)`` (``launch_update``'s; kernel_state None: ``state``). The launcher takes the declaration's
+    parameters and then the options every host update takes (``out``, ``zero_grad``, ``num_threads``, ``rounding``:
+    ``cpu_adam_`` documents them). It checks the tensors, ``zero_grad``, the numbers, then ``num_threads`` and
+    ``rounding``, and only then runs ``kernel``: an error leaves every tensor unchanged."""
+
+    def make(rule):
+        @functools.wraps(rule)
+        def launcher(*args, out=None, zero_grad=False, num_threads=None, rounding=None, **numbers):
+            param, grad, state, check_numbers = rule(*args, **numbers)  # Python's own errors for the call's shape
+            n = check_host_pass(param, grad, state, out)
+            zero_grad = check_zero_grad(zero_grad, grad)
+            scalars, kernel_state = check_numbers()
+            launch_update(kernel, n, num_threads, rounding, param, grad, state, out, scalars, zero_grad=zero_grad,
+                          kernel_state=kernel_state)
+
+        del launcher.__wrapped__  # its annotations name StochasticRounding, which this module's globals hold
+        own = inspect.signature(rule)
+        launcher.__signature__ = own.replace(parameters=[*own.parameters.values(), *_PASS_OPTIONS],
+                                             return_annotation="None")
+        launcher.__annotations__ = {**rule.__annotations__, **{p.name: p.annotation for p in _PASS_OPTIONS},
+                                    "return": "None"}
+        return launcher
+
+    return make
+
+
 def rounding_args(rounding, state: dict) -> tuple:
     """The kernel's ``(key, salt)`` for ``rounding`` (None: round to nearest; or a
     ``zenflow_kernels.rounding.StochasticRounding``, which needs every given state tensor in bf16): ``(int64 key,
     None)`` or ``(int64 key, uint32 salt)``; the one salt of state tensors 0 and 1 (``StochasticRounding.salt``)."""
-    from ..rounding import StochasticRounding
-
     if rounding is None:
         return np.int64(0), None
     if not isinstance(rounding, StochasticRounding):

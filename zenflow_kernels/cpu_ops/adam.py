@@ -69,6 +69,7 @@ def _adam_scalars(*, step, lr, beta1, beta2, eps, weight_decay, adamw=True, bias
     )
 
 
+@C.host_update(adam_kernel)
 def cpu_adam_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -84,11 +85,7 @@ def cpu_adam_(
     adamw: bool = True,
     bias_correction: bool = True,
     grad_scale: float = 1.0,
-    out: torch.Tensor | None = None,
-    zero_grad: bool = False,
-    num_threads: int | None = None,
-    rounding: StochasticRounding | None = None,
-) -> None:
+):
     """One Adam/AdamW step on CPU tensors, in place, in one multithreaded pass (GIL released).
 
     Args:
@@ -120,12 +117,9 @@ def cpu_adam_(
     here). Every argument is checked before anything is written: a ``TypeError``/``ValueError``
     leaves all tensors unchanged. n = 0 is a no-op. Returns None.
     """
-    state = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    n = C.check_host_pass(param, grad, state, out)
-    zero_grad = C.check_zero_grad(zero_grad, grad)
-    scalars = _adam_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
-                            bias_correction=bias_correction, grad_scale=grad_scale)
-    C.launch_update(adam_kernel, n, num_threads, rounding, param, grad, state, out, scalars, zero_grad=zero_grad)
+    numbers = {"step": step, "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+               "adamw": adamw, "bias_correction": bias_correction, "grad_scale": grad_scale}
+    return param, grad, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, lambda: (_adam_scalars(**numbers), None)
 
 
 def accumulate_adam_(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 
-from ..rounding import StochasticRounding
 from . import _common as C
 from .kernels.lion import lion_kernel
 
@@ -43,6 +42,7 @@ def _lion_scalars(*, lr, beta1, beta2, weight_decay, grad_scale) -> tuple:
     return 1.0 / grad_scale, 1.0 - lr * weight_decay, -lr, 1.0 - beta1, 1.0 - beta2
 
 
+@C.host_update(lion_kernel)
 def cpu_lion_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -53,11 +53,7 @@ def cpu_lion_(
     beta2: float,
     weight_decay: float,
     grad_scale: float = 1.0,
-    out: torch.Tensor | None = None,
-    zero_grad: bool = False,
-    num_threads: int | None = None,
-    rounding: StochasticRounding | None = None,
-) -> None:
+):
     """One Lion step on CPU tensors, in place, in one multithreaded pass (GIL released).
 
     Args:
@@ -70,8 +66,5 @@ def cpu_lion_(
 
     Checked completely before anything is written, as ``cpu_adam_``. Returns None.
     """
-    state = {"exp_avg": exp_avg}
-    n = C.check_host_pass(param, grad, state, out)
-    zero_grad = C.check_zero_grad(zero_grad, grad)
-    scalars = _lion_scalars(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, grad_scale=grad_scale)
-    C.launch_update(lion_kernel, n, num_threads, rounding, param, grad, state, out, scalars, zero_grad=zero_grad)
+    numbers = {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay, "grad_scale": grad_scale}
+    return param, grad, {"exp_avg": exp_avg}, lambda: (_lion_scalars(**numbers), None)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import torch
 
-from ..rounding import StochasticRounding
 from . import _common as C
 from .kernels.sgd import sgd_kernel
 
@@ -51,6 +50,7 @@ def _sgd_scalars(*, step, lr, momentum, dampening, nesterov, weight_decay, grad_
     return step == 1, nesterov, (1.0 / grad_scale, weight_decay, momentum, 1.0 - dampening, -lr)
 
 
+@C.host_update(sgd_kernel)
 def cpu_sgd_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -63,11 +63,7 @@ def cpu_sgd_(
     nesterov: bool = False,
     weight_decay: float = 0.0,
     grad_scale: float = 1.0,
-    out: torch.Tensor | None = None,
-    zero_grad: bool = False,
-    num_threads: int | None = None,
-    rounding: StochasticRounding | None = None,
-) -> None:
+):
     """One SGD step on CPU tensors, in place, in one multithreaded pass (GIL released).
 
     Args:
@@ -85,14 +81,14 @@ def cpu_sgd_(
 
     Checked completely before anything is written, as ``cpu_adam_``. Returns None.
     """
-    state = {"momentum_buffer": momentum_buffer}
-    n = C.check_host_pass(param, grad, state, out)
-    zero_grad = C.check_zero_grad(zero_grad, grad)
-    first, nesterov, scalars = _sgd_scalars(step=step, lr=lr, momentum=momentum, dampening=dampening,
+
+    def numbers():
+        first, nest, scalars = _sgd_scalars(step=step, lr=lr, momentum=momentum, dampening=dampening,
                                             nesterov=nesterov, weight_decay=weight_decay, grad_scale=grad_scale)
-    has_momentum = scalars[2] != 0.0
-    if has_momentum and momentum_buffer is None:
-        raise ValueError(f"momentum_buffer must be a tensor when momentum != 0, got None (momentum={momentum!r})")
-    # momentum == 0 compiles the buffer out, and with it the rounding (a given buffer must still be bf16 for it)
-    C.launch_update(sgd_kernel, n, num_threads, rounding, param, grad, state, out, (*scalars, first, nesterov),
-                    zero_grad=zero_grad, kernel_state={"momentum_buffer": momentum_buffer if has_momentum else None})
+        has_momentum = scalars[2] != 0.0
+        if has_momentum and momentum_buffer is None:
+            raise ValueError(f"momentum_buffer must be a tensor when momentum != 0, got None (momentum={momentum!r})")
+        # momentum == 0 compiles the buffer out, and with it the rounding (a given buffer must still be bf16 for it)
+        return (*scalars, first, nest), {"momentum_buffer": momentum_buffer if has_momentum else None}
+
+    return param, grad, {"momentum_buffer": momentum_buffer}, numbers

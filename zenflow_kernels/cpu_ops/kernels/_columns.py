@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 from numba import carray, njit, types
-from numba.extending import overload
 
-from ._dtype import array_at, is_none, load_f32
+from ._dtype import array_at, is_none, load_f32, numba_only
 from ._ir import pointer_at
 
 
+@numba_only
 def column_of(idx, j):
     """``idx[j]`` as an unsigned index, or ``j`` when idx is None (a dense update) (numba only). Unsigned:
     numba then indexes without its negative-index wraparound check."""
-    raise NotImplementedError("numba-only helper")
-
-
-@overload(column_of, inline="always")
-def _ov_column_of(idx, j):
     if is_none(idx):
         return lambda idx, j: j
     if isinstance(idx, types.Array):
@@ -27,38 +22,26 @@ def _ov_column_of(idx, j):
     return None
 
 
+@numba_only
 def row_of(a, base, j0, idx):
     """The part of a flat parameter or gradient that ``column_of(idx, j)`` indexes for columns from ``j0``
     of the row at ``base``: from the row's start with indices, from column ``j0`` without (numba only)."""
-    raise NotImplementedError("numba-only helper")
-
-
-@overload(row_of, inline="always")
-def _ov_row_of(a, base, j0, idx):
     if is_none(idx):
         return lambda a, base, j0, idx: a[base + j0 :]
     return lambda a, base, j0, idx: a[base:]
 
 
+@numba_only
 def part_of(a, lo, hi):
     """``a[lo:hi]``, or None for None (numba only)."""
-    raise NotImplementedError("numba-only helper")
-
-
-@overload(part_of, inline="always")
-def _ov_part_of(a, lo, hi):
     if is_none(a):
         return lambda a, lo, hi: None
     return lambda a, lo, hi: a[lo:hi]
 
 
+@numba_only
 def load_master(master, s, param, i):
     """``master[s]`` when a master is given, else ``float32(param[i])`` (numba only)."""
-    raise NotImplementedError("numba-only helper")
-
-
-@overload(load_master, inline="always")
-def _ov_load_master(master, s, param, i):
     if is_none(master):
         return lambda master, s, param, i: load_f32(param, i)
     if isinstance(master, types.Array) and master.dtype == types.float32:

@@ -4,6 +4,8 @@ with or without an accumulator, arrays at raw addresses."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import carray, njit, types
 from numba.extending import overload
@@ -26,13 +28,22 @@ def is_none(t) -> bool:
     return isinstance(t, (types.NoneType, types.Omitted))
 
 
+def numba_only(typer):
+    """A helper that numba code calls, inlined, declared by its ``@overload`` typing function ``typer`` (the argument
+    types in, the implementation or None out): returns the Python stand-in, named and documented as ``typer``, which
+    numba compiles the calls of and which raises when Python calls it."""
+
+    @functools.wraps(typer)
+    def helper(*args):
+        raise NotImplementedError("numba-only helper")
+
+    overload(helper, inline="always")(typer)
+    return helper
+
+
+@numba_only
 def load_f32(a, i):
     """``float32(a[i])`` for float32, bf16-as-int16 and fp16-as-uint16 arrays (numba only)."""
-    raise NotImplementedError("numba-only helper")
-
-
-@overload(load_f32, inline="always")
-def _ov_load_f32(a, i):
     if not isinstance(a, types.Array):
         return None
     if a.dtype == types.float32:
@@ -44,13 +55,9 @@ def _ov_load_f32(a, i):
     return None
 
 
+@numba_only
 def store_f32(out, i, x):
     """``out[i] = x`` converted to out's type (float32, bf16-as-int16, fp16-as-uint16); no-op for None."""
-    raise NotImplementedError("numba-only helper")
-
-
-@overload(store_f32, inline="always")
-def _ov_store_f32(out, i, x):
     if is_none(out):
         return lambda out, i, x: None
     if not isinstance(out, types.Array):
@@ -76,14 +83,10 @@ def _ov_store_f32(out, i, x):
     return None
 
 
+@numba_only
 def state_hash(key, i, salt):
     """The random bits of element ``i`` of a pass whose element 0 has key ``key`` (numba only): ``rounding_hash(key
     + i, salt)``, or 0 where ``salt`` is None (round to nearest: the hash compiles away)."""
-    raise NotImplementedError("numba-only helper")
-
-
-@overload(state_hash, inline="always")
-def _ov_state_hash(key, i, salt):
     if is_none(salt):
         return lambda key, i, salt: np.uint32(0)
     return lambda key, i, salt: rounding_hash(np.int64(key + i), salt)
@@ -119,6 +122,7 @@ overload(store_state_low, inline="always")(_store_state(f32_to_bf16_stochastic_l
 overload(store_state_high, inline="always")(_store_state(f32_to_bf16_stochastic_high))
 
 
+@numba_only
 def take_grad(acc, grad, i, zero_acc):
     """The gradient of element i (float32) and the accumulator's update (numba only):
 
@@ -126,11 +130,6 @@ def take_grad(acc, grad, i, zero_acc):
     * both: ``s = acc[i] + grad[i]``, stored in ``acc[i]`` (or 0 with ``zero_acc``), returns ``s``;
     * ``grad`` None: ``acc[i]`` (the accumulator is the gradient), zeroed with ``zero_acc``.
     """
-    raise NotImplementedError("numba-only helper")
-
-
-@overload(take_grad, inline="always")
-def _ov_take_grad(acc, grad, i, zero_acc):
     no_acc = is_none(acc)
     no_grad = is_none(grad)
     if no_acc and not no_grad:
@@ -164,14 +163,10 @@ def coupled_grad(acc, grad, i, zero_acc, inv_scale, p, l2):
     return g if l2 == np.float32(0.0) else fma(p, l2, g)
 
 
+@numba_only
 def array_at(addr, n, proto):
     """``n`` elements of ``proto``'s type at address ``addr`` as a 1-D array; None when proto is None
     (numba only)."""
-    raise NotImplementedError("numba-only helper")
-
-
-@overload(array_at, inline="always")
-def _ov_array_at(addr, n, proto):
     if is_none(proto):
         return lambda addr, n, proto: None
     if isinstance(proto, types.Array):

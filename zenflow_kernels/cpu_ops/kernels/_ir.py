@@ -29,17 +29,26 @@ def fma(typingctx, a, b, c):
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
-@intrinsic
-def bf16_to_f32(typingctx, h):
+def _conversion(arg, result):
+    """An ``@intrinsic`` taking one ``arg`` (None for any other type) and returning a ``result``, its IR
+    ``body(builder, value)``; named and documented as ``body``."""
+
+    def make(body):
+        def typer(typingctx, x):
+            if x != arg:
+                return None
+            return result(arg), lambda context, builder, signature, args: body(builder, args[0])
+
+        typer.__name__, typer.__qualname__, typer.__doc__ = body.__name__, body.__qualname__, body.__doc__
+        return intrinsic(typer)
+
+    return make
+
+
+@_conversion(types.int16, types.float32)
+def bf16_to_f32(b, h):
     """bf16 bit pattern (int16) -> float32: the pattern becomes the float's high half. Exact."""
-    if h != types.int16:
-        return None
-
-    def codegen(context, builder, signature, args):
-        u = builder.shl(builder.zext(args[0], _I32), _i32(16))
-        return builder.bitcast(u, _F32)
-
-    return types.float32(types.int16), codegen
+    return b.bitcast(b.shl(b.zext(h, _I32), _i32(16)), _F32)
 
 
 def _bf16_or_quiet_nan(b, u, rounded):
@@ -50,79 +59,58 @@ def _bf16_or_quiet_nan(b, u, rounded):
     return b.trunc(b.select(is_nan, quiet_nan, rounded), _I16)
 
 
-@intrinsic
-def f32_to_bf16(typingctx, x):
+@_conversion(types.float32, types.int16)
+def f32_to_bf16(b, x):
     """float32 -> bf16 bit pattern (int16), round to nearest even.
 
     Overflow rounds to +-inf, subnormals are kept (bf16 has fp32's exponent range), inf stays inf,
     NaN becomes a quiet NaN keeping its sign (torch's vectorised cast writes 0xFFFF for every NaN:
     both are NaN).
     """
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        b = builder
-        u = b.bitcast(args[0], _I32)
-        lsb = b.and_(b.lshr(u, _i32(16)), _i32(1))
-        return _bf16_or_quiet_nan(b, u, b.lshr(b.add(b.add(u, _i32(0x7FFF)), lsb), _i32(16)))
-
-    return types.int16(types.float32), codegen
+    u = b.bitcast(x, _I32)
+    lsb = b.and_(b.lshr(u, _i32(16)), _i32(1))
+    return _bf16_or_quiet_nan(b, u, b.lshr(b.add(b.add(u, _i32(0x7FFF)), lsb), _i32(16)))
 
 
-@intrinsic
-def f16_to_f32(typingctx, h):
+@_conversion(types.uint16, types.float32)
+def f16_to_f32(b, h):
     """fp16 bit pattern (uint16) -> float32. Exact for every pattern (subnormals, inf, NaN payloads)."""
-    if h != types.uint16:
-        return None
-
-    def codegen(context, builder, signature, args):
-        b = builder
-        hu = b.zext(args[0], _I32)
-        sign = b.shl(b.and_(hu, _i32(0x8000)), _i32(16))
-        body = b.shl(b.and_(hu, _i32(0x7FFF)), _i32(13))  # exponent and mantissa in fp32 position
-        exp = b.and_(body, _i32(0x7C00 << 13))
-        normal = b.add(body, _i32((127 - 15) << 23))  # re-bias the exponent
-        infnan = b.add(normal, _i32((128 - 16) << 23))  # exponent all ones
-        # subnormal or zero: mantissa * 2^-24, both factors exact in float32
-        mant = b.uitofp(b.and_(hu, _i32(0x3FF)), _F32)
-        sub = b.bitcast(b.fmul(mant, ir.Constant(_F32, 2.0**-24)), _I32)
-        is_infnan = b.icmp_unsigned("==", exp, _i32(0x7C00 << 13))
-        is_sub = b.icmp_unsigned("==", exp, _i32(0))
-        bits = b.select(is_infnan, infnan, b.select(is_sub, sub, normal))
-        return b.bitcast(b.or_(bits, sign), _F32)
-
-    return types.float32(types.uint16), codegen
+    hu = b.zext(h, _I32)
+    sign = b.shl(b.and_(hu, _i32(0x8000)), _i32(16))
+    body = b.shl(b.and_(hu, _i32(0x7FFF)), _i32(13))  # exponent and mantissa in fp32 position
+    exp = b.and_(body, _i32(0x7C00 << 13))
+    normal = b.add(body, _i32((127 - 15) << 23))  # re-bias the exponent
+    infnan = b.add(normal, _i32((128 - 16) << 23))  # exponent all ones
+    # subnormal or zero: mantissa * 2^-24, both factors exact in float32
+    mant = b.uitofp(b.and_(hu, _i32(0x3FF)), _F32)
+    sub = b.bitcast(b.fmul(mant, ir.Constant(_F32, 2.0**-24)), _I32)
+    is_infnan = b.icmp_unsigned("==", exp, _i32(0x7C00 << 13))
+    is_sub = b.icmp_unsigned("==", exp, _i32(0))
+    bits = b.select(is_infnan, infnan, b.select(is_sub, sub, normal))
+    return b.bitcast(b.or_(bits, sign), _F32)
 
 
-@intrinsic
-def f32_to_f16(typingctx, x):
+@_conversion(types.float32, types.uint16)
+def f32_to_f16(b, x):
     """float32 -> fp16 bit pattern (uint16), round to nearest even (the method of F. Giesen's
     ``float_to_half_fast3_rtne``): overflow -> inf, NaN -> quiet NaN 0x7E00 with its sign, subnormals
     rounded correctly by one float add.
     """
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        b = builder
-        u = b.bitcast(args[0], _I32)
-        sign = b.and_(b.lshr(u, _i32(16)), _i32(0x8000))
-        a = b.and_(u, _i32(0x7FFFFFFF))
-        is_nan = b.icmp_unsigned(">", a, _i32(0x7F800000))
-        special = b.select(is_nan, _i32(0x7E00), _i32(0x7C00))
-        # |x| < 2^-14: adding 0.5 leaves the fp16 subnormal mantissa, rounded to nearest even, in the low bits
-        half = ir.Constant(_F32, 0.5)
-        sub = b.sub(b.bitcast(b.fadd(b.bitcast(a, _F32), half), _I32), _i32(126 << 23))
-        mant_odd = b.and_(b.lshr(a, _i32(13)), _i32(1))
-        bias = _i32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF)  # re-bias exponent, round half (wraps mod 2^32)
-        normal = b.lshr(b.add(b.add(a, bias), mant_odd), _i32(13))
-        overflow = b.icmp_unsigned(">=", a, _i32((127 + 16) << 23))  # |x| >= 65536 (or inf/NaN)
-        small = b.icmp_unsigned("<", a, _i32(113 << 23))
-        body = b.select(overflow, special, b.select(small, sub, normal))
-        return b.trunc(b.or_(body, sign), _I16)
-
-    return types.uint16(types.float32), codegen
+    u = b.bitcast(x, _I32)
+    sign = b.and_(b.lshr(u, _i32(16)), _i32(0x8000))
+    a = b.and_(u, _i32(0x7FFFFFFF))
+    is_nan = b.icmp_unsigned(">", a, _i32(0x7F800000))
+    special = b.select(is_nan, _i32(0x7E00), _i32(0x7C00))
+    # |x| < 2^-14: adding 0.5 leaves the fp16 subnormal mantissa, rounded to nearest even, in the low bits
+    half = ir.Constant(_F32, 0.5)
+    sub = b.sub(b.bitcast(b.fadd(b.bitcast(a, _F32), half), _I32), _i32(126 << 23))
+    mant_odd = b.and_(b.lshr(a, _i32(13)), _i32(1))
+    bias = _i32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF)  # re-bias exponent, round half (wraps mod 2^32)
+    normal = b.lshr(b.add(b.add(a, bias), mant_odd), _i32(13))
+    overflow = b.icmp_unsigned(">=", a, _i32((127 + 16) << 23))  # |x| >= 65536 (or inf/NaN)
+    small = b.icmp_unsigned("<", a, _i32(113 << 23))
+    body = b.select(overflow, special, b.select(small, sub, normal))
+    return b.trunc(b.or_(body, sign), _I16)
 
 
 def _fmix32_ir(b, x):
