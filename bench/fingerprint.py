@@ -2,27 +2,24 @@
 
     python -m bench.fingerprint [--out DIR] [--quick] [--device cpu|cuda] [--rounds N]
 
-The asynchronous link takes a fingerprint of each gradient as its backward hook copies it to the host, and
-another at ``step()`` (docs/design.md section 5.1): two reads of the gradients, on the device. Its cost is a
-share of what the gradients cost anyway, so each size and dtype times, side by side and interleaved round by
-round (``harness.interleaved``: this machine drifts), on one tensor:
+The asynchronous link fingerprints each gradient as its backward hook copies it to the host, and again at ``step()``
+(docs/design.md section 5.1): two reads of the gradients, on the device, whose cost is a share of what the gradients
+cost anyway. So each size and dtype times, on one tensor, interleaved round by round (``harness.interleaved``: this
+machine drifts):
 
 * ``fingerprint``: ``ops.multi_fingerprint`` (numba on CPU, Triton on CUDA);
-* ``read``: a plain read pass over the same bytes (``cpu_ops.multi_sum_squares`` on CPU; ``torch.sum`` in
-  fp32 on CUDA): the memory roofline of a read;
-* ``copy``: the copy to the host the link makes of it anyway (on CPU a memcpy into another buffer, standing in
-  for it; on CUDA a non-blocking copy into pinned host memory, the real D2H);
-* ``fold``: on CPU, the host's pass that adds the landed gradient into the fp32 sums once ``step()`` checked
-  it (``accumulate_unchecked``: the landing area's host cost).
+* ``read``: a plain read of the same bytes, the memory roofline of a read (``cpu_ops.multi_sum_squares`` on CPU;
+  ``torch.sum`` in fp32 on CUDA);
+* ``copy``: the copy to the host the link makes anyway (on CPU a memcpy into another buffer, standing in for it; on
+  CUDA a non-blocking copy into pinned host memory, the real D2H);
+* ``fold``: on CPU, the host's pass adding the landed gradient into the fp32 sums once ``step()`` checked it
+  (``accumulate_unchecked``: the landing area's host cost).
 
-Reported per row: seconds, GB/s of the tensor's bytes, and ``fingerprint / read`` and ``fingerprint / copy``.
-Two fingerprints a step against one copy: ``2 * fingerprint / copy`` is the check's cost relative to the
-crossing it protects. On a CPU the "device" is the host, so these figures say what the stand-in costs, not
-what a GPU pays: the CUDA rows come from ``bench/gpu_suite.sh`` on a lent device.
-
-Results: ``fingerprint_<device>.json`` (with the machine description) and ``.png`` in ``bench/results``.
+Per row: seconds, GB/s of the tensor's bytes, ``fingerprint / read`` and ``fingerprint / copy``; two fingerprints a
+step against one copy, ``2 * fingerprint / copy``, is the check's cost relative to the crossing it protects. On a CPU
+the "device" is the host: these figures say what the stand-in costs, not what a GPU pays (the CUDA rows come from
+``bench/gpu_suite.sh`` on a lent device). Results: ``fingerprint_<device>.json`` (with the machine) and ``.png``.
 """
-
 from __future__ import annotations
 
 import time

@@ -135,6 +135,26 @@ def bench_selection(timer, shapes, device, label) -> list[dict]:
                               ("torch loop", "torch loop"))]
 
 
+def deepspeed_path(ps, gs, idxs, device: str, fused: bool = False) -> Callable[[], None]:
+    """DeepSpeed's ZenFlowSelectiveAdamW without offload, one step for all the matrices: gather each one's selected
+    columns, ``torch.optim.AdamW`` on the compact copies (foreach on CUDA, DeepSpeed's default; torch's default, the
+    per-tensor loop, on CPU; or fused), scatter back. Its compact state has the param's dtype (no fp32 master)."""
+    bufs = [p[:, i].clone().requires_grad_(True) for p, i in zip(ps, idxs, strict=True)]
+    opt = torch.optim.AdamW(bufs, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], foreach=not fused and device == "cuda",
+                            fused=fused or None)
+
+    def step():
+        for p, g, i, b in zip(ps, gs, idxs, bufs, strict=True):
+            torch.index_select(p, 1, i, out=b.data)
+            b.grad = g.index_select(1, i)
+        opt.step()
+        for p, i, b in zip(ps, idxs, bufs, strict=True):
+            p[:, i] = b.detach()
+
+    return step
+
+
 def bench_adamw(timer, shapes, device) -> list[dict]:
     rows = []
     for R, C in shapes:
@@ -150,26 +170,10 @@ def bench_adamw(timer, shapes, device) -> list[dict]:
             def ours(impl_ops, p=p, g=g, idx=idx, m=m, v=v, w=w):
                 return lambda: impl_ops.selective_adamw_(p, g, idx, m, v, step=10, master=w, check_data=False, **HP)
 
-            def deepspeed_path(fused: bool, p=p, g=g, idx=idx):
-                # DeepSpeed's ZenFlowSelectiveAdamW without offload: gather, AdamW on the copy, scatter.
-                # Its compact state has the param's dtype (no fp32 master).
-                buf = p[:, idx].clone().requires_grad_(True)
-                opt = torch.optim.AdamW([buf], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
-                                        weight_decay=HP["weight_decay"], foreach=not fused and device == "cuda",
-                                        fused=fused or None)
-
-                def step():
-                    torch.index_select(p, 1, idx, out=buf.data)
-                    buf.grad = g.index_select(1, idx)
-                    opt.step()
-                    p[:, idx] = buf.detach()
-
-                return step
-
             fns = {name: ours(impl_ops) for name, impl_ops in _ours_adamw(device).items()}
-            fns["deepspeed path (foreach AdamW)"] = deepspeed_path(False)
+            fns["deepspeed path (foreach AdamW)"] = deepspeed_path([p], [g], [idx], device)
             if device == "cuda":
-                fns["deepspeed path (fused AdamW)"] = deepspeed_path(True)
+                fns["deepspeed path (fused AdamW)"] = deepspeed_path([p], [g], [idx], device, fused=True)
             nbytes = R * k * (2 * p.element_size() + g.element_size() + 16 + (8 if master else 0)) + 8 * k
             fns["copy"] = copy_fn(nbytes, device)
             ms = timer(fns)
@@ -204,20 +208,9 @@ def bench_multi_adamw(timer, shapes, device, label) -> list[dict]:
                                            eps=1e-8, weight_decays=0.01, masters=ws, check_data=False)
         return step
 
-    bufs = [p[:, i].clone().requires_grad_(True) for p, i in zip(ps, idxs, strict=True)]
-    opt = torch.optim.AdamW(bufs, lr=1e-4, weight_decay=0.01, foreach=device == "cuda")
-
-    def deepspeed_path():
-        for p, g, i, b in zip(ps, gs, idxs, bufs, strict=True):
-            torch.index_select(p, 1, i, out=b.data)
-            b.grad = g.index_select(1, i)
-        opt.step()
-        for p, i, b in zip(ps, idxs, bufs, strict=True):
-            p[:, i] = b.detach()
-
     fns = {f"{name} multi": ours(impl_ops) for name, impl_ops in _ours_adamw(device).items()}
     n_launch = launches(fns["triton multi"]) if device == "cuda" else None
-    ms = timer(fns | {"deepspeed path": deepspeed_path})
+    ms = timer(fns | {"deepspeed path": deepspeed_path(ps, gs, idxs, device)})
     return [dict(op="multi_selective_adamw", shape=label, dtype="bfloat16", master=True,
                  impl="deepspeed path (foreach AdamW, one step for all)" if key == "deepspeed path" else key,
                  ms=ms[key], matrices=len(shapes), launches=n_launch if key == "triton multi" else None,
