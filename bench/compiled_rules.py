@@ -37,6 +37,7 @@ torch's, numba's and Inductor's, slow down by several times when another process
 
 Results: ``compiled_rules_cpu.json`` (command, machine, versions, commit, sections) in ``bench/results``.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -33,6 +33,7 @@ measured again after waiting for quiet when that exceeds 10%; ``--wait-quiet`` w
 
 Results: ``cpu_adam.json`` (with the machine description) and ``cpu_adam.png`` in ``bench/results``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -309,15 +310,6 @@ def _measure(candidates: dict, n: int, k: int, rounds: int, bytes_per_param: int
              "other_processes_cpu_fraction": other, "attempts": attempt} for name, t in timings.items()]
 
 
-def _add_ratios(rows: list[dict], bases: list[str]) -> None:
-    by = {(r["threads"], r["candidate"]): r for r in rows}
-    for r in rows:
-        for base in bases:
-            other = by.get((r["threads"], base))
-            if other is not None:
-                r[f"ratio_to_{base}"] = other["median_s"] / r["median_s"]  # > 1: faster than base
-
-
 def bench_adam(state: State, n: int, threads: list[int], rounds: int, attempts: int = 3) -> list[dict]:
     """Per thread count, every candidate interleaved (a thread count switch between calls costs tens of
     microseconds in libgomp, so candidates at different counts are not mixed within one round)."""
@@ -331,8 +323,12 @@ def bench_adam(state: State, n: int, threads: list[int], rounds: int, attempts: 
             candidates["deepspeed_zenflow"] = lambda k=k: state.deepspeed_zenflow(k)
             candidates["zenflow_out_fp32"] = lambda k=k: state.ours(k, out=state.stale)
         rows += _measure(candidates, n, k, rounds, ADAM_BYTES, attempts)
-    _add_ratios(rows, ["roofline", "deepspeed", "torch_fused", "deepspeed_zenflow"])
-    for r in rows:  # each candidate's own traffic (effective_gbps keeps the one formula for all)
+    by = {(r["threads"], r["candidate"]): r for r in rows}
+    for r in rows:
+        for base in ("roofline", "deepspeed", "torch_fused", "deepspeed_zenflow"):
+            if (r["threads"], base) in by:  # > 1: faster than base
+                r[f"ratio_to_{base}"] = by[r["threads"], base]["median_s"] / r["median_s"]
+        # each candidate's own traffic (effective_gbps keeps the one formula for all)
         r["traffic_bytes_per_param"] = ZENFLOW_NATIVE_BYTES if r["candidate"] in TRAFFIC_36 else ADAM_BYTES
         r["traffic_gbps"] = r["mparams_per_s"] * 1e6 * r["traffic_bytes_per_param"] / 1e9
     return rows

@@ -46,6 +46,7 @@ near a 32 MB L3, warmed by the settle calls: there the fractions compare cache t
 
 Results: ``cpu_rules.json`` (command, machine, versions, commit, rows) and ``cpu_rules.png`` in ``bench/results``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -223,7 +224,8 @@ def plot(payload: dict, path) -> None:
                 axes[0].plot(*zip(*pts, strict=True), styles[k], color=color, marker="o", ms=3,
                              label=f"{cand} ({k} thr)")
     harness.style(axes[0], "elements", "GB/s (bytes moved / time)",
-                  "fp32 acc (zeroed) -> update -> bf16 out; rmw/copy: the same bytes", logx=2, legend=6)
+                  "fp32 acc (zeroed) -> update -> bf16 out; rmw/copy: the same bytes", logx=2, legend=None)
+    axes[0].legend(fontsize=6, ncol=3)
     sizes = sorted({r["size"] for r in rows})
     rules = [rule for rule in payload["bytes_per_element"] if any(r["candidate"] == rule for r in rows)]
     width = 0.8 / (len(rules) * len(threads))
@@ -236,7 +238,8 @@ def plot(payload: dict, path) -> None:
     axes[1].axhline(1.0, color="k", lw=0.8)
     axes[1].set_xticks(range(len(sizes)), [f"2^{s.bit_length() - 1}" if s & (s - 1) == 0 else str(s) for s in sizes])
     harness.style(axes[1], "elements", "bytes/s over the roofline's bytes/s",
-                  "fraction of the memory roofline (in-place read+write of the same bytes)", legend=6, grid="y")
+                  "fraction of the memory roofline (in-place read+write of the same bytes)", legend=None, grid="y")
+    axes[1].legend(fontsize=6, ncol=4)
     harness.save(fig, path)
 
 

@@ -20,6 +20,7 @@ step against one copy, ``2 * fingerprint / copy``, is the check's cost relative 
 the "device" is the host: these figures say what the stand-in costs, not what a GPU pays (the CUDA rows come from
 ``bench/gpu_suite.sh`` on a lent device). Results: ``fingerprint_<device>.json`` (with the machine) and ``.png``.
 """
+
 from __future__ import annotations
 
 import time
