@@ -2,16 +2,14 @@
 
     python -m bench.compiled_rules [--out DIR] [--quick] [--rounds N] [--steps N] [--cold] [--wait-quiet S]
 
-Candidates (every measurement interleaved round by round in one process, medians over the rounds):
-
-* ``lion``: ``rules.Lion()``, its numba host kernel and fused fast path (the hand-written reference point);
-* ``adamw``: ``rules.AdamW()``, likewise (a built-in whose speed must not change);
-* ``rmsprop_compiled``: RMSprop as a researcher writes it (``bench.custom_rules.RMSprop``: state, numbers, a
-  plain-torch ``step_``, no kernel), ``compile=True``;
-* ``rmsprop_eager``: the same rule, ``compile=False`` (the eager ``step_``: what such a rule cost before);
-* ``from_torch_rmsprop``: ``rules.from_torch(torch.optim.RMSprop)``, compiled (torch's own functional step);
-* ``lion_compiled``, ``adamw_compiled`` (the ``host_pass`` and ``fast`` sections): the built-ins with their kernels
-  taken away, their plain-torch ``step_`` compiled: which is faster where, the hand-written kernel or Inductor's.
+Candidates (``bench.custom_rules.make_rule``; every measurement interleaved round by round in one process, medians
+over the rounds): ``lion`` and ``adamw``, the built-ins on their numba host kernels and fused fast paths (the
+hand-written reference point, and one whose speed must not change); ``rmsprop_compiled``, RMSprop as a researcher
+writes it (``bench.custom_rules.RMSprop``), ``compile=True``; ``rmsprop_eager``, the same with ``compile=False``
+(what such a rule cost before); ``from_torch_rmsprop``, ``rules.from_torch(torch.optim.RMSprop)`` compiled (torch's
+own functional step); ``lion_compiled`` and ``adamw_compiled`` (``host_pass`` and ``fast`` only), the built-ins with
+their kernels taken away, their plain-torch ``step_`` compiled: the hand-written kernel or Inductor's, which is
+faster where.
 
 Sections:
 
@@ -32,17 +30,17 @@ Sections:
 * ``accuracy``: compiled against eager, one host step and one fast step of ``RMSprop`` on random data: the largest
   difference in ulps of the largest of each element's value before, after and its update, and absolute.
 
-Goals (issue 55): ``rmsprop_compiled`` within 1.5x of ``lion`` on the host pass and on the fast path.
-
-Each section records the share of the cores other processes used while it ran (``other_processes_share_of_cores``:
-this machine is shared, and OpenMP teams, torch's, numba's and Inductor's, slow down by several times when another
-process takes a core they wait on); ``--wait-quiet S`` waits up to S seconds for quiet before each.
+Goals (issue 55): ``rmsprop_compiled`` within 1.5x of ``lion`` on the host pass and on the fast path. Each section
+records the share of the cores other processes used while it ran (``other_processes_share_of_cores``: OpenMP teams,
+torch's, numba's and Inductor's, slow down by several times when another process takes a core they wait on);
+``--wait-quiet S`` waits up to S seconds for quiet before each.
 
 Results: ``compiled_rules_cpu.json`` (command, machine, versions, commit, sections) in ``bench/results``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -53,16 +51,10 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness import (
-    REPO,
-    OneLineParser,
-    OtherLoad,
-    int_at_least,
-    machine_info_light,
-    output_dir,
-    wait_quiet,
-    write_json_light,
-)
+import torch
+
+from bench import harness
+from bench.custom_rules import RMSprop, make_rule
 
 CANDIDATES = ("lion", "adamw", "rmsprop_compiled", "rmsprop_eager", "from_torch_rmsprop")
 BUILTINS_COMPILED = ("lion_compiled", "adamw_compiled")  # (the host pass and the fast path only)
@@ -72,53 +64,18 @@ ZEN_FAST = dict(topk_ratio=0.1, update_interval=1000, select_strategy="step", se
                 overlap_step=True)
 
 
-def rmsprop_class():
-    from bench.custom_rules import RMSprop  # (shared with bench.cpu_rules and bench.step_overhead)
-
-    return RMSprop
-
-
-def make_rule(name: str, RMSprop):
-    import torch
-
-    from zenflow_kernels import rules
-
-    if name in BUILTINS_COMPILED:  # the built-in without its kernels: its plain-torch step_, compiled
-        base = rules.Lion if name == "lion_compiled" else rules.AdamW
-        cls = type(f"{base.__name__}Compiled", (base,), {"host_step_": rules.UpdateRule.host_step_,
-                                                          "fast_step_": rules.UpdateRule.fast_step_})
-        rule = cls(weight_decay=0.01) if base is rules.Lion else cls()
-        rule.compile = True
-        return rule
-    if name == "lion":
-        return rules.Lion(weight_decay=0.01)
-    if name == "adamw":
-        return rules.AdamW()
-    if name == "rmsprop_compiled":
-        return RMSprop(weight_decay=0.01, compile=True)
-    if name == "rmsprop_eager":
-        return RMSprop(weight_decay=0.01, compile=False)
-    rule = rules.from_torch(torch.optim.RMSprop, weight_decay=0.01)
-    rule.compile = True
-    return rule
-
-
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-# -- host: the MLP -----------------------------------------------------------------------------------------------------
-
-
-def host_run(name: str, RMSprop, steps: int, batch: int = 32) -> dict:
-    import torch
-
+def host_run(name: str, steps: int, batch: int = 32) -> dict:
+    """One training run of the MLP (``host``): the host updates' median, the waits for the worker, the mean step."""
     from zenflow_kernels import ZenFlow
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(4)])
     x, y = torch.randn(batch, 1024), torch.randn(batch, 1024)
-    opt = ZenFlow(model.parameters(), make_rule(name, RMSprop), lr=1e-3, zenflow=ZEN_HOST)
+    opt = ZenFlow(model.parameters(), make_rule(name), lr=1e-3, zenflow=ZEN_HOST)
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -136,12 +93,12 @@ def host_run(name: str, RMSprop, steps: int, batch: int = 32) -> dict:
             "host_updates": len(stats["host_update_s"]), "rule_paths": stats["rule_paths"]}
 
 
-def host_section(RMSprop, names, steps: int, rounds: int) -> dict:
-    first = {name: host_run(name, RMSprop, steps) for name in names}  # untimed: compiles
+def host_section(names, steps: int, rounds: int) -> dict:
+    first = {name: host_run(name, steps) for name in names}  # untimed: compiles
     rows = {name: [] for name in names}
     for _ in range(rounds):
         for name in names:
-            rows[name].append(host_run(name, RMSprop, steps))
+            rows[name].append(host_run(name, steps))
     out = {}
     for name in names:
         keys = ("host_update_ms", "worker_wait_ms", "worker_wait_in_steps_ms", "step_ms")
@@ -151,12 +108,8 @@ def host_section(RMSprop, names, steps: int, rounds: int) -> dict:
     return out
 
 
-# -- the host pass alone -----------------------------------------------------------------------------------------------
-
-
-def host_pass_section(RMSprop, names, rounds: int, numel: int) -> dict:
+def host_pass_section(names, rounds: int, numel: int) -> dict:
     import numba
-    import torch
 
     from zenflow_kernels.config import ZenFlowConfig
     from zenflow_kernels.optim.build import host_threads, split_cores
@@ -167,10 +120,9 @@ def host_pass_section(RMSprop, names, rounds: int, numel: int) -> dict:
     out = torch.empty(numel, dtype=torch.bfloat16)
     candidates = {}
     for name in names:
-        rule = make_rule(name, RMSprop)
+        rule = make_rule(name)
         state = [torch.rand(numel, generator=g) for _ in rule.state_names]
-        numbers = rule.hyperparams(dict(rule.group_defaults(), lr=1e-3))
-        candidates[name] = (rule, state, numbers)
+        candidates[name] = (rule, state, rule.hyperparams(dict(rule.group_defaults(), lr=1e-3)))
     samples = {name: [] for name in names}
 
     def work():
@@ -191,18 +143,13 @@ def host_pass_section(RMSprop, names, rounds: int, numel: int) -> dict:
             **{name: {"median_ms": median(s) * 1e3, "min_ms": min(s) * 1e3} for name, s in samples.items()}}
 
 
-# -- the fast path -----------------------------------------------------------------------------------------------------
-
-
-def fast_run(name: str, RMSprop, steps: int) -> dict:
-    import torch
-
+def fast_run(name: str, steps: int) -> dict:
     from zenflow_kernels import ZenFlow
 
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(128, 128, generator=g)) for _ in range(64)]
     grads = [[torch.randn(128, 128, generator=g) for _ in params] for _ in range(4)]
-    opt = ZenFlow(params, make_rule(name, RMSprop), lr=1e-3, zenflow=ZEN_FAST)
+    opt = ZenFlow(params, make_rule(name), lr=1e-3, zenflow=ZEN_FAST)
     for t in range(steps + 5):
         for p, grad in zip(params, grads[t % 4], strict=True):
             p.grad = grad
@@ -212,25 +159,20 @@ def fast_run(name: str, RMSprop, steps: int) -> dict:
     return {"fast_path_ms": median(stats["fast_path_s"][5:]) * 1e3, "rule_paths": stats["rule_paths"]}
 
 
-def fast_section(RMSprop, names, steps: int, rounds: int) -> dict:
+def fast_section(names, steps: int, rounds: int) -> dict:
     from zenflow_kernels.ops import use_backend
 
     with use_backend("numba"):
-        first = {name: fast_run(name, RMSprop, steps) for name in names}
+        first = {name: fast_run(name, steps) for name in names}
         rows = {name: [] for name in names}
         for _ in range(rounds):
             for name in names:
-                rows[name].append(fast_run(name, RMSprop, steps)["fast_path_ms"])
+                rows[name].append(fast_run(name, steps)["fast_path_ms"])
     return {name: {"fast_path_ms": median(rows[name]), "rounds": rows[name],
                    "paths": first[name]["rule_paths"]} for name in names}
 
 
-# -- accuracy ----------------------------------------------------------------------------------------------------------
-
-
-def accuracy_section(RMSprop) -> dict:
-    import torch
-
+def accuracy_section() -> dict:
     def measure(x, y, before):
         d = (x.double() - y.double()).abs()
         scale = torch.maximum(torch.maximum(x.abs(), y.abs()), before.abs()).double()  # value before, after,
@@ -263,16 +205,10 @@ def accuracy_section(RMSprop) -> dict:
     return {"host": host, "fast_param": fast}
 
 
-# -- compile time in fresh processes -----------------------------------------------------------------------------------
-
-
 def compile_child(out: str) -> None:
     """One fresh process: a compiled RMSprop's host pass and fast path, first calls timed."""
-    import torch
-
     from zenflow_kernels.rules import compiled
 
-    RMSprop = rmsprop_class()
     rule = RMSprop(compile=True)
     t0 = time.perf_counter()
     n = 1 << 16
@@ -290,6 +226,7 @@ def compile_child(out: str) -> None:
 
 
 def cold_section() -> dict:
+    """Compile times in two fresh processes over one empty Inductor cache: the first compiles, the second finds it."""
     out = {}
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
         for label in ("cold", "warm"):
@@ -299,12 +236,9 @@ def cold_section() -> dict:
                 env.pop("TRITON_INTERPRET", None)
                 t0 = time.perf_counter()
                 subprocess.run([sys.executable, "-m", "bench.compiled_rules", "--compile-child", str(target)],
-                               cwd=REPO, env=env, check=True, timeout=1800)
+                               cwd=harness.REPO, env=env, check=True, timeout=1800)
                 out[label] = {"process_s": time.perf_counter() - t0, **json.loads(target.read_text())}
     return out
-
-
-# -- main --------------------------------------------------------------------------------------------------------------
 
 
 def ratios(section: dict, key: str) -> dict:
@@ -314,26 +248,23 @@ def ratios(section: dict, key: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = OneLineParser(prog="python -m bench.compiled_rules", description=__doc__.split("\n\n")[0])
+    ap = harness.OneLineParser(prog="python -m bench.compiled_rules", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="folder for compiled_rules_cpu.json (default bench/results)")
     ap.add_argument("--quick", action="store_true", help="small sizes, one round: checks the script runs")
-    ap.add_argument("--rounds", type=int_at_least(1), default=3)
-    ap.add_argument("--steps", type=int_at_least(4), default=20)
+    ap.add_argument("--rounds", type=harness.int_at_least(1), default=3)
+    ap.add_argument("--steps", type=harness.int_at_least(4), default=20)
     ap.add_argument("--cold", action="store_true", help="also time compiling in fresh processes, cold and warm cache")
     ap.add_argument("--wait-quiet", type=float, default=0.0,
                     help="before each section, wait up to this many seconds for other processes to go quiet")
-    ap.add_argument("--compile-child", default=None, help=argparse_hidden())
+    ap.add_argument("--compile-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_child:
         compile_child(args.compile_child)
         return {}
-    out_dir = output_dir(args.out)
+    out_dir = harness.output_dir(args.out)
     started = time.time()
-    import torch
-
     from zenflow_kernels.rules import compiled
 
-    RMSprop = rmsprop_class()
     rounds = 1 if args.quick else args.rounds
     steps = 9 if args.quick else args.steps  # (quick: two host updates after the first)
     names = list(CANDIDATES)
@@ -344,17 +275,16 @@ def main(argv=None) -> dict:
 
     def section(name, fn, *a):
         if args.wait_quiet > 0:
-            wait_quiet(args.wait_quiet)
-        load = OtherLoad()
+            harness.wait_quiet(args.wait_quiet)
+        load = harness.OtherLoad()
         result[name] = fn(*a)
         result["other_processes_share_of_cores"][name] = round(load.fraction(), 3)
 
     kernels_too = names + list(BUILTINS_COMPILED)
-    section("host_pass", host_pass_section, RMSprop, kernels_too, 3 if args.quick else 9,
-            1 << (16 if args.quick else 22))
-    section("host", host_section, RMSprop, names, steps, rounds)
-    section("fast", fast_section, RMSprop, kernels_too, steps, 1 if args.quick else 2 * rounds - 1)
-    result["accuracy"] = accuracy_section(RMSprop)
+    section("host_pass", host_pass_section, kernels_too, 3 if args.quick else 9, 1 << (16 if args.quick else 22))
+    section("host", host_section, names, steps, rounds)
+    section("fast", fast_section, kernels_too, steps, 1 if args.quick else 2 * rounds - 1)
+    result["accuracy"] = accuracy_section()
     result["ratios_to_lion"] = {"host_pass": {k: v["median_ms"] / result["host_pass"]["lion"]["median_ms"]
                                               for k, v in result["host_pass"].items() if isinstance(v, dict)},
                                 "host_update": ratios(result["host"], "host_update_ms"),
@@ -370,9 +300,9 @@ def main(argv=None) -> dict:
         result["compile"]["fresh_processes"] = cold_section()
     result["entries"] = [e.label for e in compiled._entries.values()]
     result["wall_s"] = time.time() - started
-    result["machine"] = machine_info_light()
-    path = write_json_light(out_dir / ("compiled_rules_cpu_quick.json" if args.quick else "compiled_rules_cpu.json"),
-                            result)
+    result["machine"] = harness.machine_info_light()
+    path = harness.write_json_light(
+        out_dir / ("compiled_rules_cpu_quick.json" if args.quick else "compiled_rules_cpu.json"), result)
     r = result["ratios_to_lion"]
     print(f"bench.compiled_rules: host pass {result['host_pass']['rmsprop_compiled']['median_ms']:.1f} ms "
           f"({r['host_pass']['rmsprop_compiled']:.2f}x lion, eager {r['host_pass']['rmsprop_eager']:.2f}x); "
@@ -380,12 +310,6 @@ def main(argv=None) -> dict:
           f"({r['fast_path']['rmsprop_compiled']:.2f}x lion, eager {r['fast_path']['rmsprop_eager']:.2f}x); "
           f"-> {path}")
     return result
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -1,49 +1,35 @@
 """Host Adam benchmark: zenflow_kernels.cpu_ops against torch, DeepSpeed and the memory roofline.
 
-    python -m bench.cpu_adam [--out DIR] [--quick] [--sizes 2^16 2^20 ...] [--rounds N]
+    python -m bench.cpu_adam [--out DIR] [--quick] [--sizes 2^16 2^20 ...] [--rounds N] [--wait-quiet S]
 
-Three measurements, every candidate interleaved round by round with the others (this machine's speed
-drifts by 2x within minutes; only medians taken side by side compare):
-
-1. Plain fp32 AdamW step over n params, at 1 and 2 threads: ``cpu_adam_``, ``torch.optim.AdamW``
-   with ``fused=True`` and with ``foreach=True``, ``DeepSpeedCPUAdam`` (when deepspeed imports; with
-   ``DS_ACCELERATOR=cpu``), and the roofline: a numba loop with exactly Adam's memory traffic (read
-   param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq) and trivial arithmetic.
-   Effective bandwidth = 28 bytes/param * n / time (7 fp32 streams), the same formula for all.
-   Also DeepSpeed's native multi-tensor ZenFlow CPU Adam (``deepspeed_zenflow``: the
-   ``zenflow_adam_*`` functions of its ``cpu_adam`` extension, DeepSpeed >= 0.19.8, the host path of
-   its overlapped ZenFlow step): the flat buffer split over a pool of threads pinned to the first
-   1 or 2 cores, each running DeepSpeed's serial AVX Adam on its slice and then copying its slice of
-   the updated fp32 weights into a fp32 ``stale`` snapshot (DeepSpeed's ZenFlow engine always
-   registers one: it is what the GPU copy reads), driven as DeepSpeed drives it (``submit``, then
-   ``wait`` on its semaphore; its worker loop on a thread of this process instead of a spawned
-   process). That is 36 bytes/param of traffic, so ``zenflow_out_fp32`` runs ``cpu_adam_`` with
-   ``out=`` a fp32 snapshot, the same 36 bytes, beside it; ``traffic_gbps`` uses each candidate's
-   own traffic.
-   All candidates update the same tensors (torch-allocated, 64-byte aligned), so none is favoured by
+1. Plain fp32 AdamW over n params at 1 and 2 threads: ``cpu_adam_``, ``torch.optim.AdamW`` (``fused=True`` and
+   ``foreach=True``), ``DeepSpeedCPUAdam`` (when deepspeed imports; ``DS_ACCELERATOR=cpu``) and the roofline, a numba
+   loop with exactly Adam's memory traffic (read p, g, m, v; write p, m, v) and trivial arithmetic: 28 bytes/param,
+   ``effective_gbps`` the same formula for all. Also DeepSpeed's native multi-tensor ZenFlow CPU Adam
+   (``deepspeed_zenflow``: its ``cpu_adam`` extension's ``zenflow_adam_*``, DeepSpeed >= 0.19.8, the host path of its
+   overlapped step) driven as its engine drives it (a pool pinned to the first 1 or 2 cores, each thread running the
+   serial AVX Adam on its slice; ``submit``, then ``wait``; the worker loop on a thread here, not a spawned process).
+   It also writes the fp32 ``stale`` snapshot the GPU copy reads, 36 bytes/param, so ``zenflow_out_fp32``
+   (``cpu_adam_`` with ``out=`` a fp32 snapshot) moves the same beside it, and ``traffic_gbps`` uses each
+   candidate's own traffic. All update the same tensors (torch-allocated, 64-byte aligned): none is favoured by
    placement.
-2. The update-boundary pipeline of docs/design.md 2.5: add the interval's last gradient (bf16, as it comes
-   from a bf16 model) into the fp32 accumulation buffer, unscale by ``interval * loss_scale / clip``,
-   AdamW, and write the bf16 copy of the weights. Fused: one ``accumulate_adam_(..., out=bf16)`` pass,
-   36 bytes/param (read p, acc, g16, m, v; write p, acc, m, v, out16). Separate passes, the way an
-   unfused offload step does it: ``acc.add_(g)``, ``acc.mul_(1/scale)``, Adam (torch fused or
-   DeepSpeed), ``out.copy_(p)``: 52 bytes/param at best, so the memory-bound speed-up is at most
-   52/36 = 1.44x. torch's in-place fp32 += bf16 ``add_`` is far from that best (it goes through a
-   temporary fp32 copy of the gradient), so ``separate_zenflow`` repeats the separate passes with
-   this library's ``accumulate_`` and ``cpu_adam_``: that isolates what fusion itself gains. Also
-   with the accumulation buffer zeroed for the next interval on both sides (fused ``zero_acc=True``;
-   separate: one more ``acc.zero_()`` pass): 36 against 56 bytes, at most 1.56x.
-3. Thread scaling 1 -> 2 of every candidate (from 1.), and numba's first-call compile time with an
-   empty cache (a fresh clone) and with a warm one, each in a fresh process.
+2. The update-boundary pipeline of docs/design.md 2.5: the interval's last gradient (bf16) added into the fp32
+   accumulation buffer, unscaled by ``interval * loss_scale / clip``, AdamW, the bf16 copy of the weights written.
+   Fused: one ``accumulate_adam_(..., out=bf16)``, 36 bytes/param (read p, acc, g16, m, v; write p, acc, m, v,
+   out16). Separate passes, as an unfused offload step: ``acc.add_(g)``, ``acc.mul_(1/scale)``, Adam (torch fused or
+   DeepSpeed), ``out.copy_(p)``: 52 bytes/param at best, so at most 52/36 = 1.44x. torch's fp32 += bf16 ``add_`` is
+   far from that best (a temporary fp32 copy of the gradient), so ``separate_zenflow`` runs the separate passes with
+   this library's ``accumulate_`` and ``cpu_adam_``: what fusion itself gains. Also with the buffer zeroed for the
+   next interval (fused ``zero_acc=True``; separate: one more ``acc.zero_()``): 36 against 56 bytes, at most 1.56x.
+3. Thread scaling 1 -> 2 of every candidate, and numba's first-call compile time with an empty cache (a fresh clone)
+   and a warm one, each in a fresh process.
 
-Timing: per size and thread count (torch and numba set to the same count; switching counts between
-calls costs tens of microseconds in libgomp, so counts are not mixed within a round), all candidates
-interleaved round by round, ``calls_per_round`` = 2^22 / n, each timed block preceded by 25 ms of
-untimed calls of the same candidate (``interleaved_settled``: harness.interleaved plus that settle;
-its docstring says why), medians over the rounds. This machine is shared: every row records the CPU
-share other processes used while it was measured (``other_processes_cpu_fraction``), a block is
-measured again after waiting for quiet when that share exceeds 10%, and ``--wait-quiet`` waits for
-an idle machine before starting.
+Timing: per size and thread count (torch and numba at the same count; switching counts costs tens of microseconds
+in libgomp, so counts are not mixed within a round) every candidate interleaved round by round (this machine drifts
+by 2x within minutes: only medians taken side by side compare), ``calls_per_round`` = 2^22 / n, each timed block
+after 25 ms of untimed calls of the same candidate (``interleaved_settled`` says why), medians over the rounds.
+Every row records the CPU share other processes used meanwhile (``other_processes_cpu_fraction``); a block is
+measured again after waiting for quiet when that exceeds 10%; ``--wait-quiet`` waits for an idle machine first.
 
 Results: ``cpu_adam.json`` (with the machine description) and ``cpu_adam.png`` in ``bench/results``.
 """
@@ -51,13 +37,13 @@ Results: ``cpu_adam.json`` (with the machine description) and ``cpu_adam.png`` i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
-from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed can be imported
 
@@ -66,33 +52,46 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
-from bench.harness import (  # noqa: E402
-    OneLineParser,
-    OtherLoad,
-    Timing,
-    machine_info,
-    output_dir,
-    plt,
-    wait_quiet,
-    write_json,
-)
+from bench import harness  # noqa: E402
 from zenflow_kernels.cpu_ops import accumulate_, accumulate_adam_, cpu_adam_  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 ADAM_BYTES = 28  # read p, g, m, v + write p, m, v, fp32
 PIPE_BYTES = 36  # read p, acc, g(bf16), m, v + write p, acc, m, v, out(bf16)
 PIPE_SEPARATE_BYTES = 52  # add: 4+2+4, scale: 4+4, adam: 28, copy: 4+2
+ZENFLOW_NATIVE_BYTES = 36  # DeepSpeed's native ZenFlow Adam: Adam's 28 + the fp32 stale snapshot (read p, write)
+TRAFFIC_36 = ("deepspeed_zenflow", "zenflow_out_fp32")
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+TORCH_HYPER = {"lr": HYPER["lr"], "eps": HYPER["eps"], "weight_decay": HYPER["weight_decay"], "betas": (0.9, 0.999)}
 INTERVAL, LOSS_SCALE, CLIP = 4, 1024.0, 0.5
 GRAD_SCALE = INTERVAL * LOSS_SCALE / CLIP
+MAX_OTHER_LOAD = 0.1  # redo a block when other processes used more than this share of the CPUs
+SETTLE_S = 0.025
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
     """A flat numpy view of a contiguous CPU tensor, sharing its memory: fp32 as float32, bf16 as its int16 bits
     (numpy has no bf16), as the rooflines below take them."""
     t = t.detach()
-    a = t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy()
-    return a.reshape(-1)
+    return (t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy()).reshape(-1)
+
+
+def parse_size(text: str, multiple: int = 1) -> int:
+    """An argparse ``type=``: a count of elements, ``2^k`` or plain, at least 1 and a multiple of ``multiple``."""
+    text = text.strip()
+    try:
+        value = 2 ** int(text[2:]) if text.startswith("2^") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of elements (65536 or 2^16)") from None
+    if value < 1 or value % multiple:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1" + (f" and a multiple of {multiple}"
+                                                                           if multiple > 1 else ""))
+    return value
+
+
+def set_threads(k: int) -> None:
+    """The same thread count for torch (and DeepSpeed's OpenMP) and numba in this thread."""
+    torch.set_num_threads(k)
+    numba.set_num_threads(k)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -117,9 +116,6 @@ def _pipeline_roofline(p, acc, g16, m, v, out16):
         out16[i] = g16[i]
 
 
-ZENFLOW_NATIVE_BYTES = 36  # DeepSpeed's native ZenFlow Adam: Adam's 28 + the fp32 stale snapshot (read p, write)
-
-
 class DeepSpeedZenFlowAdam:
     """DeepSpeed's native ZenFlow CPU Adam over one flat fp32 group, driven the way its ZenFlow engine
     drives it (deepspeed/runtime/zenflow/zenflow_utils.py): a pinned pool per thread count, the worker
@@ -136,8 +132,7 @@ class DeepSpeedZenFlowAdam:
         self.ctrl, self.threads = {}, {}
         for k in threads:
             opt_id = self.OPT_ID_BASE + k
-            op.create_adam(opt_id, HYPER["lr"], HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"],
-                           True, False)
+            op.create_adam(opt_id, *HYPER.values(), True, False)  # (HYPER in the extension's order)
             handle = op.zenflow_adam_create(opt_id, cores[:k])
             op.zenflow_adam_register_group(handle, p, g, g, m, m, v, v, stale)
             ctrl = torch.zeros(op.zenflow_adam_ctrl_size(), dtype=torch.uint8)
@@ -148,9 +143,7 @@ class DeepSpeedZenFlowAdam:
 
     def step(self, k: int, step: int) -> None:
         ptr = self.ctrl[k].data_ptr()
-        h = HYPER
-        self.op.zenflow_adam_submit(ptr, 0, step, [h["lr"]], [h["beta1"]], [h["beta2"]], [h["eps"]],
-                                    [h["weight_decay"]], [1])
+        self.op.zenflow_adam_submit(ptr, 0, step, *([x] for x in HYPER.values()), [1])
         if not self.op.zenflow_adam_wait(ptr, 600.0):
             raise RuntimeError("DeepSpeed's ZenFlow Adam worker did not finish a step in 600 s")
 
@@ -198,20 +191,17 @@ class State:
         gen = torch.Generator().manual_seed(0)
         self.p = torch.randn(n, generator=gen)
         self.g = torch.randn(n, generator=gen) * 1e-2
-        self.m = torch.zeros(n)
-        self.v = torch.zeros(n)
+        self.m, self.v = torch.zeros(n), torch.zeros(n)
         self.acc = torch.randn(n, generator=gen) * 1e-2
         self.g16 = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
         self.out16 = torch.empty(n, dtype=torch.bfloat16)
         self.param = torch.nn.Parameter(self.p)  # shares p's memory
         self.param.grad = self.g
         self.step = 0
-        self.opts = {
-            "torch_fused": torch.optim.AdamW([self.param], betas=(0.9, 0.999), fused=True, **_torch_hyper()),
-            "torch_foreach": torch.optim.AdamW([self.param], betas=(0.9, 0.999), foreach=True, **_torch_hyper()),
-        }
+        self.opts = {"torch_fused": torch.optim.AdamW([self.param], fused=True, **TORCH_HYPER),
+                     "torch_foreach": torch.optim.AdamW([self.param], foreach=True, **TORCH_HYPER)}
         if ds_cls is not None:
-            self.opts["deepspeed"] = ds_cls([self.param], betas=(0.9, 0.999), adamw_mode=True, **_torch_hyper())
+            self.opts["deepspeed"] = ds_cls([self.param], adamw_mode=True, **TORCH_HYPER)
         for name, opt in self.opts.items():
             step = 0 if name == "deepspeed" else torch.zeros((), dtype=torch.float32)
             opt.state[self.param] = {"step": step, "exp_avg": self.m, "exp_avg_sq": self.v}
@@ -222,13 +212,9 @@ class State:
         self.np_adam = [numpy_view(t) for t in (self.p, self.g, self.m, self.v)]
         self.np_pipe = [numpy_view(t) for t in (self.p, self.acc, self.g16, self.m, self.v, self.out16)]
 
-    def ours(self, k: int):
+    def ours(self, k: int, out=None):
         self.step += 1
-        cpu_adam_(self.p, self.g, self.m, self.v, step=self.step, num_threads=k, **HYPER)
-
-    def ours_out_fp32(self, k: int):
-        self.step += 1
-        cpu_adam_(self.p, self.g, self.m, self.v, step=self.step, out=self.stale, num_threads=k, **HYPER)
+        cpu_adam_(self.p, self.g, self.m, self.v, step=self.step, out=out, num_threads=k, **HYPER)
 
     def deepspeed_zenflow(self, k: int):
         self.step += 1
@@ -245,22 +231,10 @@ class State:
         self.param.grad = self.g
         self.opts[name].step()
 
-    # the pipeline -----------------------------------------------------------------------------
     def fused(self, k: int, zero_acc: bool = False):
         self.step += 1
-        accumulate_adam_(
-            self.p,
-            self.acc,
-            self.g16,
-            self.m,
-            self.v,
-            step=self.step,
-            grad_scale=GRAD_SCALE,
-            out=self.out16,
-            zero_acc=zero_acc,
-            num_threads=k,
-            **HYPER,
-        )
+        accumulate_adam_(self.p, self.acc, self.g16, self.m, self.v, step=self.step, grad_scale=GRAD_SCALE,
+                         out=self.out16, zero_acc=zero_acc, num_threads=k, **HYPER)
 
     def pipeline_roofline(self):
         _pipeline_roofline(*self.np_pipe)
@@ -284,23 +258,17 @@ class State:
             self.acc.zero_()
 
 
-SETTLE_S = 0.025
-
-
 def interleaved_settled(candidates: dict, rounds: int, calls_per_round: int, settle_s: float = SETTLE_S) -> dict:
-    """``bench.harness.interleaved`` (rounds alternate the candidates, so drift hits all equally) with
-    each timed block preceded by untimed calls of the same candidate for ``settle_s`` seconds.
+    """``bench.harness.interleaved`` with each timed block preceded by untimed calls of the same candidate for
+    ``settle_s`` seconds.
 
-    Why: torch (its bundled libgomp) and numba (the system libgomp) are two separate OpenMP runtimes
-    here, and after each parallel region an idle OpenMP worker spin-waits for up to ~10 ms (measured:
-    one tick of CPU time burnt within 100 ms of a region, none with OMP_WAIT_POLICY=PASSIVE). On two
-    cores, a candidate timed right after one of the *other* runtime shares a core with that spinning
-    worker for its first milliseconds, so plain interleaving charges one candidate's spin to the
-    next, depending only on the order (our kernel comes right after DeepSpeed, the roofline right
-    after our kernel: two full runs interleaved plainly put it at 0.95x and 0.85x the roofline at
-    2^24 params, the settled run at 0.97x). Untimed calls
-    let the foreign workers park and keep the candidate's own awake; a pause instead would put every
-    pool to sleep, and waking a sleeping thread on this VM sometimes takes a scheduler tick.
+    Why: torch (its bundled libgomp) and numba (the system libgomp) are two OpenMP runtimes here, and an idle OpenMP
+    worker spin-waits for up to ~10 ms after each parallel region (none with OMP_WAIT_POLICY=PASSIVE). On two cores
+    a candidate timed right after one of the *other* runtime shares a core with that spinning worker, so plain
+    interleaving charges one candidate's spin to the next, by order alone (two plain runs put our kernel, timed after
+    DeepSpeed, at 0.95x and 0.85x the roofline at 2^24 params; the settled run at 0.97x). Untimed calls let the
+    foreign workers park and keep the candidate's own awake; a pause would put every pool to sleep, and waking a
+    sleeping thread on this VM sometimes takes a scheduler tick.
     """
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(rounds):
@@ -313,65 +281,33 @@ def interleaved_settled(candidates: dict, rounds: int, calls_per_round: int, set
             for _ in range(calls_per_round):
                 fn()
             samples[name].append((time.perf_counter() - t0) / calls_per_round)
-    return {name: Timing.from_samples(s) for name, s in samples.items()}
+    return {name: harness.Timing.from_samples(s) for name, s in samples.items()}
 
 
-def _torch_hyper() -> dict:
-    return {"lr": HYPER["lr"], "eps": HYPER["eps"], "weight_decay": HYPER["weight_decay"]}
-
-
-def _parse_size(text: str) -> int:
-    text = text.strip()
-    if text.startswith("2^"):
-        return 2 ** int(text[2:])
-    return int(text)
-
-
-def _rate(n: int, t) -> float:
-    return n / t.median
-
-
-def _set_threads(k: int) -> None:
-    """The same thread count for torch (and DeepSpeed's OpenMP) and numba in this thread."""
-    torch.set_num_threads(k)
-    numba.set_num_threads(k)
-
-
-def _rows(timings: dict, n: int, k: int, calls: int, bytes_per_param: int, other_load: float) -> list[dict]:
-    return [
-        {
-            "size": n,
-            "threads": k,
-            "candidate": name,
-            **t.as_row(),
-            "calls_per_round": calls,
-            "mparams_per_s": _rate(n, t) / 1e6,
-            "effective_gbps": _rate(n, t) * bytes_per_param / 1e9,
-            "other_processes_cpu_fraction": other_load,
-        }
-        for name, t in timings.items()
-    ]
-
-
-MAX_OTHER_LOAD = 0.1  # redo a block when other processes used more than this share of the CPUs
+def measure_quietly(candidates: dict, n: int, k: int, rounds: int, attempts: int, wait_s: float,
+                    deadline: float = float("inf")) -> tuple[dict, int, float, int]:
+    """One ``interleaved_settled`` block at n elements and k threads (``calls_per_round`` = 2^22 / n); redone (after
+    waiting up to ``wait_s`` for quiet, up to ``attempts`` times in all, and only before ``deadline``, a
+    ``perf_counter`` time) when other processes took more than MAX_OTHER_LOAD of the CPUs meanwhile. Returns the
+    timings, the calls per round, that share and the attempts made."""
+    calls = max(1, (1 << 22) // n)
+    for attempt in range(1, attempts + 1):
+        load = harness.OtherLoad()
+        timings = interleaved_settled(candidates, rounds, calls)
+        other = load.fraction()
+        if other <= MAX_OTHER_LOAD or attempt == attempts or time.perf_counter() > deadline:
+            break
+        print(f"  n={n} threads={k}: other processes used {other:.0%} of the CPUs, measuring again", flush=True)
+        harness.wait_quiet(wait_s)
+    return timings, calls, other, attempt
 
 
 def _measure(candidates: dict, n: int, k: int, rounds: int, bytes_per_param: int, attempts: int = 3) -> list[dict]:
-    """One interleaved block; redone (after waiting for quiet, up to ``attempts`` times) when other
-    processes took more than MAX_OTHER_LOAD of the machine while it ran. The rows say how it went."""
-    calls = max(1, (1 << 22) // n)
-    for attempt in range(1, attempts + 1):
-        load = OtherLoad()
-        timings = interleaved_settled(candidates, rounds, calls)
-        other = load.fraction()
-        if other <= MAX_OTHER_LOAD or attempt == attempts:
-            break
-        print(f"  n={n} threads={k}: other processes used {other:.0%} of the CPUs, measuring again", flush=True)
-        wait_quiet(120)
-    rows = _rows(timings, n, k, calls, bytes_per_param, other)
-    for r in rows:
-        r["attempts"] = attempt
-    return rows
+    """One block (``measure_quietly``) as rows that say how it went."""
+    timings, calls, other, attempt = measure_quietly(candidates, n, k, rounds, attempts, wait_s=120)
+    return [{"size": n, "threads": k, "candidate": name, **t.as_row(), "calls_per_round": calls,
+             "mparams_per_s": n / t.median / 1e6, "effective_gbps": n / t.median * bytes_per_param / 1e9,
+             "other_processes_cpu_fraction": other, "attempts": attempt} for name, t in timings.items()]
 
 
 def bench_adam(state: State, n: int, threads: list[int], rounds: int, attempts: int = 3) -> list[dict]:
@@ -379,33 +315,31 @@ def bench_adam(state: State, n: int, threads: list[int], rounds: int, attempts: 
     microseconds in libgomp, so candidates at different counts are not mixed within one round)."""
     rows = []
     for k in threads:
-        _set_threads(k)
+        set_threads(k)
         candidates = {"zenflow": lambda k=k: state.ours(k), "roofline": state.roofline}
         for name in state.opts:
             candidates[name] = lambda name=name: state.torch_step(name)
         if state.ds_zenflow is not None:
             candidates["deepspeed_zenflow"] = lambda k=k: state.deepspeed_zenflow(k)
-            candidates["zenflow_out_fp32"] = lambda k=k: state.ours_out_fp32(k)
+            candidates["zenflow_out_fp32"] = lambda k=k: state.ours(k, out=state.stale)
         rows += _measure(candidates, n, k, rounds, ADAM_BYTES, attempts)
-    _add_ratios(rows, ["roofline", "deepspeed", "torch_fused", "deepspeed_zenflow"])
-    for r in rows:  # each candidate's own traffic (effective_gbps keeps the one formula for all)
+    by = {(r["threads"], r["candidate"]): r for r in rows}
+    for r in rows:
+        for base in ("roofline", "deepspeed", "torch_fused", "deepspeed_zenflow"):
+            if (r["threads"], base) in by:  # > 1: faster than base
+                r[f"ratio_to_{base}"] = by[r["threads"], base]["median_s"] / r["median_s"]
+        # each candidate's own traffic (effective_gbps keeps the one formula for all)
         r["traffic_bytes_per_param"] = ZENFLOW_NATIVE_BYTES if r["candidate"] in TRAFFIC_36 else ADAM_BYTES
         r["traffic_gbps"] = r["mparams_per_s"] * 1e6 * r["traffic_bytes_per_param"] / 1e9
     return rows
 
 
-TRAFFIC_36 = ("deepspeed_zenflow", "zenflow_out_fp32")
-
-
 def bench_pipeline(state: State, n: int, threads: list[int], rounds: int, attempts: int = 3) -> list[dict]:
     rows = []
     for k in threads:
-        _set_threads(k)
-        candidates = {
-            "fused": lambda k=k: state.fused(k),
-            "fused_zero_acc": lambda k=k: state.fused(k, zero_acc=True),
-            "pipeline_roofline": state.pipeline_roofline,
-        }
+        set_threads(k)
+        candidates = {"fused": lambda k=k: state.fused(k), "fused_zero_acc": lambda k=k: state.fused(k, zero_acc=True),
+                      "pipeline_roofline": state.pipeline_roofline}
         for name in ["zenflow", *state.opts]:
             if name != "torch_foreach":
                 candidates[f"separate_{name}"] = lambda k=k, name=name: state.separate(name, k)
@@ -418,29 +352,14 @@ def bench_pipeline(state: State, n: int, threads: list[int], rounds: int, attemp
             sep = by.get((r["threads"], f"separate_{base}{'_zero_acc' if zero else ''}"))
             if sep is not None and r["candidate"].startswith("fused"):
                 r[f"speedup_vs_separate_{base}"] = sep["median_s"] / r["median_s"]
-        roof = by.get((r["threads"], "pipeline_roofline"))
-        r["ratio_to_roofline"] = roof["median_s"] / r["median_s"]
+        r["ratio_to_roofline"] = by[r["threads"], "pipeline_roofline"]["median_s"] / r["median_s"]
     return rows
-
-
-def _add_ratios(rows: list[dict], bases: list[str]) -> None:
-    by = {(r["threads"], r["candidate"]): r for r in rows}
-    for r in rows:
-        for base in bases:
-            other = by.get((r["threads"], base))
-            if other is not None:
-                r[f"ratio_to_{base}"] = other["median_s"] / r["median_s"]  # > 1: faster than base
 
 
 def scaling(rows: list[dict]) -> list[dict]:
     by = {(r["size"], r["candidate"], r["threads"]): r for r in rows}
-    out = []
-    for (size, cand, k), r in by.items():
-        if k == 1 and (size, cand, 2) in by:
-            out.append(
-                {"size": size, "candidate": cand, "speedup_2_over_1": r["median_s"] / by[size, cand, 2]["median_s"]}
-            )
-    return out
+    return [{"size": size, "candidate": cand, "speedup_2_over_1": r["median_s"] / by[size, cand, 2]["median_s"]}
+            for (size, cand, k), r in by.items() if k == 1 and (size, cand, 2) in by]
 
 
 _COMPILE_PROBE = textwrap.dedent(
@@ -464,113 +383,65 @@ _COMPILE_PROBE = textwrap.dedent(
 
 def compile_times() -> dict:
     """First-call times in fresh processes: with an empty numba cache (a fresh clone), then warm."""
-    import json
-
     result = {}
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
         for label in ("cold_cache", "warm_cache"):
-            out = subprocess.run(
-                [sys.executable, "-c", _COMPILE_PROBE],
-                env=env,
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=600,
-                cwd=REPO,
-            )
+            out = subprocess.run([sys.executable, "-c", _COMPILE_PROBE], env={**os.environ, "NUMBA_CACHE_DIR": cache},
+                                 capture_output=True, text=True, check=True, timeout=600, cwd=harness.REPO)
             result[label] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
+ADAM_COLORS = {"zenflow": "C0", "roofline": "k", "torch_fused": "C1", "torch_foreach": "C2", "deepspeed": "C3",
+               "deepspeed_zenflow": "C4", "zenflow_out_fp32": "C9"}
+PIPE_COLORS = {"fused": "C0", "fused_zero_acc": "C4", "pipeline_roofline": "k", "separate_zenflow": "C8",
+               "separate_torch_fused": "C1", "separate_deepspeed": "C3", "separate_torch_fused_zero_acc": "C5",
+               "separate_deepspeed_zero_acc": "C6"}
+
+
 def plot(payload: dict, path) -> None:
-    """Four panels from the JSON payload: Adam throughput, Adam as a fraction of the roofline, the
-    update-boundary pipeline, thread scaling at the goal size."""
-    pyplot = plt()
-    fig, axes = pyplot.subplots(2, 2, figsize=(15, 10))
-    colors = {"zenflow": "C0", "roofline": "k", "torch_fused": "C1", "torch_foreach": "C2", "deepspeed": "C3",
-              "deepspeed_zenflow": "C4", "zenflow_out_fp32": "C9"}
+    """Four panels from the JSON payload: Adam throughput, Adam as a fraction of the roofline of its own traffic, the
+    update-boundary pipeline at the most threads, thread scaling at the goal size."""
+    fig, axes = harness.figure(2, 2, size=(15, 10))
     top = max(payload["config"]["threads"])
 
-    def series(rows, cand, k, key="mparams_per_s"):
-        return sorted((r["size"], r[key]) for r in rows if r["candidate"] == cand and r["threads"] == k)
+    def lines(ax, rows, colors, threads, key="mparams_per_s", traffic=False):
+        for cand, color in colors.items():
+            own = ZENFLOW_NATIVE_BYTES / ADAM_BYTES if traffic and cand in TRAFFIC_36 else 1.0
+            for k, ls in zip(threads, ("-", ":"), strict=False):
+                pts = sorted((r["size"], r[key] * own) for r in rows if r["candidate"] == cand and r["threads"] == k)
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), ls, color=color, marker="o", ms=3,
+                            label=f"{cand} ({k} thr{', 36 B' if own != 1.0 else ''})")
 
-    ax = axes[0, 0]
-    for cand, color in colors.items():
-        for k, style in ((top, "-"), (1, ":")):
-            pts = series(payload["adam"], cand, k)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), style, color=color, marker="o", ms=3, label=f"{cand} ({k} thr)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("params")
-    ax.set_ylabel("M params/s (median of interleaved rounds)")
-    ax.set_title("fp32 AdamW step (28 B/param)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3, which="both")
-
-    ax = axes[0, 1]
-    for cand, color in colors.items():
-        if cand == "roofline":
-            continue
-        own = ZENFLOW_NATIVE_BYTES / ADAM_BYTES if cand in TRAFFIC_36 else 1.0  # the roofline of its own traffic
-        for k, style in ((top, "-"), (1, ":")):
-            pts = [(x, y * own) for x, y in series(payload["adam"], cand, k, "ratio_to_roofline")]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), style, color=color, marker="o", ms=3,
-                        label=f"{cand} ({k} thr{', 36 B' if own != 1.0 else ''})")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.axhline(0.95, color="k", lw=0.8, ls="--")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("params")
-    ax.set_ylabel("time(roofline of its traffic) / time(candidate)")
-    ax.set_title("fraction of the memory roofline (its own traffic, trivial math); dashed: 0.95")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-
-    ax = axes[1, 0]
-    pipe_colors = {
-        "fused": "C0",
-        "fused_zero_acc": "C4",
-        "pipeline_roofline": "k",
-        "separate_zenflow": "C8",
-        "separate_torch_fused": "C1",
-        "separate_deepspeed": "C3",
-        "separate_torch_fused_zero_acc": "C5",
-        "separate_deepspeed_zero_acc": "C6",
-    }
-    for cand, color in pipe_colors.items():
-        pts = series(payload["pipeline"], cand, top)
-        if pts:
-            ax.plot(*zip(*pts, strict=True), "-", color=color, marker="o", ms=3, label=cand)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("params")
-    ax.set_ylabel("M params/s")
-    ax.set_title(f"update boundary: acc += g(bf16), unscale, AdamW, bf16 copy ({top} thr)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-
-    ax = axes[1, 1]
+    both = sorted({top, 1}, reverse=True)
+    lines(axes[0, 0], payload["adam"], ADAM_COLORS, both)
+    harness.style(axes[0, 0], "params", "M params/s (median of interleaved rounds)", "fp32 AdamW step (28 B/param)",
+                  logx=2, logy=10)
+    lines(axes[0, 1], payload["adam"], {c: v for c, v in ADAM_COLORS.items() if c != "roofline"}, both,
+          "ratio_to_roofline", traffic=True)
+    axes[0, 1].axhline(1.0, color="k", lw=0.8)
+    axes[0, 1].axhline(0.95, color="k", lw=0.8, ls="--")
+    harness.style(axes[0, 1], "params", "time(roofline of its traffic) / time(candidate)",
+                  "fraction of the memory roofline (its own traffic, trivial math); dashed: 0.95", logx=2)
+    lines(axes[1, 0], payload["pipeline"], PIPE_COLORS, [top])
+    harness.style(axes[1, 0], "params", "M params/s",
+                  f"update boundary: acc += g(bf16), unscale, AdamW, bf16 copy ({top} thr)", logx=2, logy=10)
     size = payload["goals"]["size"]
     rows = [r for r in payload["scaling"] if r["size"] == size]
-    ax.bar([r["candidate"] for r in rows], [r["speedup_2_over_1"] for r in rows], color="C0")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_ylabel("time(1 thread) / time(2 threads)")
-    ax.set_title(f"thread scaling 1 -> 2 at {size} params")
-    ax.tick_params(axis="x", labelrotation=60, labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
+    axes[1, 1].bar([r["candidate"] for r in rows], [r["speedup_2_over_1"] for r in rows], color="C0")
+    axes[1, 1].axhline(1.0, color="k", lw=0.8)
+    axes[1, 1].tick_params(axis="x", labelrotation=60, labelsize=7)
+    harness.style(axes[1, 1], None, "time(1 thread) / time(2 threads)", f"thread scaling 1 -> 2 at {size} params",
+                  grid=None)
+    harness.save(fig, path)
 
 
 def goals(adam: list[dict], pipeline: list[dict], size: int, threads: int) -> dict:
     def pick(rows, cand):
         return next((r for r in rows if r["size"] == size and r["candidate"] == cand and r["threads"] == threads), None)
 
-    ours = pick(adam, "zenflow")
-    fused = pick(pipeline, "fused")
-    fused_zero = pick(pipeline, "fused_zero_acc")
+    ours, fused, fused_zero = pick(adam, "zenflow"), pick(pipeline, "fused"), pick(pipeline, "fused_zero_acc")
     out = {"size": size, "threads": threads}
     if ours:
         out["adam_vs_roofline"] = {"measured": ours.get("ratio_to_roofline"), "goal": 0.95}
@@ -580,67 +451,42 @@ def goals(adam: list[dict], pipeline: list[dict], size: int, threads: int) -> di
             same = pick(adam, "zenflow_out_fp32")
             out["adam_vs_deepspeed_zenflow_native"] = {
                 "measured": ours["ratio_to_deepspeed_zenflow"],
-                "note": "ours moves 28 bytes/param, DeepSpeed's native ZenFlow Adam 36 (its fp32 stale snapshot)",
-            }
+                "note": "ours moves 28 bytes/param, DeepSpeed's native ZenFlow Adam 36 (its fp32 stale snapshot)"}
             out["adam_out_fp32_vs_deepspeed_zenflow_native"] = {
                 "measured": same.get("ratio_to_deepspeed_zenflow") if same else None,
-                "note": "the same 36 bytes/param: cpu_adam_ with out= a fp32 snapshot",
-            }
+                "note": "the same 36 bytes/param: cpu_adam_ with out= a fp32 snapshot"}
     if fused:
-        out["fused_pipeline_vs_separate_zenflow_kernels"] = {
-            "measured": fused.get("speedup_vs_separate_zenflow"),
-            "goal": 1.5,
-            "memory_bound_limit": PIPE_SEPARATE_BYTES / PIPE_BYTES,
-        }
-        out["fused_pipeline_vs_separate_deepspeed"] = {
-            "measured": fused.get("speedup_vs_separate_deepspeed"),
-            "goal": 1.5,
-            "memory_bound_limit": PIPE_SEPARATE_BYTES / PIPE_BYTES,
-        }
-        out["fused_pipeline_vs_separate_torch_fused"] = {
-            "measured": fused.get("speedup_vs_separate_torch_fused"),
-            "goal": 1.5,
-            "memory_bound_limit": PIPE_SEPARATE_BYTES / PIPE_BYTES,
-        }
+        for base, name in (("zenflow", "zenflow_kernels"), ("deepspeed", "deepspeed"), ("torch_fused", "torch_fused")):
+            out[f"fused_pipeline_vs_separate_{name}"] = {"measured": fused.get(f"speedup_vs_separate_{base}"),
+                                                         "goal": 1.5,
+                                                         "memory_bound_limit": PIPE_SEPARATE_BYTES / PIPE_BYTES}
     if fused_zero:
         for base in ("zenflow", "deepspeed"):
             out[f"fused_zero_acc_vs_separate_{base}_zero_acc"] = {
                 "measured": fused_zero.get(f"speedup_vs_separate_{base}"),
-                "memory_bound_limit": (PIPE_SEPARATE_BYTES + 4) / PIPE_BYTES,
-            }
+                "memory_bound_limit": (PIPE_SEPARATE_BYTES + 4) / PIPE_BYTES}
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(
-        prog="python -m bench.cpu_adam",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = harness.OneLineParser(prog="python -m bench.cpu_adam", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     ap.add_argument("--quick", action="store_true", help="three sizes, few rounds, no compile-time probe")
-    ap.add_argument("--sizes", nargs="+", default=None, help="param counts, e.g. 65536 or 2^20 (default 2^16..2^26)")
+    ap.add_argument("--sizes", nargs="+", type=parse_size, default=None,
+                    help="param counts, e.g. 65536 or 2^20 (default 2^16..2^26)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per size (default 15, quick 5)")
-    ap.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="first wait up to S seconds for other processes to go idle (shared machines)",
-    )
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                    help="first wait up to S seconds for other processes to go idle (shared machines)")
     args = ap.parse_args(argv)
-    out_dir = output_dir(args.out)
-    sizes = (
-        [_parse_size(s) for s in args.sizes]
-        if args.sizes
-        else ([2**16, 2**20, 2**22] if args.quick else [2**16, 2**18, 2**20, 2**22, 2**24, 2**26])
-    )
+    out_dir = harness.output_dir(args.out)
+    sizes = args.sizes or ([2**16, 2**20, 2**22] if args.quick else [2**16, 2**18, 2**20, 2**22, 2**24, 2**26])
     rounds = args.rounds or (5 if args.quick else 15)
     threads = [k for k in (1, 2) if k <= numba.config.NUMBA_NUM_THREADS and k <= (os.cpu_count() or 1)]
     ds_cls, ds_reason = _deepspeed_adam()
     zenflow_op, zenflow_reason = _deepspeed_zenflow_op() if ds_cls is not None else (None, ds_reason)
     if args.wait_quiet > 0:
-        print(f"other processes' CPU share before starting: {wait_quiet(args.wait_quiet):.2f}", flush=True)
+        print(f"other processes' CPU share before starting: {harness.wait_quiet(args.wait_quiet):.2f}", flush=True)
     print(f"sizes {sizes}, threads {threads}, rounds {rounds}, deepspeed: {'yes' if ds_cls else ds_reason}, "
           f"its native ZenFlow Adam: {'yes' if zenflow_op else zenflow_reason}", flush=True)
 
@@ -653,30 +499,19 @@ def main(argv: list[str] | None = None) -> int:
         pipe_rows += bench_pipeline(state, n, threads, rounds, attempts)
         state.close()
         del state
-        big = [r for r in adam_rows if r["size"] == n and r["threads"] == max(threads)]
-        summary = ", ".join(f"{r['candidate']} {r['mparams_per_s']:.0f}" for r in big)
+        summary = ", ".join(f"{r['candidate']} {r['mparams_per_s']:.0f}" for r in adam_rows
+                            if r["size"] == n and r["threads"] == max(threads))
         load = max(r["other_processes_cpu_fraction"] for r in adam_rows + pipe_rows if r["size"] == n)
-        print(
-            f"n={n}: M params/s at {max(threads)} threads: {summary} ({time.perf_counter() - t0:.0f}s, "
-            f"other processes used up to {load:.0%} of the CPUs)",
-            flush=True,
-        )
+        print(f"n={n}: M params/s at {max(threads)} threads: {summary} ({time.perf_counter() - t0:.0f}s, "
+              f"other processes used up to {load:.0%} of the CPUs)", flush=True)
 
     payload = {
         "description": __doc__,
         "bytes_per_param": {"adam": ADAM_BYTES, "pipeline_fused": PIPE_BYTES, "pipeline_separate": PIPE_SEPARATE_BYTES},
         "config": {
-            "sizes": sizes,
-            "threads": threads,
-            "rounds": rounds,
-            "hyper": HYPER,
-            "pipeline": {
-                "interval": INTERVAL,
-                "loss_scale": LOSS_SCALE,
-                "clip": CLIP,
-                "grad_dtype": "bfloat16",
-                "out_dtype": "bfloat16",
-            },
+            "sizes": sizes, "threads": threads, "rounds": rounds, "hyper": HYPER,
+            "pipeline": {"interval": INTERVAL, "loss_scale": LOSS_SCALE, "clip": CLIP, "grad_dtype": "bfloat16",
+                         "out_dtype": "bfloat16"},
             "numba_threading_layer": numba.threading_layer(),
             "NUMBA_NUM_THREADS": numba.config.NUMBA_NUM_THREADS,
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
@@ -688,13 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         "adam": adam_rows,
         "pipeline": pipe_rows,
         "scaling": scaling(adam_rows) + scaling([{**r, "candidate": "pipeline_" + r["candidate"]} for r in pipe_rows]),
-        "machine": machine_info(),
+        "machine": harness.machine_info(),
     }
     goal_size = 2**24 if 2**24 in sizes else max(sizes)
     payload["goals"] = goals(adam_rows, pipe_rows, goal_size, max(threads))
     if not args.quick:
         payload["compile"] = compile_times()
-    json_path = write_json(out_dir / "cpu_adam.json", payload)
+    json_path = harness.write_json(out_dir / "cpu_adam.json", payload)
     plot(payload, out_dir / "cpu_adam.png")
     print(f"goals at n={goal_size}: {payload['goals']}")
     print(f"wrote {json_path} and {out_dir / 'cpu_adam.png'}")

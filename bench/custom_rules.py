@@ -11,8 +11,8 @@ one process shares one compile of each.
   rule of one's own is likely to carry;
 * :func:`from_torch_rmsprop`: ``rules.from_torch(torch.optim.RMSprop)``, compiled: torch's own functional step.
 
-:func:`host_bytes_per_element` gives the bytes one element of the optimizer's host pass moves with each rule, for
-the benchmarks' memory rooflines.
+:func:`make_rule` builds the host benchmarks' candidates by name; :func:`host_bytes_per_element` gives the bytes one
+element of the optimizer's host pass moves with each rule, for the benchmarks' memory rooflines.
 """
 
 from __future__ import annotations
@@ -84,6 +84,25 @@ def from_torch_rmsprop(**hyper) -> rules.UpdateRule:
     rule = rules.from_torch(torch.optim.RMSprop, **hyper)
     rule.compile = True
     return rule
+
+
+def make_rule(name: str) -> rules.UpdateRule:
+    """A candidate of bench.cpu_rules and bench.compiled_rules by name: ``rmsprop_compiled``, ``rmsprop_eager``,
+    ``ademamix_compiled``, ``from_torch_rmsprop`` (weight decay 0.01), the built-ins on their kernels (``lion``,
+    weight decay 0.01, and ``adamw``) and the same without their kernels (``lion_compiled``, ``adamw_compiled``: their
+    plain-torch ``step_``, compiled; a new class each call)."""
+    if name in ("lion_compiled", "adamw_compiled"):
+        base = rules.Lion if name == "lion_compiled" else rules.AdamW
+        cls = type(f"{base.__name__}Compiled", (base,), {"host_step_": rules.UpdateRule.host_step_,
+                                                          "fast_step_": rules.UpdateRule.fast_step_})
+        rule = cls(weight_decay=0.01) if base is rules.Lion else cls()
+        rule.compile = True
+        return rule
+    return {"lion": lambda: rules.Lion(weight_decay=0.01), "adamw": rules.AdamW,
+            "rmsprop_compiled": lambda: RMSprop(weight_decay=0.01, compile=True),
+            "rmsprop_eager": lambda: RMSprop(weight_decay=0.01, compile=False),
+            "ademamix_compiled": lambda: AdEMAMix(weight_decay=0.01, compile=True),
+            "from_torch_rmsprop": lambda: from_torch_rmsprop(weight_decay=0.01)}[name]()
 
 
 def host_bytes_per_element(rule: rules.UpdateRule, out_dtype: torch.dtype = torch.bfloat16) -> int:

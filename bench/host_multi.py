@@ -22,15 +22,7 @@ from __future__ import annotations
 
 import time
 
-from bench.harness import (
-    OneLineParser,
-    int_at_least,
-    interleaved,
-    machine_info_light,
-    output_dir,
-    plt,
-    write_json_light,
-)
+from bench import harness
 
 # (hidden size, blocks): from many small tensors (the per-tensor overhead) to a few large ones (bandwidth)
 SIZES = [(64, 8), (256, 8), (512, 12), (1024, 6)]
@@ -79,7 +71,7 @@ def measure(sizes, rounds: int) -> list[dict]:
             errors = {name: abs(fn() - exact) / exact for name, fn in norm.items()}
             calls = max(1, (1 << 22) // numel)
             for op, fns, bytes_per in (("grad_norm", norm, dtype.itemsize), ("accumulate", acc, dtype.itemsize + 8)):
-                timing = interleaved(fns, rounds=rounds, warmup=2, calls_per_round=calls)
+                timing = harness.interleaved(fns, rounds=rounds, warmup=2, calls_per_round=calls)
                 row = dict(op=op, dtype=str(dtype).replace("torch.", ""), hidden=hidden, blocks=blocks,
                            tensors=len(grads), elements=numel, calls_per_round=calls)
                 for name in fns:
@@ -94,8 +86,7 @@ def measure(sizes, rounds: int) -> list[dict]:
 
 
 def plot(rows: list[dict], path) -> None:
-    pyplot = plt()
-    fig, axes = pyplot.subplots(1, 2, figsize=(11, 4))
+    fig, axes = harness.figure(2)
     for ax, op in zip(axes, ("grad_norm", "accumulate"), strict=True):
         for dtype, marker in (("bfloat16", "o"), ("float32", "s")):
             chosen = [r for r in rows if r["op"] == op and r["dtype"] == dtype]
@@ -104,31 +95,26 @@ def plot(rows: list[dict], path) -> None:
             ax.plot([r["elements"] for r in chosen], [r["speedup_unchecked"] for r in chosen], marker=marker,
                     ls="--", label=f"{dtype}, unchecked (the optimizer's)")
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_xlabel("elements (all tensors)")
-        ax.set_ylabel("torch foreach time / ours")
-        ax.set_title({"grad_norm": "gradient norm", "accumulate": "fp32 acc += grad"}[op])
-        ax.legend()
+        harness.style(ax, "elements (all tensors)", "torch foreach time / ours",
+                      {"grad_norm": "gradient norm", "accumulate": "fp32 acc += grad"}[op], logx=10, grid=None)
     fig.suptitle("multi-tensor host passes vs torch foreach (CPU, median of interleaved rounds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
+    harness.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m bench.host_multi", description=__doc__.split("\n\n")[0])
+    ap = harness.OneLineParser(prog="python -m bench.host_multi", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     ap.add_argument("--quick", action="store_true", help="two small sizes, few rounds (the test suite's run)")
-    ap.add_argument("--rounds", type=int_at_least(3), default=None, help="interleaved rounds (default 15)")
+    ap.add_argument("--rounds", type=harness.int_at_least(3), default=None, help="interleaved rounds (default 15)")
     args = ap.parse_args(argv)
-    out_dir = output_dir(args.out)
+    out_dir = harness.output_dir(args.out)
     sizes = QUICK_SIZES if args.quick else SIZES
     rounds = args.rounds or (3 if args.quick else 15)
     started = time.perf_counter()
     rows = measure(sizes, rounds)
     payload = dict(config=dict(sizes=sizes, rounds=rounds, quick=args.quick, clock="time.perf_counter (wall)"),
-                   rows=rows, total_s=time.perf_counter() - started, machine=machine_info_light())
-    path = write_json_light(out_dir / "host_multi_cpu.json", payload)
+                   rows=rows, total_s=time.perf_counter() - started, machine=harness.machine_info_light())
+    path = harness.write_json_light(out_dir / "host_multi_cpu.json", payload)
     plot(rows, out_dir / "host_multi_cpu.png")
     print(f"{'op':<11}{'dtype':<10}{'tensors':>8}{'elements':>11}{'ours ms':>10}{'unchecked':>10}{'torch ms':>10}"
           f"{'speed-up':>10}{'unchecked':>10}")

@@ -23,12 +23,12 @@ figure is a lower bound of the traffic the memory system really serves.
 On a CPU-only machine the CPU paths are timed at modest sizes (harness.interleaved): torch for scores and
 selection, and for selective AdamW both the numba kernels (what ``ops`` dispatches to on CPU; the multi
 form in one launch) and the torch implementation beside them. The GPU figures need a GPU and the output
-says so. Results: ``kernels_<gpu|cpu>.json`` (with the machine), ``.csv``,
-``.png`` under ``--out`` (default ``bench/results``).
+says so. Results: ``kernels_<gpu|cpu>.json`` (with the machine), ``.csv``, ``.png`` under ``--out``.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 
@@ -57,26 +57,17 @@ def model_shapes(layers: int, hidden: int, inter: int) -> list[tuple[int, int]]:
     return per_layer * layers
 
 
-# ----------------------------------------------------------------------------------------------------
-# timing backends
+def time_ms(fns: dict[str, Callable[[], object]], device: str, quick: bool) -> dict[str, float]:
+    """ms per call, median: triton.testing.do_bench on a GPU (L2 flushed before each run), harness.interleaved on a
+    CPU."""
+    if device == "cuda":
+        import triton.testing
 
-
-class Timer:
-    """GPU: triton.testing.do_bench (ms, median). CPU: harness.interleaved (s -> ms, median)."""
-
-    def __init__(self, device: str, quick: bool):
-        self.device = device
-        self.quick = quick
-
-    def many(self, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-        if self.device == "cuda":
-            import triton.testing
-
-            rep = 40 if self.quick else 100  # ms of repeats per candidate; L2 is flushed before each run
-            return {name: float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
-                    for name, fn in fns.items()}
-        timings = harness.interleaved(fns, rounds=3 if self.quick else 7, warmup=1)
-        return {name: t.median * 1e3 for name, t in timings.items()}
+        rep = 40 if quick else 100  # ms of repeats per candidate
+        return {name: float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+                for name, fn in fns.items()}
+    timings = harness.interleaved(fns, rounds=3 if quick else 7, warmup=1)
+    return {name: t.median * 1e3 for name, t in timings.items()}
 
 
 def copy_fn(nbytes: int, device: str) -> Callable[[], object]:
@@ -101,19 +92,16 @@ def launches(fn) -> int | None:
     return sum(n.values())
 
 
-# ----------------------------------------------------------------------------------------------------
-# the three suites
-
-
-def bench_scores(timer: Timer, shapes, dtypes, device) -> list[dict]:
+def bench_scores(timer, shapes, dtypes, device) -> list[dict]:
     rows = []
+    impl_ops = ops if device == "cuda" else torch_ops  # (the CPU path of ops is the torch implementation)
     for R, C in shapes:
         for dtype in dtypes:
             g = torch.randn(R, C, device=device).to(dtype)
             nbytes = R * C * g.element_size() + 4 * C
-            ours = (lambda g=g: ops.column_scores(g)) if device == "cuda" else (lambda g=g: torch_ops.column_scores(g))
-            ms = timer.many({"ours": ours, "torch (g.float()**2).sum(0)": lambda g=g: (g.float() ** 2).sum(0),
-                             "copy": copy_fn(nbytes, device)})
+            ms = timer({"ours": lambda g=g: impl_ops.column_scores(g),
+                        "torch (g.float()**2).sum(0)": lambda g=g: (g.float() ** 2).sum(0),
+                        "copy": copy_fn(nbytes, device)})
             copy_bw = gbps(nbytes, ms["copy"])
             for impl in ("ours", "torch (g.float()**2).sum(0)"):
                 rows.append(dict(op="column_scores", shape=f"{R}x{C}", dtype=str(dtype).replace("torch.", ""),
@@ -124,22 +112,21 @@ def bench_scores(timer: Timer, shapes, dtypes, device) -> list[dict]:
     return rows
 
 
-def bench_selection(timer: Timer, shapes, device, label) -> list[dict]:
+def bench_selection(timer, shapes, device, label) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     grads = [torch.randn(r, c, device=device, generator=gen).to(torch.bfloat16) for r, c in shapes]
     ks = [max(1, int(RATIO * c)) for _, c in shapes]
 
+    impl_ops = ops if device == "cuda" else torch_ops  # (the CPU path of ops is the torch implementation)
+
     def ours():
-        return ops.multi_topk_columns(ops.multi_column_scores(grads), ks, check_data=False)
+        return impl_ops.multi_topk_columns(impl_ops.multi_column_scores(grads), ks, check_data=False)
 
     def torch_loop():
         return [torch.topk((g.float() ** 2).sum(0), k).indices.sort().values for g, k in zip(grads, ks, strict=True)]
 
-    if device != "cuda":
-        def ours():  # noqa: F811 - the CPU path of ops is the torch implementation
-            return torch_ops.multi_topk_columns(torch_ops.multi_column_scores(grads), ks, check_data=False)
     n_launch = launches(ours) if device == "cuda" else None
-    ms = timer.many({"ours": ours, "torch loop": torch_loop})
+    ms = timer({"ours": ours, "torch loop": torch_loop})
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     return [dict(op="selection", shape=label, dtype="bfloat16", impl=impl, ms=ms[key], bytes=nbytes,
                  gbps=gbps(nbytes, ms[key]), matrices=len(grads), launches=n_launch if key == "ours" else None,
@@ -148,7 +135,27 @@ def bench_selection(timer: Timer, shapes, device, label) -> list[dict]:
                               ("torch loop", "torch loop"))]
 
 
-def bench_adamw(timer: Timer, shapes, device) -> list[dict]:
+def deepspeed_path(ps, gs, idxs, device: str, fused: bool = False) -> Callable[[], None]:
+    """DeepSpeed's ZenFlowSelectiveAdamW without offload, one step for all the matrices: gather each one's selected
+    columns, ``torch.optim.AdamW`` on the compact copies (foreach on CUDA, DeepSpeed's default; torch's default, the
+    per-tensor loop, on CPU; or fused), scatter back. Its compact state has the param's dtype (no fp32 master)."""
+    bufs = [p[:, i].clone().requires_grad_(True) for p, i in zip(ps, idxs, strict=True)]
+    opt = torch.optim.AdamW(bufs, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], foreach=not fused and device == "cuda",
+                            fused=fused or None)
+
+    def step():
+        for p, g, i, b in zip(ps, gs, idxs, bufs, strict=True):
+            torch.index_select(p, 1, i, out=b.data)
+            b.grad = g.index_select(1, i)
+        opt.step()
+        for p, i, b in zip(ps, idxs, bufs, strict=True):
+            p[:, i] = b.detach()
+
+    return step
+
+
+def bench_adamw(timer, shapes, device) -> list[dict]:
     rows = []
     for R, C in shapes:
         for pdtype, master in ((torch.float32, False), (torch.bfloat16, True)):
@@ -157,47 +164,30 @@ def bench_adamw(timer: Timer, shapes, device) -> list[dict]:
             p = torch.randn(R, C, device=device, generator=gen).to(pdtype)
             g = (torch.randn(R, C, device=device, generator=gen) * 1e-3).to(pdtype)
             idx = torch.sort(torch.randperm(C, device=device, generator=gen)[:k]).values
-            m = torch.zeros(R, k, device=device)
-            v = torch.zeros(R, k, device=device)
+            m, v = torch.zeros(R, k, device=device), torch.zeros(R, k, device=device)
             w = p[:, idx].float() if master else None
+
             def ours(impl_ops, p=p, g=g, idx=idx, m=m, v=v, w=w):
                 return lambda: impl_ops.selective_adamw_(p, g, idx, m, v, step=10, master=w, check_data=False, **HP)
 
-            def deepspeed_path(fused: bool, p=p, g=g, idx=idx):
-                # DeepSpeed's ZenFlowSelectiveAdamW without offload: gather, AdamW on the copy, scatter.
-                # Its compact state has the param's dtype (no fp32 master).
-                buf = p[:, idx].clone().requires_grad_(True)
-                opt = torch.optim.AdamW([buf], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
-                                        weight_decay=HP["weight_decay"], foreach=not fused and device == "cuda",
-                                        fused=fused or None)
-
-                def step():
-                    torch.index_select(p, 1, idx, out=buf.data)
-                    buf.grad = g.index_select(1, idx)
-                    opt.step()
-                    p[:, idx] = buf.detach()
-
-                return step
-
             fns = {name: ours(impl_ops) for name, impl_ops in _ours_adamw(device).items()}
-            fns["deepspeed path (foreach AdamW)"] = deepspeed_path(False)
+            fns["deepspeed path (foreach AdamW)"] = deepspeed_path([p], [g], [idx], device)
             if device == "cuda":
-                fns["deepspeed path (fused AdamW)"] = deepspeed_path(True)
+                fns["deepspeed path (fused AdamW)"] = deepspeed_path([p], [g], [idx], device, fused=True)
             nbytes = R * k * (2 * p.element_size() + g.element_size() + 16 + (8 if master else 0)) + 8 * k
             fns["copy"] = copy_fn(nbytes, device)
-            ms = timer.many(fns)
+            ms = timer(fns)
             copy_bw = gbps(nbytes, ms["copy"])
             for impl in [name for name in fns if name != "copy"]:
                 rows.append(dict(op="selective_adamw", shape=f"{R}x{C}", dtype=str(pdtype).replace("torch.", ""),
-                                 master=master, k=k,
-                                 impl=impl,
-                                 ms=ms[impl], bytes=nbytes, gbps=gbps(nbytes, ms[impl]), copy_gbps=copy_bw,
+                                 master=master, k=k, impl=impl, ms=ms[impl], bytes=nbytes,
+                                 gbps=gbps(nbytes, ms[impl]), copy_gbps=copy_bw,
                                  copy_fraction=gbps(nbytes, ms[impl]) / copy_bw,
                                  speedup_vs_deepspeed=ms["deepspeed path (foreach AdamW)"] / ms[impl]))
     return rows
 
 
-def bench_multi_adamw(timer: Timer, shapes, device, label) -> list[dict]:
+def bench_multi_adamw(timer, shapes, device, label) -> list[dict]:
     """Whole-model fast-path step: one multi-tensor call vs DeepSpeed's per-parameter path in a loop."""
     gen = torch.Generator(device=device).manual_seed(2)
     ps = [torch.randn(r, c, device=device, generator=gen).to(torch.bfloat16) for r, c in shapes]
@@ -207,6 +197,7 @@ def bench_multi_adamw(timer: Timer, shapes, device, label) -> list[dict]:
     ms_ = [torch.zeros(r, len(i), device=device) for (r, _), i in zip(shapes, idxs, strict=True)]
     vs_ = [torch.zeros_like(m) for m in ms_]
     ws = [p[:, i].float() for p, i in zip(ps, idxs, strict=True)]
+
     def ours(impl_ops):
         # ops' one signature, its backend forced: the backends keep only the launches (their items_)
         backend = {numba_ops: "numba", torch_ops: "torch"}.get(impl_ops, "auto")
@@ -217,20 +208,9 @@ def bench_multi_adamw(timer: Timer, shapes, device, label) -> list[dict]:
                                            eps=1e-8, weight_decays=0.01, masters=ws, check_data=False)
         return step
 
-    bufs = [p[:, i].clone().requires_grad_(True) for p, i in zip(ps, idxs, strict=True)]
-    opt = torch.optim.AdamW(bufs, lr=1e-4, weight_decay=0.01, foreach=device == "cuda")
-
-    def deepspeed_path():
-        for p, g, i, b in zip(ps, gs, idxs, bufs, strict=True):
-            torch.index_select(p, 1, i, out=b.data)
-            b.grad = g.index_select(1, i)
-        opt.step()
-        for p, i, b in zip(ps, idxs, bufs, strict=True):
-            p[:, i] = b.detach()
-
     fns = {f"{name} multi": ours(impl_ops) for name, impl_ops in _ours_adamw(device).items()}
     n_launch = launches(fns["triton multi"]) if device == "cuda" else None
-    ms = timer.many(fns | {"deepspeed path": deepspeed_path})
+    ms = timer(fns | {"deepspeed path": deepspeed_path(ps, gs, idxs, device)})
     return [dict(op="multi_selective_adamw", shape=label, dtype="bfloat16", master=True,
                  impl="deepspeed path (foreach AdamW, one step for all)" if key == "deepspeed path" else key,
                  ms=ms[key], matrices=len(shapes), launches=n_launch if key == "triton multi" else None,
@@ -242,9 +222,6 @@ def _ours_adamw(device: str) -> dict:
     """Our selective AdamW implementations on this device: the Triton kernel on CUDA; on CPU the numba
     kernel (what ``ops`` dispatches to) and the torch implementation beside it."""
     return {"triton": ops} if device == "cuda" else {"numba": numba_ops, "torch_ops": torch_ops}
-
-
-# ----------------------------------------------------------------------------------------------------
 
 
 ROLE_COLORS = {"ours": "C0", "baseline": "C1", "ours (torch reference)": "C2", "baseline (fused AdamW)": "C3"}
@@ -261,8 +238,7 @@ def _role(row: dict) -> str:
 
 def plot(rows: list[dict], path, title: str) -> None:
     """ms per call, ours vs baselines; ours annotated with the fraction of copy bandwidth or the speed-up."""
-    plt = harness.plt()
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    fig, axes = harness.figure(3, size=(17, 5))
     panels = [(("column_scores",), "column scores (annotation: fraction of copy bandwidth)"),
               (("selective_adamw",), "selective AdamW, k = 0.1 C (annotation: speed-up vs DeepSpeed path)"),
               (("selection", "multi_selective_adamw"), "whole model: selection / AdamW step (speed-up)")]
@@ -274,8 +250,7 @@ def plot(rows: list[dict], path, title: str) -> None:
         for j, role in enumerate(roles):
             xs, ys, notes = [], [], []
             for i, lab in enumerate(labels):
-                r = next((r for r in sel if (r["op"], r["shape"], r["dtype"]) == lab and _role(r) == role),
-                         None)
+                r = next((r for r in sel if (r["op"], r["shape"], r["dtype"]) == lab and _role(r) == role), None)
                 if r is None:
                     continue
                 xs.append(i + j * width)
@@ -289,14 +264,10 @@ def plot(rows: list[dict], path, title: str) -> None:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
         ax.set_xticklabels([f"{o}\n{s}" if o in ("selection", "multi_selective_adamw") else f"{s}\n{d}"
                             for o, s, d in labels], fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("ms per call (median, lower is better)")
-        ax.set_title(title_, fontsize=9)
-        ax.legend(fontsize=7)
+        harness.style(ax, None, "ms per call (median, lower is better)", title_, logy=10, grid=None)
+        ax.title.set_fontsize(9)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,38 +277,31 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = harness.output_dir(args.out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    timer = Timer(device, args.quick)
+    timer = functools.partial(time_ms, device=device, quick=args.quick)
     torch.manual_seed(0)
+    tag = "gpu" if device == "cuda" else "cpu"
     if device == "cuda":
-        tag = "gpu"
         shapes = [(4096, 4096)] if args.quick else [(4096, 4096), (8192, 8192), (4096, 11008)]
-        layers = 4 if args.quick else 32
+        layers, adam_layers = (4, 4) if args.quick else (32, 8)
         model = model_shapes(layers, 4096, 11008)
-        adam_layers = 4 if args.quick else 8
-        note = "GPU timings: triton.testing.do_bench medians"
     else:
-        tag = "cpu"
         print(f"NOTE: {NO_GPU_NOTE}", flush=True)
         shapes = [(512, 512)] if args.quick else [(1024, 1024), (2048, 2048), (1024, 2752)]
-        layers = 1 if args.quick else 4
+        layers = adam_layers = 1 if args.quick else 4
         model = model_shapes(layers, 256, 688)  # a 4-layer model at 1/16 of Llama-7B's width
-        adam_layers = layers
-        note = NO_GPU_NOTE
+    note = "GPU timings: triton.testing.do_bench medians" if device == "cuda" else NO_GPU_NOTE
     payload = dict(device=device, note=note, quick=args.quick, topk_ratio=RATIO, goals=GOALS,
-                   bytes_formulas={
-                       "column_scores": "R*C*elt(grad) + 4*C",
-                       "selective_adamw": "R*k*(2*elt(param) + elt(grad) + 16 + 8*[master]) + 8*k",
-                       "copy": "the copy moves the op's byte count: reads bytes/2, writes bytes/2",
-                       "gbps": "bytes / seconds / 1e9; copy_fraction = op gbps / copy gbps",
-                   },
+                   bytes_formulas={"column_scores": "R*C*elt(grad) + 4*C",
+                                   "selective_adamw": "R*k*(2*elt(param) + elt(grad) + 16 + 8*[master]) + 8*k",
+                                   "copy": "the copy moves the op's byte count: reads bytes/2, writes bytes/2",
+                                   "gbps": "bytes / seconds / 1e9; copy_fraction = op gbps / copy gbps"},
                    gpu_figures_need_a_gpu=device != "cuda", complete=False, rows=[])
     adam_model = model[: 7 * adam_layers]
-    sections = [
-        lambda: bench_scores(timer, shapes, [torch.float32, torch.bfloat16], device),
-        lambda: bench_selection(timer, model, device, f"{layers} layers, {len(model)} matrices"),
-        lambda: bench_adamw(timer, shapes, device),
-        lambda: bench_multi_adamw(timer, adam_model, device, f"{adam_layers} layers, {len(adam_model)} matrices"),
-    ]
+    sections = [lambda: bench_scores(timer, shapes, [torch.float32, torch.bfloat16], device),
+                lambda: bench_selection(timer, model, device, f"{layers} layers, {len(model)} matrices"),
+                lambda: bench_adamw(timer, shapes, device),
+                lambda: bench_multi_adamw(timer, adam_model, device,
+                                          f"{adam_layers} layers, {len(adam_model)} matrices")]
     for section in sections:
         new = section()
         for r in new:

@@ -15,12 +15,12 @@ bench/results (or ``--out``).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from bench.cpu_adam import parse_size
 from bench.harness import OneLineParser, output_dir, write_json_light
 
 CANDIDATES = ("fp32", "bf16_nearest", "bf16_stochastic")
@@ -62,22 +62,11 @@ def measure(n: int, threads: int, rounds: int) -> list[dict]:
                  vs_bf16_nearest_of_medians=statistics.median(seconds[c]) / base) for c in CANDIDATES]
 
 
-def _size(text: str) -> int:
-    """``2^k`` or a plain count of elements, at least 1."""
-    try:
-        value = 2 ** int(text[2:]) if text.startswith("2^") else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count of elements (65536 or 2^16)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m bench.stochastic_rounding", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
-    ap.add_argument("--sizes", type=_size, nargs="+", default=None, help="elements (default 2^22 2^24)")
-    ap.add_argument("--rounds", type=_size, default=None, help="timed calls per candidate (default 30)")
+    ap.add_argument("--sizes", type=parse_size, nargs="+", default=None, help="elements (default 2^22 2^24)")
+    ap.add_argument("--rounds", type=parse_size, default=None, help="timed calls per candidate (default 30)")
     ap.add_argument("--quick", action="store_true", help="one small size, a few rounds: the structure only")
     args = ap.parse_args(argv)
     import numba
