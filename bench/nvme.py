@@ -198,13 +198,9 @@ def run_one(spec: dict) -> dict:
     n = sum(p.numel() for p in params)
     cache_before = meminfo_bytes("Cached")
     opt = ZenFlowAdamW(params, lr=LR, zenflow=zen)
-    load = harness.OtherLoad()
-    times, boundary, cached = timed_steps(opt, spec["steps"], sample=lambda: meminfo_bytes("Cached"))
+    times, boundary, cached, flush_s, other_load = timed_steps(opt, spec["steps"],
+                                                               sample=lambda: meminfo_bytes("Cached"))
     cache_max = max(cached) if None not in cached else None
-    t0 = time.perf_counter()
-    opt.flush()
-    flush_s = time.perf_counter() - t0
-    other_load = load.fraction()
     rss_end, cache_end = harness.rss_bytes(), meminfo_bytes("Cached")
     stats, hb = opt.stats(), opt.host_bytes()
     block, direct = opt.NVME_BLOCK_NUMEL, opt.NVME_DIRECT

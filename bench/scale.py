@@ -169,9 +169,10 @@ def warm_up(zen: dict, device="cpu") -> None:
     gc.collect()
 
 
-def timed_steps(opt, steps: int, sync=lambda: None, sample=lambda: None) -> tuple[list[float], list[bool], list]:
-    """``steps`` back-to-back ``step()`` calls: their wall times (to ``sync()``), which were update boundaries, and
-    ``sample()`` after each."""
+def timed_steps(opt, steps: int, sync=lambda: None, sample=lambda: None) -> tuple:
+    """``steps`` back-to-back ``step()`` calls, then ``flush()``: the steps' wall times (to ``sync()``), which were
+    update boundaries, ``sample()`` after each, the flush's time and other processes' share of the CPUs meanwhile."""
+    load = harness.OtherLoad()
     times, boundary, samples = [], [], []
     for _ in range(steps):
         before = opt.host_updates
@@ -181,7 +182,10 @@ def timed_steps(opt, steps: int, sync=lambda: None, sample=lambda: None) -> tupl
         times.append(time.perf_counter() - t0)
         boundary.append(opt.host_updates > before)
         samples.append(sample())
-    return times, boundary, samples
+    t0 = time.perf_counter()
+    opt.flush()
+    sync()
+    return times, boundary, samples, time.perf_counter() - t0, load.fraction()
 
 
 def split_steps(times: list[float], boundary: list[bool]) -> tuple[list[float], list[float], list[float]]:
@@ -296,16 +300,9 @@ def run_one(spec: dict) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     opt = ZenFlowAdamW(params, lr=LR, zenflow=zen)
-    load = harness.OtherLoad()
-    times, boundary, _ = timed_steps(opt, spec["steps"], sync)
-    t0 = time.perf_counter()
-    opt.flush()
-    sync()
-    flush_s = time.perf_counter() - t0
-    other_load = load.fraction()
+    times, boundary, _, flush_s, other_load = timed_steps(opt, spec["steps"], sync)
     rss_end = rss_bytes()
-    stats = opt.stats()
-    hb = opt.host_bytes()
+    stats, hb = opt.stats(), opt.host_bytes()
     device_memory = None
     if cuda:
         device_memory = dict(max_allocated=torch.cuda.max_memory_allocated(device),
