@@ -6,46 +6,36 @@ with the host state on disk beside the same runs with it in memory.
                         [--stall-size 1024x12] [--attempts 2] [--headroom-gib 4]
 
 **Storage pass.** For each size (millions of parameters; the state file holds 12 bytes per parameter: fp32
-master and both moments) and each way of opening the file (``buffered``: the page cache between the process
-and the disk; ``direct``: ``O_DIRECT``), two passes over the same bytes with the same block size and the same
-system calls:
-
-* ``roofline``: a plain sequential pass, read a block then write it back, one thread, nothing computed;
-* ``streamed``: ``streamed_host_step_``, the host update (here AdamW's) over the file (read ahead, the numba kernel,
-  write behind; the in-memory host's bits, tests/test_state_files.py).
-
-Reported per pass: seconds, GB/s of disk traffic (read + write), the streamed pass over the roofline (goal
-of issue 25: >= 0.7), and how much the page cache (``/proc/meminfo`` Cached) grew during the pass. Before
-each pass the file's pages are written out and dropped from the cache (``fdatasync`` +
+master and both moments) and each way of opening the file (``buffered``: through the page cache; ``direct``:
+``O_DIRECT``), two passes over the same bytes with the same block size and system calls: ``roofline``, a plain
+sequential read-a-block-write-it-back on one thread, and ``streamed``, ``streamed_host_step_`` (AdamW's host update
+over the file: read ahead, the numba kernel, write behind). Reported per pass: seconds, GB/s of disk traffic (read
++ write), streamed over roofline (issue 25's goal: >= 0.7) and the page cache's (``/proc/meminfo`` Cached) growth.
+Before each pass the file's pages are written out and dropped from the cache (``fdatasync`` +
 ``POSIX_FADV_DONTNEED``), so a buffered read comes from the disk.
 
-**Optimizer runs.** ``ZenFlowAdamW`` alone on bench.scale's transformer-shaped parameters (bf16 matrices,
-fp32 norms, gradients drawn once and kept in ``.grad``), ``topk_ratio=0.1``, one selection, stepped back to
-back, each (size, config, update_interval, where the state lives) in a fresh process (bench.scale's pattern:
-a warm-up run first, glibc told to return freed memory, other processes' CPU share recorded and a run that
-saw more than ``MAX_OTHER_LOAD`` run again, up to ``--attempts``, the quietest kept). ``offload_device``
-``nvme`` (the state file under ``--dir``, ``O_DIRECT``: ``ZenFlowAdamW.NVME_DIRECT``) and ``cpu`` (in memory)
-run one after the other with the same parameters, gradients and config. Sizes whose predicted memory (or
-state file) does not fit what the machine has free are skipped and listed, before anything starts.
+**Optimizer runs.** ``ZenFlowAdamW`` alone on bench.scale's transformer-shaped parameters, ``topk_ratio=0.1``, one
+selection, stepped back to back, each (size, config, update_interval, where the state lives) in a fresh process
+(bench.scale's pattern: a warm-up run first, glibc told to return freed memory, a run that saw other processes
+take more than ``MAX_OTHER_LOAD`` of the CPUs run again, up to ``--attempts``, the quietest kept).
+``offload_device`` ``nvme`` (the state file under ``--dir``, ``O_DIRECT``: ``ZenFlowAdamW.NVME_DIRECT``) and
+``cpu`` (in memory) run one after the other with the same parameters, gradients and config. Runs whose predicted
+memory (or state file) does not fit what the machine has free are skipped and listed, before anything starts.
 
-* memory (configs ``overlap``, ``sync``, ``devacc`` as in bench.scale, ``update_interval`` 4, every run
-  size): the process's RSS growth over the run (after the parameters and gradients exist, to after the
-  last host update; its peak beside it) per parameter, and its slope across the sizes (least squares:
-  what a parameter more costs, without the process's constant part, e.g. the update's three 12 MiB block
-  buffers and, for ``devacc`` on disk, the three 4 MiB blocks it fetches the device's sums into). On this
-  CPU-only machine the "device" is process memory too: the fast path's state and ``device_accumulation``'s
-  sums (``host_bytes()`` ``fast_state`` and ``device_sums``, as bench.scale and tests/test_host_memory.py
-  count them) are taken off the RSS to give the host side, which is what the issue's goals (10.5, 6.5 and
-  2.5 bytes per parameter on disk) are compared with, beside the host buffers ``host_bytes()`` reports
-  (``total``; ``disk`` apart);
-* page cache: ``/proc/meminfo`` Cached before the optimizer is built, its largest value after any step,
-  and after the last host update (the whole machine's: other processes' files count too);
-* stall (config ``overlap`` at ``--stall-size``, ``update_interval`` in ``--intervals``): ``step()`` wall
-  time per step, the cold first step apart, at update boundaries and between them (mean and median), and
-  the training thread's waits for the worker (``stats()["worker_wait_s"]``), disk against memory;
-* the host update: ``stats()["host_update_s"]`` (the last one runs alone, during ``flush()``) against a
-  plain read+write pass (the storage roofline above) over a file of the same size, measured in the same
-  process right after the run;
+* memory (configs ``overlap``, ``sync``, ``devacc`` at ``update_interval`` 4, every run size): the process's RSS
+  growth over the run per parameter (its peak beside it) and its least-squares slope across the sizes (what a
+  parameter more costs, without the process's constant part such as the update's block buffers). On this CPU-only
+  machine the "device" is process memory too: the fast path's state and ``device_accumulation``'s sums
+  (``host_bytes()`` ``fast_state`` and ``device_sums``) are taken off the RSS to give the host side, which is
+  compared with the issue's goals on disk (``GOAL_BYTES_PER_PARAM``), beside the host buffers ``host_bytes()``
+  reports;
+* page cache: Cached before the optimizer is built, its largest value after any step, and after the last host
+  update (the whole machine's: other processes' files count too);
+* stall (config ``overlap`` at ``--stall-size``, ``update_interval`` in ``--intervals``): ``step()`` wall time,
+  the cold first step apart, at update boundaries and between them, and the training thread's waits for the worker
+  (``stats()["worker_wait_s"]``), disk against memory;
+* the host update (``stats()["host_update_s"]``; the last runs alone, during ``flush()``) against the plain
+  read+write pass over a file of the same size, measured in the same process right after the run;
 * the final weights' SHA-256: the disk run and the memory run of one config must agree bit for bit.
 
 Sizes up to 1 B parameters by default (2048x20: 1.007 B; two update intervals at sizes from
@@ -60,25 +50,14 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import (
-    OneLineParser,
-    int_at_least,
-    machine_info_light,
-    meminfo_bytes,
-    output_dir,
-    parse_width_layers,
-    peak_rss_bytes,
-    plt,
-    rss_bytes,
-    run_child,
-    write_json_light,
-)
+from bench import harness
+from bench.harness import OneLineParser, int_at_least, meminfo_bytes, parse_width_layers, style
+from bench.scale import mean_or_none, median_or_none, size_params, slope
 
 SIZES_M = [16, 64, 256]
 QUICK_SIZES_M = [1]
@@ -106,17 +85,6 @@ STREAM_BUFFERS_BOUND = 3 * BLOCK_NUMEL * 12  # the update's pipeline: three bloc
 # -- the storage pass -----------------------------------------------------------------------------------------
 
 
-def file_descriptor(files) -> int:
-    """A descriptor of this benchmark's own on the state file (``files.path``; the caller closes it): syncing and
-    dropping act on the file's data and its pages in the cache, whichever descriptor names the file."""
-    return os.open(files.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-
-
-def drop_from_cache(fd: int) -> None:
-    os.fdatasync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
 def plain_pass(files) -> None:
     bufs = files.new_block()
     for j in range(files.blocks):
@@ -127,10 +95,13 @@ def plain_pass(files) -> None:
 def timed_passes(files, fn, repeats: int, flush: bool) -> dict:
     """``fn()`` ``repeats`` times, each from a cold cache: seconds, the best as GB/s of traffic, cache growth."""
     seconds, grew = [], []
-    fd = file_descriptor(files)
+    # a descriptor of our own on the state file: syncing and dropping act on the file's data and its pages in the
+    # cache, whichever descriptor names the file
+    fd = os.open(files.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         for _ in range(repeats):
-            drop_from_cache(fd)
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             before = meminfo_bytes("Cached")
             t0 = time.perf_counter()
             fn()
@@ -161,7 +132,7 @@ def measure(size_m: int, mode: str, where: str, repeats: int) -> dict:
     try:
         acc = torch.ones(numel)
         run = RangeStep(0, numel, None, dict(step=1, grad_scale=1.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                       weight_decay=0.01))
+                                             weight_decay=0.01))
         plain_pass(files)  # every block written once (allocated space reads as zeros but may be unwritten)
         small = RangeStep(0, min(numel, 1024), None, run.step_args)
         # the numba kernel compiled (or loaded) before anything is timed
@@ -194,24 +165,6 @@ def disk_roofline(where: str, numel: int, block_numel: int, direct: bool, repeat
 # -- one optimizer run (a fresh process) ----------------------------------------------------------------------
 
 
-def _mean(xs):
-    return statistics.fmean(xs) if xs else None
-
-
-def _median(xs):
-    return statistics.median(xs) if xs else None
-
-
-def zenflow_config(spec: dict) -> dict:
-    from bench.scale import BASE_ZENFLOW, CONFIGS
-
-    zen = dict(BASE_ZENFLOW, **CONFIGS[spec["config"]], update_interval=spec["update_interval"],
-               pt_reserved_cores_perc=1.0)  # training and the worker share the cores (bench.scale's CPU setting)
-    if spec["offload"] == "nvme":
-        zen.update(offload_device="nvme", nvme_path=spec["dir"])
-    return zen
-
-
 def padded_numel(params) -> int:
     """Elements a field of the host shard holds: each parameter padded to the host's alignment."""
     from zenflow_kernels.host import ALIGN
@@ -229,76 +182,39 @@ def weights_sha256(params) -> str:
     return digest.hexdigest()
 
 
-def warm_up(zen: dict) -> None:
-    """What any first run loads once (numba's kernels, torch's ops, the worker's first call), on a tiny model."""
-    from bench.scale import build_params
-    from zenflow_kernels import ZenFlowAdamW
-
-    with ZenFlowAdamW(build_params(16, 1, "cpu", seed=1), lr=LR, zenflow=zen) as warm:
-        for _ in range(2 * zen["update_interval"]):
-            warm.step()
-    del warm
-    gc.collect()
-
-
-def step_times(opt, steps: int) -> tuple[list[float], list[bool], int | None]:
-    """``steps`` back-to-back ``step()`` calls: their wall times, which were update boundaries, and the page
-    cache's largest size after any of them."""
-    times, boundary, cached = [], [], []
-    for _ in range(steps):
-        before = opt.host_updates
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        boundary.append(opt.host_updates > before)
-        cached.append(meminfo_bytes("Cached"))
-    return times, boundary, max(cached) if None not in cached else None
-
-
-def step_summary(times: list[float], boundary: list[bool], flush_s: float) -> dict:
-    """The cold first step apart; the rest split into update boundaries and the steps between them."""
-    measured = list(zip(times[1:], boundary[1:], strict=True))
-    at_boundary = [t for t, b in measured if b]
-    between = [t for t, b in measured if not b]
-    return dict(step_s=times, boundary=boundary, cold_first_step_s=times[0], flush_s=flush_s,
-                mean_step_s=_mean([t for t, _ in measured]), boundary_mean_s=_mean(at_boundary),
-                boundary_median_s=_median(at_boundary), between_mean_s=_mean(between),
-                between_median_s=_median(between))
-
-
 def run_one(spec: dict) -> dict:
     """One (size, config, update_interval, offload) in this process: build, step, flush, measure."""
-    from bench.harness import OtherLoad
-    from bench.scale import build_params
+    from bench.scale import BASE_ZENFLOW, CONFIGS, build_params, split_steps, timed_steps, warm_up
     from zenflow_kernels import ZenFlowAdamW
 
-    zen = zenflow_config(spec)
+    zen = dict(BASE_ZENFLOW, **CONFIGS[spec["config"]], update_interval=spec["update_interval"],
+               pt_reserved_cores_perc=1.0)  # training and the worker share the cores (bench.scale's CPU setting)
+    if spec["offload"] == "nvme":
+        zen.update(offload_device="nvme", nvme_path=spec["dir"])
     warm_up(zen)
-    rss_base = rss_bytes()
+    rss_base = harness.rss_bytes()
     params = build_params(spec["d"], spec["layers"], "cpu")
-    rss_params = rss_bytes()
+    rss_params = harness.rss_bytes()
     n = sum(p.numel() for p in params)
     cache_before = meminfo_bytes("Cached")
     opt = ZenFlowAdamW(params, lr=LR, zenflow=zen)
-    load = OtherLoad()
-    times, boundary, cache_max = step_times(opt, spec["steps"])
-    t0 = time.perf_counter()
-    opt.flush()
-    flush_s = time.perf_counter() - t0
-    other_load = load.fraction()
-    rss_end, cache_end = rss_bytes(), meminfo_bytes("Cached")
+    times, boundary, cached, flush_s, other_load = timed_steps(opt, spec["steps"],
+                                                               sample=lambda: meminfo_bytes("Cached"))
+    cache_max = max(cached) if None not in cached else None
+    rss_end, cache_end = harness.rss_bytes(), meminfo_bytes("Cached")
     stats, hb = opt.stats(), opt.host_bytes()
     block, direct = opt.NVME_BLOCK_NUMEL, opt.NVME_DIRECT
     opt.close()
-    peak = max(peak_rss_bytes(), rss_end)
-    sha = weights_sha256(params)
+    peak = max(harness.peak_rss_bytes(), rss_end)
     device_side = hb["fast_state"] + hb["device_sums"]
     growth = rss_end - rss_params
+    measured, at_boundary, between = split_steps(times, boundary)
+    updates = stats["host_update_s"]
     out = dict(
         size=f"{spec['d']}x{spec['layers']}", d=spec["d"], layers=spec["layers"], config=spec["config"],
         offload=spec["offload"], update_interval=spec["update_interval"], steps=spec["steps"], zenflow=zen,
         params=n, padded_numel=padded_numel(params), block_numel=block, direct=direct,
-        other_processes_cpu_fraction=other_load, weights_sha256=sha,
+        other_processes_cpu_fraction=other_load, weights_sha256=weights_sha256(params),
         host_bytes=hb, bytes_per_param={k: v / n for k, v in hb.items() if k != "per_parameter"},
         rss=dict(before_params=rss_base, after_params_and_grads=rss_params, end=rss_end, peak=peak,
                  growth_over_run=growth, peak_over_params=peak - rss_params, device_side=device_side,
@@ -307,9 +223,12 @@ def run_one(spec: dict) -> dict:
         page_cache=dict(before=cache_before, max=cache_max, end=cache_end,
                         growth_max=None if cache_before is None else cache_max - cache_before,
                         growth_end=None if cache_before is None else cache_end - cache_before),
-        times=step_summary(times, boundary, flush_s),
-        host_update=dict(seconds=stats["host_update_s"], last_s=stats["host_update_s"][-1],
-                         mean_s=_mean(stats["host_update_s"]), count=len(stats["host_update_s"])),
+        # the cold first step apart; the rest split into update boundaries and the steps between them
+        times=dict(step_s=times, boundary=boundary, cold_first_step_s=times[0], flush_s=flush_s,
+                   mean_step_s=mean_or_none(measured), boundary_mean_s=mean_or_none(at_boundary),
+                   boundary_median_s=median_or_none(at_boundary), between_mean_s=mean_or_none(between),
+                   between_median_s=median_or_none(between)),
+        host_update=dict(seconds=updates, last_s=updates[-1], mean_s=mean_or_none(updates), count=len(updates)),
         stats={k: stats[k] for k in ("steps", "host_updates", "selections", "stall_s", "accumulate_s",
                                      "worker_wait_s", "step_s_mean", "link")},
     )
@@ -324,10 +243,6 @@ def run_one(spec: dict) -> dict:
 
 
 # -- the driver: which runs, which fit, the quietest of a few attempts ----------------------------------------
-
-
-def size_params(d: int, layers: int) -> int:
-    return layers * (12 * d * d + 2 * d)
 
 
 def planned_runs(sizes, configs, stall_size, intervals, quick: bool) -> list[dict]:
@@ -347,13 +262,11 @@ def planned_runs(sizes, configs, stall_size, intervals, quick: bool) -> list[dic
 
 
 def predicted_memory_bytes(spec: dict) -> int:
-    """A generous estimate of one run's peak RSS (bench.scale.predicted_bytes's, less the master and moments
-    on disk): bf16 parameters and gradients 4, accumulation 4 a buffer, copy-out 2, the fast path's state,
-    devacc's sums, 1.5 GiB of interpreter, torch and numba."""
+    """A generous estimate of one run's peak RSS: bench.scale.predicted_bytes's, less the master and moments
+    on disk."""
     from bench.scale import predicted_bytes
 
-    n = size_params(spec["d"], spec["layers"])
-    on_disk = 12 * n if spec["offload"] == "nvme" else 0
+    on_disk = 12 * size_params(spec["d"], spec["layers"]) if spec["offload"] == "nvme" else 0
     return predicted_bytes(spec["d"], spec["layers"], spec["config"]) - int(on_disk * 1.05)
 
 
@@ -377,19 +290,16 @@ def why_not_fitting(spec: dict, where: str, headroom_gib: float) -> str | None:
     return None
 
 
-def _child(spec: dict) -> dict:
+def run_quietest(spec: dict, attempts: int, label: str) -> dict:
+    """The run in a fresh process, again (after waiting for quiet) while other processes took more than
+    MAX_OTHER_LOAD of the CPUs, up to ``attempts`` runs; the quietest is kept."""
     from bench.scale import MALLOC_ENV
 
-    return run_child("bench.nvme", ["--worker", "--spec", json.dumps(spec)], timeout=3600,
-                     what=f"the run {spec}", env_extra=MALLOC_ENV)
+    def run():
+        return harness.run_child("bench.nvme", ["--worker", "--spec", json.dumps(spec)], timeout=3600,
+                                 what=f"the run {spec}", env_extra=MALLOC_ENV)
 
-
-def run_quietest(spec: dict, attempts: int, label: str) -> dict:
-    """The run, again (after waiting for quiet) while other processes took more than MAX_OTHER_LOAD of the
-    CPUs, up to ``attempts`` runs; the quietest is kept."""
-    from bench.harness import quietest
-
-    return quietest(lambda: _child(spec), lambda r: r["other_processes_cpu_fraction"], attempts, MAX_OTHER_LOAD, label)
+    return harness.quietest(run, lambda r: r["other_processes_cpu_fraction"], attempts, MAX_OTHER_LOAD, label)
 
 
 def describe(run: dict) -> str:
@@ -406,14 +316,6 @@ def describe(run: dict) -> str:
 
 
 # -- summaries --------------------------------------------------------------------------------------------------
-
-
-def slope(points: list[tuple[float, float]]) -> float | None:
-    """Least-squares dy/dx (None below two distinct x)."""
-    if len({x for x, _ in points}) < 2:
-        return None
-    mx, my = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
-    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
 
 
 def memory_summary(runs: list[dict]) -> dict:
@@ -505,65 +407,57 @@ def largest_runs(runs: list[dict], at_least: int = 10**9) -> list[dict]:
 # -- plot -------------------------------------------------------------------------------------------------------
 
 
-def _plot_storage(ax1, ax2, results: list[dict]) -> None:
-    done = [r for r in results if "skipped" not in r]
+def plot(payload: dict, path) -> None:
+    fig, axes = harness.figure(3, 2, size=(18, 10))
+    runs, colors = payload["runs"], dict(zip(OFFLOADS, ("C0", "C1"), strict=True))
+
+    # the storage pass: rates and the page cache's growth
+    done = [r for r in payload["results"] if "skipped" not in r]
     for mode, marker in zip(MODES, "os", strict=True):
         rows = [r for r in done if r["mode"] == mode]
-        sizes = [r["size_m"] for r in rows]
-        for name, style in (("roofline", "--"), ("streamed", "-")):
-            ax1.plot(sizes, [r[name]["gb_per_s"] for r in rows], style, marker=marker, label=f"{mode} {name}")
-            ax2.plot(sizes, [max(0, r[name]["cache_growth_bytes"][-1] or 0) / 2**20 for r in rows], style,
-                     marker=marker, label=f"{mode} {name}")
-    for ax, label in ((ax1, "disk traffic GB/s (read + write)"), (ax2, "page cache growth per pass (MiB)")):
-        ax.set_xscale("log")
-        ax.set_xlabel("parameters (millions)")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=7)
-    ax1.set_title("storage pass: streamed AdamW against a plain read+write")
-    ax2.set_title("storage pass: page cache")
+        for name, fmt in (("roofline", "--"), ("streamed", "-")):
+            sizes = [r["size_m"] for r in rows]
+            axes[0, 0].plot(sizes, [r[name]["gb_per_s"] for r in rows], fmt, marker=marker, label=f"{mode} {name}")
+            axes[0, 1].plot(sizes, [max(0, r[name]["cache_growth_bytes"][-1] or 0) / 2**20 for r in rows], fmt,
+                            marker=marker, label=f"{mode} {name}")
+    style(axes[0, 0], "parameters (millions)", "disk traffic GB/s (read + write)",
+          "storage pass: streamed AdamW against a plain read+write", logx=10, grid=None)
+    style(axes[0, 1], "parameters (millions)", "page cache growth per pass (MiB)", "storage pass: page cache",
+          logx=10, grid=None)
 
-
-def _plot_memory(ax, memory: dict) -> None:
+    # RSS per parameter: the host side against the goal, the device side on top
+    ax, memory = axes[0, 2], payload["memory"]
     configs = [c for c in GOAL_BYTES_PER_PARAM if any(k.startswith(c + " ") for k in memory)]
-    x = range(len(configs))
     for i, (offload, hatch) in enumerate(zip(OFFLOADS, ("", "//"), strict=True)):
         host = [memory.get(f"{c} {offload}", {}).get("host_side_rss_growth_slope") or 0 for c in configs]
         total = [memory.get(f"{c} {offload}", {}).get("rss_growth_slope") or 0 for c in configs]
-        xs = [j + (i - 0.5) * 0.4 for j in x]
-        ax.bar(xs, host, 0.4, color="C0" if offload == "nvme" else "C1", hatch=hatch,
+        xs = [j + (i - 0.5) * 0.4 for j in range(len(configs))]
+        ax.bar(xs, host, 0.4, color=colors[offload], hatch=hatch,
                label=f"{offload}: host side (RSS slope less device-side buffers)")
         ax.bar(xs, [t - h for t, h in zip(total, host, strict=True)], 0.4, bottom=host, color="0.8", hatch=hatch,
                label="device side (fast state, devacc sums)" if i == 0 else None)
     for j, c in enumerate(configs):
         ax.plot([j - 0.45, j + 0.05], [GOAL_BYTES_PER_PARAM[c]] * 2, "k-", lw=2,
                 label="goal on disk (issue 25)" if j == 0 else None)
-    ax.set_xticks(list(x), configs)
-    ax.set_ylabel("bytes per parameter (slope across sizes)")
-    ax.set_title("RSS per parameter, state on disk (left) and in memory (right)")
-    ax.legend(fontsize=7)
+    ax.set_xticks(range(len(configs)), configs)
+    style(ax, None, "bytes per parameter (slope across sizes)",
+          "RSS per parameter, state on disk (left) and in memory (right)", grid=None)
 
-
-def _plot_stall(ax, stall: list[dict]) -> None:
-    for offload, color in zip(OFFLOADS, ("C0", "C1"), strict=True):
+    # the stall: step() against update_interval, disk and memory
+    stall = payload["stall"]
+    for offload, color in colors.items():
         rows = [r for r in stall if offload in r]
         xs = [r["update_interval"] for r in rows]
-        ax.plot(xs, [r[offload]["mean_step_s"] * 1e3 for r in rows], "-o", color=color,
-                label=f"{offload}: mean step()")
-        ax.plot(xs, [(r[offload]["boundary_mean_s"] or 0) * 1e3 for r in rows], ":s", color=color,
-                label=f"{offload}: at boundaries")
-        ax.plot(xs, [(r[offload]["between_mean_s"] or 0) * 1e3 for r in rows], "--", color=color, alpha=0.6,
-                label=f"{offload}: between boundaries")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("update_interval")
-    ax.set_ylabel("ms")
-    ax.set_title(f"step() with overlap at {stall[0]['size'] if stall else '?'}: disk vs memory")
-    ax.legend(fontsize=7)
+        for key, fmt, what in (("mean_step_s", "-o", "mean step()"), ("boundary_mean_s", ":s", "at boundaries"),
+                               ("between_mean_s", "--", "between boundaries")):
+            axes[1, 0].plot(xs, [(r[offload][key] or 0) * 1e3 for r in rows], fmt, color=color,
+                            label=f"{offload}: {what}")
+    style(axes[1, 0], "update_interval", "ms", f"step() with overlap at {stall[0]['size'] if stall else '?'}: "
+          "disk vs memory", logx=2, logy=10, grid=None)
 
-
-def _plot_update(ax, runs: list[dict]) -> None:
-    """Per config (the memory runs): the last host update (alone, in flush()) and the plain pass over a file of
-    its size, each labelled with their ratio (the goal: >= GOAL)."""
+    # per config (the memory runs): the last host update (alone, in flush()) and the plain pass over a file of its
+    # size, each labelled with their ratio
+    ax = axes[1, 1]
     rs = sorted((r for r in runs if "disk_roofline" in r["host_update"]), key=lambda r: r["params"])
     for config, color in zip(GOAL_BYTES_PER_PARAM, ("C0", "C1", "C2"), strict=True):
         mine = [r for r in rs if r["config"] == config and r["update_interval"] == MEMORY_INTERVAL]
@@ -574,42 +468,22 @@ def _plot_update(ax, runs: list[dict]) -> None:
         for r in mine:
             ax.annotate(f"{r['host_update']['roofline_over_last']:.2f}x", (r["params"], r["host_update"]["last_s"]),
                         fontsize=7, color=color, textcoords="offset points", xytext=(3, 3))
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("seconds")
-    ax.set_title(f"host update on disk (last, alone) vs plain pass (labels: ratio, goal >= {GOAL})")
-    ax.legend(fontsize=7)
+    style(ax, "parameters", "seconds", f"host update on disk (last, alone) vs plain pass (labels: ratio, goal >= "
+          f"{GOAL})", logx=10, logy=10, grid=None)
 
-
-def _plot_cache(ax, runs: list[dict]) -> None:
-    for offload, color in zip(OFFLOADS, ("C0", "C1"), strict=True):
+    # the page cache's growth per run against the state file's size
+    ax = axes[1, 2]
+    for offload, color in colors.items():
         rs = sorted((r for r in runs if r["offload"] == offload and r["page_cache"]["growth_max"] is not None),
                     key=lambda r: r["params"])
         ax.plot([r["params"] for r in rs], [r["page_cache"]["growth_max"] / 2**20 for r in rs], "o", color=color,
                 label=f"{offload}: largest growth during the run")
     rs = sorted((r for r in runs if r["offload"] == "nvme"), key=lambda r: r["params"])
     ax.plot([r["params"] for r in rs], [r["host_bytes"]["disk"] / 2**20 for r in rs], "k:", label="state file size")
-    ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=10)
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("MiB")
-    ax.set_title("page cache growth (Cached, whole machine) per run")
-    ax.legend(fontsize=7)
-
-
-def plot(payload: dict, path) -> None:
-    pyplot = plt()
-    fig, axes = pyplot.subplots(2, 3, figsize=(18, 10))
-    _plot_storage(axes[0, 0], axes[0, 1], payload["results"])
-    _plot_memory(axes[0, 2], payload["memory"])
-    _plot_stall(axes[1, 0], payload["stall"])
-    _plot_update(axes[1, 1], payload["runs"])
-    _plot_cache(axes[1, 2], payload["runs"])
+    style(ax, "parameters", "MiB", "page cache growth (Cached, whole machine) per run", logx=10, grid=None)
     fig.suptitle("ZenFlowAdamW host state on disk (offload_device='nvme', O_DIRECT) against memory")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot.close(fig)
+    harness.save(fig, path, dpi=100)
 
 
 # -- main -------------------------------------------------------------------------------------------------------
@@ -640,17 +514,16 @@ def optimizer_runs(specs: list[dict], where: str, repeats: int, attempts: int,
     decided before anything starts (what one run leaves in the page cache must not decide the next)."""
     runs, skipped, todo = [], [], []
     for spec in specs:
+        label = f"{spec['d']}x{spec['layers']} {spec['config']} S={spec['update_interval']} {spec['offload']}"
         reason = why_not_fitting(spec, where, headroom_gib)
         if reason:
             skipped.append(dict(spec, predicted_memory_bytes=predicted_memory_bytes(spec),
                                 predicted_disk_bytes=predicted_disk_bytes(spec), reason=reason))
-            print(f"{spec['d']}x{spec['layers']} {spec['config']} S={spec['update_interval']} {spec['offload']}: "
-                  f"skipped, {reason}", flush=True)
+            print(f"{label}: skipped, {reason}", flush=True)
         else:
-            todo.append(spec)
-    for spec in todo:
+            todo.append((spec, label))
+    for spec, label in todo:
         t0 = time.perf_counter()
-        label = f"{spec['d']}x{spec['layers']} {spec['config']} S={spec['update_interval']} {spec['offload']}"
         run = run_quietest(dict(spec, dir=where, roof_repeats=repeats), attempts, label)
         run["wall_s"] = time.perf_counter() - t0
         runs.append(run)
@@ -698,7 +571,7 @@ def main(argv=None) -> int:
     attempts = args.attempts or (1 if args.quick else 2)
     where = args.dir or tempfile.gettempdir()
     free = os.statvfs(where).f_bavail * os.statvfs(where).f_frsize
-    out = output_dir(args.out)
+    out = harness.output_dir(args.out)
 
     results = storage_passes(sizes, where, repeats)
     specs = planned_runs(run_sizes, configs, stall_size, intervals, args.quick)
@@ -714,8 +587,8 @@ def main(argv=None) -> int:
                         goal_bytes_per_param=GOAL_BYTES_PER_PARAM, stream_buffers_bound=STREAM_BUFFERS_BOUND),
         runs=runs, skipped_runs=skipped, memory=memory_summary(runs), stall=stall_summary(runs, stall_size, intervals),
         weights_identical=weights_agree(runs), page_cache=page_cache_summary(runs), billion=largest_runs(runs),
-        machine=machine_info_light(), total_s=time.time() - started)
-    write_json_light(out / "nvme_cpu.json", payload)
+        machine=harness.machine_info_light(), total_s=time.time() - started)
+    harness.write_json_light(out / "nvme_cpu.json", payload)
     plot(payload, out / "nvme_cpu.png")
     print(f"wrote {out / 'nvme_cpu.json'} and {out / 'nvme_cpu.png'} ({payload['total_s']:.0f}s)")
     return 0

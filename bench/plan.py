@@ -22,13 +22,14 @@ Results: ``plan_cpu.json`` in bench/results (or ``--out``).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
 
 import torch
 
-from bench.harness import OneLineParser, OtherLoad, int_at_least, output_dir, write_json_light
+from bench.harness import OneLineParser, OtherLoad, Timing, int_at_least, output_dir, write_json_light
 
 BANDWIDTH = 2e9  # bytes/s each way: copies of a few ms at these sizes, so the crossing counts
 # (name, zenflow settings, compute ms per step[, the moments' dtype: "fp32" unless given])
@@ -105,13 +106,6 @@ def disk_probe(params: int, folder: str, threads: int, passes: int = 5) -> float
 def measure(name: str, zen: dict, compute_s: float, params: int, steps: int, state: str = "fp32") -> dict:
     """One configuration on the modeled device: the stall per step (median over whole intervals) and the
     optimizer's host bytes (``offload_device="nvme"``: the state file in a temporary folder)."""
-    if zen.get("offload_device") == "nvme":
-        with tempfile.TemporaryDirectory() as folder:
-            return _measure(name, zen, dict(zen, nvme_path=folder), compute_s, params, steps, state)
-    return _measure(name, zen, zen, compute_s, params, steps, state)
-
-
-def _measure(name: str, zen: dict, settings: dict, compute_s: float, params: int, steps: int, state: str) -> dict:
     from zenflow_kernels import ZenFlow
     from zenflow_kernels.testing import chaos
 
@@ -120,32 +114,33 @@ def _measure(name: str, zen: dict, settings: dict, compute_s: float, params: int
     weight = torch.nn.Parameter(torch.randn(params // cols, cols, generator=generator).to(torch.bfloat16))
     grads = [torch.randn(params // cols, cols, generator=generator).to(torch.bfloat16) for _ in range(2)]
     interval = zen["update_interval"]
-    settings = dict(settings, select_strategy="step", select_interval=10**6)
-    with chaos(seed=0, max_delay=0.0, d2h_bytes_per_s=BANDWIDTH, h2d_bytes_per_s=BANDWIDTH):
-        opt = ZenFlow([weight], rule_of(state), lr=1e-4, zenflow=settings)
+    nvme = zen.get("offload_device") == "nvme"
     walls, computes = [], []
-    load = OtherLoad()
-    with opt:
-        start, slept = time.perf_counter(), 0.0
-        for t in range(steps):
-            t0 = time.perf_counter()
-            time.sleep(compute_s)  # the device's forward and backward
-            slept += time.perf_counter() - t0
-            weight.grad = grads[t % 2]
-            opt.step()
-            if (t + 1) % interval == 0:  # an interval ends with its boundary's step
-                now = time.perf_counter()
-                walls.append((now - start) / interval)
-                computes.append(slept / interval)
-                start, slept = now, 0.0
-        host_bytes = opt.host_bytes()["total"]
+    with tempfile.TemporaryDirectory() if nvme else contextlib.nullcontext() as folder:
+        settings = dict(zen, **(dict(nvme_path=folder) if nvme else {}), select_strategy="step", select_interval=10**6)
+        with chaos(seed=0, max_delay=0.0, d2h_bytes_per_s=BANDWIDTH, h2d_bytes_per_s=BANDWIDTH):
+            opt = ZenFlow([weight], rule_of(state), lr=1e-4, zenflow=settings)
+        with opt:
+            load = OtherLoad()
+            start, slept = time.perf_counter(), 0.0
+            for t in range(steps):
+                t0 = time.perf_counter()
+                time.sleep(compute_s)  # the device's forward and backward
+                slept += time.perf_counter() - t0
+                weight.grad = grads[t % 2]
+                opt.step()
+                if (t + 1) % interval == 0:  # an interval ends with its boundary's step
+                    now = time.perf_counter()
+                    walls.append((now - start) / interval)
+                    computes.append(slept / interval)
+                    start, slept = now, 0.0
+            host_bytes = opt.host_bytes()["total"]
     skip = 2 if len(walls) > 4 else 1  # the state's first build and the first overlapped interval
     stalls = [w - c for w, c in zip(walls[skip:], computes[skip:], strict=True)]
     return dict(name=name, zenflow=zen, state=state, compute_s=statistics.median(computes[skip:]), steps=steps,
                 intervals_measured=len(stalls), measured_stall_s=statistics.median(stalls),
-                stall_iqr_s=(statistics.quantiles(stalls, n=4)[2] - statistics.quantiles(stalls, n=4)[0])
-                if len(stalls) >= 4 else max(stalls) - min(stalls),
-                host_bytes=host_bytes, other_processes_cpu_fraction=load.fraction())
+                stall_iqr_s=Timing.from_samples(stalls).iqr, host_bytes=host_bytes,
+                other_processes_cpu_fraction=load.fraction())
 
 
 def probe_key(key: tuple | None) -> str:
@@ -202,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                          relative_error=error / got["measured_stall_s"] if got["measured_stall_s"] > 0 else None,
                          within=abs(error) <= max(WITHIN_ABS_S, WITHIN_REL * abs(got["measured_stall_s"])),
                          step_work_s=step_work, probe_pause_s=compute_ms / 1e3, lanes=plan.zenflow_lanes,
-                         limit=plan.limit,
-                         predicted_host_bytes=plan.host_bytes,
+                         limit=plan.limit, predicted_host_bytes=plan.host_bytes,
                          smallest_hiding_update_interval=plan.smallest_hiding_update_interval))
         print(f"{name:28s} predicted {predicted * 1e3:7.2f} ms  measured {got['measured_stall_s'] * 1e3:7.2f} ms  "
               f"{'ok' if rows[-1]['within'] else 'OFF'}", flush=True)
@@ -211,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                    bandwidth_bytes_per_s=BANDWIDTH, goal=dict(relative=WITHIN_REL, absolute_s=WITHIN_ABS_S),
                    probes={probe_key(k): p.as_dict() for k, p in probes.items()}, nvme_bytes_per_s=nvme_bytes_per_s,
                    step_work_s_by_pause={probe_key(k): p.step_work_s_per_param * params for k, p in probes.items()},
-                   rows=rows, all_within=all(r["within"] for r in rows),
-                   total_s=time.perf_counter() - started)
+                   rows=rows, all_within=all(r["within"] for r in rows), total_s=time.perf_counter() - started)
     path = write_json_light(out / "plan_cpu.json", payload)
     print(f"wrote {path}")
     return 0

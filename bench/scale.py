@@ -2,57 +2,38 @@
 
     python -m bench.scale [--out DIR] [--quick] [--sizes 512x4 1024x24 ...] [--configs overlap sync devacc]
 
-Transformer-shaped parameter lists (per layer: qkv [3d, d], out [d, d], up [4d, d], down [d, 4d] in bf16,
-two norm vectors [d] in fp32, like tests/test_host_memory.py), gradients of the same dtypes drawn once
-and kept in ``.grad`` (no model forward), ``ZenFlowAdamW`` stepped back to back. Each (size, config)
-runs in a fresh process, so peak RSS and first-step costs do not mix; sizes whose predicted memory
-does not fit what the machine has free (``MemAvailable`` less ``--headroom-gib``) are skipped and
-listed. Configs: ``overlap`` (overlap_step, host accumulation), ``sync`` (no overlap) and ``devacc``
-(overlap with ``device_accumulation``), all ``topk_ratio=0.1, update_interval=4``, one selection
-(at the first step), on CPU ``pt_reserved_cores_perc=1.0`` (training and the host worker share the
-cores; the worker takes what torch leaves, one thread on 2 cores).
+Transformer-shaped parameters (per layer: qkv [3d, d], out [d, d], up [4d, d], down [d, 4d] in bf16, two norm
+vectors [d] in fp32, like tests/test_host_memory.py), gradients drawn once and kept in ``.grad`` (no forward),
+``ZenFlowAdamW`` stepped back to back. Each (size, config) runs in a fresh process after a warm-up run, so peak RSS
+and first-step costs do not mix; sizes whose predicted memory exceeds ``MemAvailable`` less ``--headroom-gib`` are
+skipped and listed. Configs: ``overlap`` (host accumulation), ``sync`` (no overlap) and ``devacc`` (overlap with
+``device_accumulation``), all ``topk_ratio=0.1, update_interval=4``, one selection (at the first step), on CPU
+``pt_reserved_cores_perc=1.0`` (the host worker takes what torch leaves of the cores, one thread on 2 cores).
 
 Per run:
 
-* host bytes per parameter by buffer (``opt.host_bytes()``: each buffer's storage), the fast path's
-  state beside them, and the process's RSS: after the parameters and gradients exist, after the run
-  (its growth against the reported buffers: test_host_memory checks the same at 12.6M) and its peak
-  (``getrusage`` maxrss). glibc is told to return freed memory (fixed mmap/trim thresholds of 128 KiB),
-  as the test does, so RSS follows what is live.
-* ``step()`` wall time: the first (cold: the host buffers are laid out, the first selection and
-  accumulation) and every later one, split into update boundaries and the steps between them; the
-  mean over the measured steps is the time per step of the optimizer alone. The last step is a
-  boundary and ``flush()`` follows at once, so the last host update (overlap) runs with nothing
-  beside it; back-to-back steps otherwise share the cores with the worker.
-* the host update (``stats()["host_update_s"]``) against the memory roofline: the bandwidth is
-  measured in each run's process right after it, by numba loops with exactly the update's memory
-  traffic and trivial arithmetic, at ``ROOF_NUMEL`` elements, the best of ``ROOF_REPEATS`` (the
-  median is kept beside it); the roofline is the best any run measured (``roofline_bandwidth``: a
-  run measured while other processes held the cores sees less than the machine attains):
-  overlapped update = ``cpu_adam_(master, acc, m, v, out=bf16, zero_grad=True)``: read master, acc,
-  m, v, write master, m, v, acc (zeroed), the bf16 copy-out = 34 bytes per matrix element; a
-  synchronous update folds the last bf16 gradient in (``accumulate_adam_``): 36 bytes. Roofline time
-  = bytes / bandwidth at the update's thread count (the worker: what torch leaves free, at least 1;
-  synchronous: the training thread's numba threads). The accumulation between boundaries is compared
-  with ``acc += g(bf16)`` (10 bytes per element) at torch's thread count the same way.
-  This machine is shared: each run records the CPU share other processes used while it stepped, and
-  a run that saw more than ``MAX_OTHER_LOAD`` is run again after waiting for quiet, up to
-  ``--attempts`` runs in all, and the quietest is kept.
-* on a GPU (the same command, parameters on ``cuda:0``): pinned bytes requested/reserved and the
-  device's peak allocated/reserved memory.
+* host bytes per parameter by buffer (``opt.host_bytes()``), the fast path's state beside them, and the process's
+  RSS after the parameters and gradients exist, after the run and at its peak (``getrusage``); glibc is told to
+  return freed memory (``MALLOC_ENV``, as the test does), so RSS follows what is live.
+* ``step()`` wall time: the first (cold) and the later ones, split into update boundaries and the steps between
+  them. The last step is a boundary and ``flush()`` follows, so the last host update runs with nothing beside it.
+* the host update (``stats()["host_update_s"]``) against the memory roofline: numba loops with exactly the update's
+  memory traffic (``UPDATE_BYTES``; a synchronous update folds the last gradient in: ``FUSED_UPDATE_BYTES``) and
+  trivial arithmetic, at the update's thread count (the worker: what torch leaves free; synchronous: the training
+  thread's numba threads), measured in each run's process right after it, best of ``ROOF_REPEATS``; the roofline is
+  the best any run measured (a run measured while other processes held the cores sees less than the machine
+  attains). The accumulation between boundaries is compared with ``acc += g`` (``ACC_BYTES``) at torch's threads.
+  This machine is shared: a run that saw other processes take more than ``MAX_OTHER_LOAD`` of the CPUs is run again
+  after waiting for quiet, up to ``--attempts`` runs, and the quietest is kept.
+* on a GPU (the same command, parameters on ``cuda:0``): the device's peak allocated/reserved memory.
 
-Per-tensor cost of ``step()`` (docs: the issue's item 9): tiny tensors (half [64, 64] matrices, half
-[64] vectors, fp32) so that compute vanishes, at 150 and 300 tensors, through the synchronous CPU link
-and through the asynchronous one (``zenflow_kernels.testing.chaos(seed=0, max_delay=0)``: the
-threads of the CUDA protocol, no sleeps), against ``torch.optim.AdamW(foreach=True)`` on the same
-tensors, interleaved step by step, medians over ``--tensor-rounds`` steps; per-tensor cost = the
-slope between the two counts.
+Per-tensor cost of ``step()`` (docs: the issue's item 9): tiny tensors (compute vanishes) at 150 and 300 tensors,
+through the synchronous CPU link and the asynchronous one (``testing.chaos(seed=0, max_delay=0)``: the CUDA
+protocol's threads, no sleeps), against ``torch.optim.AdamW(foreach=True)``, interleaved step by step, medians over
+``--tensor-rounds`` steps; per-tensor cost = the slope between the two counts. DeepSpeed's host bytes per parameter
+are cited, not measured (``DEEPSPEED_REFERENCE``).
 
-DeepSpeed's host bytes per parameter (cited, not measured; ``DEEPSPEED_REFERENCE``): ZeRO-Offload 16
-and ZenFlow with overlap about 32, with what DeepSpeed 0.19.8's code allocates beside them.
-
-Results: ``scale_cpu.json`` (``scale_cuda.json`` on a GPU) with the machine description, and a PNG
-drawn from it, in ``bench/results``.
+Results: ``scale_cpu.json`` (``scale_cuda.json`` on a GPU) and a PNG drawn from it, in ``bench/results``.
 """
 
 from __future__ import annotations
@@ -67,30 +48,15 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import (
-    OneLineParser,
-    int_at_least,
-    machine_info_light,
-    meminfo_bytes,
-    output_dir,
-    parse_width_layers,
-    peak_rss_bytes,
-    plt,
-    quietest,
-    rss_bytes,
-    run_child,
-    write_json_light,
-)
+from bench import harness
+from bench.harness import OneLineParser, int_at_least, meminfo_bytes, parse_width_layers, rss_bytes, style
 
 # (d, layers): ~12.6M, 42M, 151M, 472M parameters; 6 tensors a layer
 SIZES = [(512, 4), (768, 6), (1024, 12), (1280, 24)]
 QUICK_SIZES = [(32, 2), (64, 2)]
 BASE_ZENFLOW = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=10**6)
-CONFIGS = {
-    "overlap": dict(overlap_step=True),
-    "sync": dict(overlap_step=False),
-    "devacc": dict(overlap_step=True, device_accumulation=True),
-}
+CONFIGS = {"overlap": dict(overlap_step=True), "sync": dict(overlap_step=False),
+           "devacc": dict(overlap_step=True, device_accumulation=True)}
 LR = 1e-4
 ROOF_NUMEL = 1 << 25
 QUICK_ROOF_NUMEL = 1 << 16
@@ -138,6 +104,94 @@ DEEPSPEED_REFERENCE = {
         },
     },
 }
+
+
+# -- helpers bench.nvme and bench.step_overhead share ---------------------------------------------------------
+
+
+def median_or_none(xs):
+    return statistics.median(xs) if xs else None
+
+
+def mean_or_none(xs):
+    return statistics.fmean(xs) if xs else None
+
+
+def slope(points) -> float | None:
+    """Least-squares dy/dx of ``(x, y)`` points (None below two distinct x)."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    mx, my = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+def size_params(d: int, layers: int) -> int:
+    return layers * (12 * d * d + 2 * d)
+
+
+def build_params(d: int, layers: int, device, seed: int = 0):
+    """Transformer-shaped parameters with gradients set once: bf16 matrices, fp32 norm vectors."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    params = []
+    for _ in range(layers):
+        for shape in [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d), (d,), (d,)]:
+            dtype = torch.bfloat16 if len(shape) == 2 else torch.float32
+            p = torch.empty(shape, dtype=dtype).uniform_(-0.02, 0.02, generator=g)
+            p = torch.nn.Parameter(p.to(device))
+            p.grad = torch.empty(shape, dtype=dtype).uniform_(-1e-3, 1e-3, generator=g).to(device)
+            params.append(p)
+    return params
+
+
+def tiny_tensors(count: int, seed: int = 0):
+    """Parameters and gradients so small that compute nearly vanishes: alternating fp32 [64, 64] and [64]."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    params, grads = [], []
+    for i in range(count):
+        shape = (64, 64) if i % 2 == 0 else (64,)
+        params.append(torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02))
+        grads.append(torch.randn(shape, generator=g) * 1e-3)
+    return params, grads
+
+
+def warm_up(zen: dict, device="cpu") -> None:
+    """What any first run loads once (numba's kernels, torch's ops, the worker's first call), on a tiny model."""
+    from zenflow_kernels import ZenFlowAdamW
+
+    with ZenFlowAdamW(build_params(16, 1, device, seed=1), lr=LR, zenflow=zen) as warm:
+        for _ in range(2 * zen["update_interval"]):
+            warm.step()
+    del warm
+    gc.collect()
+
+
+def timed_steps(opt, steps: int, sync=lambda: None, sample=lambda: None) -> tuple:
+    """``steps`` back-to-back ``step()`` calls, then ``flush()``: the steps' wall times (to ``sync()``), which were
+    update boundaries, ``sample()`` after each, the flush's time and other processes' share of the CPUs meanwhile."""
+    load = harness.OtherLoad()
+    times, boundary, samples = [], [], []
+    for _ in range(steps):
+        before = opt.host_updates
+        t0 = time.perf_counter()
+        opt.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+        boundary.append(opt.host_updates > before)
+        samples.append(sample())
+    t0 = time.perf_counter()
+    opt.flush()
+    sync()
+    return times, boundary, samples, time.perf_counter() - t0, load.fraction()
+
+
+def split_steps(times: list[float], boundary: list[bool]) -> tuple[list[float], list[float], list[float]]:
+    """The steps after the cold first one: all, those at update boundaries and those between them."""
+    measured = list(zip(times[1:], boundary[1:], strict=True))
+    return [t for t, _ in measured], [t for t, b in measured if b], [t for t, b in measured if not b]
 
 
 # -- roofline ------------------------------------------------------------------------------------------------
@@ -199,7 +253,7 @@ def measure_bandwidth(numel: int, threads: list[int], repeats: int, names=None) 
     try:
         for k in threads:
             numba.set_num_threads(k)
-            for fn in (f for _, f in patterns.values()):
+            for _, fn in patterns.values():
                 fn()  # compile or load, and touch every page
             samples = {name: [] for name in patterns}
             for _ in range(repeats):  # patterns interleaved round by round
@@ -219,32 +273,11 @@ def measure_bandwidth(numel: int, threads: list[int], repeats: int, names=None) 
 # -- one run (a fresh process) --------------------------------------------------------------------------------
 
 
-def build_params(d: int, layers: int, device, seed: int = 0):
-    """Transformer-shaped parameters with gradients set once: bf16 matrices, fp32 norm vectors."""
-    import torch
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    params = []
-    for _ in range(layers):
-        for shape in [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d), (d,), (d,)]:
-            dtype = torch.bfloat16 if len(shape) == 2 else torch.float32
-            p = torch.empty(shape, dtype=dtype).uniform_(-0.02, 0.02, generator=g)
-            p = torch.nn.Parameter(p.to(device))
-            p.grad = torch.empty(shape, dtype=dtype).uniform_(-1e-3, 1e-3, generator=g).to(device)
-            params.append(p)
-    return params
-
-
-def _median(xs):
-    return statistics.median(xs) if xs else None
-
-
 def run_one(spec: dict) -> dict:
     """One (size, config) in this process: build, step, flush, measure."""
     import numba
     import torch
 
-    from bench.harness import OtherLoad
     from zenflow_kernels import ZenFlowAdamW
     from zenflow_kernels.cpu_ops import split_cores
 
@@ -253,13 +286,8 @@ def run_one(spec: dict) -> dict:
     zen = dict(BASE_ZENFLOW, **CONFIGS[spec["config"]], pt_reserved_cores_perc=1.0 if not cuda else 0.5)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     rss_start = rss_bytes()
-    # what any first run loads once (numba's kernels, torch's ops, the worker's first call)
     t0 = time.perf_counter()
-    with ZenFlowAdamW(build_params(16, 1, device, seed=1), lr=LR, zenflow=zen) as warm:
-        for _ in range(2 * BASE_ZENFLOW["update_interval"]):
-            warm.step()
-    del warm
-    gc.collect()
+    warm_up(zen, device)
     warmup_s = time.perf_counter() - t0
 
     rss_base = rss_bytes()
@@ -269,27 +297,12 @@ def run_one(spec: dict) -> dict:
     rss_params = rss_bytes()
     n = sum(p.numel() for p in params)
     n_matrix = sum(p.numel() for p in params if p.dim() == 2)
-    n_tensors = len(params)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     opt = ZenFlowAdamW(params, lr=LR, zenflow=zen)
-    times, boundary = [], []
-    load = OtherLoad()
-    for _ in range(spec["steps"]):
-        before = opt.host_updates
-        t0 = time.perf_counter()
-        opt.step()
-        sync()
-        times.append(time.perf_counter() - t0)
-        boundary.append(opt.host_updates > before)
-    t0 = time.perf_counter()
-    opt.flush()
-    sync()
-    flush_s = time.perf_counter() - t0
-    other_load = load.fraction()
+    times, boundary, _, flush_s, other_load = timed_steps(opt, spec["steps"], sync)
     rss_end = rss_bytes()
-    stats = opt.stats()
-    hb = opt.host_bytes()
+    stats, hb = opt.stats(), opt.host_bytes()
     device_memory = None
     if cuda:
         device_memory = dict(max_allocated=torch.cuda.max_memory_allocated(device),
@@ -298,14 +311,12 @@ def run_one(spec: dict) -> dict:
     opt.close()
     # getrusage's high-water mark, or a sample above it (the kernel's per-thread RSS counters lag by a
     # few dozen pages)
-    peak = max(peak_rss_bytes(), rss_start, rss_base, rss_params, rss_end)
+    peak = max(harness.peak_rss_bytes(), rss_start, rss_base, rss_params, rss_end)
+    n_tensors = len(params)
     del opt, params
     gc.collect()
 
-    per_param = {k: v / n for k, v in hb.items() if k != "per_parameter"}
-    measured = list(zip(times[1:], boundary[1:], strict=True))
-    between = [t for t, b in measured if not b]
-    at_boundary = [t for t, b in measured if b]
+    measured, at_boundary, between = split_steps(times, boundary)
     overlap = zen["overlap_step"]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # the update's threads, by the rule optim/build.py documents: the worker gets what torch leaves free of
@@ -326,42 +337,26 @@ def run_one(spec: dict) -> dict:
         zenflow=zen, device=str(device), params=n, matrix_params=n_matrix, tensors=n_tensors,
         steps=spec["steps"], torch_threads=torch.get_num_threads(), host_threads=host_threads,
         other_processes_cpu_fraction=other_load,
-        host_bytes=hb, bytes_per_param=per_param,
+        host_bytes=hb, bytes_per_param={k: v / n for k, v in hb.items() if k != "per_parameter"},
         rss=dict(start=rss_start, before_params=rss_base, after_params_and_grads=rss_params, end=rss_end,
                  peak=peak, params_and_grads=rss_params - rss_base, growth_over_run=rss_end - rss_params,
                  reported=hb["total"] + hb["fast_state"] + hb["device_sums"],
                  peak_per_param=peak / n, peak_over_base_per_param=(peak - rss_base) / n,
                  growth_per_param=(rss_end - rss_params) / n),
         device_memory=device_memory,
-        times=dict(
-            warmup_process_s=warmup_s, build_params_s=build_s, cold_first_step_s=times[0],
-            step_s=times, boundary=boundary, flush_s=flush_s,
-            between_boundaries_median_s=_median(between), boundary_median_s=_median(at_boundary),
-            mean_step_s=statistics.fmean(t for t, _ in measured) if measured else None,
-        ),
+        times=dict(warmup_process_s=warmup_s, build_params_s=build_s, cold_first_step_s=times[0], step_s=times,
+                   boundary=boundary, flush_s=flush_s, between_boundaries_median_s=median_or_none(between),
+                   boundary_median_s=median_or_none(at_boundary), mean_step_s=mean_or_none(measured)),
         host_update=dict(seconds=updates, last_s=updates[-1] if updates else None, count=len(updates),
                          bytes_per_element=UPDATE_BYTES if overlap else FUSED_UPDATE_BYTES, pattern=pattern),
         bandwidth=bandwidth, bandwidth_s=roof_s,
         stats={k: stats[k] for k in ("steps", "host_updates", "selections", "stall_s", "accumulate_s",
                                      "worker_wait_s", "fast_path_s_mean", "step_s_mean", "link")},
-        fast_path_median_s=_median(stats["fast_path_s"][1:]),
+        fast_path_median_s=median_or_none(stats["fast_path_s"][1:]),
     )
 
 
 # -- per-tensor cost -----------------------------------------------------------------------------------------
-
-
-def _tiny(count: int, seed: int = 0):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    params = []
-    for i in range(count):
-        shape = (64, 64) if i % 2 == 0 else (64,)
-        p = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)
-        p.grad = torch.randn(shape, generator=g) * 1e-3
-        params.append(p)
-    return params
 
 
 def run_tensors(spec: dict) -> dict:
@@ -369,23 +364,28 @@ def run_tensors(spec: dict) -> dict:
     tiny tensors, one step of each in turn."""
     import torch
 
-    from bench.harness import OtherLoad
     from zenflow_kernels import ZenFlowAdamW
     from zenflow_kernels.testing import chaos
+
+    def tiny(count):
+        params, grads = tiny_tensors(count)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        return params
 
     zen = dict(BASE_ZENFLOW, overlap_step=True, pt_reserved_cores_perc=1.0)
     rows = []
     for count in spec["counts"]:
-        opts = {"zenflow_cpu_link": ZenFlowAdamW(_tiny(count), lr=LR, zenflow=zen)}
+        opts = {"zenflow_cpu_link": ZenFlowAdamW(tiny(count), lr=LR, zenflow=zen)}
         with chaos(seed=0, max_delay=0):
-            opts["zenflow_async_link"] = ZenFlowAdamW(_tiny(count), lr=LR, zenflow=zen)
-        opts["torch_adamw_foreach"] = torch.optim.AdamW(_tiny(count), lr=LR, foreach=True)
+            opts["zenflow_async_link"] = ZenFlowAdamW(tiny(count), lr=LR, zenflow=zen)
+        opts["torch_adamw_foreach"] = torch.optim.AdamW(tiny(count), lr=LR, foreach=True)
         for opt in opts.values():
             for _ in range(2 * BASE_ZENFLOW["update_interval"]):
                 opt.step()
         samples = {name: [] for name in opts}
         flags = {name: [] for name in opts}
-        load = OtherLoad()
+        load = harness.OtherLoad()
         for _ in range(spec["rounds"]):
             for name, opt in opts.items():
                 before = getattr(opt, "host_updates", 0)
@@ -396,9 +396,10 @@ def run_tensors(spec: dict) -> dict:
         other_load = load.fraction()
         for name, opt in opts.items():
             s, f = samples[name], flags[name]
+            between = median_or_none([t for t, b in zip(s, f, strict=True) if not b])
             rows.append(dict(tensors=count, candidate=name, median_s=statistics.median(s), mean_s=statistics.fmean(s),
-                             between_boundaries_median_s=_median([t for t, b in zip(s, f, strict=True) if not b]),
-                             boundary_median_s=_median([t for t, b in zip(s, f, strict=True) if b]),
+                             between_boundaries_median_s=between,
+                             boundary_median_s=median_or_none([t for t, b in zip(s, f, strict=True) if b]),
                              steps=len(s), other_processes_cpu_fraction=other_load))
             if hasattr(opt, "close"):
                 opt.close()
@@ -430,14 +431,13 @@ def predicted_bytes(d: int, layers: int, config: str) -> int:
     """A generous estimate of one run's peak RSS: bf16 parameters and gradients 4, the host budget,
     the fast path's state (10% of the columns: fp32 master and moments), devacc's sums, 1.5 GiB of
     interpreter, torch and numba."""
-    n = layers * (12 * d * d + 2 * d)
     per = 4 + 14 + 4 * NUM_ACC[config] + 1.2 + (4 if config == "devacc" else 0)
-    return int(n * per * 1.05 + 1.5 * 2**30)
+    return int(size_params(d, layers) * per * 1.05 + 1.5 * 2**30)
 
 
 def _child(kind: str, spec: dict, timeout: float) -> dict:
-    return run_child("bench.scale", ["--worker", kind, "--spec", json.dumps(spec)], timeout=timeout,
-                     what=f"the {kind} process {spec}", env_extra=MALLOC_ENV)
+    return harness.run_child("bench.scale", ["--worker", kind, "--spec", json.dumps(spec)], timeout=timeout,
+                             what=f"the {kind} process {spec}", env_extra=MALLOC_ENV)
 
 
 def best_bandwidth(runs: list[dict]) -> list[dict]:
@@ -492,11 +492,10 @@ def growth(runs: list[dict]) -> dict:
             pts = [(r["params"], get(r)) for r in rs if get(r)]
             if len(pts) < 2:
                 continue
-            xs, ys = zip(*pts, strict=True)
-            mx, my = statistics.fmean(xs), statistics.fmean(ys)
-            slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x in xs)
-            a = math.log(ys[-1] / ys[0]) / math.log(xs[-1] / xs[0])
-            entry[key] = dict(ns_per_param=slope * 1e9, intercept_ms=(my - slope * mx) * 1e3, exponent=a)
+            (x0, y0), (x1, y1), s = pts[0], pts[-1], slope(pts)
+            intercept = statistics.fmean(y for _, y in pts) - s * statistics.fmean(x for x, _ in pts)
+            entry[key] = dict(ns_per_param=s * 1e9, intercept_ms=intercept * 1e3,
+                              exponent=math.log(y1 / y0) / math.log(x1 / x0))
         out[config] = entry
     return out
 
@@ -533,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     started = time.time()
-    out_dir = output_dir(args.out)
+    out_dir = harness.output_dir(args.out)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
         ap.error(f"argument --device: {device!r} is not cpu or cuda")
@@ -549,9 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     roof_numel = QUICK_ROOF_NUMEL if args.quick else ROOF_NUMEL
 
     t0 = time.perf_counter()
-    tensors = quietest(lambda: _child("tensors", dict(counts=counts, rounds=rounds), timeout=1800),
-                       lambda r: max(row["other_processes_cpu_fraction"] for row in r["rows"]), attempts,
-                       MAX_OTHER_LOAD, "per-tensor")
+    tensors = harness.quietest(lambda: _child("tensors", dict(counts=counts, rounds=rounds), timeout=1800),
+                               lambda r: max(row["other_processes_cpu_fraction"] for row in r["rows"]), attempts,
+                               MAX_OTHER_LOAD, "per-tensor")
     tensors["summary"] = per_tensor_summary(tensors)
     summary = "; ".join(f"{c}: " + ", ".join(f"{k} {v:.2f}" for k, v in e.items())
                         for c, e in tensors["summary"].items())
@@ -569,9 +568,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.perf_counter()
             spec = dict(d=d, layers=layers, config=config, steps=steps, device=device, roof_numel=roof_numel)
-            run = quietest(lambda spec=spec: _child("run", spec, timeout=3600),
-                           lambda r: r["other_processes_cpu_fraction"], attempts, MAX_OTHER_LOAD,
-                           f"{d}x{layers} {config}")
+            run = harness.quietest(lambda spec=spec: _child("run", spec, timeout=3600),
+                                   lambda r: r["other_processes_cpu_fraction"], attempts, MAX_OTHER_LOAD,
+                                   f"{d}x{layers} {config}")
             runs.append(run)
             bpp, tm, hu = run["bytes_per_param"], run["times"], run["host_update"]
             own = next(b["gbps"] for b in run["bandwidth"] if b["pattern"] == hu["pattern"]
@@ -600,9 +599,9 @@ def main(argv: list[str] | None = None) -> int:
                     tensor_counts=counts, tensor_rounds=rounds, quick=args.quick, roof_numel=roof_numel,
                     roof_repeats=ROOF_REPEATS, max_other_load=MAX_OTHER_LOAD, attempts=attempts),
         roofline_bandwidth=bandwidth, per_tensor=tensors, runs=runs, skipped=skipped, growth=growth(runs),
-        deepspeed_reference=DEEPSPEED_REFERENCE, machine=machine_info_light(), total_s=time.time() - started,
+        deepspeed_reference=DEEPSPEED_REFERENCE, machine=harness.machine_info_light(), total_s=time.time() - started,
     )
-    path = write_json_light(out_dir / f"scale_{kind}.json", payload)
+    path = harness.write_json_light(out_dir / f"scale_{kind}.json", payload)
     plot(payload, out_dir / f"scale_{kind}.png")
     print(f"wrote {path} and {out_dir / f'scale_{kind}.png'} ({payload['total_s']:.0f}s)")
     return 0
@@ -614,35 +613,25 @@ _COLORS = {"overlap": "C0", "sync": "C1", "devacc": "C2"}
 _BUFFERS = ["master", "exp_avg", "exp_avg_sq", "accumulation", "copy_out", "landing", "fast_state", "device_sums"]
 
 
-def _against_size(ax, ylabel: str, title: str, log_y: bool = False) -> None:
-    """A panel against model size: log parameter axis, labels, legend, grid."""
-    ax.set_xscale("log")
-    if log_y:
-        ax.set_yscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-
-
 def plot(payload: dict, path) -> None:
-    pyplot = plt()
-    runs = payload["runs"]
-    fig, axes = pyplot.subplots(2, 3, figsize=(18, 10))
-    ds = payload["deepspeed_reference"]
+    from matplotlib.ticker import NullFormatter
 
-    def series(config, get):
-        rs = sorted((r for r in runs if r["config"] == config), key=lambda r: r["params"])
-        return [r["params"] for r in rs], [get(r) for r in rs]
+    runs, ds = payload["runs"], payload["deepspeed_reference"]
+    fig, axes = harness.figure(3, 2, size=(18, 10))
+    configs = [c for c in _COLORS if any(r["config"] == c for r in runs)]
 
-    def ds_lines(ax):
+    def curves(ax, c, *lines):
+        """Per line (getter, format, label): this config's values against the parameters."""
+        rs = sorted((r for r in runs if r["config"] == c), key=lambda r: r["params"])
+        for get, fmt, label in lines:
+            ax.plot([r["params"] for r in rs], [get(r) for r in rs], fmt, color=_COLORS[c], ms=3, label=f"{c}: {label}")
+
+    def deepspeed(ax):
         ax.axhline(ds["zero_offload"]["bytes_per_param"], color="k", ls=":", lw=1, label="DeepSpeed ZeRO-Offload 16")
         ax.axhline(ds["zenflow_overlap"]["bytes_per_param"], color="k", ls="--", lw=1,
                    label="DeepSpeed ZenFlow overlap ~32")
 
     ax = axes[0, 0]
-    configs = [c for c in _COLORS if any(r["config"] == c for r in runs)]
     largest = {c: max((r for r in runs if r["config"] == c), key=lambda r: r["params"]) for c in configs}
     bottom = [0.0] * len(configs)
     for i, buf in enumerate(_BUFFERS):
@@ -650,69 +639,40 @@ def plot(payload: dict, path) -> None:
         if any(vals):
             ax.bar(configs, vals, bottom=bottom, label=buf, color=f"C{i}", hatch="//" if i >= 6 else None)
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ds_lines(ax)
-    ax.set_ylabel("host bytes per parameter")
-    ax.set_title("host buffers by kind at the largest size run" + (
-        f" ({largest[configs[0]]['params'] / 1e6:.0f}M)" if configs else ""))
-    ax.legend(fontsize=7)
-
-    ax = axes[0, 1]
+    deepspeed(ax)
+    style(ax, None, "host bytes per parameter", "host buffers by kind at the largest size run" + (
+        f" ({largest[configs[0]]['params'] / 1e6:.0f}M)" if configs else ""), grid=None)
+    nan = float("nan")
     for c in configs:
-        ax.plot(*series(c, lambda r: r["bytes_per_param"]["total"]), "-o", color=_COLORS[c], ms=3,
-                label=f"{c}: host buffers")
-        ax.plot(*series(c, lambda r: r["rss"]["peak_over_base_per_param"]), ":s", color=_COLORS[c], ms=3,
-                label=f"{c}: peak RSS over the process's base (params + grads + all)")
-    ds_lines(ax)
-    _against_size(ax, "bytes per parameter", "bytes per parameter against model size")
-
-    ax = axes[0, 2]
-    for c in configs:
-        ax.plot(*series(c, lambda r: r["times"]["mean_step_s"] * 1e3), "-o", color=_COLORS[c], ms=3,
-                label=f"{c}: mean step()")
-        ax.plot(*series(c, lambda r: r["times"]["between_boundaries_median_s"] * 1e3), ":", color=_COLORS[c],
-                label=f"{c}: between boundaries")
-        ax.plot(*series(c, lambda r: r["times"]["cold_first_step_s"] * 1e3), "--", color=_COLORS[c], alpha=0.6,
-                label=f"{c}: first (cold)")
-    _against_size(ax, "ms", "step() time against model size (optimizer alone)", log_y=True)
-
-    ax = axes[1, 0]
-    for c in configs:
-        ax.plot(*series(c, lambda r: r["host_update"]["last_s"] * 1e3), "-o", color=_COLORS[c], ms=3,
-                label=f"{c}: host update ({'1 worker' if c != 'sync' else 'training'} thread(s))")
-        ax.plot(*series(c, lambda r: r["host_update"].get("roofline_s", float("nan")) * 1e3), ":", color=_COLORS[c],
-                label=f"{c}: memory roofline")
-    _against_size(ax, "ms", "host update (the last, alone) against the memory roofline", log_y=True)
-
-    ax = axes[1, 1]
+        curves(axes[0, 1], c, (lambda r: r["bytes_per_param"]["total"], "-o", "host buffers"),
+               (lambda r: r["rss"]["peak_over_base_per_param"], ":s",
+                "peak RSS over the process's base (params + grads + all)"))
+        curves(axes[0, 2], c, (lambda r: r["times"]["mean_step_s"] * 1e3, "-o", "mean step()"),
+               (lambda r: r["times"]["between_boundaries_median_s"] * 1e3, ":", "between boundaries"),
+               (lambda r: r["times"]["cold_first_step_s"] * 1e3, "--", "first (cold)"))
+        curves(axes[1, 0], c, (lambda r: r["host_update"]["last_s"] * 1e3, "-o",
+                               f"host update ({'1 worker' if c != 'sync' else 'training'} thread(s))"),
+               (lambda r: r["host_update"].get("roofline_s", nan) * 1e3, ":", "memory roofline"))
+        accumulation = (lambda r: r.get("accumulation", {}).get("step_between_boundaries_vs_roofline", nan), ":s",
+                        "step between boundaries vs acc += g roofline")
+        curves(axes[1, 2], c, (lambda r: r["host_update"].get("fraction_of_roofline_last", nan), "-o", "host update"),
+               *([] if c == "devacc" else [accumulation]))
+    deepspeed(axes[0, 1])
+    axes[1, 2].axhline(1.0, color="k", lw=0.8)
+    for ax, ylabel, title, logy in (
+            (axes[0, 1], "bytes per parameter", "bytes per parameter against model size", None),
+            (axes[0, 2], "ms", "step() time against model size (optimizer alone)", 10),
+            (axes[1, 0], "ms", "host update (the last, alone) against the memory roofline", 10),
+            (axes[1, 2], "roofline time / measured time",
+             "fraction of the memory roofline (the best bandwidth any run measured)", None)):
+        style(ax, "parameters", ylabel, title, logx=10, logy=logy)
+        ax.xaxis.set_minor_formatter(NullFormatter())
     rows = payload["per_tensor"]["rows"]
     for i, cand in enumerate(sorted({r["candidate"] for r in rows})):
         pts = sorted((r["tensors"], r["median_s"] * 1e3) for r in rows if r["candidate"] == cand)
-        ax.plot(*zip(*pts, strict=True), "-o", color=f"C{i + 3}", label=cand)
-    ax.set_xlabel("tensors (tiny: compute vanishes)")
-    ax.set_ylabel("step() ms, median")
-    ax.set_title("per-tensor cost of step()")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-
-    ax = axes[1, 2]
-    for c in configs:
-        ax.plot(*series(c, lambda r: r["host_update"].get("fraction_of_roofline_last", float("nan"))), "-o",
-                color=_COLORS[c], ms=3, label=f"{c}: host update")
-        if c != "devacc":
-            ax.plot(*series(c, lambda r: r.get("accumulation", {}).get("step_between_boundaries_vs_roofline",
-                                                                      float("nan"))),
-                    ":s", color=_COLORS[c], ms=3, label=f"{c}: step between boundaries vs acc += g roofline")
-    ax.axhline(1.0, color="k", lw=0.8)
-    _against_size(ax, "roofline time / measured time",
-                  "fraction of the memory roofline (the best bandwidth any run measured)")
-    from matplotlib.ticker import NullFormatter
-
-    for ax in axes.flat:
-        if ax.get_xscale() == "log":
-            ax.xaxis.set_minor_formatter(NullFormatter())
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot.close(fig)
+        axes[1, 1].plot(*zip(*pts, strict=True), "-o", color=f"C{i + 3}", label=cand)
+    style(axes[1, 1], "tensors (tiny: compute vanishes)", "step() ms, median", "per-tensor cost of step()")
+    harness.save(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

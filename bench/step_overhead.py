@@ -3,52 +3,48 @@
     python -m bench.step_overhead [--out DIR] [--quick] [--tensors 50 150 300 600] [--steps 300] [--block 10]
                                   [--repeats 3] [--rules]
 
-On a GPU the training thread's Python work in ``step()`` is on the critical path; here it is measured
-with tiny tensors, so that compute nearly vanishes: alternating fp32 [64, 64] matrices and [64] vectors
-(50, 150, 300 and 600 of them), ``torch.set_num_threads(1)``. Candidates, each on its own copy of the tensors:
+On a GPU the training thread's Python work in ``step()`` is on the critical path; here it is measured with tiny
+tensors, so that compute nearly vanishes: alternating fp32 [64, 64] matrices and [64] vectors (50, 150, 300 and 600
+of them), ``torch.set_num_threads(1)``. Candidates, each on its own copy of the tensors:
 
-* ``zenflow_cpu_link``: ``ZenFlowAdamW(topk_ratio=0.1, select_interval=update_interval=1000,
-  overlap_step=True)`` on the numba backend, through the synchronous CPU link, gradients set before each step;
-* ``zenflow_async_link``: the same through the asynchronous link (``testing.chaos(seed=0, max_delay=0)``:
-  the CUDA protocol's landing area, fingerprints, copy and fold threads, no sleeps), gradients set before each
-  step: no hook copies them, ``step()`` copies them all;
+* ``zenflow_cpu_link``: ``ZenFlowAdamW(topk_ratio=0.1, select_interval=update_interval=1000, overlap_step=True)``
+  on the numba backend, through the synchronous CPU link, gradients set before each step;
+* ``zenflow_async_link``: the same through the asynchronous link (``testing.chaos(seed=0, max_delay=0)``: the CUDA
+  protocol's landing area, fingerprints, copy and fold threads, no sleeps); no hook copies the gradients, ``step()``
+  copies them all;
 * ``zenflow_async_link_hooks``: the same with each step's gradients made by a backward (untimed): its hooks copy
-  them to the host during backward and ``step()`` checks their fingerprints (a training loop's case);
+  them during backward and ``step()`` checks their fingerprints (a training loop's case);
 * ``torch_adamw_foreach`` and ``torch_adamw_fused``: ``torch.optim.AdamW(foreach=True)`` and ``(fused=True)``;
-* with ``--rules``, also ``zenflow_async_link_lion``, ``_sgd`` and ``_adam``: ``ZenFlow`` with ``rules.Lion()``,
-  ``rules.SGD(momentum=0.9)`` and ``rules.Adam()`` on the asynchronous link, their device step the fused multi-tensor
-  kernel (``ops.fused_kernels``), and each again with ``_torch``: the same rule with its device step in plain torch
-  (``UpdateRule.reference_fast_step_``, what a rule without a fused kernel costs a step), and rules of one's own
-  (``bench.custom_rules``: a plain-torch ``step_``, no kernel), their device step compiled by Inductor
-  (``zenflow_kernels.rules.compiled``): ``zenflow_async_link_rmsprop_compiled``, ``_ademamix_compiled`` (three
-  state tensors) and ``_from_torch_rmsprop`` (``rules.from_torch(torch.optim.RMSprop)``), with
-  ``_rmsprop_eager`` (the same RMSprop, ``compile=False``: what it cost before); each compiles in the untimed
-  warm-up steps, and ``rule_paths`` records each one's ``stats()["rule_paths"]`` at each count (the path taken,
-  the compiles and their seconds); results then in ``step_overhead_rules_cpu.json``.
+* with ``--rules`` (results in ``step_overhead_rules_cpu.json``), ``RULE_CANDIDATES`` too: ``ZenFlow`` with
+  ``rules.Lion()``, ``rules.SGD(momentum=0.9)`` and ``rules.Adam()`` on the asynchronous link, their device step the
+  fused kernel (``ops.fused_kernels``) and, with ``_torch``, plain torch (``UpdateRule.reference_fast_step_``: what
+  a rule without a fused kernel costs); and rules of one's own (``bench.custom_rules``), their device step compiled
+  by Inductor (``rules.compiled``; ``_rmsprop_eager``: ``compile=False``), compiled in the untimed warm-up steps,
+  each one's ``stats()["rule_paths"]`` at each count recorded in ``rule_paths``.
 
-Two clocks around ``step()``: ``time.thread_time()`` of the training thread (CPU time: what a step costs the
-thread that drives the device; the workers' own work and the waits do not count) and ``time.perf_counter()``
-(wall time, waits included). On the CPU stand-in of the asynchronous link the wall time includes one wait a GPU
-host does not have: the copies ``step()`` starts (gradients no hook copied) run on a thread standing in for the
-copy stream, and the end of ``step()`` waits for them, as the device's later work waits for the stream
-(docs/design.md section 5). Only steps that are not boundaries (no selection, no host update) count; the median
-over them. Every candidate at every count takes its turn, ``--block`` steps back to back (as one optimizer steps
-in a training loop), turn after turn, so that drift hits all alike; after an asynchronous step its background
-work is waited for, untimed, so that it does not run beside the next step. ``--repeats`` rounds of the whole
-schedule in one process: each round's ratio to torch's foreach AdamW, and their median. Per-tensor cost: the
-least-squares slope of the medians over the counts. The goal (issue "the step's own cost"): the asynchronous
-link's CPU time at most 0.5x torch's foreach AdamW at 150 tensors and 0.6x at 600.
+Two clocks around ``step()``: ``time.thread_time()`` of the training thread (what a step costs the thread that
+drives the device; the workers' own work and the waits do not count) and ``time.perf_counter()`` (wall time, waits
+included: on the CPU stand-in of the asynchronous link, the end of ``step()`` waits for the copies it started, as
+the device's later work waits for the copy stream; docs/design.md section 5). Only steps that are not boundaries
+count; the median over them. Every candidate at every count takes its turn, ``--block`` steps back to back (as in a
+training loop), turn after turn, so that drift hits all alike; an asynchronous step's background work is waited for,
+untimed, so that it does not run beside the next step. ``--repeats`` rounds of the whole schedule: each round's ratio
+to torch's foreach AdamW, and their median. Per-tensor cost: the least-squares slope of the medians over the counts.
+The goal (``GOALS``): the asynchronous link's CPU time at most 0.5x torch's foreach AdamW at 150 tensors, 0.6x at 600.
 
 Results: ``step_overhead_cpu.json`` (with the machine description) and ``.png`` in ``bench/results``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
 
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, write_json_light
+from bench import harness
+from bench.harness import OneLineParser, int_at_least, style
+from bench.scale import slope, tiny_tensors
 
 COUNTS = [50, 150, 300, 600]
 QUICK_COUNTS = [8, 16]
@@ -78,19 +74,6 @@ def _rule(name: str):
             "from_torch_rmsprop": custom_rules.from_torch_rmsprop}[kind]()
 
 
-def _tensors(count: int, seed: int = 0):
-    """Parameters and their gradients: alternating fp32 [64, 64] and [64]."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    params, grads = [], []
-    for i in range(count):
-        shape = (64, 64) if i % 2 == 0 else (64,)
-        params.append(torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02))
-        grads.append(torch.randn(shape, generator=g) * 1e-3)
-    return params, grads
-
-
 class _Candidate:
     def __init__(self, name: str, count: int):
         import torch
@@ -99,22 +82,19 @@ class _Candidate:
         from zenflow_kernels.testing import chaos
 
         self.name, self.count = name, count
-        self.params, self.grads = _tensors(count)
+        self.params, self.grads = tiny_tensors(count)
         self.backward = name.endswith("_hooks")
         if name.startswith("torch_adamw"):
-            kind = name.rsplit("_", 1)[1]
-            self.opt = torch.optim.AdamW(self.params, lr=LR, **{kind: True})
+            self.opt = torch.optim.AdamW(self.params, lr=LR, **{name.rsplit("_", 1)[1]: True})  # foreach or fused
         elif name in RULE_CANDIDATES:
             rule = _rule(name)
             if name.endswith("_torch"):  # the device step in plain torch, as a rule without a fused kernel has it
                 rule.fast_step_ = rule.reference_fast_step_
             with chaos(seed=0, max_delay=0):
                 self.opt = ZenFlow(self.params, rule, lr=LR, zenflow=ZENFLOW)
-        elif name.startswith("zenflow_async_link"):
-            with chaos(seed=0, max_delay=0):
-                self.opt = ZenFlowAdamW(self.params, lr=LR, zenflow=ZENFLOW)
         else:
-            self.opt = ZenFlowAdamW(self.params, lr=LR, zenflow=ZENFLOW)
+            with chaos(seed=0, max_delay=0) if name.startswith("zenflow_async_link") else contextlib.nullcontext():
+                self.opt = ZenFlowAdamW(self.params, lr=LR, zenflow=ZENFLOW)
         self.samples: list[tuple[int, float, float]] = []  # (repeat, CPU seconds, wall seconds)
         self.boundaries = 0
         self.rule_paths = None  # stats()["rule_paths"] at close, for a rule of one's own
@@ -176,15 +156,6 @@ def _load() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
-def _slope_us(points: list[tuple[int, float]]) -> float | None:
-    """Least-squares slope of (tensors, seconds) in microseconds per tensor."""
-    if len(points) < 2:
-        return None
-    xs, ys = [float(x) for x, _ in points], [y for _, y in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs) * 1e6
-
-
 def measure(counts: list[int], steps: int, warmup: int, block: int, repeats: int, names=CANDIDATES) -> dict:
     import torch
 
@@ -232,7 +203,8 @@ def summarise(rows: list[dict], counts: list[int], repeats: int, names=CANDIDATE
         for clock in ("cpu", "wall"):
             ms = {n: statistics.median(by[cand, clock, n, k] for k in range(repeats)) for n in counts}
             entry = {f"ms_at_{n}": ms[n] for n in counts}
-            entry["us_per_tensor"] = _slope_us([(n, ms[n] / 1e3) for n in counts])
+            per_tensor = slope([(n, ms[n] / 1e3) for n in counts])  # (seconds a tensor)
+            entry["us_per_tensor"] = None if per_tensor is None else per_tensor * 1e6
             if cand != BASE:
                 entry.update({f"vs_{BASE}_at_{n}": statistics.median(
                     by[cand, clock, n, k] / by[BASE, clock, n, k] for k in range(repeats)) for n in counts})
@@ -246,23 +218,17 @@ def summarise(rows: list[dict], counts: list[int], repeats: int, names=CANDIDATE
 
 
 def plot(payload: dict, path) -> None:
-    pyplot = plt()
     counts = payload["config"]["tensors"]
-    fig, axes = pyplot.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig, axes = harness.figure(2, size=(11, 4.2))
+    axes[1].sharey(axes[0])
     for ax, clock in zip(axes, ("cpu", "wall"), strict=True):
         for cand in payload["config"]["candidates"]:
             e = payload["summary"][cand][clock]
             ax.plot(counts, [e[f"ms_at_{n}"] for n in counts], marker="o", label=cand)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("tensors (alternating fp32 [64, 64] and [64])")
-        ax.set_title(f"step() between boundaries, {'training-thread CPU' if clock == 'cpu' else 'wall'} time")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("ms per step (median of repeats)")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
+        style(ax, "tensors (alternating fp32 [64, 64] and [64])", "ms per step (median of repeats)",
+              f"step() between boundaries, {'training-thread CPU' if clock == 'cpu' else 'wall'} time", logx=10,
+              logy=10, legend=8 if clock == "cpu" else None)
+    harness.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     names = CANDIDATES + (RULE_CANDIDATES if args.rules else ())
     stem = "step_overhead_rules_cpu" if args.rules else "step_overhead_cpu"
-    out_dir = output_dir(args.out)
+    out_dir = harness.output_dir(args.out)
     counts = sorted(set(args.tensors or (QUICK_COUNTS if args.quick else COUNTS)))
     steps = args.steps or (8 if args.quick else 100)
     warmup = args.warmup or (2 if args.quick else 20)
@@ -301,16 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(result["rows"], counts, repeats, names)
     payload = dict(
         config=dict(candidates=list(names), tensors=counts, steps=steps, warmup=warmup, block=block, repeats=repeats,
-                    quick=args.quick,
-                    zenflow=ZENFLOW, lr=LR, backend="numba", torch_threads=result["torch_threads"],
+                    quick=args.quick, zenflow=ZENFLOW, lr=LR, backend="numba", torch_threads=result["torch_threads"],
                     clocks=dict(cpu="time.thread_time", wall="time.perf_counter"),
-                    shapes="alternating fp32 [64, 64] matrices and [64] vectors", goals={str(n): g for n, g in
-                                                                                          GOALS.items()}),
-        rows=result["rows"], summary=summary, total_s=time.perf_counter() - started, machine=machine_info_light(),
+                    shapes="alternating fp32 [64, 64] matrices and [64] vectors",
+                    goals={str(n): g for n, g in GOALS.items()}),
+        rows=result["rows"], summary=summary, total_s=time.perf_counter() - started,
+        machine=harness.machine_info_light(),
         rule_paths=result["rule_paths"],  # the rules of one's own: compiled or eager, compiles and their seconds
         load_average=dict(before=load_before, after=_load()),  # the machine is shared: others' work slows ours
     )
-    path = write_json_light(out_dir / f"{stem}.json", payload)
+    path = harness.write_json_light(out_dir / f"{stem}.json", payload)
     plot(payload, out_dir / f"{stem}.png")
 
     for clock in ("cpu", "wall"):

@@ -33,7 +33,7 @@ are modelling assumptions, stated so they can be changed.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 ADAM_BYTES = 28
 ACCUMULATE_BYTES = 10
@@ -57,9 +57,6 @@ class Setup:
     def per_rank(self) -> float:
         return self.n_params / self.n_gpus
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def zero_offload_step(s: Setup, overlap_d2h: bool = False) -> dict:
     """Seconds per step of synchronous ZeRO-Offload, by component (see the module docstring)."""
@@ -68,15 +65,8 @@ def zero_offload_step(s: Setup, overlap_d2h: bool = False) -> dict:
     cpu = P / (s.cpu_adam_mparams_per_s * 1e6)
     h2d = s.param_bytes * P / (s.pcie_gbps * 1e9)
     step = s.gpu_step_s + (0.0 if overlap_d2h else d2h) + cpu + h2d
-    return {
-        "gpu_s": s.gpu_step_s,
-        "d2h_s": d2h,
-        "cpu_adam_s": cpu,
-        "h2d_s": h2d,
-        "step_s": step,
-        "stall_s": step - s.gpu_step_s,
-        "pcie_bytes_per_step": (s.grad_bytes + s.param_bytes) * P,
-    }
+    return dict(gpu_s=s.gpu_step_s, d2h_s=d2h, cpu_adam_s=cpu, h2d_s=h2d, step_s=step, stall_s=step - s.gpu_step_s,
+                pcie_bytes_per_step=(s.grad_bytes + s.param_bytes) * P)
 
 
 def zenflow_step(s: Setup, topk_ratio: float, update_interval: int, accumulate_on: str = "host") -> dict:
@@ -97,18 +87,10 @@ def zenflow_step(s: Setup, topk_ratio: float, update_interval: int, accumulate_o
     compute = s.gpu_step_s + fast
     host_lane = (cpu_interval + h2d_interval) / S
     step = max(compute, d2h_step, host_lane)
-    return {
-        "gpu_s": s.gpu_step_s,
-        "fast_path_s": fast,
-        "d2h_per_step_s": d2h_step,
-        "cpu_per_interval_s": cpu_interval,
-        "h2d_per_interval_s": h2d_interval,
-        "host_lane_per_step_s": host_lane,
-        "step_s": step,
-        "stall_s": step - compute,
-        "bound_by": "gpu" if step == compute else ("pcie" if step == d2h_step else "cpu"),
-        "pcie_bytes_per_step": crossings * s.grad_bytes * host_params + s.param_bytes * host_params / S,
-    }
+    return dict(gpu_s=s.gpu_step_s, fast_path_s=fast, d2h_per_step_s=d2h_step, cpu_per_interval_s=cpu_interval,
+                h2d_per_interval_s=h2d_interval, host_lane_per_step_s=host_lane, step_s=step, stall_s=step - compute,
+                bound_by="gpu" if step == compute else ("pcie" if step == d2h_step else "cpu"),
+                pcie_bytes_per_step=crossings * s.grad_bytes * host_params + s.param_bytes * host_params / S)
 
 
 def compare(s: Setup, topk_ratio: float, update_interval: int, overlap_d2h: bool = False,
@@ -116,14 +98,10 @@ def compare(s: Setup, topk_ratio: float, update_interval: int, overlap_d2h: bool
     """Speed-up, PCIe-traffic ratio and stall reduction of ZenFlow over ZeRO-Offload."""
     zo = zero_offload_step(s, overlap_d2h)
     zf = zenflow_step(s, topk_ratio, update_interval, accumulate_on)
-    return {
-        "zero_offload": zo,
-        "zenflow": zf,
-        "speedup": zo["step_s"] / zf["step_s"],
-        "pcie_traffic_ratio": zo["pcie_bytes_per_step"] / zf["pcie_bytes_per_step"],
-        "stall_reduction": 1.0 - zf["stall_s"] / zo["stall_s"] if zo["stall_s"] > 0 else float("nan"),
-        "zero_offload_idle_fraction": zo["stall_s"] / zo["step_s"],
-    }
+    return dict(zero_offload=zo, zenflow=zf, speedup=zo["step_s"] / zf["step_s"],
+                pcie_traffic_ratio=zo["pcie_bytes_per_step"] / zf["pcie_bytes_per_step"],
+                stall_reduction=1.0 - zf["stall_s"] / zo["stall_s"] if zo["stall_s"] > 0 else float("nan"),
+                zero_offload_idle_fraction=zo["stall_s"] / zo["step_s"])
 
 
 def calibrate_cpu_rate(n_params: float, n_gpus: int, gpu_step_s: float, offload_step_s: float, pcie_gbps: float,

@@ -5,40 +5,39 @@
 ZenFlow's overlapped host update runs on a background thread of the same process. Its numba kernels release the GIL
 (``cpu_ops._common.launch``: ``nogil=True``), but what runs between them (``HostShard.update``'s loops over the
 parameters, the launchers' checks, the worker's queue) is Python and holds it; a training thread that is itself
-Python-bound (launching many small kernels) waits for the GIL while it does. Per tensor count (150, 600, 2,000 fp32
-``[W, W]`` matrices, W = 64; a model of that many bias-free ``Linear`` layers, each applied to the batch, their
-outputs' mean square the loss: forward is one Python module call per layer) and per update rule (``ZenFlowAdamW``,
-``ZenFlow(rules.Lion())``), one optimizer trains on CPU with ``topk_ratio=0.1, update_interval=4,
-overlap_step=True`` (selection every 10^6 steps: no re-selection among the timed steps; torch on one thread, the
-worker's numba team on the other core). At each update boundary the bench chooses what the worker does during the
-next interval (the job handed to ``link.submit_update`` is wrapped; the modes shuffled within each round, seeded):
+Python-bound (launching many small kernels) waits for the GIL meanwhile. Per tensor count (150, 600, 2,000 fp32
+``[W, W]`` matrices, W = 64: a model of that many bias-free ``Linear`` layers applied to the batch, their outputs'
+mean square the loss, so forward is one Python module call per layer) and per rule (``ZenFlowAdamW``,
+``ZenFlow(rules.Lion())``), one optimizer trains on CPU with ``topk_ratio=0.1, update_interval=4, overlap_step=True``
+(no re-selection among the timed steps; torch on one thread, the worker's numba team on the other core). At each
+update boundary the bench chooses what the worker does during the next interval (the job handed to
+``link.submit_update`` is wrapped; the modes shuffled within each round, seeded):
 
 * ``update``: the host update as it is (``HostShard.update``), beside the training thread;
-* ``kernel``: the same rule's numba pass over the same flat buffers in one launch: the update's compute (cores,
-  memory bandwidth) without its Python, what an orchestration out of the GIL's way would leave;
+* ``kernel``: the same rule's numba pass over the same flat buffers in one launch: the update's compute without its
+  Python, what an orchestration out of the GIL's way would leave;
 * ``idle``: nothing (a job that returns at once);
 * ``hold``: the host update with the training thread waiting for it at once (the worker alone in the process).
 
-Hold per update (``hold_ms``, ``hold_us_per_tensor``): in ``hold`` intervals, the job's wall time minus the time
-spent inside the numba kernels (a wrapper around each kernel that ``launch`` runs, clocked per thread). With no other
-Python thread runnable, a thread that is not inside a GIL-releasing call holds the GIL, so this is the GIL held per
-update (slightly over: numba's argument dispatch and the GIL-free moments of torch's slicing count as held).
+``hold_ms`` (and ``hold_us_per_tensor``): in ``hold`` intervals, the job's wall time minus its time inside the numba
+kernels (each kernel ``launch`` runs is wrapped and clocked per thread). With no other Python thread runnable, a
+thread outside a GIL-releasing call holds the GIL, so this is the GIL held per update (slightly over: numba's
+argument dispatch and torch's GIL-free slicing count as held).
 
 Cost to training: each interval's wall time on the training thread, submission to submission (four whole steps, the
-drain of the interval's job included). Per round the ratio ``update / kernel`` (the GIL's share: both put the same
-compute beside the training thread) and ``update / idle`` (all the update costs), their medians over rounds:
-``added_pct_gil = 100 * (median ratio - 1)`` (``added_pct_gil_se``: its standard error from the rounds' spread) and
-``added_pct_total``. ``waited_ms``: the median over rounds of the training thread's off-CPU time (wall minus
-``time.thread_time``; a thread waiting for the GIL sleeps) in ``update`` minus that in ``kernel``: the GIL wait
-itself, free of the CPU-time noise of the step. ``predicted_pct`` = hold / the ``kernel`` interval: the loss if every
-held millisecond stopped the training thread (it releases the GIL inside each torch op, so the worker takes it
-within microseconds and keeps it for its Python stretch, up to the 5 ms switch interval; an upper estimate, the
-training thread's own GIL-free stretches aside). Goal (the issue): ``added_pct_gil`` <= 1%; above it, move the
-orchestration out of the GIL's way (DeepSpeed's PR 8058 moved its host update into a native process for this).
+drain of the interval's job included). Per round the ratios ``update / kernel`` (the GIL's share: both put the same
+compute beside the training thread) and ``update / idle`` (all the update costs); ``added_pct_gil = 100 * (median
+ratio - 1)`` (``added_pct_gil_se``: its standard error from the rounds' spread) and ``added_pct_total``.
+``waited_ms``: the median of the training thread's off-CPU time (wall minus ``time.thread_time``; a thread waiting
+for the GIL sleeps) in ``update`` minus that in ``kernel``: the GIL wait itself, free of the step's CPU-time noise.
+``predicted_pct`` = hold / the ``kernel`` interval: an upper estimate, as if every held millisecond stopped the
+training thread (it releases the GIL inside each torch op, so the worker takes it within microseconds and keeps it
+for its Python stretch, up to the 5 ms switch interval). Goal (the issue): ``added_pct_gil`` <= 1%; above it, move
+the orchestration out of the GIL's way (DeepSpeed's PR 8058 moved its host update into a native process for this).
 ``profile``: cProfile of one host update (after the timed rounds, on the training thread: the worker runs the same
-code), the functions with the longest own time, the GIL-free kernels left out. A machine shared with other processes
-blurs the intervals: ``other_processes_share_of_cores`` per row (``OtherLoad``); ``--wait-quiet`` waits for quiet
-before each row. Results: ``worker_gil_cpu.json`` in ``bench/results``.
+code), the functions with the longest own time, the GIL-free kernels left out. Other processes blur the intervals:
+``other_processes_share_of_cores`` per row; ``--wait-quiet`` waits for quiet before each row. Results:
+``worker_gil_cpu.json`` in ``bench/results``.
 """
 
 from __future__ import annotations
@@ -48,15 +47,8 @@ import statistics
 import threading
 import time
 
-from bench.harness import (
-    OneLineParser,
-    OtherLoad,
-    int_at_least,
-    machine_info_light,
-    output_dir,
-    wait_quiet,
-    write_json_light,
-)
+from bench import harness
+from bench.harness import OneLineParser, int_at_least
 
 COUNTS = (150, 600, 2000)
 RULES = ("adamw", "lion")
@@ -149,34 +141,22 @@ class Modes:
                 for (m, w0, c0), (_, w1, c1) in zip(self.submitted, self.submitted[1:], strict=False)]
 
 
-def make_model(count: int, width: int):
+def measure(rule: str, count: int, width: int, rounds: int, seed: int) -> dict:
     import torch
 
+    from zenflow_kernels import ZenFlow, ZenFlowAdamW, rules
+
+    clock = KernelClock()
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(count))
     x = torch.randn(BATCH, width)
-
-    def loss():
-        return torch.stack([layer(x) for layer in layers]).square().mean()
-
-    return layers, loss
-
-
-def make_optimizer(rule: str, params):
-    from zenflow_kernels import ZenFlow, ZenFlowAdamW, rules
-
     if rule == "adamw":
-        return ZenFlowAdamW(params, lr=1e-4, zenflow=ZENFLOW)
-    return ZenFlow(params, rules.Lion(), lr=1e-5, zenflow=ZENFLOW)
-
-
-def measure(rule: str, count: int, width: int, rounds: int, seed: int) -> dict:
-    clock = KernelClock()
-    layers, loss = make_model(count, width)
-    opt = make_optimizer(rule, layers.parameters())
+        opt = ZenFlowAdamW(layers.parameters(), lr=1e-4, zenflow=ZENFLOW)
+    else:
+        opt = ZenFlow(layers.parameters(), rules.Lion(), lr=1e-5, zenflow=ZENFLOW)
 
     def step():
-        loss().backward()
+        torch.stack([layer(x) for layer in layers]).square().mean().backward()  # one module call per layer
         opt.step()
         opt.zero_grad(set_to_none=False)
 
@@ -187,7 +167,7 @@ def measure(rule: str, count: int, width: int, rounds: int, seed: int) -> dict:
         order = random.Random(seed)
         warm = ["hold"]  # untimed: the worker's first kernel compiles (or loads) here
         schedule = warm + [m for _ in range(rounds) for m in order.sample(MODES, len(MODES))] + ["idle"]
-        load = OtherLoad()
+        load = harness.OtherLoad()
         for mode in schedule:
             modes.mode = mode
             submitted = len(modes.submitted)
@@ -275,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-quiet", type=float, default=0.0,
                     help="before each measurement, wait up to this many seconds for other processes to go quiet")
     args = ap.parse_args(argv)
-    out_dir = output_dir(args.out)
+    out_dir = harness.output_dir(args.out)
     import torch
 
     torch.set_num_threads(1)
@@ -287,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     for count in args.tensors:
         for i, rule in enumerate(rules):
             if args.wait_quiet > 0:
-                wait_quiet(args.wait_quiet)
+                harness.wait_quiet(args.wait_quiet)
             rows.append(measure(rule, count, width, rounds, seed=count + i))
             r = rows[-1]
             print(f"bench.worker_gil: {rule:5s} {count:5d} tensors: hold {r['hold_ms']:.2f} ms/update, step "
@@ -304,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                      max_predicted_pct=max(r["predicted_pct"] for r in rows),
                      exceeds_goal=worst["added_pct_gil"] > GOAL_PCT),
         other_processes_share_of_cores=max(r["other_processes_share_of_cores"] for r in rows),
-        total_s=time.perf_counter() - started, machine=machine_info_light(),
+        total_s=time.perf_counter() - started, machine=harness.machine_info_light(),
     )
-    path = write_json_light(out_dir / "worker_gil_cpu.json", payload)
+    path = harness.write_json_light(out_dir / "worker_gil_cpu.json", payload)
     print(f"wrote {path}")
     return 0
 
