@@ -1,32 +1,29 @@
 """End-to-end benchmark and the ``make demo`` engine: fine-tune a small GPT on Python's own source.
 
-``python -m bench.e2e --demo`` (what ``make demo`` runs) reads a seeded selection of the standard library's source
-(``bench.data``), pre-trains a byte-level GPT (``bench.model``) on the top-level modules or loads it from the cache
-(``data/e2e/``, git-ignored), then fine-tunes it on package sources three times, same data, batches and seed:
-``torch.optim.AdamW`` every step (``fused=True`` where the device supports it), synchronous ZeRO-Offload (host AdamW
-on the fp32 master every step; the training thread waits, then the whole model is copied back), and
-``ZenFlowAdamW`` (top-k columns every step, the rest on the host every ``update_interval`` steps, overlapped).
-Every run uses the same AdamW hyper-parameters (lr 3e-4, or with ``--demo`` the tuned comparison's pick,
-``DEMO_TUNED``; a linear warm-up over the first 10% of the steps, weight decay 0.01, no clipping); without
-``--demo`` ZenFlow selects its columns once per epoch of the fine-tuning data (``steps_per_epoch`` is passed, so
-nothing is silently never re-selected). It prints a table (steps/s, stall, host updates, final train and held-out
-loss; the time to AdamW's loss at 75% of its steps, here and modeled for a 7B model on an H200 profile:
-``bench.e2e_target``) and writes ``e2e.json`` (every figure, the curves, the machine) and ``e2e.png``.
+``python -m bench.e2e --demo`` (``make demo``) pre-trains a byte-level GPT (``bench.model``) on a seeded selection of
+the standard library's top-level modules (``bench.data``), or loads it from the cache (``data/e2e/``), then
+fine-tunes it on package sources three times on the same batches: ``torch.optim.AdamW`` (``fused=True`` where the
+device supports it), synchronous ZeRO-Offload (host AdamW on the fp32 master every step while training waits, then
+the whole model copied back) and ``ZenFlowAdamW`` (top-k columns every step, the rest on the host every
+``update_interval`` steps, overlapped), all with the same AdamW hyper-parameters (lr 3e-4, or with ``--demo`` the
+tuned comparison's pick ``DEMO_TUNED``; linear warm-up over 10% of the steps, weight decay 0.01, no clipping;
+without ``--demo`` ZenFlow re-selects once per epoch of the fine-tuning data). It prints a table (steps/s, stall,
+host updates, final train and held-out loss; the time to AdamW's loss at 75% of its steps, here and modeled for a
+7B model on an H200 profile: ``bench.e2e_target``) and writes ``e2e.json`` (every figure, the curves, the machine)
+and ``e2e.png``.
 
-Timing: the clock runs over the training steps only (data, forward, backward, optimizer step and the final
-``flush()``); held-out evaluation runs *after* each run, on snapshots of the weights taken during it (the live
-weights, as training used them: ZenFlow's non-selected columns are then up to one interval stale). Stall is the
-time the training thread waited for the host (``ZenFlowAdamW.stats()["stall_s"]``), as a share of the run's wall
-time. With ``--repeats R`` the runs are interleaved (A, B, C, A, B, C, ...) and the median steps/s is reported; the
-curves come from the repeat with the median wall time.
-
-Library use (the notebooks do this): ``prepare(cfg)`` and ``train_run(spec, prep)``, from ``bench.e2e_core`` (what
-this module and the GPU preset, ``bench.gpu_e2e``, share), re-exported here with the core's other names.
+Timing: the clock runs over the training steps only (data, forward, backward, optimizer step, the final
+``flush()``); held-out evaluation runs after each run, on snapshots of the weights taken during it (as training used
+them: ZenFlow's non-selected columns up to one interval stale). Stall: the time the training thread waited for the
+host (``stats()["stall_s"]``), as a share of the wall time. ``--repeats R`` interleaves the runs (A, B, C, A, ...)
+and reports the median steps/s, the curves from the repeat with the median wall time. The notebooks use
+``prepare(cfg)`` and ``train_run(spec, prep)`` (``bench.e2e_core``, shared with ``bench.gpu_e2e``, re-exported here).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -74,13 +71,9 @@ def default_specs(cfg: E2EConfig, n_epoch: int, cores_percs: Sequence[float] | N
 
 
 def _smooth(xs: list[float], k: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x
-        if i >= k:
-            acc -= xs[i - k]
-        out.append(acc / min(i + 1, k))
-    return out
+    """The running mean of the last ``k`` values (fewer at the start)."""
+    sums = [0.0, *itertools.accumulate(xs)]
+    return [(sums[i + 1] - sums[max(0, i + 1 - k)]) / min(i + 1, k) for i in range(len(xs))]
 
 
 def plot(result: dict, path: Path) -> Path:

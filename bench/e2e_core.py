@@ -96,10 +96,9 @@ class E2EConfig:
 class RunSpec:
     """One fine-tuning run: ``kind`` is "adamw", "offload" (synchronous ZeRO-Offload through ZenFlowAdamW),
     "zenflow", or "deepspeed" (a DeepSpeed engine, ``zenflow`` then holds its whole config; bench.gpu_e2e).
-
-    ``optimizer`` (optional): a factory ``optimizer(params)`` that builds the run's optimizer instead of the
-    kind's own (the update-rules notebook). ``kind`` still says how the run treats it: "zenflow" or "offload" for
-    a ZenFlow optimizer (flushed at the end, its ``stats()`` read, closed), another kind for a ``torch.optim`` one."""
+    ``optimizer(params)``, optional, builds the run's optimizer instead (the update-rules notebook); ``kind`` still
+    says how the run treats it: "zenflow" or "offload" a ZenFlow one (flushed, ``stats()`` read, closed), others
+    a ``torch.optim`` one."""
 
     name: str
     kind: str
@@ -364,8 +363,7 @@ def train_run(spec: RunSpec, prep: Prepared, steps: int | None = None, progress:
     bar = Progress(steps, tag or spec.label or spec.name, enabled=progress)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     train_loss, wall_at, opt_s, concentration_at = [], [], [], []
-    wall = 0.0
-    threads_during = None
+    wall, threads_during = 0.0, None
     zen = spec.kind in ("offload", "zenflow")
     backward = getattr(opt, "backward", None)  # a DeepSpeed engine runs its own backward
     try:

@@ -186,9 +186,7 @@ def worker(args) -> None:
     cfg = CONFIGS[args.worker_config]
     world = cfg["world"]
     torch.set_num_threads(max(1, cores() // world))
-    rank = 0
-    counter = CollectiveCounter()
-    mesh_group = None
+    rank, mesh_group, counter = 0, None, CollectiveCounter()
     if world > 1:
         dist.init_process_group("gloo")
         rank = dist.get_rank()

@@ -1,27 +1,19 @@
 """The GPU end-to-end benchmark: ``python -m bench.e2e --preset gpu`` (``bench/gpu_suite.sh`` runs it).
 
-One process, one model, the same batches for every run: the 152 M-parameter byte GPT of ``bench.model``
-(``gpt152m``: width 1024, 12 layers, context 256, batch 16), fp32 parameters, forward and backward under bf16
-autocast, randomly initialised (no pre-training: the runs compare speed, and loss at equal steps), a constant
-learning rate. Every run first takes untimed warm-up steps (kernels compile, pinned buffers are allocated), then
-``--steps`` timed steps, each ended by a device sync:
+One process, the same batches for every run: the 152 M-parameter byte GPT of ``bench.model`` (``gpt152m``), fp32
+parameters, forward and backward under bf16 autocast, randomly initialised (the runs compare speed, and loss at
+equal steps), a constant learning rate; untimed warm-up steps first, then ``--steps`` timed steps, each ended by a
+device sync. Runs: ``adamw`` (``torch.optim.AdamW(fused=True)`` on the GPU: the speed to reach), ``offload``
+(synchronous ZeRO-Offload through ``ZenFlowAdamW``), ``zenflow`` (``topk_ratio=0.1``, ``update_interval=4``,
+overlapped), ``zenflow_devacc`` (the same with ``device_accumulation=True``: one gradient upload per interval), and
+when ``deepspeed`` imports (optional, never the library's dependency) ``ds_zero2_offload`` (ZeRO-2, CPU offload)
+and ``ds_zenflow`` (DeepSpeed's ZenFlow at the same settings).
 
-* ``adamw``: ``torch.optim.AdamW(fused=True)``, everything on the GPU (the speed to reach);
-* ``offload``: synchronous ZeRO-Offload through ``ZenFlowAdamW`` (every step a host AdamW of the whole
-  model while the GPU waits, then the whole model copied back);
-* ``zenflow``: ``ZenFlowAdamW`` with ``topk_ratio=0.1``, ``update_interval=4``, ``overlap_step=True``;
-* ``zenflow_devacc``: the same with ``device_accumulation=True`` (one gradient upload per interval);
-* when ``deepspeed`` imports (optional, never the library's dependency): ``ds_zero2_offload`` (DeepSpeed ZeRO-2,
-  CPU offload) and ``ds_zenflow`` (the same with DeepSpeed's ZenFlow, the same ZenFlow settings).
-
-Per run: ms/step (median and mean: with ``update_interval=4`` every fourth step differs), stall (the training
-thread waiting for, or doing, host work, as a share of wall time), bytes crossing PCIe per step (device -> host
-gradients, host -> device weights), peak device memory, final train and held-out loss. Writes ``e2e_gpu.json`` and
-``e2e_gpu.png``; prints a table and the goals of the GPU issue (ZenFlow step <= 1.25x AdamW's, >= 4x sync offload's
-speed, stall < 5%, faster than DeepSpeed ZenFlow, ``step()`` <= 2 ms of host time).
-
-Without CUDA it says so and exits; ``--device cpu`` with a small ``--model`` runs the same code on CPU (the test
-suite does). The model, data, training loop and result rows are ``bench.e2e_core``'s.
+Per run: ms/step (median and mean: every fourth step differs), stall (the training thread waiting for, or doing,
+host work, as a share of wall time), bytes crossing PCIe per step each way, peak device memory, final train and
+held-out loss. Writes ``e2e_gpu.json`` and ``e2e_gpu.png``; prints a table and the GPU issue's goals (ZenFlow step
+<= 1.25x AdamW's, >= 4x sync offload's speed, stall < 5%, faster than DeepSpeed ZenFlow, ``step()`` <= 2 ms).
+Without CUDA it says so and exits; ``--device cpu`` with a small ``--model`` runs the same code on CPU (the tests).
 """
 
 from __future__ import annotations
@@ -39,11 +31,6 @@ from bench.model import num_params
 
 DEFAULT_MODEL = "gpt152m"
 DEFAULT_STEPS = 40
-
-
-def needs_gpu_message() -> str:
-    return ("error: bench.e2e --preset gpu needs a CUDA GPU and torch sees none on this machine; run it where one "
-            "is (bench/gpu_suite.sh does), or pass --device cpu with a small --model to try the code path")
 
 
 def deepspeed_unavailable() -> str | None:
@@ -159,7 +146,9 @@ def main(args) -> int:
     """Run the preset from ``bench.e2e``'s parsed arguments (``--model``, ``--steps``, ``--device``, ...)."""
     device = args.device if args.device != "auto" else "cuda"
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(needs_gpu_message())
+        raise SystemExit("error: bench.e2e --preset gpu needs a CUDA GPU and torch sees none on this machine; run it "
+                         "where one is (bench/gpu_suite.sh does), or pass --device cpu with a small --model to try "
+                         "the code path")
     out = harness.output_dir(args.out)
     cfg = E2EConfig(model=args.model or DEFAULT_MODEL, steps=args.steps or DEFAULT_STEPS, pretrain_steps=0,
                     lr=args.lr, warmup_frac=0.0, topk_ratio=args.topk_ratio, update_interval=args.update_interval,

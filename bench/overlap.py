@@ -4,23 +4,20 @@
 
 On CPU a device-to-host copy is a memcpy, so the asynchronous test link (``testing.chaos``) models one: each copy
 job takes ``bytes / bandwidth`` on its copy thread. Gradients land in the host's landing area from backward's hooks
-and are folded into the sums after ``step()`` checked them, in fold jobs of 4 MiB (``AsyncLink.FOLD_CHUNK_BYTES``,
-shrunk so that a CPU-sized model is many fold jobs, as a 7 B model is many times the default 64 MiB): the next
-backward's hooks wait for the job holding their gradient's place. The model: an fp32 MLP of ``d = 512`` layers
-(1 MiB of gradient each), sized 1x to 64x a fold job, each size in a fresh process (``harness.run_child``).
-
-Bandwidths: ``pcie``, 25 GB/s (PCIe 4 x16), and ``slow``, sized so that the transfer takes 40% of backward (the
-median of three steps without the model; at 25 GB/s this machine's backward hides almost anything). Variants:
-``handover`` (gradients cross from backward's hooks) and ``at_step`` (``orderings.changed(early_handover=False)``
-around every call into that run's optimizer: every gradient crosses at ``step()``, after backward). Each runs with
-the bandwidth model and without it (copies are memcpys), the four runs interleaved step by step; since the "device"
-is the CPU that also runs the host's work, each variant is compared with itself: the added stall is the median over
-steps of the modeled step's wall time minus that of the same variant's unmodeled step taken just before it. Also:
-backward, ``step()`` and the training thread's waits on the link (``stats()["worker_wait_s"]``) over the transfer
-time, the share of the transfer that ran during backward (the timeline's d2h lane), the folds' time per step and
-the training thread's waits for them. Goal (issue 23): with backward longer than the transfer, the added stall
-<= 10% of the transfer time at every size. Writes ``overlap_cpu.json`` and ``overlap_cpu.png`` (both panels
-against model size, and one step's timeline per variant at the largest size).
+and are folded into the sums after ``step()``, in fold jobs of 4 MiB (``AsyncLink.FOLD_CHUNK_BYTES`` shrunk, so that
+a CPU-sized model is many fold jobs as a 7 B model is many of the default 64 MiB): the next backward's hooks wait
+for the job holding their gradient's place. The model: fp32 MLPs of ``d = 512`` layers (1 MiB of gradient each),
+1x to 64x a fold job, each size in a fresh process. Bandwidths: ``pcie`` (25 GB/s) and ``slow`` (the transfer takes
+40% of backward, measured first: at 25 GB/s this machine's backward hides almost anything). Variants: ``handover``
+(gradients cross from backward's hooks) and ``at_step`` (``orderings.changed(early_handover=False)`` around every
+call into its optimizer: every gradient crosses at ``step()``). Each runs with the bandwidth model and without it,
+the four runs interleaved step by step; the "device" is the CPU that also runs the host's work, so each variant is
+compared with itself: the added stall is the median over steps of the modeled step's wall time minus the same
+variant's unmodeled step taken just before it. Also: backward, ``step()``, the training thread's waits on the link,
+the share of the transfer that ran during backward (the timeline's d2h lane), the folds' time per step and the
+waits for them. Goal (issue 23): with backward longer than the transfer, the added stall <= 10% of the transfer at
+every size. Writes ``overlap_cpu.json`` and ``overlap_cpu.png`` (against model size; one step's timeline per
+variant at the largest size).
 """
 
 from __future__ import annotations
