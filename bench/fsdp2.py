@@ -493,36 +493,34 @@ def main(argv=None) -> int:
     return 0
 
 
+def _grouped_bars(ax, names: list[str], series: dict) -> None:
+    """A group of bars per name, one bar per series side by side; the names (first "_" a line break) below."""
+    w = 0.8 / max(1, len(series))
+    for j, (label, vals) in enumerate(series.items()):
+        ax.bar([i + (j - (len(series) - 1) / 2) * w for i in range(len(names))], vals, w, label=label)
+    ax.set_xticks(range(len(names)), [n.replace("_", "\n", 1) for n in names], fontsize=7)
+
+
 def plot(payload: dict, path: Path) -> None:
-    summary = payload["summary"]
+    summary, cfg = payload["summary"], payload["config"]
     names = list(summary)
-    labels = [n.replace("_", "\n", 1) for n in names]
     fig, (a, b, c) = harness.figure(3, size=(16, 4.5))
-    width, xs = 0.4, range(len(names))
-    a.bar([x - width / 2 for x in xs], [summary[n]["steps_per_s_median"] for n in names], width, label="all repeats")
-    a.bar([x + width / 2 for x in xs], [summary[n]["steps_per_s_calm"] or 0.0 for n in names], width,
-          label=f"calm repeats (others used <= {CALM_OTHER} of the cores)")
+    _grouped_bars(a, names, {"all repeats": [summary[n]["steps_per_s_median"] for n in names],
+                             f"calm repeats (others used <= {CALM_OTHER} of the cores)":
+                                 [summary[n]["steps_per_s_calm"] or 0.0 for n in names]})
     for i, n in enumerate(names):
         for ms, other in zip(summary[n]["step_ms_per_repeat"], summary[n]["other_cpu_share_per_repeat"], strict=True):
             a.plot([i], [1e3 / ms], "k." if other is None or other <= CALM_OTHER else "kx", ms=4)
-    a.set_xticks(list(xs), labels, fontsize=7)
     a.set_ylim(top=1.3 * max(1e3 / ms for n in names for ms in summary[n]["step_ms_per_repeat"]))
-    cfg = payload["config"]
     harness.style(a, None, "steps/s = 1 / median step (dots: calm repeats, x: others)",
                   f"{cfg['model']} model, global batch {cfg['global_batch']}, {cfg['steps']} timed steps", grid=None)
-    b.bar([x - width / 2 for x in xs], [max(summary[n]["optimizer_state_bytes_per_rank"]) / 2**20 for n in names],
-          width, label="optimizer state")
-    b.bar([x + width / 2 for x in xs], [max(summary[n]["parameter_bytes_per_rank"]) / 2**20 for n in names], width,
-          label="parameters (own shard)")
-    b.set_xticks(list(xs), labels, fontsize=7)
+    _grouped_bars(b, names, {
+        "optimizer state": [max(summary[n]["optimizer_state_bytes_per_rank"]) / 2**20 for n in names],
+        "parameters (own shard)": [max(summary[n]["parameter_bytes_per_rank"]) / 2**20 for n in names]})
     harness.style(b, None, "MiB per rank (largest rank)", "host memory per rank, measured", grid=None)
-    kinds = sorted({k for n in names for k in summary[n]["collective_bytes_per_step"]})
     shown = [n for n in names if summary[n]["collective_bytes_per_step"]]
-    w = 0.8 / max(1, len(kinds))
-    for j, k in enumerate(kinds):
-        vals = [summary[n]["collective_bytes_per_step"].get(k, 0.0) for n in shown]
-        c.bar([i + (j - (len(kinds) - 1) / 2) * w for i in range(len(shown))], vals, w, label=k)
-    c.set_xticks(range(len(shown)), [n.replace("_", "\n", 1) for n in shown], fontsize=7)
+    kinds = sorted({k for n in names for k in summary[n]["collective_bytes_per_step"]})
+    _grouped_bars(c, shown, {k: [summary[n]["collective_bytes_per_step"].get(k, 0.0) for n in shown] for k in kinds})
     top = max((v for n in shown for v in summary[n]["collective_bytes_per_step"].values()), default=1.0)
     harness.style(c, None, "payload bytes per step (rank 0), log scale", "collectives by kind", logy=10, legend=6,
                   grid=None)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.e2e_core import OFFLOAD
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, write_json_light
+from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, time_call, write_json_light
 
 ZENFLOW = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, full_warm_up_rounds=0, select_strategy="step",
                select_interval=10**6)
@@ -83,14 +83,7 @@ def pinned_bandwidth(nbytes: int, device) -> float:
         return float("inf")
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    times = []
-    for _ in range(4):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times[1:])
+    return nbytes / time_call(lambda: dst.copy_(src, non_blocking=True), warmup=1, repeats=3).median
 
 
 def run(name: str, base, x, y, steps: int, warmup: int, device) -> dict:
