@@ -1,17 +1,11 @@
 """Text for the end-to-end benchmark: the Python standard library's own source, as bytes.
 
-Every Python ships it, nobody here wrote it, and it is real, varied code. The files are read from the
-running interpreter's installation (``sysconfig.get_paths()["stdlib"]``) and chosen by a seeded
-shuffle of a sorted file list, so a seed names the same selection on every machine with the same
-Python version (the selection's file names and a digest of its bytes are recorded with the results).
-
-Two disjoint parts of the library are used:
-
-- *pre-training*: top-level modules (``stdlib/*.py``), a general mix;
-- *fine-tuning*: files inside packages (``asyncio/``, ``email/``, ``json/``, ...), split by file
-  into a training set and a held-out set that share no file.
-
-Package folders of tests, data tables and generated code are left out (``EXCLUDED_DIRS``).
+Every Python ships it, nobody here wrote it, and it is real, varied code. The files are read from the running
+interpreter's installation and chosen by a seeded shuffle of a sorted file list, so a seed names the same selection
+on every machine with the same Python version (the file names and a digest of the bytes are recorded with the
+results). Pre-training uses the top-level modules (``stdlib/*.py``); fine-tuning the files inside packages
+(``asyncio/``, ``email/``, ...), split by file into a training set and a held-out set that share no file. Package
+folders of tests, data tables and generated code are left out (``EXCLUDED_DIRS``).
 """
 
 from __future__ import annotations
@@ -24,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-EXCLUDED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "pydoc_data", "__pycache__"}
-)
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "pydoc_data",
+                           "__pycache__"})
 
 
 def stdlib_root() -> Path:
@@ -35,14 +28,8 @@ def stdlib_root() -> Path:
 
 
 def _files(root: Path, pattern: str) -> list[Path]:
-    out = []
-    for p in sorted(root.glob(pattern)):
-        rel = p.relative_to(root).parts
-        if any(part in EXCLUDED_DIRS or part.startswith("config-") for part in rel[:-1]):
-            continue
-        if p.is_file():
-            out.append(p)
-    return out
+    return [p for p in sorted(root.glob(pattern)) if p.is_file() and not any(
+        part in EXCLUDED_DIRS or part.startswith("config-") for part in p.relative_to(root).parts[:-1])]
 
 
 def _take(files: list[Path], root: Path, budget: int) -> tuple[list[str], bytes]:
@@ -73,12 +60,8 @@ class Split:
         return hashlib.sha256(self.data.numpy().tobytes()).hexdigest()[:16]
 
     def describe(self) -> dict:
-        return {
-            "bytes": self.nbytes,
-            "files": len(self.files),
-            "sha256_16": self.digest(),
-            "first_files": self.files[:5],
-        }
+        return {"bytes": self.nbytes, "files": len(self.files), "sha256_16": self.digest(),
+                "first_files": self.files[:5]}
 
 
 @dataclass
@@ -90,23 +73,13 @@ class Corpus:
     seed: int
 
     def describe(self) -> dict:
-        return {
-            "source": "Python standard library source (sysconfig.get_paths()['stdlib'])",
-            "root": self.root,
-            "seed": self.seed,
-            "pretrain": self.pretrain.describe(),
-            "train": self.train.describe(),
-            "heldout": self.heldout.describe(),
-        }
+        return {"source": "Python standard library source (sysconfig.get_paths()['stdlib'])", "root": self.root,
+                "seed": self.seed, "pretrain": self.pretrain.describe(), "train": self.train.describe(),
+                "heldout": self.heldout.describe()}
 
 
-def load_corpus(
-    seed: int = 0,
-    pretrain_bytes: int = 1_000_000,
-    train_bytes: int = 600_000,
-    heldout_bytes: int = 100_000,
-    root: str | Path | None = None,
-) -> Corpus:
+def load_corpus(seed: int = 0, pretrain_bytes: int = 1_000_000, train_bytes: int = 600_000,
+                heldout_bytes: int = 100_000, root: str | Path | None = None) -> Corpus:
     """The seeded selection: top-level modules for pre-training; package files, split by file, for
     fine-tuning (train) and the held-out loss. Raises ``RuntimeError`` if the library is not found."""
     root = Path(root) if root is not None else stdlib_root()
@@ -129,8 +102,7 @@ def load_corpus(
 
 def batch_starts(n_bytes: int, context: int, batch: int, steps: int, seed: int) -> torch.Tensor:
     """``[steps, batch]`` random window starts, fixed by the seed (every run sees the same batches)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, n_bytes - context - 1, (steps, batch), generator=gen)
+    return torch.randint(0, n_bytes - context - 1, (steps, batch), generator=torch.Generator().manual_seed(seed))
 
 
 def windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,8 +114,7 @@ def windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[tor
 
 def eval_starts(n_bytes: int, context: int, count: int) -> torch.Tensor:
     """``count`` evenly spaced window starts covering the split (a fixed held-out set)."""
-    last = n_bytes - context - 1
-    return torch.linspace(0, last, count).long()
+    return torch.linspace(0, n_bytes - context - 1, count).long()
 
 
 def epoch_steps(n_bytes: int, context: int, batch: int) -> int:

@@ -1,41 +1,29 @@
 """End-to-end benchmark and the ``make demo`` engine: fine-tune a small GPT on Python's own source.
 
-``python -m bench.e2e --demo`` (what ``make demo`` runs):
+``python -m bench.e2e --demo`` (``make demo``) pre-trains a byte-level GPT (``bench.model``) on a seeded selection of
+the standard library's top-level modules (``bench.data``), or loads it from the cache (``data/e2e/``), then
+fine-tunes it on package sources three times on the same batches: ``torch.optim.AdamW`` (``fused=True`` where the
+device supports it), synchronous ZeRO-Offload (host AdamW on the fp32 master every step while training waits, then
+the whole model copied back) and ``ZenFlowAdamW`` (top-k columns every step, the rest on the host every
+``update_interval`` steps, overlapped), all with the same AdamW hyper-parameters (lr 3e-4, or with ``--demo`` the
+tuned comparison's pick ``DEMO_TUNED``; linear warm-up over 10% of the steps, weight decay 0.01, no clipping;
+without ``--demo`` ZenFlow re-selects once per epoch of the fine-tuning data). It prints a table (steps/s, stall,
+host updates, final train and held-out loss; the time to AdamW's loss at 75% of its steps, here and modeled for a
+7B model on an H200 profile: ``bench.e2e_target``) and writes ``e2e.json`` (every figure, the curves, the machine)
+and ``e2e.png``.
 
-1. reads a seeded selection of the standard library's source files (``bench.data``);
-2. pre-trains a byte-level GPT (``bench.model``) on the top-level modules, or loads that model from
-   the cache (``data/e2e/``, git-ignored) when an identical pre-training ran before;
-3. fine-tunes it on package sources three times, same data, same batches, same seed:
-   ``torch.optim.AdamW`` every step (``fused=True`` where the device supports it: CUDA, and CPU since
-   torch 2.4), synchronous ZeRO-Offload (host AdamW on the fp32 master every step; the training
-   thread waits, then the whole model is copied back), and ``ZenFlowAdamW`` (top-k columns every
-   step, the rest on the host every ``update_interval`` steps, overlapped);
-   Every run uses the same AdamW hyper-parameters (lr 3e-4, or with ``--demo`` the tuned comparison's pick,
-   ``DEMO_TUNED``: lr 2e-3, ZenFlow's ``topk_ratio`` 0.05 and ``update_interval`` 2 without overlap, columns
-   re-selected every 4 steps; a linear warm-up over the first 10% of the steps, weight decay 0.01, no clipping);
-   without ``--demo`` the ZenFlow run selects its columns once per epoch of the fine-tuning data
-   (``steps_per_epoch`` is passed, so nothing is silently never re-selected);
-4. prints a table (steps/s, stall, host updates, final train and held-out loss; the time to AdamW's loss at 75%
-   of its steps, on this CPU and modeled for a 7B model on an H200 profile: ``bench.e2e_target``), writes
-   ``e2e.json`` (every figure, the curves and the machine) and ``e2e.png`` (loss against wall time
-   and against step).
-
-Timing: the clock runs over the training steps only (data, forward, backward, optimizer step and
-the final ``flush()``); held-out evaluation runs *after* each run, on snapshots of the weights taken
-during it (the live weights, as training used them: ZenFlow's non-selected columns are then up to
-one interval stale; the last snapshot is taken after ``flush()``). Stall is the time the training
-thread waited for the host (``ZenFlowAdamW.stats()["stall_s"]``), reported as a share of the run's
-wall time. With ``--repeats R`` the runs are interleaved (A, B, C, A, B, C, ...) and the median
-steps/s is reported; the curves come from the repeat with the median wall time.
-
-Library use (the notebooks do this): ``prepare(cfg)`` returns the corpus, the pre-trained weights and
-the batches; ``train_run(spec, prep)`` runs one fine-tuning and returns its figures. Both live in
-``bench.e2e_core`` (what this module and the GPU preset, ``bench.gpu_e2e``, share) and are re-exported here.
+Timing: the clock runs over the training steps only (data, forward, backward, optimizer step, the final
+``flush()``); held-out evaluation runs after each run, on snapshots of the weights taken during it (as training used
+them: ZenFlow's non-selected columns up to one interval stale). Stall: the time the training thread waited for the
+host (``stats()["stall_s"]``), as a share of the wall time. ``--repeats R`` interleaves the runs (A, B, C, A, ...)
+and reports the median steps/s, the curves from the repeat with the median wall time. The notebooks use
+``prepare(cfg)`` and ``train_run(spec, prep)`` (``bench.e2e_core``, shared with ``bench.gpu_e2e``, re-exported here).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -47,42 +35,11 @@ from pathlib import Path
 
 import torch
 
-from bench import e2e_target, gpu_e2e, harness
-from bench.e2e_core import (
-    CACHE_ENV,
-    DEFAULT_CACHE,
-    QUICK_ENV,
-    WARMUP_STEPS,
-    E2EConfig,
-    Prepared,
-    Progress,
-    RunSpec,
-    cache_dir,
-    compare,
-    fused_supported,
-    heldout_loss,
-    make_model,
-    make_optimizer,
-    offload_block,
-    prepare,
-    pretrain,
-    quick_mode,
-    run_all,
-    train_run,
-    warm_up,
-    zenflow_block,
-)
+from bench import e2e_core, e2e_target, gpu_e2e, harness
+from bench.e2e_core import *  # noqa: F403 - re-exported: the notebooks use the core's names as e2e.prepare and so on
+from bench.e2e_core import E2EConfig, RunSpec, offload_block, zenflow_block
 from bench.model import SIZES, num_params
 from zenflow_kernels.concentration import PREMISE_TOP10, concentration_report
-
-# this module's own names, and the core's it re-exports (the notebooks use them as ``e2e.prepare`` and so on)
-__all__ = [
-    "CACHE_ENV", "DEFAULT_CACHE", "QUICK_ENV", "WARMUP_STEPS", "E2EConfig", "Prepared", "Progress", "RunSpec",
-    "cache_dir", "compare", "default_specs", "fused_supported", "heldout_loss", "load", "main", "make_model",
-    "make_optimizer", "offload_block", "parser", "plot", "prepare", "pretrain", "quick_mode", "run_all", "table",
-    "train_run", "warm_up", "zenflow_block",
-]
-
 
 # ``--demo``: the learning rate and ZenFlow setting the tuned comparison picks on the byte-GPT fine-tune
 # (studies/results/tuned_gpt_finetune.json, tiny model): AdamW's best rate, 2e-3, is also the best of topk_ratio 0.05
@@ -92,20 +49,13 @@ __all__ = [
 DEMO_TUNED = dict(lr=2e-3, topk_ratio=0.05, update_interval=2, overlap=False, select_interval=4)
 
 
-def default_specs(
-    cfg: E2EConfig,
-    n_epoch: int,
-    cores_percs: Sequence[float] | None = None,
-    variants: Sequence[tuple[str, dict]] = (),
-    baseline_threads: Sequence[int] = (),
-) -> list[RunSpec]:
+def default_specs(cfg: E2EConfig, n_epoch: int, cores_percs: Sequence[float] | None = None,
+                  variants: Sequence[tuple[str, dict]] = (), baseline_threads: Sequence[int] = ()) -> list[RunSpec]:
     """AdamW, synchronous offload, and ZenFlow (one ZenFlow run per ``pt_reserved_cores_perc``), then one
     more ZenFlow run per ``(name, overrides)`` variant (overrides: ZenFlow config fields), and one more
     AdamW run per entry of ``baseline_threads`` (AdamW at that many torch threads)."""
-    specs = [
-        RunSpec("adamw", "adamw", label="torch AdamW"),
-        RunSpec("offload", "offload", offload_block(cfg), label="sync offload"),
-    ]
+    specs = [RunSpec("adamw", "adamw", label="torch AdamW"),
+             RunSpec("offload", "offload", offload_block(cfg), label="sync offload")]
     for n in baseline_threads:
         specs.append(RunSpec(f"adamw_t{n}", "adamw", label=f"torch AdamW, {n} thread{'s' if n > 1 else ''}",
                              threads=n))
@@ -120,32 +70,22 @@ def default_specs(
     return specs
 
 
-# -- output ----------------------------------------------------------------------------------------------
-
-
 def _smooth(xs: list[float], k: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x
-        if i >= k:
-            acc -= xs[i - k]
-        out.append(acc / min(i + 1, k))
-    return out
+    """The running mean of the last ``k`` values (fewer at the start)."""
+    sums = [0.0, *itertools.accumulate(xs)]
+    return [(sums[i + 1] - sums[max(0, i + 1 - k)]) / min(i + 1, k) for i in range(len(xs))]
 
 
 def plot(result: dict, path: Path) -> Path:
     """Loss against wall time and against step: smoothed train loss (thin) and held-out loss (markers); and the
     gradient's concentration at each selection of the ZenFlow runs (ZenFlow's premise)."""
-    plt = harness.plt()
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = harness.figure(3, size=(17, 4.5))
+    colors = harness.plt().rcParams["axes.prop_cycle"].by_key()["color"]
     for j, r in enumerate(result["runs"]):
         c = colors[j % len(colors)]
-        k = max(1, r["steps"] // 20)
-        smooth = _smooth(r["train_loss"], k)
-        steps = list(range(1, r["steps"] + 1))
+        smooth = _smooth(r["train_loss"], max(1, r["steps"] // 20))
         axes[0].plot(r["wall_at_step"], smooth, color=c, lw=0.8, alpha=0.6)
-        axes[1].plot(steps, smooth, color=c, lw=0.8, alpha=0.6)
+        axes[1].plot(list(range(1, r["steps"] + 1)), smooth, color=c, lw=0.8, alpha=0.6)
         ev = r["evals"]
         axes[0].plot([e["wall_s"] for e in ev], [e["heldout_loss"] for e in ev], "o-", color=c, lw=1.8,
                      label=f"{r['label']} ({r['steps_per_s_median']:.2f} steps/s)")
@@ -160,24 +100,17 @@ def plot(result: dict, path: Path) -> Path:
         if along:
             axes[2].plot([a["step"] for a in along], [a["top10"] for a in along], "-", color=c, lw=2, alpha=0.5,
                          label=f"{r['label']}: top 10%, the step's gradient along the run")
-    m = result["machine"]
-    where = m.get("gpu") or f"{m.get('cpu')}, {result['config']['threads']} threads"
-    axes[0].set(xlabel="wall time (s, training steps only)", ylabel="loss (nats/byte)",
-                title="loss against wall time")
-    axes[1].set(xlabel="step", ylabel="loss (nats/byte)", title="loss against step")
+    m, cfg = result["machine"], result["config"]
+    where = m.get("gpu") or f"{m.get('cpu')}, {cfg['threads']} threads"
+    harness.style(axes[0], "wall time (s, training steps only)", "loss (nats/byte)", "loss against wall time", legend=8)
+    harness.style(axes[1], "step", "loss (nats/byte)", "loss against step", legend=8)
     axes[2].axhline(PREMISE_TOP10, color="grey", lw=0.8, ls="--")
-    axes[2].set(xlabel="step (markers: selections)", ylabel="share of the gradient's energy", ylim=(0, 1.02),
-                title=f"gradient concentration (premise: top 10% >= {PREMISE_TOP10:.0%})")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    cfg = result["config"]
-    fig.suptitle(
-        f"fine-tuning a {cfg['model']} byte GPT ({result['model']['params']['total'] / 1e6:.2f} M params) on stdlib "
-        f"packages; markers: held-out, lines: train (smoothed); {where}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    axes[2].set_ylim(0, 1.02)
+    harness.style(axes[2], "step (markers: selections)", "share of the gradient's energy",
+                  f"gradient concentration (premise: top 10% >= {PREMISE_TOP10:.0%})", legend=8)
+    fig.suptitle(f"fine-tuning a {cfg['model']} byte GPT ({result['model']['params']['total'] / 1e6:.2f} M params) on "
+                 f"stdlib packages; markers: held-out, lines: train (smoothed); {where}", fontsize=9)
+    harness.save(fig, path)
     return path
 
 
@@ -188,49 +121,41 @@ def table(result: dict) -> str:
             f"{'train loss':>12}{'held-out':>10}")
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
-        c = cmp[r["name"]]
-        ratio = c.get("steps_per_s_vs_adamw", float("nan"))
+        ratio = cmp[r["name"]].get("steps_per_s_vs_adamw", float("nan"))
         lines.append(f"{r['label']:<34}{r['steps_per_s_median']:>9.2f}{ratio:>9.2f}x{r['stall_pct_median']:>9.1f}"
                      f"{r['host_updates']:>10d}{r['final_train_loss']:>12.4f}{r['final_heldout_loss']:>10.4f}")
     for name, row in cmp.items():
         if name.startswith("zenflow") and "heldout_gap_vs_offload_equal_wall" in row:
-            lines.append(
-                f"{name}: at equal wall time ({row['equal_wall_time_s']:.1f} s) held-out"
-                f" {row['heldout_at_equal_wall']:.4f}"
-                f" vs sync offload {row['offload_heldout_at_equal_wall']:.4f}; at equal steps"
-                f" {row['heldout_gap_vs_adamw_equal_steps']:+.4f} vs AdamW")
+            lines.append(f"{name}: at equal wall time ({row['equal_wall_time_s']:.1f} s) held-out"
+                         f" {row['heldout_at_equal_wall']:.4f} vs sync offload"
+                         f" {row['offload_heldout_at_equal_wall']:.4f}; at equal steps"
+                         f" {row['heldout_gap_vs_adamw_equal_steps']:+.4f} vs AdamW")
     zen = next((r for r in result["runs"] if r.get("concentration", {}).get("top10")), None)
     if zen is not None:
         lines.append(f"{zen['name']}: " + concentration_report({"concentration": zen["concentration"]}))
-    lines += e2e_target.lines(result)
-    return "\n".join(lines)
-
-
-# -- command line ------------------------------------------------------------------------------------------
+    return "\n".join(lines + e2e_target.lines(result))
 
 
 _positive_int = harness.int_at_least(1)
-_nonneg_int = harness.int_at_least(0)
 
 
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1]")
-    return v
+def _float(ok, what: str):
+    """An argparse ``type=``: a number for which ``ok(value)`` holds, with a one-line message otherwise."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {what}")
+        return v
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
-    return v
+_fraction = _float(lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+_positive_float = _float(lambda v: v > 0 and math.isfinite(v), "a positive number")
 
 
 def _interval(text: str) -> int | str:
@@ -261,24 +186,25 @@ def _variant(text: str) -> tuple[str, dict]:
 
 
 def parser() -> argparse.ArgumentParser:
-    d = E2EConfig()
+    d, tuned = E2EConfig(), DEMO_TUNED
     p = harness.OneLineParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--demo", action="store_true", help="the make-demo preset (the defaults below, progress bar on)")
     p.add_argument("--preset", choices=["gpu"], default=None,
                    help="gpu: the GPU benchmark (bench.gpu_e2e: 152 M model, AdamW / sync offload / ZenFlowAdamW / "
                         "DeepSpeed, e2e_gpu.json); needs CUDA unless --device cpu")
-    p.add_argument("--model", choices=sorted(SIZES), default=None, help=f"model size preset (default {d.model}; "
-                   "gpt152m with --preset gpu)")
+    p.add_argument("--model", choices=sorted(SIZES), default=None,
+                   help=f"model size preset (default {d.model}; gpt152m with --preset gpu)")
     p.add_argument("--steps", type=_positive_int, default=None,
                    help=f"fine-tuning steps per run (default {d.steps}; 40 timed steps with --preset gpu)")
-    p.add_argument("--pretrain-steps", type=_nonneg_int, default=d.pretrain_steps, help="pre-training steps (cached)")
+    p.add_argument("--pretrain-steps", type=harness.int_at_least(0), default=d.pretrain_steps,
+                   help="pre-training steps (cached)")
     p.add_argument("--lr", type=_positive_float, default=None,
-                   help=f"fine-tuning learning rate (default {d.lr}; {DEMO_TUNED['lr']} with --demo)")
+                   help=f"fine-tuning learning rate (default {d.lr}; {tuned['lr']} with --demo)")
     p.add_argument("--topk-ratio", type=_fraction, default=None,
-                   help=f"ZenFlow topk_ratio (default {d.topk_ratio}; {DEMO_TUNED['topk_ratio']} with --demo)")
+                   help=f"ZenFlow topk_ratio (default {d.topk_ratio}; {tuned['topk_ratio']} with --demo)")
     p.add_argument("--update-interval", type=_interval, default=None,
-                   help=f"ZenFlow update_interval (default {d.update_interval}; {DEMO_TUNED['update_interval']} with "
+                   help=f"ZenFlow update_interval (default {d.update_interval}; {tuned['update_interval']} with "
                         "--demo)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
                    help="ZenFlow without overlap_step (the default with --demo)")
@@ -292,8 +218,7 @@ def parser() -> argparse.ArgumentParser:
                    help="one more ZenFlow run with these config fields changed, e.g. sync:overlap_step=false")
     p.add_argument("--baseline-threads", type=_positive_int, nargs="+", default=[], metavar="N",
                    help="one more AdamW run per value, at that many torch threads")
-    p.add_argument("--runs", default="adamw,offload,zenflow",
-                   help="comma-separated subset of adamw, offload, zenflow")
+    p.add_argument("--runs", default="adamw,offload,zenflow", help="comma-separated subset of adamw, offload, zenflow")
     p.add_argument("--repeats", type=_positive_int, default=d.repeats, help="interleaved repeats of every run")
     p.add_argument("--batch", type=_positive_int, default=None, help="batch size (default: the preset's)")
     p.add_argument("--context", type=_positive_int, default=None, help="context length (default: the preset's)")
@@ -303,7 +228,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", default=None, help="output folder (default: bench/results)")
     p.add_argument("--name", default="e2e", help="output file stem: NAME.json, NAME.png")
-    p.add_argument("--cache", default=str(cache_dir()), help="pre-trained model cache folder ('' disables it)")
+    p.add_argument("--cache", default=str(e2e_core.cache_dir()), help="pre-trained model cache folder ('' disables it)")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -315,8 +240,8 @@ def _check_device(text: str) -> str:
     try:
         dev = torch.device(text)
     except RuntimeError:
-        raise SystemExit(f"error: --device {text!r} is invalid: allowed auto, cpu, cuda or cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
         raise SystemExit(f"error: --device {text!r} is invalid: allowed auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"error: --device {text!r} asked for CUDA, but torch sees no CUDA device here")
@@ -326,8 +251,7 @@ def _check_device(text: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     kinds = [k.strip() for k in args.runs.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in ("adamw", "offload", "zenflow")]
-    if bad or not kinds:
+    if not kinds or any(k not in ("adamw", "offload", "zenflow") for k in kinds):
         raise SystemExit(f"error: --runs {args.runs!r} is invalid: allowed a comma-separated subset of "
                          "adamw, offload, zenflow")
     if not all(c.isalnum() or c in "-_." for c in args.name):
@@ -348,36 +272,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         topk_ratio=args.topk_ratio, update_interval=args.update_interval, overlap=args.overlap,
         pt_reserved_cores_perc=args.pt_reserved_cores_perc[0], select_interval=args.select_interval, seed=args.seed,
         eval_points=args.eval_points, device=device, threads=args.threads, repeats=args.repeats,
-        batch=args.batch, context=args.context,
-    )
+        batch=args.batch, context=args.context)
     size = cfg.size()
     if size.d_model % size.n_head:
         raise SystemExit("error: the model's width is not a multiple of its heads")
     progress = not args.quiet
     t_start = time.perf_counter()
     try:
-        prep = prepare(cfg, cache_dir=args.cache or None, progress=progress)
+        prep = e2e_core.prepare(cfg, cache_dir=args.cache or None, progress=progress)
     except RuntimeError as exc:
         if "standard-library" in str(exc):
             raise SystemExit(f"error: {exc}") from None
         raise
     specs = default_specs(cfg, prep.n_epoch, args.pt_reserved_cores_perc, args.variant, args.baseline_threads)
-    specs = [s for s in specs if s.kind in kinds]
-    runs = run_all(specs, prep, repeats=cfg.repeats, progress=progress)
-    model = make_model(prep)
+    runs = e2e_core.run_all([s for s in specs if s.kind in kinds], prep, repeats=cfg.repeats, progress=progress)
     result = {
         "benchmark": "e2e",
         "command": "python -m bench.e2e " + " ".join(sys.argv[1:] if argv is None else argv),
         "config": {**asdict(cfg), "threads": prep.threads, "device": str(prep.device), "size": size.as_dict(),
-                   "epoch_steps": prep.n_epoch, "fused_adamw": fused_supported(prep.device),
+                   "epoch_steps": prep.n_epoch, "fused_adamw": e2e_core.fused_supported(prep.device),
                    "pt_reserved_cores_perc_resolved": cfg.cores_perc(),
                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
-        "model": {"params": num_params(model)},
-        "corpus": prep.corpus.describe(),
-        "pretrain": prep.pretrain,
-        "runs": runs,
-        "comparison": compare(runs),
-        "to_target": e2e_target.to_target(runs),
+        "model": {"params": num_params(e2e_core.make_model(prep))},
+        "corpus": prep.corpus.describe(), "pretrain": prep.pretrain, "runs": runs,
+        "comparison": e2e_core.compare(runs), "to_target": e2e_target.to_target(runs),
         "machine": harness.machine_info_light(),
     }
     result["machine"]["loadavg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -387,11 +305,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(result))
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else "") + f" ({result['total_s']:.0f} s in all)")
     return 0
-
-
-def load(path: str | Path) -> dict:
-    """Read a result JSON written by :func:`main`."""
-    return json.loads(Path(path).read_text())
 
 
 if __name__ == "__main__":

@@ -1,17 +1,10 @@
 """What the end-to-end benchmarks share: configuration, the pre-trained model, the training loop, result rows.
 
-Both entry points build on this module and neither imports the other: ``bench.e2e`` (the CPU fine-tuning
-comparison and ``make demo``; its ``--preset gpu`` hands over to ``bench.gpu_e2e``) and ``bench.gpu_e2e`` (the GPU
-benchmark). The notebooks reach these names through ``bench.e2e``, which re-exports them.
-
-* :class:`E2EConfig` (everything a comparison depends on) and :class:`RunSpec` (one run: AdamW, synchronous
-  offload, ZenFlow or DeepSpeed), :func:`zenflow_block` and :func:`offload_block` (the runs' optimizer configs);
-* :func:`prepare`: the corpus (``bench.data``), the pre-trained byte GPT (``bench.model``; cached by its inputs),
-  the fine-tuning batches and the held-out windows;
-* :func:`train_run`: one timed fine-tuning run and its figures (the result row); :func:`run_all` every run,
-  interleaved over repeats, after :func:`warm_up`; :func:`compare`: ratios against the baselines measured in the
-  same process, and the optimizer issue's goals;
-* :class:`Progress`: the stderr progress bar.
+``bench.e2e`` (the CPU comparison and ``make demo``; it re-exports these names for the notebooks) and
+``bench.gpu_e2e`` (the GPU benchmark) both build on this module; neither imports the other. :func:`prepare` gives
+the corpus, the pre-trained byte GPT (cached by its inputs), the batches and the held-out windows;
+:func:`train_run` one timed fine-tuning run (the result row); :func:`run_all` every run, interleaved, after
+:func:`warm_up`; :func:`compare` the ratios against the baselines measured in the same process.
 """
 
 from __future__ import annotations
@@ -36,6 +29,10 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = REPO / "data" / "e2e"
 QUICK_ENV = "ZENFLOW_NOTEBOOK_QUICK"  # "1": the notebooks' reduced mode (fewer steps, a tiny model)
 CACHE_ENV = "ZENFLOW_E2E_CACHE"  # overrides DEFAULT_CACHE (the tests point it at a temporary folder)
+# synchronous ZeRO-Offload through ZenFlowAdamW: every step is a warm-up step (host AdamW on the fp32 master of
+# every parameter, the training thread waits, the whole model is copied back)
+OFFLOAD = dict(full_warm_up_rounds=10**9, overlap_step=False, select_strategy="step", select_interval=1,
+               update_interval=1)
 
 
 def quick_mode() -> bool:
@@ -46,9 +43,6 @@ def quick_mode() -> bool:
 def cache_dir() -> Path:
     """Where pre-trained models are cached: ``$ZENFLOW_E2E_CACHE`` or ``data/e2e`` (git-ignored)."""
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
-
-
-# -- configuration ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -102,11 +96,9 @@ class E2EConfig:
 class RunSpec:
     """One fine-tuning run: ``kind`` is "adamw", "offload" (synchronous ZeRO-Offload through ZenFlowAdamW),
     "zenflow", or "deepspeed" (a DeepSpeed engine, ``zenflow`` then holds its whole config; bench.gpu_e2e).
-
-    ``optimizer`` (optional): a factory ``optimizer(params)`` that builds the run's optimizer instead of the
-    kind's own (another update rule, another torch optimizer: the update-rules notebook). ``kind`` still says how
-    the run treats what it builds: "zenflow" or "offload" for a ZenFlow optimizer (flushed at the end, its
-    ``stats()`` read, closed), any other kind (e.g. "torch") for a plain ``torch.optim`` one."""
+    ``optimizer(params)``, optional, builds the run's optimizer instead (the update-rules notebook); ``kind`` still
+    says how the run treats it: "zenflow" or "offload" a ZenFlow one (flushed, ``stats()`` read, closed), others
+    a ``torch.optim`` one."""
 
     name: str
     kind: str
@@ -122,13 +114,8 @@ class RunSpec:
 def zenflow_block(cfg: E2EConfig, n_epoch: int, **overrides) -> dict:
     """The ZenFlow config of a run: selection once per epoch (the paper's choice) unless
     ``select_interval`` is set in steps; never the silent "never re-selected" case."""
-    block = dict(
-        topk_ratio=cfg.topk_ratio,
-        update_interval=cfg.update_interval,
-        overlap_step=cfg.overlap,
-        pt_reserved_cores_perc=cfg.cores_perc(),
-        full_warm_up_rounds=0,
-    )
+    block = dict(topk_ratio=cfg.topk_ratio, update_interval=cfg.update_interval, overlap_step=cfg.overlap,
+                 pt_reserved_cores_perc=cfg.cores_perc(), full_warm_up_rounds=0)
     if cfg.select_interval is None:
         block.update(select_strategy="epoch", select_interval=1, steps_per_epoch=n_epoch)
     else:
@@ -143,13 +130,8 @@ def zenflow_block(cfg: E2EConfig, n_epoch: int, **overrides) -> dict:
 
 
 def offload_block(cfg: E2EConfig) -> dict:
-    """Synchronous ZeRO-Offload through the same optimizer: every step is a warm-up step (host AdamW
-    on the fp32 master of every parameter, the training thread waits, the whole model is copied back)."""
-    return dict(full_warm_up_rounds=10**9, overlap_step=False, select_strategy="step", select_interval=1,
-                update_interval=1)
-
-
-# -- preparation: corpus, pre-trained model, batches ----------------------------------------------------
+    """The ZenFlow config of the synchronous offload run (:data:`OFFLOAD`)."""
+    return dict(OFFLOAD)
 
 
 @dataclass
@@ -177,19 +159,12 @@ def fused_supported(device: torch.device) -> bool:
         return False
 
 
-def _cache_key(cfg: E2EConfig, corpus: Corpus) -> str:
-    payload = json.dumps(
-        dict(size=cfg.size().as_dict(), steps=cfg.pretrain_steps, lr=cfg.pretrain_lr, seed=cfg.seed,
-             data=corpus.pretrain.digest(), version=1),
-        sort_keys=True,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
 def pretrain(cfg: E2EConfig, corpus: Corpus, device: torch.device, cache_dir: Path | None, progress: bool) -> tuple:
     """The starting model: AdamW on the pre-training split (cosine schedule), cached by its inputs."""
-    key = _cache_key(cfg, corpus)
-    path = cache_dir / f"pretrain-{cfg.model}-{key}.pt" if cache_dir is not None else None
+    key = json.dumps(dict(size=cfg.size().as_dict(), steps=cfg.pretrain_steps, lr=cfg.pretrain_lr, seed=cfg.seed,
+                          data=corpus.pretrain.digest(), version=1), sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = cache_dir / f"pretrain-{cfg.model}-{digest}.pt" if cache_dir is not None else None
     if path is not None and path.exists():
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -255,9 +230,6 @@ def prepare(cfg: E2EConfig, cache_dir: str | Path | None = DEFAULT_CACHE, progre
     return prep
 
 
-# -- one fine-tuning run --------------------------------------------------------------------------------
-
-
 def make_model(prep: Prepared, state: dict | None = None) -> CharGPT:
     model = build_model(prep.cfg.size(), seed=prep.cfg.seed, device=prep.device)
     model.load_state_dict(state if state is not None else prep.state)
@@ -276,10 +248,41 @@ def make_optimizer(spec: RunSpec, model: torch.nn.Module, prep: Prepared):
 
         return ZenFlowAdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, zenflow=dict(spec.zenflow))
     if spec.kind == "deepspeed":
-        from bench import deepspeed_runs
-
-        return deepspeed_runs.Engine(model, spec.zenflow, prep)
+        return DeepSpeedEngine(model, spec.zenflow, prep)
     raise ValueError(f"run kind {spec.kind!r} is invalid: allowed 'adamw', 'offload', 'zenflow', 'deepspeed'")
+
+
+class DeepSpeedEngine:
+    """``deepspeed.initialize`` (one process, world size 1) driven like a torch optimizer by :func:`train_run`
+    (``backward(loss)``, ``step()``, ``zero_grad()``, ``close()``). DeepSpeed is optional, never a dependency of the
+    library: only ``bench.gpu_e2e``'s DeepSpeed runs, made when it imports, build this."""
+
+    def __init__(self, model: torch.nn.Module, config: dict, prep: Prepared):
+        import deepspeed
+        import torch.distributed as dist
+
+        from zenflow_kernels.testing import free_port
+
+        if not dist.is_initialized():
+            for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
+                               ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                os.environ.setdefault(key, value)
+            deepspeed.init_distributed(dist_backend="nccl" if prep.device.type == "cuda" else "gloo")
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the engine clears its gradients in ``step()``."""
+
+    def close(self) -> None:
+        destroy = getattr(self.engine, "destroy", None)
+        if destroy is not None:
+            destroy()
 
 
 def autocast(cfg: E2EConfig, device: torch.device):
@@ -317,25 +320,21 @@ def gradient_shares(model: torch.nn.Module) -> dict:
     return dict(top1=got["top1"], top10=got["top10"])
 
 
-def _eval_steps(steps: int, points: int) -> list[int]:
-    return sorted({round(i * steps / points) for i in range(points + 1)})
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def train_run(
-    spec: RunSpec,
-    prep: Prepared,
-    steps: int | None = None,
-    progress: bool = False,
-    grad_hook: Callable[[int, torch.nn.Module, torch.optim.Optimizer], None] | None = None,
-    eval_points: int | None = None,
-    tag: str = "",
-    evaluate: bool = True,
-) -> dict:
+# the ZenFlow optimizer's figures a run's row takes: row key -> stats() key
+_STATS = dict(host_updates="host_updates", selections="selections", host_update_s_mean="host_update_s_mean",
+              fast_path_s_mean="fast_path_s_mean", optimizer_step_s_mean="step_s_mean",
+              optimizer_stall_fraction="stall_fraction", overlap_fraction="overlap_fraction",
+              score_mass_captured="score_mass_captured")
+
+
+def train_run(spec: RunSpec, prep: Prepared, steps: int | None = None, progress: bool = False,
+              grad_hook: Callable[[int, torch.nn.Module, torch.optim.Optimizer], None] | None = None,
+              eval_points: int | None = None, tag: str = "", evaluate: bool = True) -> dict:
     """Fine-tune the pre-trained model with one optimizer; return its figures and curves.
 
     ``grad_hook(step, model, optimizer)`` (optional) runs after each backward, before the optimizer
@@ -358,17 +357,13 @@ def train_run(
     sched = None
     if spec.kind != "deepspeed":
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    eval_at = set(_eval_steps(steps, eval_points or cfg.eval_points)) if evaluate else set()
+    points = eval_points or cfg.eval_points
+    eval_at = {round(i * steps / points) for i in range(points + 1)} if evaluate else set()
     snapshots: list[tuple[int, float, dict]] = []
-
-    def snapshot(step: int, wall: float) -> None:
-        snapshots.append((step, wall, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}))
-
     bar = Progress(steps, tag or spec.label or spec.name, enabled=progress)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     train_loss, wall_at, opt_s, concentration_at = [], [], [], []
-    wall = 0.0
-    threads_during = None
+    wall, threads_during = 0.0, None
     zen = spec.kind in ("offload", "zenflow")
     backward = getattr(opt, "backward", None)  # a DeepSpeed engine runs its own backward
     try:
@@ -409,7 +404,8 @@ def train_run(
             train_loss.append(lv)
             wall_at.append(wall)
             if s + 1 in eval_at:
-                snapshot(s + 1, wall)
+                snapshots.append((s + 1, wall, {k: v.detach().to("cpu", copy=True)
+                                                for k, v in model.state_dict().items()}))
             bar.update(s + 1, lv)
         stats = opt.stats() if zen else None
         peak = torch.cuda.max_memory_allocated(prep.device) if prep.device.type == "cuda" else None
@@ -419,56 +415,32 @@ def train_run(
         bar.close()
     torch.set_num_threads(prep.threads)
     evals = [{"step": st, "wall_s": w, "heldout_loss": heldout_loss(prep, sd)} for st, w, sd in snapshots]
-    tail = train_loss[-max(1, steps // 10):]
     result = {
-        **spec.describe(),
-        "steps": steps,
-        "wall_s": wall,
-        "steps_per_s": steps / wall if wall > 0 else float("nan"),
-        "torch_threads": spec.threads or prep.threads,
-        "loadavg_1min_before": load_before,
-        "torch_threads_during_run": threads_during,
-        "optimizer_step_call_s_mean": statistics.fmean(opt_s),
-        "final_train_loss": statistics.fmean(tail),
+        **spec.describe(), "steps": steps, "wall_s": wall, "steps_per_s": steps / wall if wall > 0 else float("nan"),
+        "torch_threads": spec.threads or prep.threads, "loadavg_1min_before": load_before,
+        "torch_threads_during_run": threads_during, "optimizer_step_call_s_mean": statistics.fmean(opt_s),
+        "final_train_loss": statistics.fmean(train_loss[-max(1, steps // 10):]),
         "final_heldout_loss": evals[-1]["heldout_loss"] if evals else float("nan"),
         "step_ms": [1e3 * (b - a) for a, b in zip([0.0] + wall_at[:-1], wall_at, strict=True)],
-        "peak_device_bytes": peak,
-        "train_loss": train_loss,
-        "wall_at_step": wall_at,
-        "evals": evals,
+        "peak_device_bytes": peak, "train_loss": train_loss, "wall_at_step": wall_at, "evals": evals,
     }
     if zen:
         result.update(
-            stall_s=stats["stall_s"],
-            stall_pct=100.0 * stats["stall_s"] / wall if wall > 0 else float("nan"),
-            host_updates=stats["host_updates"],
-            selections=stats["selections"],
-            host_update_s_mean=stats["host_update_s_mean"],
-            fast_path_s_mean=stats["fast_path_s_mean"],
-            optimizer_step_s_mean=stats["step_s_mean"],
-            optimizer_stall_fraction=stats["stall_fraction"],
-            overlap_fraction=stats["overlap_fraction"],
-            score_mass_captured=stats["score_mass_captured"],
+            stall_s=stats["stall_s"], stall_pct=100.0 * stats["stall_s"] / wall if wall > 0 else float("nan"),
+            **{key: stats[name] for key, name in _STATS.items()},
             # the gradient's energy in the top 1% / 10% of each matrix's columns and in the selected ones, at each
             # selection (zenflow_kernels.concentration: ZenFlow's premise)
             concentration={k: stats["concentration"][k] for k in ("top1", "top10", "selected")},
             # the same shares of the step's gradient at the evaluation points (the selections may be far apart)
             concentration_at_evals=concentration_at,
             selection_jaccard=[None if math.isnan(j) else j for j in stats["selection_jaccard"]],
-            selection_steps=stats["selection_steps"],
-            d2h_bytes_per_step=stats["d2h_bytes_per_step"],
-            h2d_bytes_per_step=stats["h2d_bytes_per_step"],
-        )
-    elif spec.kind == "deepspeed":
-        result.update(stall_s=float("nan"), stall_pct=float("nan"), host_updates=0, selections=0,
-                      d2h_bytes_per_step=float("nan"), h2d_bytes_per_step=float("nan"))
-    else:
-        result.update(stall_s=0.0, stall_pct=0.0, host_updates=0, selections=0, d2h_bytes_per_step=0.0,
-                      h2d_bytes_per_step=0.0)
+            selection_steps=stats["selection_steps"], d2h_bytes_per_step=stats["d2h_bytes_per_step"],
+            h2d_bytes_per_step=stats["h2d_bytes_per_step"])
+    else:  # (a DeepSpeed engine's stall and bytes are not known)
+        none = float("nan") if spec.kind == "deepspeed" else 0.0
+        result.update(stall_s=none, stall_pct=none, host_updates=0, selections=0, d2h_bytes_per_step=none,
+                      h2d_bytes_per_step=none)
     return result
-
-
-# -- several runs, their comparison -----------------------------------------------------------------------
 
 
 WARMUP_STEPS = 9  # untimed steps per run kind first: numba kernels compile (or load from cache) there
@@ -486,22 +458,18 @@ def run_all(specs: Sequence[RunSpec], prep: Prepared, repeats: int = 1, progress
     steps/s of every repeat and their median attached. :func:`warm_up` runs first."""
     warm_up(specs, prep)
     done: dict[str, list[dict]] = {s.name: [] for s in specs}
-    total = repeats * len(specs)
     for r in range(repeats):
         for j, spec in enumerate(specs):
-            n = r * len(specs) + j + 1
-            tag = f"[{n}/{total}] {spec.label or spec.name}"
+            tag = f"[{r * len(specs) + j + 1}/{repeats * len(specs)}] {spec.label or spec.name}"
             done[spec.name].append(train_run(spec, prep, progress=progress, tag=tag))
     out = []
     for spec in specs:
-        runs = sorted(done[spec.name], key=lambda d: d["wall_s"])
-        chosen = dict(runs[(len(runs) - 1) // 2])
-        chosen["repeats"] = [
-            {k: d[k] for k in ("wall_s", "steps_per_s", "stall_s", "stall_pct", "final_heldout_loss")}
-            for d in done[spec.name]
-        ]
-        chosen["steps_per_s_median"] = statistics.median(d["steps_per_s"] for d in done[spec.name])
-        chosen["stall_pct_median"] = statistics.median(d["stall_pct"] for d in done[spec.name])
+        runs = done[spec.name]
+        chosen = dict(sorted(runs, key=lambda d: d["wall_s"])[(len(runs) - 1) // 2])
+        chosen["repeats"] = [{k: d[k] for k in ("wall_s", "steps_per_s", "stall_s", "stall_pct", "final_heldout_loss")}
+                             for d in runs]
+        chosen["steps_per_s_median"] = statistics.median(d["steps_per_s"] for d in runs)
+        chosen["stall_pct_median"] = statistics.median(d["stall_pct"] for d in runs)
         out.append(chosen)
     return out
 
@@ -521,7 +489,7 @@ def compare(runs: list[dict]) -> dict:
     """Ratios against the baselines measured in the same process, and the goals of the optimizer issue."""
     by = {r["name"]: r for r in runs}
     adamw, offload = by.get("adamw"), by.get("offload")
-    out: dict = {"per_run": {}}
+    out: dict = {"per_run": {}, "goals": {}}
     for r in runs:
         row: dict = {"steps_per_s": r["steps_per_s_median"], "stall_pct": r["stall_pct_median"]}
         if adamw is not None:
@@ -533,30 +501,20 @@ def compare(runs: list[dict]) -> dict:
             t = min(r["wall_s"], offload["wall_s"])
             mine = _interp([(e["wall_s"], e["heldout_loss"]) for e in r["evals"]], t)
             theirs = _interp([(e["wall_s"], e["heldout_loss"]) for e in offload["evals"]], t)
-            row["equal_wall_time_s"] = t
-            row["heldout_at_equal_wall"] = mine
-            row["offload_heldout_at_equal_wall"] = theirs
-            row["heldout_gap_vs_offload_equal_wall"] = mine - theirs
+            row.update(equal_wall_time_s=t, heldout_at_equal_wall=mine, offload_heldout_at_equal_wall=theirs,
+                       heldout_gap_vs_offload_equal_wall=mine - theirs)
         out["per_run"][r["name"]] = row
-    goals = {}
-    for name, row in out["per_run"].items():
-        if not name.startswith("zenflow"):
-            continue
-        g = {"stall_lt_5pct": row["stall_pct"] < 5.0}
-        if "steps_per_s_vs_adamw" in row:
-            g["steps_per_s_ge_0p9_adamw"] = row["steps_per_s_vs_adamw"] >= 0.9
-        if "heldout_gap_vs_offload_equal_wall" in row:
-            g["heldout_le_offload_equal_wall"] = row["heldout_gap_vs_offload_equal_wall"] <= 0.0
-        goals[name] = g
-    out["goals"] = goals
+        if r["name"].startswith("zenflow"):
+            g = out["goals"][r["name"]] = {"stall_lt_5pct": row["stall_pct"] < 5.0}
+            if "steps_per_s_vs_adamw" in row:
+                g["steps_per_s_ge_0p9_adamw"] = row["steps_per_s_vs_adamw"] >= 0.9
+            if "heldout_gap_vs_offload_equal_wall" in row:
+                g["heldout_le_offload_equal_wall"] = row["heldout_gap_vs_offload_equal_wall"] <= 0.0
     return out
 
 
-# -- progress ------------------------------------------------------------------------------------------------
-
-
 class Progress:
-    """A plain stderr progress bar (redrawn in place on a terminal; a few lines otherwise)."""
+    """A plain stderr progress bar (redrawn in place on a terminal; a line at each quarter otherwise)."""
 
     def __init__(self, total: int, label: str, enabled: bool = True, stream=None, width: int = 28):
         self.total, self.label, self.enabled, self.width = total, label, enabled, width
@@ -580,13 +538,12 @@ class Progress:
             tail = f" loss {loss:.3f}" if loss is not None else ""
             self.stream.write(f"\r{self.label:<34} [{'#' * fill}{'.' * (self.width - fill)}] {n}/{self.total}"
                               f" {rate:5.2f} it/s{tail}  ")
-            self.stream.flush()
         elif frac >= self.next_mark or n == self.total:
             while self.next_mark <= frac:
                 self.next_mark += 0.25
             tail = f", loss {loss:.3f}" if loss is not None else ""
             self.stream.write(f"{self.label}: {n}/{self.total} steps, {now - self.t0:.1f} s{tail}\n")
-            self.stream.flush()
+        self.stream.flush()
 
     def close(self) -> None:
         if self.enabled and self.tty:

@@ -3,28 +3,19 @@
     python -m bench.fsdp2                  # the small byte GPT, 40 timed steps, 5 interleaved repeats, CPU (gloo)
     python -m bench.fsdp2 --quick          # the tiny model, a few steps, one repeat (the test's run)
 
-Five configurations, each its own set of processes (one per rank, started like torchrun would: RANK,
-WORLD_SIZE, MASTER_ADDR/PORT), run round by round (a, b, c, d, e, then b, c, d, e, a, ...) so drift hits all
-alike:
-
-- ``one_zenflow``: one process, the plain model, ``ZenFlowAdamW``;
-- ``one_adamw``: one process, the plain model, ``torch.optim.AdamW``;
-- ``fsdp2_zenflow``: 2 ranks, ``fully_shard`` per transformer block and at the root, ``ZenFlowAdamW``;
-- ``fsdp2_adamw``: the same with ``torch.optim.AdamW``;
-- ``fsdp2_offload_adamw``: the same with ``CPUOffloadPolicy(pin_memory=False)`` (pinning needs an accelerator).
-
-Every configuration trains the same initial weights on the same global batches (windows of the standard
-library's source, bench/data.py; a rank trains on its half). On CPU one process gets ``cores`` torch threads
-and each of 2 ranks ``cores // 2``. Measured per configuration: steps/s (timed steps over their wall time,
-and the median single step), the optimizer's host state per rank (``opt.host_bytes()`` for ZenFlow; the
-storage of AdamW's state tensors), this rank's parameter shard, peak RSS, the loss at every step (the
-ranks' halves averaged: the global batch's loss), and the payload bytes of every collective per step by
-kind: ZenFlow's own from ``opt.stats()["collective_bytes"]``, FSDP2's counted (with the time inside the
-calls) by shims around ``torch.distributed``'s collective functions installed in each rank before the model
-is wrapped (a call on the FSDP2 mesh's group is FSDP2's; ZenFlow's run on groups of their own, and their
-shim count is checked against ZenFlow's figure). The machine is shared: each launch also records the CPU
-time the rest of the machine used meanwhile (/proc/stat), and the ``*_calm`` figures take only the repeats
-where that stayed under ``CALM_OTHER`` of the cores. Writes ``fsdp2_cpu.json`` and ``fsdp2_cpu.png``.
+Five configurations (``CONFIGS``: one process or 2 ranks with ``fully_shard`` per transformer block and at the
+root; ``ZenFlowAdamW``, ``torch.optim.AdamW``, or AdamW with ``CPUOffloadPolicy(pin_memory=False)``), each its own
+processes (one per rank, started like torchrun would), run round by round (a, b, c, d, e, then b, c, d, e, a, ...)
+so drift hits all alike, on the same initial weights and global batches (standard-library source, bench/data.py; a
+rank trains on its half). One process gets ``cores`` torch threads, each of 2 ranks ``cores // 2``. Measured per
+configuration: steps/s (timed steps over their wall time, and the median single step), the optimizer's host state
+per rank (``opt.host_bytes()`` for ZenFlow; the storage of AdamW's state tensors), the parameter shard, peak RSS, the
+global batch's loss at every step, and the payload bytes of every collective per step by kind: ZenFlow's from
+``opt.stats()["collective_bytes"]``, FSDP2's counted (with the time inside the calls) by shims around
+``torch.distributed``'s collectives installed before the model is wrapped (a call on the FSDP2 mesh's group is
+FSDP2's; ZenFlow's groups' shim count is checked against ZenFlow's figure). The machine is shared: each launch
+records the CPU time the rest of the machine used meanwhile (/proc/stat); the ``*_calm`` figures take only the
+repeats where that stayed under ``CALM_OTHER`` of the cores. Writes ``fsdp2_cpu.json`` and ``fsdp2_cpu.png``.
 """
 
 from __future__ import annotations
@@ -40,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, run_ranks, write_json
+from bench import harness
 
 CONFIGS: dict[str, dict] = {
     "one_zenflow": dict(world=1, fsdp2=False, optimizer="zenflow"),
@@ -63,7 +54,21 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-# -- counting collectives --------------------------------------------------------------------------------
+def one_selection_zenflow(args, pt_reserved_cores_perc: float) -> dict:
+    """The ZenFlow config of this benchmark and bench.zero: top 10% of the columns, chosen once over the whole run
+    (warm-up and timed steps), the rest updated on the host every 4 steps, overlapped."""
+    return dict(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step",
+                select_interval=max(4, args.warmup + args.steps), pt_reserved_cores_perc=pt_reserved_cores_perc)
+
+
+def per_step(counts: dict, steps: int, prefix: str = "") -> dict:
+    """Bytes per step by collective kind, from the run's totals (over every step it took, warm-up included)."""
+    return {f"{prefix}{kind}": nbytes / steps for kind, nbytes in counts.items()}
+
+
+def write_rank(args, rank: int, result: dict) -> None:
+    """A rank's result where ``harness.run_ranks`` reads it."""
+    Path(args.worker_out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 class CollectiveCounter:
@@ -76,27 +81,23 @@ class CollectiveCounter:
     counted twice. Counters are updated under a lock: ZenFlow's host worker may run collectives too."""
 
     OPS = {  # function -> (kind, which tensor argument is the payload)
-        "all_gather_single": ("all-gather", "out"),
-        "all_gather_into_tensor": ("all-gather", "out"),
-        "reduce_scatter_single": ("reduce-scatter", "in"),
-        "reduce_scatter_tensor": ("reduce-scatter", "in"),
-        "all_reduce": ("all-reduce", "in"),
-        "broadcast": ("broadcast", "in"),
-        "reduce": ("reduce", "in"),
+        "all_gather_single": ("all-gather", "out"), "all_gather_into_tensor": ("all-gather", "out"),
+        "reduce_scatter_single": ("reduce-scatter", "in"), "reduce_scatter_tensor": ("reduce-scatter", "in"),
+        "all_reduce": ("all-reduce", "in"), "broadcast": ("broadcast", "in"), "reduce": ("reduce", "in"),
     }
 
     def __init__(self):
         self.lock = threading.Lock()
         self.local = threading.local()
-        self.calls: dict[tuple[object, str], int] = {}
-        self.bytes: dict[tuple[object, str], int] = {}
-        self.shard_bytes: dict[tuple[object, str], int] = {}  # this rank's part: a shard in or out
-        self.seconds: dict[tuple[object, str], float] = {}  # inside the call (the transfer when synchronous)
+        # (group, kind) -> [calls, bytes, this rank's part (a shard in or out), seconds inside the call (the
+        # transfer when synchronous)]
+        self.counts: dict[tuple[object, str], list] = {}
         self.saved: dict[str, object] = {}
 
     def reset_seconds(self) -> None:
         with self.lock:
-            self.seconds = dict.fromkeys(self.seconds, 0.0)
+            for row in self.counts.values():
+                row[3] = 0.0
 
     def install(self) -> None:
         import torch.distributed as dist
@@ -115,31 +116,32 @@ class CollectiveCounter:
         self.saved.clear()
 
     def _shim(self, fn, kind: str, which: str):
-        counter = self
+        import torch
+
+        def nbytes(t) -> int:
+            return t.numel() * t.element_size()
 
         def shim(*args, **kwargs):
-            if getattr(counter.local, "depth", 0):
+            if getattr(self.local, "depth", 0):
                 return fn(*args, **kwargs)
-            tensors = _tensor_args(args, kwargs)
-            group = kwargs.get("group")
+            tensors = [a for a in args if torch.is_tensor(a)]
+            tensors += [kwargs[n] for n in ("output_tensor", "output", "input_tensor", "input", "tensor")
+                        if n in kwargs and torch.is_tensor(kwargs[n])]
             if which == "out":  # (output, input, ...): the output is the unsharded buffer
-                nbytes, shard = _nbytes(tensors[0]), _nbytes(tensors[1]) if len(tensors) > 1 else 0
+                total, shard = nbytes(tensors[0]), nbytes(tensors[1]) if len(tensors) > 1 else 0
             else:  # reduce-scatter (output, input) or a single tensor
-                nbytes = _nbytes(tensors[1] if kind == "reduce-scatter" else tensors[0])
-                shard = _nbytes(tensors[0]) if kind == "reduce-scatter" else nbytes
-            key = (group, kind)
-            counter.local.depth = 1
+                total = nbytes(tensors[1] if kind == "reduce-scatter" else tensors[0])
+                shard = nbytes(tensors[0]) if kind == "reduce-scatter" else total
+            self.local.depth = 1
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 took = time.perf_counter() - start
-                counter.local.depth = 0
-                with counter.lock:
-                    counter.calls[key] = counter.calls.get(key, 0) + 1
-                    counter.bytes[key] = counter.bytes.get(key, 0) + nbytes
-                    counter.shard_bytes[key] = counter.shard_bytes.get(key, 0) + shard
-                    counter.seconds[key] = counter.seconds.get(key, 0.0) + took
+                self.local.depth = 0
+                with self.lock:
+                    row = self.counts.setdefault((kwargs.get("group"), kind), [0, 0, 0, 0.0])
+                    row[:] = [row[0] + 1, row[1] + total, row[2] + shard, row[3] + took]
 
         return shim
 
@@ -148,34 +150,14 @@ class CollectiveCounter:
         group)."""
         import torch.distributed as dist
 
-        def is_mesh(group) -> bool:
-            return mesh_group is not None and (group is mesh_group or (group is None
-                                                                        and mesh_group is dist.group.WORLD))
-
         mesh, other = {}, {}
         with self.lock:
-            for key, n in self.calls.items():
-                group, kind = key
-                into = mesh if is_mesh(group) else other
-                c, b, s, t = into.get(kind, (0, 0, 0, 0.0))
-                into[kind] = (c + n, b + self.bytes[key], s + self.shard_bytes[key], t + self.seconds[key])
+            for (group, kind), row in self.counts.items():
+                on_mesh = mesh_group is not None and (group is mesh_group or (group is None
+                                                                                and mesh_group is dist.group.WORLD))
+                into = mesh if on_mesh else other
+                into[kind] = tuple(a + b for a, b in zip(into.get(kind, (0, 0, 0, 0.0)), row, strict=True))
         return mesh, other
-
-
-def _tensor_args(args, kwargs) -> list:
-    import torch
-
-    names = ("output_tensor", "output", "input_tensor", "input", "tensor")
-    found = [a for a in args if torch.is_tensor(a)]
-    found += [kwargs[n] for n in names if n in kwargs and torch.is_tensor(kwargs[n])]
-    return found
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
-
-
-# -- one rank ----------------------------------------------------------------------------------------------
 
 
 def _state_bytes(optimizer) -> int:
@@ -183,21 +165,15 @@ def _state_bytes(optimizer) -> int:
     import torch
 
     storages = {}
-    for st in optimizer.state.values():
-        for v in st.values():
-            if torch.is_tensor(v):
-                local = v.to_local() if hasattr(v, "to_local") else v
-                s = local.untyped_storage()
-                storages[s.data_ptr()] = s.nbytes()
+    for v in (v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)):
+        s = (v.to_local() if hasattr(v, "to_local") else v).untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
     return sum(storages.values())
 
 
 def _param_bytes(model) -> int:
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += _nbytes(local)
-    return total
+    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def worker(args) -> None:
@@ -210,9 +186,7 @@ def worker(args) -> None:
     cfg = CONFIGS[args.worker_config]
     world = cfg["world"]
     torch.set_num_threads(max(1, cores() // world))
-    rank = 0
-    counter = CollectiveCounter()
-    mesh_group = None
+    rank, mesh_group, counter = 0, None, CollectiveCounter()
     if world > 1:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
@@ -227,13 +201,10 @@ def worker(args) -> None:
         mesh = init_device_mesh("cpu", (world,))
         mesh_group = mesh.get_group()
         extra = dict(offload_policy=CPUOffloadPolicy(pin_memory=False)) if cfg.get("offload") else {}
-        for block in model.blocks:
+        for block in [*model.blocks, model]:
             fully_shard(block, mesh=mesh, **extra)
-        fully_shard(model, mesh=mesh, **extra)
     if cfg["optimizer"] == "zenflow":
-        zenflow = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step",
-                       select_interval=max(4, args.warmup + args.steps), pt_reserved_cores_perc=1.0)
-        opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=zenflow)
+        opt = ZenFlowAdamW(model.parameters(), **HYPER, zenflow=one_selection_zenflow(args, 1.0))
     else:
         opt = torch.optim.AdamW(model.parameters(), **HYPER, **ADAMW_FORMS[args.adamw])
     tokens = torch.load(args.worker_data)  # [warmup + steps, global batch, context + 1]
@@ -247,8 +218,7 @@ def worker(args) -> None:
             t0, cpu0 = time.perf_counter(), time.process_time()
             counter.reset_seconds()  # the time inside collectives: over the timed steps
         start = time.perf_counter()
-        x, y = tokens[t, part, :-1], tokens[t, part, 1:]
-        loss = model.loss(x, y)
+        loss = model.loss(tokens[t, part, :-1], tokens[t, part, 1:])
         loss.backward()
         called = time.perf_counter()
         opt.step()
@@ -274,15 +244,14 @@ def worker(args) -> None:
         state_bytes = _state_bytes(opt)
     mesh_counts, other_counts = counter.split(mesh_group)
     counter.uninstall()
-    fsdp2_bytes = {f"FSDP2 {kind}": b / total_steps for kind, (_, b, _, _) in mesh_counts.items()}
-    zen_bytes = {k: v / total_steps for k, v in (zen["collective_bytes"] if zen else {}).items()}
     result = dict(
         rank=rank, world=world, config=args.worker_config, steps=args.steps, warmup=args.warmup,
         wall_s=wall, cpu_s=cpu, load_average_end=os.getloadavg(), steps_per_s=args.steps / wall, step_s=step_s,
-        step_call_s=call_s, losses=losses,
-        optimizer_state_bytes=state_bytes, parameter_bytes=_param_bytes(model),
+        step_call_s=call_s, losses=losses, optimizer_state_bytes=state_bytes, parameter_bytes=_param_bytes(model),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        collective_bytes_per_step={**fsdp2_bytes, **zen_bytes},
+        collective_bytes_per_step={**per_step({kind: b for kind, (_, b, _, _) in mesh_counts.items()}, total_steps,
+                                              "FSDP2 "),
+                                   **per_step(zen["collective_bytes"] if zen else {}, total_steps)},
         fsdp2_collectives={kind: dict(calls_per_step=c / total_steps, bytes_per_step=b / total_steps,
                                       shard_bytes_per_step=s / total_steps, ms_per_step=1e3 * sec / args.steps)
                            for kind, (c, b, s, sec) in mesh_counts.items()},
@@ -291,12 +260,9 @@ def worker(args) -> None:
     )
     if hasattr(opt, "close"):
         opt.close()
-    Path(args.worker_out, f"rank{rank}.json").write_text(json.dumps(result))
+    write_rank(args, rank, result)
     if world > 1:
         dist.destroy_process_group()
-
-
-# -- the driver ------------------------------------------------------------------------------------------
 
 
 def machine_busy_s() -> float | None:
@@ -313,24 +279,21 @@ def machine_busy_s() -> float | None:
 def run_config(name: str, args, data: Path) -> list[dict]:
     """One launch of a configuration: its ranks' results, each with ``other_cpu_share``: the CPU time the
     rest of the machine used meanwhile (every process but these ranks), per wall second, over the cores."""
-    world = CONFIGS[name]["world"]
     worker_args = ["--worker-config", name, "--worker-data", str(data), "--model", args.model, "--steps",
                    str(args.steps), "--warmup", str(args.warmup), "--adamw", args.adamw]
-    busy0, wall0 = machine_busy_s(), time.perf_counter()
-    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    ranks = run_ranks("bench.fsdp2", world, worker_args, timeout=1800, what=f"a rank of {name}")
-    busy1, wall = machine_busy_s(), time.perf_counter() - wall0
-    children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    mine = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
+
+    def children_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    busy0, wall0, mine0 = machine_busy_s(), time.perf_counter(), children_s()
+    ranks = harness.run_ranks("bench.fsdp2", CONFIGS[name]["world"], worker_args, timeout=1800,
+                              what=f"a rank of {name}")
+    busy1, wall, mine = machine_busy_s(), time.perf_counter() - wall0, children_s() - mine0
     other = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0 - mine) / (wall * cores()))
     for r in ranks:
         r["other_cpu_share"] = other
     return ranks
-
-
-def global_losses(ranks: list[dict]) -> list[float]:
-    """The global batch's loss at each step: the ranks' equal halves' mean losses, averaged."""
-    return [statistics.fmean(step) for step in zip(*(r["losses"] for r in ranks), strict=True)]
 
 
 def median_ms(ranks: list[dict], key: str) -> float:
@@ -338,30 +301,26 @@ def median_ms(ranks: list[dict], key: str) -> float:
     return 1e3 * statistics.median(max(step) for step in zip(*(r[key] for r in ranks), strict=True))
 
 
-def cpu_share(ranks: list[dict]) -> float:
-    """The share of the machine's cores the configuration's processes used over the timed steps (their CPU
-    time, every thread, per wall second, summed over the ranks, over the cores)."""
-    return sum(r["cpu_s"] / r["wall_s"] for r in ranks) / cores()
-
-
 def summarise(name: str, reps: list[list[dict]]) -> dict:
     first = reps[0]
     step_ms = [median_ms(ranks, "step_s") for ranks in reps]
     walls = [min(r["steps_per_s"] for r in ranks) for ranks in reps]  # the slowest rank sets the pace
-    shares = [cpu_share(ranks) for ranks in reps]
+    # the share of the machine's cores the configuration's processes used over the timed steps (their CPU time,
+    # every thread, per wall second, summed over the ranks, over the cores)
+    shares = [sum(r["cpu_s"] / r["wall_s"] for r in ranks) / cores() for ranks in reps]
     others = [ranks[0]["other_cpu_share"] for ranks in reps]
     # the machine is shared: while other work held a core, one process on 2 threads ran up to 17x slower
     # here and 2 ranks on 1 thread ~2x. Calm repeats: the rest of the machine used at most CALM_OTHER of the
     # cores during the launch (every repeat when that is unknown)
     calm_at = [i for i, o in enumerate(others) if o is None or o <= CALM_OTHER]
     calm = [step_ms[i] for i in calm_at]
-    losses = global_losses(first)
+    # the global batch's loss at each step: the ranks' equal halves' mean losses, averaged
+    losses = [statistics.fmean(step) for step in zip(*(r["losses"] for r in first), strict=True)]
 
-    def collective_ms(kind: str, which: list[int]) -> float | None:
+    def collective_ms(kind: str, which) -> float | None:
         vals = [reps[i][0]["fsdp2_collectives"][kind]["ms_per_step"] for i in which]
         return statistics.median(vals) if vals else None
 
-    every = list(range(len(reps)))
     out = dict(
         world=first[0]["world"], optimizer=CONFIGS[name]["optimizer"], fsdp2=CONFIGS[name]["fsdp2"],
         offload=bool(CONFIGS[name].get("offload")),
@@ -379,7 +338,7 @@ def summarise(name: str, reps: list[list[dict]]) -> dict:
         parameter_bytes_per_rank=[r["parameter_bytes"] for r in first],
         peak_rss_bytes_per_rank=[max(ranks[i]["peak_rss_bytes"] for ranks in reps) for i in range(len(first))],
         collective_bytes_per_step=first[0]["collective_bytes_per_step"],
-        fsdp2_collectives={kind: dict(row, ms_per_step=collective_ms(kind, every),
+        fsdp2_collectives={kind: dict(row, ms_per_step=collective_ms(kind, range(len(reps))),
                                       ms_per_step_calm=collective_ms(kind, calm_at))
                            for kind, row in first[0]["fsdp2_collectives"].items()},
         losses=losses, final_loss=statistics.fmean(losses[-LOSS_TAIL:]),
@@ -389,8 +348,8 @@ def summarise(name: str, reps: list[list[dict]]) -> dict:
         zen = [r["zenflow"] for r in first]
         out["zenflow"] = dict(
             host_bytes_per_rank=[z["host_bytes"] for z in zen], selections=zen[0]["selections"],
-            host_updates=zen[0]["host_updates"], stall_fraction_per_repeat=[ranks[0]["zenflow"]["stall_fraction"]
-                                                                            for ranks in reps],
+            host_updates=zen[0]["host_updates"],
+            stall_fraction_per_repeat=[ranks[0]["zenflow"]["stall_fraction"] for ranks in reps],
             collective_bytes_total=zen[0]["collective_bytes"],
             # ZenFlow's own count beside what the shims saw on groups other than FSDP2's mesh: must agree
             shim_bytes_total_other_groups=sum(first[0]["other_groups_bytes"].values()),
@@ -410,27 +369,27 @@ def corpus_batches(args, path: Path) -> dict:
     steps = args.warmup + args.steps
     starts = batch_starts(corpus.train.nbytes, size.context, batch, steps, seed=1)
     x, y = windows(corpus.train.data, starts.reshape(-1), size.context)
-    tokens = torch.cat([x, y[:, -1:]], dim=1).reshape(steps, batch, size.context + 1)
-    torch.save(tokens, path)
+    torch.save(torch.cat([x, y[:, -1:]], dim=1).reshape(steps, batch, size.context + 1), path)
     return dict(corpus.train.describe(), global_batch=batch, context=size.context)
 
 
 def main(argv=None) -> int:
     from bench.model import SIZES
 
-    ap = OneLineParser(description=__doc__.splitlines()[0])
+    at_least = harness.int_at_least
+    ap = harness.OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, choices=sorted(SIZES), help="default small (tiny with --quick)")
-    ap.add_argument("--steps", type=int_at_least(1), default=None, help="timed steps (default 40; --quick 6)")
-    ap.add_argument("--warmup", type=int_at_least(1), default=None, help="untimed steps first (default 8; --quick 2)")
-    ap.add_argument("--batch-scale", type=int_at_least(1), default=None,
+    ap.add_argument("--steps", type=at_least(1), default=None, help="timed steps (default 40; --quick 6)")
+    ap.add_argument("--warmup", type=at_least(1), default=None, help="untimed steps first (default 8; --quick 2)")
+    ap.add_argument("--batch-scale", type=at_least(1), default=None,
                     help="global batch = the preset's batch times this (default 2; --quick 1)")
-    ap.add_argument("--repeats", type=int_at_least(1), default=None, help="rounds over the configurations "
-                    "(default 5; --quick 1)")
+    ap.add_argument("--repeats", type=at_least(1), default=None,
+                    help="rounds over the configurations (default 5; --quick 1)")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma-separated, in the order each round runs them (of {', '.join(CONFIGS)})")
     ap.add_argument("--adamw", default="fused", choices=list(ADAMW_FORMS),
                     help="torch.optim.AdamW's implementation for the AdamW runs (default fused)")
-    ap.add_argument("--train-bytes", type=int_at_least(10_000), default=200_000, help=argparse.SUPPRESS)
+    ap.add_argument("--train-bytes", type=at_least(10_000), default=200_000, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="the tiny model, a few steps, one repeat")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
@@ -453,7 +412,7 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
         ap.error(f"--configs: unknown {', '.join(unknown) or '(none given)'}; allowed {', '.join(CONFIGS)}")
-    out = output_dir(args.out)
+    out = harness.output_dir(args.out)
     started = time.time()
     runs: dict[str, list[list[dict]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="fsdp2-data-") as tmp:
@@ -484,10 +443,9 @@ def main(argv=None) -> int:
                 final_loss_diff=a["final_loss"] - b["final_loss"],
                 optimizer_state_per_rank_ratio=max(a["optimizer_state_bytes_per_rank"])
                 / b["optimizer_state_bytes_per_rank"][0])
-    size = SIZES[args.model]
     payload = dict(
         benchmark="fsdp2", command="python -m bench." + " ".join(["fsdp2", *(argv or sys.argv[1:])]),
-        config=dict(model=args.model, model_size=size.as_dict(), steps=args.steps, warmup=args.warmup,
+        config=dict(model=args.model, model_size=SIZES[args.model].as_dict(), steps=args.steps, warmup=args.warmup,
                     batch_scale=args.batch_scale, global_batch=corpus["global_batch"], repeats=args.repeats,
                     quick=args.quick, configs=names, hyper=HYPER,
                     zenflow="topk_ratio 0.1, update_interval 4, overlap_step, select_strategy step with "
@@ -497,32 +455,31 @@ def main(argv=None) -> int:
                           "offload: CPUOffloadPolicy(pin_memory=False)",
                     threads=f"torch.set_num_threads: {cores()} for one process, {max(1, cores() // 2)} per rank "
                             "at 2 ranks",
-                    steps_per_s="steps_per_s_median: 1 / the median step (each step timed on every rank, the "
-                                "slowest rank's time; the median over the timed steps, then over the repeats); "
-                                "steps_per_s_wall: timed steps / their wall time on the slowest rank (host "
-                                "updates' and boundary steps' costs included), median over the repeats; "
-                                "step_call_ms_median: the same median of opt.step() + zero_grad() alone; "
-                                "*_best: the repeat with the shortest median step; *_calm: the median over "
-                                "the calm repeats, those during whose launch the rest of the machine used at "
-                                f"most {CALM_OTHER} of the cores (other_cpu_share_per_repeat: /proc/stat's busy "
-                                "time less the ranks' own, per wall second, over the cores); "
-                                "cpu_share_per_repeat: the ranks' own CPU time over the timed steps, the same "
-                                "way",
+                    steps_per_s="steps_per_s_median: 1 / the median step (each step timed on every rank, the slowest "
+                                "rank's time; the median over the timed steps, then over the repeats); "
+                                "steps_per_s_wall: timed steps / their wall time on the slowest rank (host updates' "
+                                "and boundary steps' costs included), median over the repeats; step_call_ms_median: "
+                                "the same median of opt.step() + zero_grad() alone; *_best: the repeat with the "
+                                "shortest median step; *_calm: the median over the calm repeats, those during whose "
+                                f"launch the rest of the machine used at most {CALM_OTHER} of the cores "
+                                "(other_cpu_share_per_repeat: /proc/stat's busy time less the ranks' own, per wall "
+                                "second, over the cores); cpu_share_per_repeat: the ranks' own CPU time over the "
+                                "timed steps, the same way",
                     collective_bytes="payload bytes per step over all warm-up and timed steps, rank 0: FSDP2's "
                                      "counted by shims on torch.distributed (all-gather: the unsharded output; "
                                      "reduce-scatter: the unsharded input), ZenFlow's from opt.stats(); "
-                                     "fsdp2_collectives: calls, bytes, this rank's shard bytes and (over the "
-                                     "timed steps) the time inside the calls per step (on CPU FSDP2 calls "
-                                     "them synchronously: the transfer and the wait for the other rank; rank "
-                                     "0, the median over the repeats)",
+                                     "fsdp2_collectives: calls, bytes, this rank's shard bytes and (over the timed "
+                                     "steps) the time inside the calls per step (on CPU FSDP2 calls them "
+                                     "synchronously: the transfer and the wait for the other rank; rank 0, the median "
+                                     "over the repeats)",
                     optimizer_state_bytes="ZenFlow: host_bytes() total + fast_state + device_sums; AdamW: the "
                                           "storage of its state tensors (this rank's shards)",
                     final_loss=f"mean of the last {LOSS_TAIL} steps' global-batch losses"),
         corpus=corpus, summary=summary, comparisons=comparisons,
-        runs={n: [[{k: v for k, v in r.items() if k not in ("losses",)} for r in ranks] for ranks in reps]
+        runs={n: [[{k: v for k, v in r.items() if k != "losses"} for r in ranks] for ranks in reps]
               for n, reps in runs.items()},
-        machine=machine_info_light(), total_s=time.time() - started)
-    path = write_json(out / "fsdp2_cpu.json", payload)
+        machine=harness.machine_info_light(), total_s=time.time() - started)
+    path = harness.write_json(out / "fsdp2_cpu.json", payload)
     plot(payload, out / "fsdp2_cpu.png")
     for name, s in summary.items():
         moved = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(s["collective_bytes_per_step"].items()))
@@ -536,54 +493,39 @@ def main(argv=None) -> int:
     return 0
 
 
+def _grouped_bars(ax, names: list[str], series: dict) -> None:
+    """A group of bars per name, one bar per series side by side; the names (first "_" a line break) below."""
+    w = 0.8 / max(1, len(series))
+    for j, (label, vals) in enumerate(series.items()):
+        ax.bar([i + (j - (len(series) - 1) / 2) * w for i in range(len(names))], vals, w, label=label)
+    ax.set_xticks(range(len(names)), [n.replace("_", "\n", 1) for n in names], fontsize=7)
+
+
 def plot(payload: dict, path: Path) -> None:
-    pyplot = plt()
-    summary = payload["summary"]
+    summary, cfg = payload["summary"], payload["config"]
     names = list(summary)
-    labels = [n.replace("_", "\n", 1) for n in names]
-    fig, (a, b, c) = pyplot.subplots(1, 3, figsize=(16, 4.5))
-    width = 0.4
-    xs = range(len(names))
-    a.bar([x - width / 2 for x in xs], [summary[n]["steps_per_s_median"] for n in names], width,
-          label="all repeats")
-    a.bar([x + width / 2 for x in xs], [summary[n]["steps_per_s_calm"] or 0.0 for n in names], width,
-          label=f"calm repeats (others used <= {CALM_OTHER} of the cores)")
+    fig, (a, b, c) = harness.figure(3, size=(16, 4.5))
+    _grouped_bars(a, names, {"all repeats": [summary[n]["steps_per_s_median"] for n in names],
+                             f"calm repeats (others used <= {CALM_OTHER} of the cores)":
+                                 [summary[n]["steps_per_s_calm"] or 0.0 for n in names]})
     for i, n in enumerate(names):
-        for ms, other in zip(summary[n]["step_ms_per_repeat"], summary[n]["other_cpu_share_per_repeat"],
-                             strict=True):
+        for ms, other in zip(summary[n]["step_ms_per_repeat"], summary[n]["other_cpu_share_per_repeat"], strict=True):
             a.plot([i], [1e3 / ms], "k." if other is None or other <= CALM_OTHER else "kx", ms=4)
-    a.set_xticks(list(xs), labels)
-    a.set_ylabel("steps/s = 1 / median step (dots: calm repeats, x: others)")
     a.set_ylim(top=1.3 * max(1e3 / ms for n in names for ms in summary[n]["step_ms_per_repeat"]))
-    a.legend(fontsize=7)
-    cfg = payload["config"]
-    a.set_title(f"{cfg['model']} model, global batch {cfg['global_batch']}, {cfg['steps']} timed steps")
-    a.tick_params(axis="x", labelsize=7)
-    state = [max(summary[n]["optimizer_state_bytes_per_rank"]) / 2**20 for n in names]
-    params = [max(summary[n]["parameter_bytes_per_rank"]) / 2**20 for n in names]
-    b.bar([x - width / 2 for x in xs], state, width, label="optimizer state")
-    b.bar([x + width / 2 for x in xs], params, width, label="parameters (own shard)")
-    b.set_xticks(list(xs), labels, fontsize=7)
-    b.set_ylabel("MiB per rank (largest rank)")
-    b.set_title("host memory per rank, measured")
-    b.legend(fontsize=7)
-    kinds = sorted({k for n in names for k in summary[n]["collective_bytes_per_step"]})
+    harness.style(a, None, "steps/s = 1 / median step (dots: calm repeats, x: others)",
+                  f"{cfg['model']} model, global batch {cfg['global_batch']}, {cfg['steps']} timed steps", grid=None)
+    _grouped_bars(b, names, {
+        "optimizer state": [max(summary[n]["optimizer_state_bytes_per_rank"]) / 2**20 for n in names],
+        "parameters (own shard)": [max(summary[n]["parameter_bytes_per_rank"]) / 2**20 for n in names]})
+    harness.style(b, None, "MiB per rank (largest rank)", "host memory per rank, measured", grid=None)
     shown = [n for n in names if summary[n]["collective_bytes_per_step"]]
-    w = 0.8 / max(1, len(kinds))
-    for j, k in enumerate(kinds):
-        vals = [summary[n]["collective_bytes_per_step"].get(k, 0.0) for n in shown]
-        c.bar([i + (j - (len(kinds) - 1) / 2) * w for i in range(len(shown))], vals, w, label=k)
-    c.set_xticks(range(len(shown)), [n.replace("_", "\n", 1) for n in shown], fontsize=7)
-    c.set_yscale("log")
+    kinds = sorted({k for n in names for k in summary[n]["collective_bytes_per_step"]})
+    _grouped_bars(c, shown, {k: [summary[n]["collective_bytes_per_step"].get(k, 0.0) for n in shown] for k in kinds})
     top = max((v for n in shown for v in summary[n]["collective_bytes_per_step"].values()), default=1.0)
+    harness.style(c, None, "payload bytes per step (rank 0), log scale", "collectives by kind", logy=10, legend=6,
+                  grid=None)
     c.set_ylim(top=top * 300)  # room for the legend above the bars
-    c.set_ylabel("payload bytes per step (rank 0), log scale")
-    c.set_title("collectives by kind")
-    if kinds:
-        c.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
+    harness.save(fig, path)
 
 
 if __name__ == "__main__":

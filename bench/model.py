@@ -1,10 +1,8 @@
-"""A small GPT-style character (byte) language model for the end-to-end benchmark and the notebooks.
+"""A small GPT-style byte language model for the end-to-end benchmarks and the notebooks.
 
-Pre-norm transformer blocks (causal self-attention + 4x MLP, GELU), learned position embeddings and
-an untied output head, the shape ZenFlow targets: almost every parameter is a ``[out, in]`` matrix
-of an ``nn.Linear`` (or an embedding table), so the top-k column split applies to nearly all of the
-model. Sizes are named presets (``SIZES``); bytes are the tokens (vocabulary 256), so no tokenizer
-and no vocabulary file are needed.
+Pre-norm transformer blocks (causal self-attention + 4x MLP, GELU), learned position embeddings and an untied
+output head: almost every parameter is a ``[out, in]`` matrix (ZenFlow's column split applies to nearly all of the
+model). Sizes are named presets (``SIZES``); bytes are the tokens (vocabulary 256): no tokenizer, no vocabulary file.
 """
 
 from __future__ import annotations
@@ -46,12 +44,8 @@ class Block(nn.Module):
     def __init__(self, d: int, n_head: int):
         super().__init__()
         self.n_head = n_head
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -96,8 +90,7 @@ class CharGPT(nn.Module):
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean next-byte cross-entropy (nats per byte)."""
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        return F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
 def build_model(size: str | ModelSize, seed: int = 0, device: str | torch.device = "cpu") -> CharGPT:

@@ -2,36 +2,22 @@
 
     python -m bench.overlap [--out DIR] [--quick] [--sizes 1 4 16 64] [--steps 8] [--batch 256]
 
-On CPU a device-to-host copy is a memcpy, so the asynchronous test link (``testing.chaos``) models one:
-each copy job takes ``bytes / bandwidth`` on its copy thread. Gradients land in the host's landing area from
-backward's hooks and are folded into the sums after ``step()`` checked them, in fold jobs of 4 MiB (shrunk
-through ``AsyncLink.FOLD_CHUNK_BYTES`` so that a CPU-sized model is many times larger than one, as a 7 B
-model is many times the default 64 MiB): the next backward's hooks wait for the job holding their gradient's
-place. An fp32 MLP of ``d = 512`` layers (1 MiB of gradient each), sized 1x to 64x a fold job. Each size runs
-in a fresh process (``bench.harness.run_child``).
-
-Bandwidths: ``pcie``, 25 GB/s (PCIe 4 x16), and ``slow``, chosen per size so that the transfer takes 40% of
-backward (the median of three training steps without the model, taken first; on this machine's backward 25
-GB/s hides almost anything; ``slow`` is where the design shows). Variants:
-
-* ``handover``: the link as it is: gradients cross from backward's hooks;
-* ``at_step``: hand-over from hooks switched off (``orderings.changed(early_handover=False)``, from
-  ``zenflow_kernels.orderings``, around every call into that run's optimizer): every gradient crosses at
-  ``step()``, after backward.
-
-Each variant runs twice, with the bandwidth model and without it (copies are memcpys), on copies of one
-model and batch, the four runs interleaved step by step. The "device" here is the CPU that also runs
-the host's accumulation, so each variant is compared with itself: the added stall is the median over
-steps of the modeled run's wall time (forward + backward + ``step()``) minus that of the same variant's
-unmodeled step taken just before it. Also reported: backward, ``step()``, the training thread's waits on the
-link (``stats()["worker_wait_s"]``), each over the transfer time (matrix gradient bytes / bandwidth), and the
-share of the transfer that ran while backward did (the timeline's d2h lane inside backward), the folds' time
-per step (the accumulate lane: a host pass over the landing area, beside the next forward) and what the
-training thread waited for them (its waits labelled ``fold``: a hook whose gradient's place was still being
-read). Goal (issue 23): with backward longer than the transfer, the added stall <= 10% of the transfer time
-at every size.
-Results: ``overlap_cpu.json`` and ``overlap_cpu.png`` (the two panels against model size and one step's
-timeline per variant at the largest size) in ``bench/results``.
+On CPU a device-to-host copy is a memcpy, so the asynchronous test link (``testing.chaos``) models one: each copy
+job takes ``bytes / bandwidth`` on its copy thread. Gradients land in the host's landing area from backward's hooks
+and are folded into the sums after ``step()``, in fold jobs of 4 MiB (``AsyncLink.FOLD_CHUNK_BYTES`` shrunk, so that
+a CPU-sized model is many fold jobs as a 7 B model is many of the default 64 MiB): the next backward's hooks wait
+for the job holding their gradient's place. The model: fp32 MLPs of ``d = 512`` layers (1 MiB of gradient each),
+1x to 64x a fold job, each size in a fresh process. Bandwidths: ``pcie`` (25 GB/s) and ``slow`` (the transfer takes
+40% of backward, measured first: at 25 GB/s this machine's backward hides almost anything). Variants: ``handover``
+(gradients cross from backward's hooks) and ``at_step`` (``orderings.changed(early_handover=False)`` around every
+call into its optimizer: every gradient crosses at ``step()``). Each runs with the bandwidth model and without it,
+the four runs interleaved step by step; the "device" is the CPU that also runs the host's work, so each variant is
+compared with itself: the added stall is the median over steps of the modeled step's wall time minus the same
+variant's unmodeled step taken just before it. Also: backward, ``step()``, the training thread's waits on the link,
+the share of the transfer that ran during backward (the timeline's d2h lane), the folds' time per step and the
+waits for them. Goal (issue 23): with backward longer than the transfer, the added stall <= 10% of the transfer at
+every size. Writes ``overlap_cpu.json`` and ``overlap_cpu.png`` (against model size; one step's timeline per
+variant at the largest size).
 """
 
 from __future__ import annotations
@@ -42,17 +28,9 @@ import json
 import math
 import statistics
 import time
+from unittest import mock
 
-from bench.harness import (
-    OneLineParser,
-    draw_lanes,
-    int_at_least,
-    machine_info_light,
-    output_dir,
-    plt,
-    run_child,
-    write_json_light,
-)
+from bench import harness
 
 FOLD_BYTES = 4 << 20  # the modeled fold job
 D = 512
@@ -84,28 +62,6 @@ def build_model(layers: int, d: int, seed: int = 0):
     return torch.nn.Sequential(*mods[:-1])
 
 
-def measure_size(spec: dict) -> dict:
-    """One model size: every bandwidth, every variant, interleaved; in this process."""
-    import torch
-
-    from zenflow_kernels.link import AsyncLink
-
-    d, fold = spec["d"], spec["fold_bytes"]
-    layers = max(1, math.ceil(spec["size"] * fold / (d * d * 4)))
-    base = build_model(layers, d)
-    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
-    matrix_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.dim() == 2)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(spec["batch"], d, generator=g), torch.randn(spec["batch"], d, generator=g)
-
-    saved = AsyncLink.FOLD_CHUNK_BYTES
-    AsyncLink.FOLD_CHUNK_BYTES = fold
-    try:
-        return _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes)
-    finally:
-        AsyncLink.FOLD_CHUNK_BYTES = saved
-
-
 def _run(base, bytes_per_s: float | None, early: bool) -> dict:
     """A copy of the model and its optimizer on the asynchronous link (modeled at ``bytes_per_s``, or with
     plain memcpys), with its own timeline."""
@@ -131,23 +87,33 @@ def _close(run: dict) -> None:
         run["opt"].close()
 
 
-def _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes) -> dict:
+def measure_size(spec: dict) -> dict:
+    """One model size: every bandwidth, every variant, interleaved; in this process."""
+    import torch
+
+    from zenflow_kernels.link import AsyncLink
     from zenflow_kernels.ops import use_backend
 
-    with use_backend("numba"):  # the backward "slow" is sized from: training steps as the runs take them
+    d, fold = spec["d"], spec["fold_bytes"]
+    layers = max(1, math.ceil(spec["size"] * fold / (d * d * 4)))
+    base = build_model(layers, d)
+    matrix_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.dim() == 2)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(spec["batch"], d, generator=g), torch.randn(spec["batch"], d, generator=g)
+    # numba: the backward "slow" is sized from are training steps as the runs take them
+    with mock.patch.object(AsyncLink, "FOLD_CHUNK_BYTES", fold), use_backend("numba"):
         probe = _run(base, None, True)
         for t in range(5):
             _step(probe, x, y, measured=t >= 2)
         _close(probe)
-    backward_s = statistics.median(s["backward"] for s in probe["steps"])
-    d, fold = spec["d"], spec["fold_bytes"]
-    share = spec.get("slow_share", SLOW_SHARE)
-    bandwidths = {name: rate for name, rate in (("pcie", PCIE), ("slow", matrix_bytes / (share * backward_s)))
-                  if name in spec.get("bandwidths", ("pcie", "slow"))}
-    out = dict(size=spec["size"], layers=layers, d=d, params=sum(p.numel() for p in base.parameters()),
-               grad_bytes=grad_bytes, matrix_grad_bytes=matrix_bytes, fold_bytes=fold,
-               times_fold=matrix_bytes / fold, backward_s_alone=backward_s, batch=spec["batch"], rows=[], timelines={})
-    with use_backend("numba"):
+        backward_s = statistics.median(s["backward"] for s in probe["steps"])
+        share = spec.get("slow_share", SLOW_SHARE)
+        bandwidths = {name: rate for name, rate in (("pcie", PCIE), ("slow", matrix_bytes / (share * backward_s)))
+                      if name in spec.get("bandwidths", ("pcie", "slow"))}
+        out = dict(size=spec["size"], layers=layers, d=d, params=sum(p.numel() for p in base.parameters()),
+                   grad_bytes=sum(p.numel() * p.element_size() for p in base.parameters()),
+                   matrix_grad_bytes=matrix_bytes, fold_bytes=fold, times_fold=matrix_bytes / fold,
+                   backward_s_alone=backward_s, batch=spec["batch"], rows=[], timelines={})
         for bw_name, bw in bandwidths.items():
             # each variant with the modeled bandwidth ("bw") and without it ("free", copies are memcpys)
             runs = {(variant, link): _run(base, bw if link == "bw" else None, variant == "handover")
@@ -155,50 +121,54 @@ def _measure(spec, base, x, y, layers, grad_bytes, matrix_bytes) -> dict:
             for t in range(spec["warmup"] + spec["steps"]):
                 for run in runs.values():
                     _step(run, x, y, measured=t >= spec["warmup"])
-            transfer_s = matrix_bytes / bw
             for variant in VARIANTS:
-                run, free = runs[variant, "bw"], runs[variant, "free"]
-                steps, timeline = run["steps"], run["timeline"]
-                # the d2h lane inside each step's backward, over the transfer the step needs
-                hidden = [timeline.busy("d2h", s["backward_start"], s["backward_end"]) for s in steps]
-                # the folds of each step's gradients (they run from its step() into the next forward), and the
-                # training thread's waits for a fold (a hook whose gradient's place was still being read)
-                folds = [timeline.busy("accumulate", s["step_start"], s["end"] + s["wall"]) for s in steps]
-                fold_waits = [sum(b - a for lane, label, a, b, _ in timeline.between(s["start"], s["end"])
-                                  if lane == "wait" and label == "fold") for s in steps]
-                stats = run["opt"].stats()
-                row = dict(size=spec["size"], bandwidth=bw_name, bytes_per_s=bw, variant=variant, transfer_s=transfer_s,
-                           wall_s=statistics.median(s["wall"] for s in steps),
-                           free_wall_s=statistics.median(s["wall"] for s in free["steps"]),
-                           backward_s=statistics.median(s["backward"] for s in steps),
-                           step_s=statistics.median(s["step"] for s in steps),
-                           waited_s=statistics.median(s["waited"] for s in steps),
-                           # each step against the same variant's step without the bandwidth model, taken just
-                           # before it: what the transfer adds, with the machine's drift cancelled
-                           added_stall_s=statistics.median(s["wall"] - f["wall"] for s, f in zip(
-                               steps, free["steps"], strict=True)),
-                           # the same for the training thread's waits on the link: copies are sleeps on other
-                           # threads, so waits are the only way the transfer reaches the training thread
-                           added_waits_s=statistics.median(s["waited"] - f["waited"] for s, f in zip(
-                               steps, free["steps"], strict=True)),
-                           hidden_share=statistics.median(hidden) / transfer_s,
-                           fold_s=statistics.median(folds), fold_wait_s=statistics.median(fold_waits),
-                           handover=stats["handover"], d2h_bytes_in_backward=stats["d2h_bytes_in_backward"],
-                           d2h_bytes=stats["d2h_bytes"])
-                # the share of backward the transfer took in this run (the bandwidth was sized from the probe)
-                row["transfer_share_of_backward"] = transfer_s / statistics.median(s["backward"] for s in free["steps"])
-                row["added_stall_share"] = row["added_stall_s"] / transfer_s
-                row["waited_share"] = row["waited_s"] / transfer_s
-                row["added_waits_share"] = row["added_waits_s"] / transfer_s
-                out["rows"].append(row)
+                run = runs[variant, "bw"]
+                out["rows"].append(_row(spec, bw_name, bw, variant, run, runs[variant, "free"], matrix_bytes))
                 if bw_name == "slow":  # one step's lanes, for the picture
-                    s = steps[len(steps) // 2]
+                    s = run["steps"][len(run["steps"]) // 2]
                     out["timelines"][variant] = [
                         (lane, label, a - s["start"], b - s["start"], n)
-                        for lane, label, a, b, n in timeline.between(s["start"], s["end"] + 0.3 * s["wall"])]
+                        for lane, label, a, b, n in run["timeline"].between(s["start"], s["end"] + 0.3 * s["wall"])]
             for run in runs.values():
                 _close(run)
     return out
+
+
+def _row(spec: dict, bw_name: str, bw: float, variant: str, run: dict, free: dict, matrix_bytes: int) -> dict:
+    """A variant's figures at one bandwidth: its modeled run against its unmodeled twin (``free``)."""
+    steps, timeline, transfer_s = run["steps"], run["timeline"], matrix_bytes / bw
+    # the d2h lane inside each step's backward, over the transfer the step needs
+    hidden = [timeline.busy("d2h", s["backward_start"], s["backward_end"]) for s in steps]
+    # the folds of each step's gradients (they run from its step() into the next forward), and the training
+    # thread's waits for a fold (a hook whose gradient's place was still being read)
+    folds = [timeline.busy("accumulate", s["step_start"], s["end"] + s["wall"]) for s in steps]
+    fold_waits = [sum(b - a for lane, label, a, b, _ in timeline.between(s["start"], s["end"])
+                      if lane == "wait" and label == "fold") for s in steps]
+    stats = run["opt"].stats()
+
+    def median(key: str, of=steps) -> float:
+        return statistics.median(s[key] for s in of)
+
+    row = dict(size=spec["size"], bandwidth=bw_name, bytes_per_s=bw, variant=variant, transfer_s=transfer_s,
+               wall_s=median("wall"), free_wall_s=median("wall", free["steps"]), backward_s=median("backward"),
+               step_s=median("step"), waited_s=median("waited"),
+               # each step against the same variant's step without the bandwidth model, taken just before it:
+               # what the transfer adds, with the machine's drift cancelled
+               added_stall_s=statistics.median(s["wall"] - f["wall"] for s, f in zip(steps, free["steps"],
+                                                                                      strict=True)),
+               # the same for the training thread's waits on the link: copies are sleeps on other threads, so
+               # waits are the only way the transfer reaches the training thread
+               added_waits_s=statistics.median(s["waited"] - f["waited"] for s, f in zip(steps, free["steps"],
+                                                                                          strict=True)),
+               hidden_share=statistics.median(hidden) / transfer_s,
+               fold_s=statistics.median(folds), fold_wait_s=statistics.median(fold_waits),
+               handover=stats["handover"], d2h_bytes_in_backward=stats["d2h_bytes_in_backward"],
+               d2h_bytes=stats["d2h_bytes"])
+    # the share of backward the transfer took in this run (the bandwidth was sized from the probe)
+    row["transfer_share_of_backward"] = transfer_s / median("backward", free["steps"])
+    for key in ("added_stall", "waited", "added_waits"):
+        row[f"{key}_share"] = row[f"{key}_s"] / transfer_s
+    return row
 
 
 def _step(run: dict, x, y, *, measured: bool) -> None:
@@ -225,38 +195,32 @@ def _step(run: dict, x, y, *, measured: bool) -> None:
                                      waited=opt.stats()["worker_wait_s"] - waited))
 
 
-def _worker(args) -> int:
-    result = measure_size(json.loads(args.spec))
-    with open(args.worker_out, "w") as f:
-        json.dump(result, f)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m bench.overlap", description=__doc__.split("\n\n")[0])
+    at_least = harness.int_at_least
+    ap = harness.OneLineParser(prog="python -m bench.overlap", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     ap.add_argument("--quick", action="store_true", help="two small sizes, a few steps (the test suite's run)")
-    ap.add_argument("--sizes", type=int_at_least(1), nargs="+", default=None,
+    ap.add_argument("--sizes", type=at_least(1), nargs="+", default=None,
                     help=f"model sizes in multiples of a fold job (default {' '.join(map(str, SIZES))})")
-    ap.add_argument("--steps", type=int_at_least(2), default=None, help="measured steps per variant (default 8)")
-    ap.add_argument("--batch", type=int_at_least(1), default=None, help="rows per batch (default 256)")
+    ap.add_argument("--steps", type=at_least(2), default=None, help="measured steps per variant (default 8)")
+    ap.add_argument("--batch", type=at_least(1), default=None, help="rows per batch (default 256)")
     ap.add_argument("--worker-spec", dest="spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", dest="worker_out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.spec is not None:
-        return _worker(args)
-    out_dir = output_dir(args.out)
+        with open(args.worker_out, "w") as f:
+            json.dump(measure_size(json.loads(args.spec)), f)
+        return 0
+    out_dir = harness.output_dir(args.out)
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     d = 128 if args.quick else D
     fold_bytes = (64 << 10) if args.quick else FOLD_BYTES
     steps, warmup = args.steps or (2 if args.quick else 8), 1 if args.quick else 2
     batch = args.batch or (64 if args.quick else 256)
     started = time.perf_counter()
-    results = []
-    for size in sizes:
-        spec = dict(size=size, d=d, fold_bytes=fold_bytes, batch=batch, steps=steps, warmup=warmup)
-        results.append(run_child("bench.overlap", ["--worker-spec", json.dumps(spec)], timeout=1800,
-                                 what=f"the size {size}x process"))
+    results = [harness.run_child("bench.overlap", ["--worker-spec", json.dumps(dict(
+        size=size, d=d, fold_bytes=fold_bytes, batch=batch, steps=steps, warmup=warmup))], timeout=1800,
+        what=f"the size {size}x process") for size in sizes]
     rows = [r for res in results for r in res["rows"]]
     summary = {}
     for bw in ("pcie", "slow"):
@@ -274,10 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                                slow_share_of_backward=SLOW_SHARE, goal_share=GOAL_SHARE, dtype="float32"),
                    sizes=[{k: v for k, v in res.items() if k not in ("rows", "timelines")} for res in results],
                    rows=rows, summary=summary, timelines=results[-1]["timelines"],
-                   total_s=time.perf_counter() - started, machine=machine_info_light())
-    name = "overlap_cpu"
-    path = write_json_light(out_dir / f"{name}.json", payload)
-    plot(payload, out_dir / f"{name}.png")
+                   total_s=time.perf_counter() - started, machine=harness.machine_info_light())
+    path = harness.write_json_light(out_dir / "overlap_cpu.json", payload)
+    plot(payload, out_dir / "overlap_cpu.png")
     print(f"{'size':>5} {'x fold':>7} {'bandwidth':>9} {'variant':>9} {'transfer ms':>12} {'backward ms':>12} "
           f"{'added ms':>9} {'added/xfer':>10} {'+waits/xfer':>11} {'hidden':>7} {'fold ms':>8} {'fold wait':>9}")
     by_size = {res["size"]: res for res in results}
@@ -301,8 +264,7 @@ COLORS = dict(forward="#9ecae1", backward="#3182bd", step="#6baed6", wait="#e655
 
 
 def plot(payload: dict, path) -> None:
-    p = plt()
-    fig = p.figure(figsize=(15, 8.5))
+    fig = harness.plt().figure(figsize=(15, 8.5))
     grid = fig.add_gridspec(2, 6)
     top = [fig.add_subplot(grid[0, 2 * k : 2 * k + 2]) for k in range(3)]
     bottom = [fig.add_subplot(grid[1, 3 * k : 3 * k + 3]) for k in range(2)]
@@ -312,30 +274,25 @@ def plot(payload: dict, path) -> None:
             (top[0], "added_stall_share", "added wall time per step / transfer (slow)", ("slow",)),
             (top[1], "added_waits_share", "added training-thread waits / transfer", ("slow", "pcie")),
             (top[2], "hidden_share", "transfer during backward / transfer", ("slow", "pcie"))):
-        for bw, style in ((bw, "-" if bw == "slow" else ":") for bw in bandwidths):
+        for bw in bandwidths:
             for variant, marker in (("handover", "o"), ("at_step", "s")):
                 sel = sorted((r for r in rows if r["bandwidth"] == bw and r["variant"] == variant),
                              key=lambda r: r["size"])
-                ax.plot([times_fold[r["size"]] for r in sel], [r[key] for r in sel], style, marker=marker,
-                        label=f"{variant}, {bw}")
+                ax.plot([times_fold[r["size"]] for r in sel], [r[key] for r in sel], "-" if bw == "slow" else ":",
+                        marker=marker, label=f"{variant}, {bw}")
         if key != "hidden_share":
             ax.axhline(payload["config"]["goal_share"], color="grey", lw=0.8, ls="--", label="goal")
             ax.set_ylim(-0.3, 1.3)
-        ax.set_xscale("log")
-        ax.set_xlabel("model gradient / fold job")
-        ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=7)
+        harness.style(ax, "model gradient / fold job", logx=10, grid=None).set_title(title, fontsize=10)
     for ax, variant in zip(bottom, ("handover", "at_step"), strict=True):
         # (waits under 50 us: checks of finished jobs, recorded before the link filtered them)
         spans = [s for s in payload["timelines"].get(variant, []) if s[0] != "wait" or s[3] - s[2] > 5e-5]
-        draw_lanes(ax, spans, LANES, COLORS, scale=1e3)
+        harness.draw_lanes(ax, spans, LANES, COLORS, scale=1e3)
         ax.set_xlabel("ms from the step's forward")
         ax.set_title(f"one step, {variant} (largest size, slow bandwidth)", fontsize=10)
     fig.suptitle("bench.overlap: gradient transfer on the modeled device (CPU, " +
                  f"fold jobs of {payload['config']['fold_bytes'] >> 10} KiB)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    p.close(fig)
+    harness.save(fig, path)
 
 
 if __name__ == "__main__":

@@ -3,25 +3,20 @@
     python -m bench.overlap_gpu [--out DIR] [--blocks 8] [--width 4096] [--tokens 8192] [--steps 8]
     python -m bench.overlap_gpu --device cpu --quick        # the same code on CPU, tiny (the test suite)
 
-The model: ``blocks`` MLP blocks ``Linear(w, 4w) -> GELU -> Linear(4w, w)`` (8 w^2 parameters each: 8 blocks
-of width 4096 are 1.07 B), bf16 parameters, a batch of ``tokens`` rows. Runs, each on its own copy, one
-after the other, every step ended by a device sync:
+The model: ``blocks`` MLP blocks ``Linear(w, 4w) -> GELU -> Linear(4w, w)`` (8 w^2 parameters each: 8 blocks of
+width 4096 are 1.07 B), bf16, a batch of ``tokens`` rows. Runs, each on its own copy, one after the other, every
+step ended by a device sync: ``adamw`` (``torch.optim.AdamW(fused=True)`` on the device: the speed to reach),
+``offload`` (synchronous offload through ``ZenFlowAdamW``), ``zenflow`` (``topk_ratio=0.1``, ``update_interval=4``,
+overlapped: gradients cross from backward's hooks into the host's landing area, docs/design.md section 5.1) and
+``zenflow_at_step`` (hand-over from hooks off, ``orderings.changed(early_handover=False)`` around the run: every
+gradient crosses at ``step()``, after backward).
 
-* ``adamw``: ``torch.optim.AdamW(fused=True)`` on the device (the speed to reach);
-* ``offload``: synchronous offload through ``ZenFlowAdamW`` (every step a host AdamW of the whole model);
-* ``zenflow``: ``ZenFlowAdamW(topk_ratio=0.1, update_interval=4, overlap_step=True)``: gradients cross from
-  backward's hooks, copied into the host's landing area during backward (docs/design.md section 5.1);
-* ``zenflow_at_step``: the same with hand-over from hooks switched off (``orderings.changed(early_handover=False)``,
-  from ``zenflow_kernels.orderings``, around the whole run): every gradient crosses at ``step()``, after backward.
-
-Per run: ms/step (median), backward ms, ``step()`` ms, the host's time folding each step's landed gradients
-into the sums (``fold_ms_per_step``: a worker's, beside the next forward), and for the ZenFlow runs the D2H time
-left after backward: a CUDA event recorded on the compute stream when backward returned and one on the link's
-D2H stream after the step's copies, the time between them (0 when the copies were done first), over the
-transfer time of the step's gradient bytes at the pinned bandwidth measured in the same run (a plain
-``copy_(non_blocking=True)`` of that many bytes into pinned memory). Hidden = 1 - left / transfer. On CPU
-(``--device cpu``) the same code runs with wall clocks in place of events (nothing is hidden or not
-there: it only keeps the path exercised). Writes ``overlap_gpu.json``.
+Per run: ms/step (median), ``step()`` ms, the host's time folding each step's landed gradients into the sums
+(``fold_ms_per_step``), and for the ZenFlow runs the D2H time left after backward: from a CUDA event on the compute
+stream when backward returned to one on the link's D2H stream after the step's copies (0 when the copies were done
+first), over the transfer time of the step's gradient bytes at the pinned bandwidth measured in the same run.
+Hidden = 1 - left / transfer. With ``--device cpu`` wall clocks replace the events (only to keep the path
+exercised). Writes ``overlap_gpu.json``.
 """
 
 from __future__ import annotations
@@ -33,12 +28,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, write_json_light
+from bench.e2e_core import OFFLOAD
+from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, time_call, write_json_light
 
 ZENFLOW = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, full_warm_up_rounds=0, select_strategy="step",
                select_interval=10**6)
-OFFLOAD = dict(full_warm_up_rounds=10**9, overlap_step=False, select_strategy="step", select_interval=1,
-               update_interval=1)
 RUNS = ("adamw", "offload", "zenflow", "zenflow_at_step")
 
 
@@ -89,72 +83,60 @@ def pinned_bandwidth(nbytes: int, device) -> float:
         return float("inf")
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    times = []
-    for _ in range(4):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times[1:])
+    return nbytes / time_call(lambda: dst.copy_(src, non_blocking=True), warmup=1, repeats=3).median
 
 
 def run(name: str, base, x, y, steps: int, warmup: int, device) -> dict:
     """One run, start to end (its optimizer's first ``step()`` reads the ablation switch: hand-over from backward's
     hooks, off for ``zenflow_at_step``)."""
+    from zenflow_kernels import ZenFlowAdamW
     from zenflow_kernels.orderings import orderings
 
     with orderings.changed(early_handover=name != "zenflow_at_step"):
-        return _timed_run(name, base, x, y, steps, warmup, device)
-
-
-def _timed_run(name: str, base, x, y, steps: int, warmup: int, device) -> dict:
-    from zenflow_kernels import ZenFlowAdamW
-
-    model = copy.deepcopy(base)
-    if name == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    else:
-        opt = ZenFlowAdamW(model.parameters(), lr=1e-4, zenflow=OFFLOAD if name == "offload" else ZENFLOW)
-    clock = Clock(device)
-    rows = []
-    for t in range(warmup + steps):
-        clock.sync(device)
-        t0 = time.perf_counter()
-        loss = F.mse_loss(model(x).float(), y)
-        loss.backward()
-        backward_end = clock.mark()
-        t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        left = None
-        if name.startswith("zenflow") and opt.built:
-            if clock.cuda:
-                copies_end = clock.after_copies(getattr(opt.link, "engine", None))
-            else:
-                opt.link.synchronize()
-                copies_end = clock.mark()
-            left = max(0.0, clock.seconds(backward_end, copies_end))
-        clock.sync(device)
-        t2 = time.perf_counter()
-        if t >= warmup:
-            rows.append(dict(wall=t2 - t0, step=t2 - t1, d2h_left=left))
-    out = dict(run=name, ms_per_step=1e3 * statistics.median(r["wall"] for r in rows),
-               step_ms=1e3 * statistics.median(r["step"] for r in rows), loss=float(loss))
-    if name != "adamw":
-        stats = opt.stats()
-        out.update(stall_fraction=stats["stall_fraction"], handover=stats["handover"],
-                   d2h_bytes_per_step=stats["d2h_bytes_per_step"],
-                   share_handed_in_backward=stats["d2h_bytes_in_backward"] / max(1, stats["d2h_bytes"]),
-                   # the host's fold of each step's landed gradients into the sums (beside the next forward)
-                   fold_ms_per_step=1e3 * stats["fold_s"] / max(1, stats["steps"]))
-        if name.startswith("zenflow"):
-            out["d2h_left_ms"] = 1e3 * statistics.median(r["d2h_left"] for r in rows)
-        opt.close()
-    del model, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
+        model = copy.deepcopy(base)
+        if name == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        else:
+            opt = ZenFlowAdamW(model.parameters(), lr=1e-4, zenflow=OFFLOAD if name == "offload" else ZENFLOW)
+        clock = Clock(device)
+        rows = []
+        for t in range(warmup + steps):
+            clock.sync(device)
+            t0 = time.perf_counter()
+            loss = F.mse_loss(model(x).float(), y)
+            loss.backward()
+            backward_end = clock.mark()
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            left = None
+            if name.startswith("zenflow") and opt.built:
+                if clock.cuda:
+                    copies_end = clock.after_copies(getattr(opt.link, "engine", None))
+                else:
+                    opt.link.synchronize()
+                    copies_end = clock.mark()
+                left = max(0.0, clock.seconds(backward_end, copies_end))
+            clock.sync(device)
+            t2 = time.perf_counter()
+            if t >= warmup:
+                rows.append(dict(wall=t2 - t0, step=t2 - t1, d2h_left=left))
+        out = dict(run=name, ms_per_step=1e3 * statistics.median(r["wall"] for r in rows),
+                   step_ms=1e3 * statistics.median(r["step"] for r in rows), loss=float(loss))
+        if name != "adamw":
+            stats = opt.stats()
+            out.update(stall_fraction=stats["stall_fraction"], handover=stats["handover"],
+                       d2h_bytes_per_step=stats["d2h_bytes_per_step"],
+                       share_handed_in_backward=stats["d2h_bytes_in_backward"] / max(1, stats["d2h_bytes"]),
+                       # the host's fold of each step's landed gradients into the sums (beside the next forward)
+                       fold_ms_per_step=1e3 * stats["fold_s"] / max(1, stats["steps"]))
+            if name.startswith("zenflow"):
+                out["d2h_left_ms"] = 1e3 * statistics.median(r["d2h_left"] for r in rows)
+            opt.close()
+        del model, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,14 +13,14 @@ a machine with as many GPUs as ranks each rank takes ``cuda:<rank>`` and NCCL. W
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from bench.harness import OneLineParser, int_at_least, machine_info_light, output_dir, plt, run_ranks, write_json
+from bench import harness
+from bench.fsdp2 import one_selection_zenflow, per_step, write_rank
 
 
 def worker(args) -> None:
@@ -31,9 +31,8 @@ def worker(args) -> None:
     from zenflow_kernels import ZenFlowAdamW
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"])
-    rank_env = int(os.environ["RANK"])
     if cuda:
-        torch.cuda.set_device(rank_env)
+        torch.cuda.set_device(int(os.environ["RANK"]))
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -44,9 +43,8 @@ def worker(args) -> None:
     batch = size.batch * args.batch_scale
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (args.warmup + args.steps, batch, size.context + 1), generator=g)
-    zenflow = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step",
-                   select_interval=max(4, args.warmup + args.steps), pt_reserved_cores_perc=0.5 if cuda else 1.0)
-    opt = ZenFlowAdamW(model.parameters(), lr=3e-4, zenflow=zenflow, zero_stage=args.stage if world > 1 else 0)
+    opt = ZenFlowAdamW(model.parameters(), lr=3e-4, zenflow=one_selection_zenflow(args, 0.5 if cuda else 1.0),
+                       zero_stage=args.stage if world > 1 else 0)
     part = slice(rank * batch // world, (rank + 1) * batch // world)
     losses, t0, held = [], None, dict(grad=0, own=0, in_flight=0)
     for t in range(args.warmup + args.steps):
@@ -55,10 +53,7 @@ def worker(args) -> None:
                 torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
-        x = tokens[t, part, :-1].to(device)
-        y = tokens[t, part, 1:].to(device)
-        logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = model.loss(tokens[t, part, :-1].to(device), tokens[t, part, 1:].to(device))
         loss.backward()
         # gradient elements this rank holds once backward is done (after the first step, where the hooks
         # start): in .grad, and in ZeRO-2's reductions (its own range's sums, other ranks' buckets in flight)
@@ -77,37 +72,31 @@ def worker(args) -> None:
     opt.flush()
     stats = opt.stats()
     host = opt.host_shard
-    moved = {k: v / (args.warmup + args.steps) for k, v in stats["collective_bytes"].items()}
     result = dict(rank=rank, world=world, steps=args.steps, wall_s=wall, steps_per_s=args.steps / wall,
-                  stall_fraction=stats["stall_fraction"], collective_bytes_per_step=moved,
+                  stall_fraction=stats["stall_fraction"],
+                  collective_bytes_per_step=per_step(stats["collective_bytes"], args.warmup + args.steps),
                   host_state_bytes=sum(t.numel() * t.element_size()
                                        for t in [host.master, host.exp_avg, host.exp_avg_sq, *host.acc]),
                   final_loss=statistics.fmean(losses[-4:]), device=str(device),
                   gradient_elements_held=held, parameter_elements=sum(p.numel() for p in model.parameters()),
                   torch_threads=torch.get_num_threads())
     opt.close()
-    Path(args.worker_out, f"rank{rank}.json").write_text(json.dumps(result))
+    write_rank(args, rank, result)
     dist.destroy_process_group()
-
-
-def run_world(world: int, args) -> list[dict]:
-    worker_args = ["--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup), "--stage",
-                   str(args.stage), "--batch-scale", str(args.batch_scale)]
-    return run_ranks("bench.zero", world, worker_args, timeout=1800, what=f"a rank of world size {world}")
 
 
 def main(argv=None) -> int:
     from bench.model import SIZES
 
-    ap = OneLineParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worlds", type=int_at_least(1), nargs="+", default=[1, 2])
+    ap = harness.OneLineParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", type=harness.int_at_least(1), nargs="+", default=[1, 2])
     ap.add_argument("--stage", type=int, default=2, choices=(1, 2))
     ap.add_argument("--model", default="small", choices=sorted(SIZES))
-    ap.add_argument("--steps", type=int_at_least(1), default=40)
-    ap.add_argument("--warmup", type=int_at_least(1), default=8)
-    ap.add_argument("--batch-scale", type=int_at_least(1), default=2,
+    ap.add_argument("--steps", type=harness.int_at_least(1), default=40)
+    ap.add_argument("--warmup", type=harness.int_at_least(1), default=8)
+    ap.add_argument("--batch-scale", type=harness.int_at_least(1), default=2,
                     help="global batch = the preset's batch times this")
-    ap.add_argument("--repeats", type=int_at_least(1), default=2)
+    ap.add_argument("--repeats", type=harness.int_at_least(1), default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -115,10 +104,13 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     started = time.time()
+    worker_args = ["--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup), "--stage",
+                   str(args.stage), "--batch-scale", str(args.batch_scale)]
     runs: dict[int, list[list[dict]]] = {w: [] for w in args.worlds}
     for repeat in range(args.repeats):
         for world in args.worlds:
-            ranks = run_world(world, args)
+            ranks = harness.run_ranks("bench.zero", world, worker_args, timeout=1800,
+                                      what=f"a rank of world size {world}")
             runs[world].append(ranks)
             print(f"repeat {repeat}: world {world}: {ranks[0]['steps_per_s']:.2f} steps/s, host state per rank "
                   f"{[r['host_state_bytes'] for r in ranks]} bytes", flush=True)
@@ -143,9 +135,9 @@ def main(argv=None) -> int:
                                batch_scale=args.batch_scale, repeats=args.repeats,
                                zenflow="topk 0.1, update_interval 4, overlap"),
                    summary={str(k): v for k, v in summary.items()}, runs={str(k): v for k, v in runs.items()},
-                   machine=machine_info_light(), total_s=time.time() - started)
-    out = output_dir(args.out)
-    path = write_json(out / f"zero_{kind}.json", payload)
+                   machine=harness.machine_info_light(), total_s=time.time() - started)
+    out = harness.output_dir(args.out)
+    path = harness.write_json(out / f"zero_{kind}.json", payload)
     plot(payload, out / f"zero_{kind}.png")
     for world, s in summary.items():
         moved = s["collective_bytes_per_step"]
@@ -160,26 +152,19 @@ def main(argv=None) -> int:
 
 
 def plot(payload: dict, path: Path) -> None:
-    pyplot = plt()
     summary = payload["summary"]
     worlds = list(summary)
-    fig, (a, b) = pyplot.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = harness.figure(2)
     a.bar(worlds, [summary[w]["steps_per_s_median"] for w in worlds])
-    a.set_xlabel("world size")
-    a.set_ylabel("steps/s (median)")
-    a.set_title(f"ZeRO-{payload['config']['stage']}, {payload['config']['model']} model, same global batch")
-    kinds = sorted({k for w in worlds for k in summary[w]["collective_bytes_per_step"]})
+    harness.style(a, "world size", "steps/s (median)",
+          f"ZeRO-{payload['config']['stage']}, {payload['config']['model']} model, same global batch", grid=None)
     bottom = [0.0] * len(worlds)
-    for k in kinds:
+    for k in sorted({k for w in worlds for k in summary[w]["collective_bytes_per_step"]}):
         vals = [summary[w]["collective_bytes_per_step"].get(k, 0.0) for w in worlds]
         b.bar(worlds, vals, bottom=bottom, label=k)
         bottom = [x + y for x, y in zip(bottom, vals, strict=True)]
-    b.set_xlabel("world size")
-    b.set_ylabel("collective payload bytes per step (rank 0)")
-    b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
+    harness.style(b, "world size", "collective payload bytes per step (rank 0)", grid=None)
+    harness.save(fig, path)
 
 
 if __name__ == "__main__":
