@@ -1,6 +1,6 @@
 """Update rules written as a researcher writes them (a plain-torch ``step_``, no kernel), shared by the benchmarks.
 
-``bench.compiled_rules``, ``bench.cpu_rules`` and ``bench.step_overhead --rules`` measure the same rules, so they
+``bench.cpu_rules`` and ``bench.step_overhead --rules`` measure the same rules, so they
 are defined once, here; ``zenflow_kernels.rules.compiled`` runs their ``step_`` through torch.compile (Inductor)
 with ``compile=True``, eager with ``compile=False``. Compiled kernels are kept per rule class, so every benchmark in
 one process shares one compile of each.
@@ -87,19 +87,9 @@ def from_torch_rmsprop(**hyper) -> rules.UpdateRule:
 
 
 def make_rule(name: str) -> rules.UpdateRule:
-    """A candidate of bench.cpu_rules and bench.compiled_rules by name: ``rmsprop_compiled``, ``rmsprop_eager``,
-    ``ademamix_compiled``, ``from_torch_rmsprop`` (weight decay 0.01), the built-ins on their kernels (``lion``,
-    weight decay 0.01, and ``adamw``) and the same without their kernels (``lion_compiled``, ``adamw_compiled``: their
-    plain-torch ``step_``, compiled; a new class each call)."""
-    if name in ("lion_compiled", "adamw_compiled"):
-        base = rules.Lion if name == "lion_compiled" else rules.AdamW
-        cls = type(f"{base.__name__}Compiled", (base,), {"host_step_": rules.UpdateRule.host_step_,
-                                                          "fast_step_": rules.UpdateRule.fast_step_})
-        rule = cls(weight_decay=0.01) if base is rules.Lion else cls()
-        rule.compile = True
-        return rule
-    return {"lion": lambda: rules.Lion(weight_decay=0.01), "adamw": rules.AdamW,
-            "rmsprop_compiled": lambda: RMSprop(weight_decay=0.01, compile=True),
+    """A candidate of bench.cpu_rules by name: ``rmsprop_compiled``, ``rmsprop_eager``, ``ademamix_compiled``,
+    ``from_torch_rmsprop`` (weight decay 0.01)."""
+    return {"rmsprop_compiled": lambda: RMSprop(weight_decay=0.01, compile=True),
             "rmsprop_eager": lambda: RMSprop(weight_decay=0.01, compile=False),
             "ademamix_compiled": lambda: AdEMAMix(weight_decay=0.01, compile=True),
             "from_torch_rmsprop": lambda: from_torch_rmsprop(weight_decay=0.01)}[name]()

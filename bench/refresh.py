@@ -3,7 +3,7 @@
 ``RESULTS`` names, for each JSON under bench/results/, the command that makes it (run from the repository root; the
 benchmark writes the JSON and its plot to bench/results/); ``STUDY_RESULTS`` the same for two studies' results under
 studies/results/ (a study answers a question rather than times something; the other JSONs there, the tuned
-comparison's, demo_rise's and time_to_target's, are made by running those modules). A result whose benchmark names
+comparison's and time_to_target's, are made by running those modules). A result whose benchmark names
 its file otherwise (a run of ``bench.nvme`` kept as ``nvme_cpu_repeat.json``) is made in a temporary folder and its
 files renamed. Every result carries the record of its run (``bench.harness.write_result``: command, commit, whether
 the tree was clean, machine, load); ``tests/test_results.py`` checks that each JSON is listed here and that its
@@ -55,14 +55,11 @@ RESULTS: dict[str, Result] = {
     "cpu_adam.json": Result("bench.cpu_adam"),
     "cpu_rules.json": Result("bench.cpu_rules --wait-quiet 20"),
     "stochastic_rounding.json": Result("bench.stochastic_rounding"),
-    "compiled_rules_cpu.json": Result("bench.compiled_rules --cold --wait-quiet 60"),
-    "worker_gil_cpu.json": Result("bench.worker_gil --wait-quiet 60"),
     "step_overhead_cpu.json": Result("bench.step_overhead"),
     "step_overhead_rules_cpu.json": Result("bench.step_overhead --rules"),
     "host_multi_cpu.json": Result("bench.host_multi"),
     "fingerprint_cpu.json": Result("bench.fingerprint"),
     "overlap_cpu.json": Result("bench.overlap"),
-    "nvme_timeline_cpu.json": Result("bench.nvme_timeline"),
     "nvme_cpu.json": Result("bench.nvme"),
     "nvme_cpu_repeat.json": Result("bench.nvme --attempts 3", writes="nvme_cpu.json"),
     "scale_cpu.json": Result("bench.scale"),
@@ -70,13 +67,6 @@ RESULTS: dict[str, Result] = {
     "fsdp2_cpu.json": Result("bench.fsdp2"),
     "plan_cpu.json": Result("bench.plan"),
     "suite_time.json": Result("bench.suite_time"),
-    "seam_speed.json": Result("bench.seam_speed --rounds 7"),
-    "seam_speed_fused_rules.json": Result("bench.seam_speed --base eb8e975 --rounds 3", writes="seam_speed.json"),
-    # step()'s ratio to foreach for the commit of an earlier step_overhead run and the head, side by side: whether a
-    # goal met there and missed here is the code or the machine
-    "seam_speed_vs_89d3e24.json": Result("bench.seam_speed --base 89d3e24 --rounds 3", writes="seam_speed.json"),
-    # the built-ins' speed across issue 55 (compiled rules, AdamW gone below the facade, the host's kept runs)
-    "seam_speed_vs_2e88542.json": Result("bench.seam_speed --base 2e88542 --rounds 3", writes="seam_speed.json"),
     "h200-2026-11-30/kernels_gpu.json": Result("bench.kernels", gpu=True),
 }
 

@@ -161,8 +161,8 @@ def test_the_ops_rewritten_for_changing_numbers_compile_with_literal_numbers_too
 
 @pytest.mark.parametrize("name", ["AdamW", "Lion"])
 def test_a_builtins_step_compiled_is_its_hand_written_kernel_within_the_bound_and_compiles_once(name):
-    """A built-in with its kernels taken away runs its plain-torch ``step_`` compiled (as bench.compiled_rules
-    measures it): within the bound of the numba kernel (an independent implementation) at steps 1..5 (AdamW's bias
+    """A built-in with its kernels taken away runs its plain-torch ``step_`` compiled:
+    within the bound of the numba kernel (an independent implementation) at steps 1..5 (AdamW's bias
     corrections read the count: a graph input, one compile), state and copy-out included."""
     base = getattr(rules, name)
     stripped = type(f"{name}Stripped", (base,), {"host_step_": rules.UpdateRule.host_step_, "compile": True})

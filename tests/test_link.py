@@ -221,10 +221,9 @@ def test_backward_hooks_start_copies_that_step_uses_only_if_unchanged(micro, cli
 
 def test_device_accumulation_in_memory_crosses_behind_the_next_steps_compute():
     """The boundary's crossing of the device sums (``device_accumulation``, state in memory) does not hold the
-    boundary step (the device's next forward and backward overlap it, as bench.nvme_timeline shows on the
-    modeled device); the next write into the sums waits for it. Here the D2H copy thread is held by a gate
-    past the boundary: that step returns, the next step's ``step()`` blocks until the gate opens, and the
-    weights are those of the synchronous link."""
+    boundary step (the device's next forward and backward overlap it); the next write into the sums waits for it.
+    Here the D2H copy thread is held by a gate past the boundary: that step returns, the next step's ``step()``
+    blocks until the gate opens, and the weights are those of the synchronous link."""
     zenflow = dict(topk_ratio=0.2, select_strategy="step", select_interval=100, update_interval=2, overlap_step=True,
                    device_accumulation=True)
     grads = grad_sequence(6)

@@ -154,27 +154,10 @@ def _doc_figures() -> list[tuple[str, str]]:
     zero = _results("zero_cpu.json")["summary"]["2"]["collective_bytes_per_step"]
     suite = (ROOT / "bench" / "gpu_suite.sh").read_text()
     budgets = sum(int(n) for n in re.findall(r"^\s*stage \w+ (\d+) ", suite, re.MULTILINE))
-    reader = {p["bandwidth"]: p["serial_over_beside"] for p in _results("nvme_timeline_cpu.json")["reader_pipeline"]}
     ratios = {n: " ".join(f"{_tuned(w, n)['ratio']:.2f}x" for w in ("study_flat", "study_concentrated",
                                                                       "gpt_finetune"))
               for n in ("deepspeed", "zenflow", "host_step_count", "reselect_state", "lr_times_interval")}
-    import json
-
-    rise = {k: dict(v["curve"]) for k, v in json.loads(
-        (ROOT / "studies" / "results" / "demo_rise.json").read_text())["runs"].items()}
-    host = rise["host_only"]
-    peak = max(host, key=host.get)
-    # (the claim the paragraph starts from: every column on the fast path is AdamW, to float noise)
-    assert max(abs(rise["all_fast"][k] - rise["adamw"][k]) for k in rise["adamw"]) < 1e-4
     return [
-        ("benchmarks.md", f"`overlap_step` the loss climbs from {host[0]:.4f} to {host[peak]:.4f} by step {peak}; "
-                          f"without overlap the same host updates track AdamW ({rise['host_only_no_overlap'][40]:.4f} "
-                          f"against {rise['adamw'][40]:.4f} at step 40)"),
-        ("benchmarks.md", f"remove it: {rise['warm_up16'][40]:.4f} at step 40 against AdamW's "
-                          f"{rise['adamw'][40]:.4f} and {rise['zenflow'][40]:.4f} for the demo's ZenFlow"),
-        ("nvme.md", f"({reader['disk rate']:.2f}x faster than fetching after each read where the fetches take as long "
-                    f"as the disk; {reader['slow']:.2f}x, inside this disk's noise, at `slow`: `python -m "
-                    "bench.nvme_timeline`, `bench/results/nvme_timeline_cpu.json`)"),
         ("deepspeed.md", "All six choices together** end at {}, {} and {}, where ours end at {}, {} and {}.".format(
             *ratios["deepspeed"].split(), *ratios["zenflow"].split())),
         ("deepspeed.md", f"best learning rate is {_tuned('study_concentrated', 'deepspeed')['lr']:.2g}x AdamW's"),

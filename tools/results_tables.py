@@ -131,18 +131,6 @@ def rules_step() -> str:
                       table(["rule (asynchronous link)", "150 tensors", "600 tensors"], _vs_foreach(result, rules))])
 
 
-def seam() -> str:
-    names = ("seam_speed_vs_89d3e24.json", "seam_speed_fused_rules.json", "seam_speed.json")
-    keys = {"cpu_adam_ms_at_2^20": "host AdamW, 2^20", "cpu_adam_ms_at_2^24": "host AdamW, 2^24",
-            "step_vs_foreach_at_150": "`step()` over foreach AdamW, 150 tensors",
-            "step_vs_foreach_at_600": "`step()` over foreach AdamW, 600 tensors"}
-    runs = {n: load(n) for n in names}
-    return "\n".join([*(f"- {source(n)} Base {runs[n]['base']}, {runs[n]['rounds']} rounds." for n in names), "",
-                      table(["head over base"] + [f"`{n}`" for n in names],
-                            [[label] + [f"{runs[n]['summary'][k]['head_over_base']:.2f}x" for n in names]
-                             for k, label in keys.items()])])
-
-
 CPU_ADAM = {"adam_vs_roofline": "AdamW pass vs the memory roofline", "adam_vs_deepspeed": "vs DeepSpeed's CPU Adam",
             "adam_vs_torch_fused": "vs torch's fused CPU AdamW",
             "adam_vs_deepspeed_zenflow_native": "vs DeepSpeed's native ZenFlow Adam (36 bytes a parameter, ours 28)",
@@ -312,29 +300,6 @@ def fsdp2() -> str:
          "ms a step longer than one process"], rows),
         table(["collective (rank 0, FSDP2 with ZenFlowAdamW)", "calls a step", f"bytes a step (over {steps} steps)",
                "bytes over the run"], kinds)])
-
-
-def nvme_timeline() -> str:
-    r = load("nvme_timeline_cpu.json")
-    rows = [[f"`{x['variant']}`", f"{x['ratio']:g}", f"{x['update_s']:.2f}", f"{x['per_crossing_s']:.3f}",
-             f"{x['crossing_inside_update_share']:.0%}",
-             *(f"{x['waits_per_interval_s'].get(k, 0.0):.3f}" for k in ("sums", "join", "drain")),
-             f"{x['predicted_drain_s']:.3f}"]
-            for x in r["rows"] if x["bandwidth"] == "slow"]
-    pipe = [[p["bandwidth"], f"{p['fetch_model_s']:.2f}", *(f"{p['median_s'][k]:.3f}" for k in
-                                                             ("no fetch", "beside", "serial")),
-             f"{p['serial_over_beside']:.2f}x",
-             "yes" if min(p["seconds"]["serial"]) > max(p["seconds"]["beside"]) else "no",
-             f"{min(min(v) for v in p['seconds'].values()):.2f}-{max(max(v) for v in p['seconds'].values()):.2f}"]
-            for p in r["reader_pipeline"]]
-    return "\n\n".join([source("nvme_timeline_cpu.json"), table(
-        ["variant, at `slow`", "S x compute / update on disk", "host update, s", "crossing, s",
-         "share of the crossing during the host update", "training thread's waits per interval, s: `sums`", "`join`",
-         "drain", "drain predicted, s"], rows), table(
-        [f"streamed pass alone ({r['reader_pipeline'][0]['numel'] / 2**20:.0f} M elements), link",
-         "fetches alone (modeled), s", "pass without fetches, s", "fetch beside the read, s",
-         "fetch after each read, s", "after / beside", "every after sample above every beside one",
-         "single passes, s"], pipe)])
 
 
 # -- docs/benchmarks.md: scale; quality (tuned comparison, concentration); docs/nvme.md -------------------------------
@@ -555,10 +520,10 @@ def deepspeed_rounding() -> str:
 BENCHMARKS = DOCS / "benchmarks.md"
 SECTIONS = {"readme": (README, readme), "kernels_gpu": (BENCHMARKS, kernels_gpu),
             "step_overhead": (BENCHMARKS, step_overhead), "rules_step": (BENCHMARKS, rules_step),
-            "seam": (BENCHMARKS, seam), "cpu_adam": (BENCHMARKS, cpu_adam), "kernels_cpu": (BENCHMARKS, kernels_cpu),
+            "cpu_adam": (BENCHMARKS, cpu_adam), "kernels_cpu": (BENCHMARKS, kernels_cpu),
             "cpu_rules": (BENCHMARKS, cpu_rules), "stochastic_rounding": (BENCHMARKS, stochastic_rounding),
             "e2e": (BENCHMARKS, e2e), "zero": (BENCHMARKS, zero), "overlap": (BENCHMARKS, overlap),
-            "fsdp2": (BENCHMARKS, fsdp2), "nvme_timeline": (BENCHMARKS, nvme_timeline), "scale": (BENCHMARKS, scale),
+            "fsdp2": (BENCHMARKS, fsdp2), "scale": (BENCHMARKS, scale),
             "tuned": (BENCHMARKS, tuned), "concentration": (BENCHMARKS, concentration),
             "nvme": (DOCS / "nvme.md", nvme), "deepspeed_choices": (DOCS / "deepspeed.md", deepspeed_choices),
             "deepspeed_rounding": (DOCS / "deepspeed.md", deepspeed_rounding)}

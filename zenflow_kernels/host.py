@@ -347,7 +347,7 @@ class HostShard:
     def _runs(self, todo: list[int], todo_set: set[int], last: dict, counts: dict[int, int]) -> list[list[Slot]]:
         """The update's runs: flat neighbours that share group, dtype, step and count. The usual interval (every
         parameter of the shard, one count, one step) has the layout's runs, merged once and kept: the merge is Python
-        per parameter, and this runs on the host worker holding the GIL (bench.worker_gil: 0.9 us a parameter)."""
+        per parameter, and this runs on the host worker holding the GIL."""
         shift = self._key_shift
         if not last and todo_set == self._indices and len(set(counts.values())) == 1 and len(
                 set(map(self.host_step.__getitem__, todo))) == 1:

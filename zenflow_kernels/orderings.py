@@ -16,9 +16,6 @@ When each is read:
 ``early_handover`` (default True)
     Gradients cross to the host from backward's hooks (docs/design.md section 5.1). False: at ``step()``, after
     backward. Read once per optimizer, at its first ``step()`` (``stats()["handover_why"]`` says it was off).
-``sums_wait_at_boundary`` (default False)
-    ``device_accumulation`` in memory: the update boundary's step waits for the sums' crossing and zeroing (the
-    former order) instead of letting the next forward and backward run beside it. Read at every boundary.
 ``fetch_beside_read`` (default True)
     ``device_accumulation`` on disk: a block's sums start crossing from the device before the block's state is
     read from the file, so both run side by side. False: read, then fetch (the former order). Read at every block.
@@ -38,7 +35,6 @@ class Orderings:
     """The ordering switches (see the module's docstring); :data:`orderings` is the one instance the library reads."""
 
     early_handover: bool = True
-    sums_wait_at_boundary: bool = False
     fetch_beside_read: bool = True
 
     def __setattr__(self, name: str, value) -> None:

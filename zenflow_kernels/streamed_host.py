@@ -10,7 +10,7 @@ With ``device_accumulation`` the gradient sums stay on the device (:class:`Devic
 fetches each block's piece of them into one more buffer (``DeviceSums.buffers``, reused across updates), so no
 shard-sized host buffer of sums exists. It starts the fetch before reading the block and waits for it after,
 so the copy over the link runs beside the disk read (``orderings.fetch_beside_read`` False: read, then fetch,
-the former order; bench.nvme_timeline measures both).
+the former order).
 
 Every block a run touches is read, updated and written once (runs sharing a block are updated in the same
 visit), so no block is read before an earlier write of it landed. A failed read or write stops the pipeline

@@ -14,7 +14,6 @@ from .. import ops
 from ..cpu_ops.fingerprint import fingerprint_unchecked
 from ..device_model import Delays, recorded
 from ..host import HostShard
-from ..orderings import orderings
 from .base import _Link
 from .completions import Future, _submit, new_worker
 
@@ -222,8 +221,6 @@ class AsyncLink(_Link):
         # forward and backward) overlaps the crossing; only the next write into the sums waits (sums_ready)
         self._sums_zeroed = self.engine.behind_d2h(lambda: torch._foreach_zero_(sums))
         self.d2h_bytes += sum(total.numel() * total.element_size() for total in sums)
-        if orderings.sums_wait_at_boundary:  # the former order: the boundary waits for the crossing (read here)
-            self.sums_ready()
 
     def sums_ready(self) -> None:
         """The device sums are about to be read or written: the last upload's copies and zeroing come first, for

@@ -30,10 +30,9 @@ warning. Inductor's caches (``TORCHINDUCTOR_CACHE_DIR``) make a second process's
 
 Known cost: values a ``step_`` derives from its hyper-parameters (``1 - beta1 ** step``, ``lr / bias_correction1``) are
 scalar computations that Inductor fuses into the elementwise loop, recomputed once per vector of elements; a ``pow``
-there costs more than the bytes (2^22 elements, one thread: AdamW's own ``step_`` compiled 55 ms against its numba
-kernel's 7.5, bench/results/compiled_rules_cpu.json; a three-state rule with two bias corrections 48 ms against
-RMSprop's 8.7, cpu_rules.json). A rule whose ``step_`` reads no step-dependent number (RMSprop, Lion) runs at
-0.7-0.75x of the memory roofline.
+there costs more than the bytes (bench/results/cpu_rules.json: the AdEMAMix of bench/custom_rules.py, three state
+tensors and two bias corrections, runs at a fraction of RMSprop's share of the memory roofline, where RMSprop, whose
+``step_`` reads no step-dependent number, comes near the built-in kernels).
 
 The compiled step is not bit-identical to the eager one: Inductor's C++ contracts multiply-adds that ATen rounds
 twice (``add_(x, alpha=a)``: ATen ``fmadd``, compiled ``x * a`` then ``+``, or the reverse), evaluates the number
