@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.metadata
 import json
 import os
 import platform
@@ -187,13 +188,13 @@ def machine_info() -> dict:
         info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError, AttributeError):
         info["memory_gib"] = None
-    versions = {}
+    # from the installed packages' metadata, not by importing them (deepspeed's import takes seconds and logs)
+    info["versions"] = {}
     for mod in ("torch", "triton", "numba", "numpy", "deepspeed"):
         try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - an optional package may fail to import in many ways
-            versions[mod] = None
-    info["versions"] = versions
+            info["versions"][mod] = importlib.metadata.version(mod)
+        except importlib.metadata.PackageNotFoundError:
+            info["versions"][mod] = None
     try:
         import torch
 
@@ -228,12 +229,12 @@ def write_json(path: str | os.PathLike, payload: dict) -> Path:
 
 def write_result(path: str | os.PathLike, payload: dict, *, machine: Callable[[], dict] | None = None) -> Path:
     """Write a benchmark's result as indented JSON: ``payload`` with a ``machine`` entry (``machine()``, by default
-    :func:`machine_info_light`, unless the payload has one) and its ``record`` (:func:`result_record`), which says
+    :func:`machine_info`, unless the payload has one) and its ``record`` (:func:`result_record`), which says
     how to make it again and what it was made on. Every result under bench/results/ is written by this function
     (``tests/test_results.py`` checks their records)."""
     payload = dict(payload)
     if "machine" not in payload:  # machine_info() is slow (it imports optional packages): only when needed
-        payload["machine"] = (machine or machine_info_light)()
+        payload["machine"] = (machine or machine_info)()
     payload["record"] = result_record(payload.get("command"), payload["machine"])
     path = Path(path)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")
@@ -282,7 +283,7 @@ def result_record(command: str | None = None, machine: dict | None = None) -> di
     children's CPU counted as its own: :class:`OtherLoad`) with the 1-minute load average at the end, and when it
     ran."""
     commit, changed = git_state()
-    machine = machine if machine is not None else machine_info_light()
+    machine = machine if machine is not None else machine_info()
     now = time.time()
     return {
         "command": command or command_line(),
@@ -396,32 +397,8 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def machine_info_light() -> dict:
-    """:func:`machine_info` without importing the optional ``deepspeed`` (its import takes seconds and
-    logs a line): its version is read from the installed package metadata instead."""
-    import contextlib
-    import importlib.metadata
-
-    saved = sys.modules.get("deepspeed", _MISSING)
-    if saved is _MISSING:
-        sys.modules["deepspeed"] = None  # makes `import deepspeed` raise ImportError inside machine_info
-    try:
-        info = machine_info()
-    finally:
-        if saved is _MISSING:
-            del sys.modules["deepspeed"]
-    if info["versions"].get("deepspeed") is None:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            info["versions"]["deepspeed"] = importlib.metadata.version("deepspeed")
-    return info
-
-
-_MISSING = object()
-
-
-def write_json_light(path: str | os.PathLike, payload: dict) -> Path:
-    """:func:`write_result` with :func:`machine_info_light` as the machine entry when none is given."""
-    return write_result(path, payload, machine=machine_info_light)
+machine_info_light = machine_info  # (once a variant that did not import deepspeed; every caller's name for it)
+write_json_light = write_json
 
 
 class OneLineParser(argparse.ArgumentParser):
