@@ -1,23 +1,20 @@
 """DeepSpeed's own ZenFlow on a tiny model, recorded: the oracle of ``semantics="deepspeed"`` (docs/deepspeed.md).
 
 Runs DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``, one process over gloo, ZeRO stage 2, the optimizer state offloaded to
-the CPU, fp32, ``overlap_step`` off) on a fixed-seed MLP and fixed-seed batches, and writes the weights after every
+the CPU, fp32, no ``overlap_step``) on a fixed-seed MLP and batches, and writes the weights after every
 ``engine.step()`` (read from the module: the host's write-back and the fast update included)::
 
     DS_ACCELERATOR=cpu python -m studies.deepspeed_zenflow --update-interval 2 --select-interval 4 --warm-up 0 \\
         --out tests/fixtures/deepspeed/ui2_si4_w0.pt
 
-DeepSpeed is not a dependency: run this in an environment that has it (``pip install torch==2.13.0`` first, then
-``pip install --no-build-isolation deepspeed==0.19.8``; its CPU Adam compiles with g++ on first use, a few minutes).
-tests/test_deepspeed_semantics.py replays the recorded runs without DeepSpeed, and runs this script itself when
-``deepspeed`` imports.
-
-As shipped, 0.19.8's ZenFlow does not train correctly; two defects are repaired here by patching, as
-docs/deepspeed.md describes:
+DeepSpeed is not a dependency (``pip install torch==2.13.0``, then ``pip install --no-build-isolation
+deepspeed==0.19.8``; its CPU Adam compiles on first use, a few minutes). tests/test_deepspeed_semantics.py replays
+the recordings without it, and runs this script where ``deepspeed`` imports. As shipped, 0.19.8's ZenFlow does not
+train correctly; two defects are repaired here by patching (docs/deepspeed.md):
 
 (a) ``runtime/zero/stage_1_and_2.py`` ``_update_model_bit16_weights`` views each matrix's slice of the flat buffer as
     ``[out, in]`` while ZenFlow stores matrices transposed (``runtime/zenflow/zenflow_utils.py``): every weight is
-    scrambled right after ``deepspeed.initialize`` and after every host update;
+    scrambled after ``deepspeed.initialize`` and after every host update;
 (b) ``runtime/zenflow/zenflow_stage_1_and_2.py`` ``update_selected_channels`` skips a vector before advancing its read
     position, so each matrix is scored from a window shifted by the biases before it.
 """
@@ -42,11 +39,8 @@ TOPK_RATIO = 0.25
 def make_model() -> torch.nn.Module:
     """Three Linear layers with biases (tanh between): matrices of 24, 32 and 16 columns, and three vectors."""
     torch.manual_seed(MODEL_SEED)
-    return torch.nn.Sequential(
-        torch.nn.Linear(DIMS[0], DIMS[1]), torch.nn.Tanh(),
-        torch.nn.Linear(DIMS[1], DIMS[2]), torch.nn.Tanh(),
-        torch.nn.Linear(DIMS[2], DIMS[3]),
-    ).float()
+    return torch.nn.Sequential(torch.nn.Linear(DIMS[0], DIMS[1]), torch.nn.Tanh(), torch.nn.Linear(DIMS[1], DIMS[2]),
+                               torch.nn.Tanh(), torch.nn.Linear(DIMS[2], DIMS[3])).float()
 
 
 def make_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
