@@ -3,20 +3,15 @@
     python -m studies.concentration_study [--out DIR] [--alphas 0 0.25 0.5 0.75 1.5] [--seeds 0 1 2]
                                         [--steps 300] [--quick]
 
-The task: a student MLP (``d_in`` -> ``hidden`` -> ``d_out``, tanh) regresses a fixed random teacher MLP (wider, 256
-hidden units, so the student keeps improving) on inputs whose channel ``j`` has scale ``(rank_j + 1) ** -alpha``
-(ranks a seeded permutation), as LLMs' outlier channels are few and large. The first layer's gradient column ``j``
-follows input channel ``j``, so its energy falls as ``(rank_j + 1) ** (-2 alpha)``: ``alpha = 0`` is flat, ``1.5``
-puts nearly all of it in the top 10% (that layer, 1024 inputs to 64, holds most of the gradient's energy). The
-shares are measured, not assumed: ZenFlow's own record (``stats()["concentration"]``) at every selection, whole
-model, averaged over the run.
-
-Per level and seed, from the same initial student and batches, ``--steps`` steps of ``adamw``
-(``torch.optim.AdamW``, the target), ``zenflow_overlap`` and ``zenflow_sync`` (``ZenFlowAdamW``, ``topk_ratio`` 0.1,
-``update_interval`` 4, ``select_interval`` 8, no warm-up, with and without ``overlap_step``). Quality is the share
-of AdamW's held-out improvement recovered at equal steps, ``(L0 - L_zenflow) / (L0 - L_adamw)``: 1 is AdamW's, 0 no
-progress; ``adamw_end_over_half`` (AdamW's final held-out loss over its loss at half the steps) shows AdamW still
-improving. Speed is not measured (on one CPU device and host share the cores: bench.e2e, bench.overlap).
+A student MLP (1024 -> 64 -> 16, tanh) regresses a wider random teacher (256 hidden units, so the student keeps
+improving) on inputs whose channel ``j`` has scale ``(rank_j + 1) ** -alpha`` (seeded ranks), as LLMs' outlier
+channels are few and large: the first layer's gradient column ``j`` follows input channel ``j``, so ``alpha = 0`` is
+flat and ``1.5`` puts nearly all the energy in the top 10%. The shares are measured (ZenFlow's
+``stats()["concentration"]`` at every selection, whole model, averaged over the run). Per level and seed, from the
+same student and batches: ``adamw`` (the target), ``zenflow_overlap`` and ``zenflow_sync`` (``ZenFlowAdamW``,
+``topk_ratio`` 0.1, ``update_interval`` 4, ``select_interval`` 8, with and without ``overlap_step``). Quality: the
+share of AdamW's held-out improvement recovered at equal steps, ``(L0 - L_zenflow) / (L0 - L_adamw)``;
+``adamw_end_over_half`` shows AdamW still improving. Speed is not measured (one CPU: bench.e2e, bench.overlap).
 
 Results in ``studies/results``: ``concentration_study.json`` (command, machine, commit, every run, the per-level
 summary) and ``concentration_study.png`` (recovered share against the measured top-10% share); the committed run's

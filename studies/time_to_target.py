@@ -2,20 +2,14 @@
 
     python -m studies.time_to_target [--results DIR] [--out DIR]
 
-Time to a target = steps to it x time per step. The steps: the tuned comparison's (``tuned_{workload}.json``, each
-variant at its own best rate, the target AdamW's loss at 75% of the steps) as a ratio to AdamW's. **Assumption: that
-ratio carries over from our small workloads to the modeled models**; nothing here checks it. The time per step: the
-planner's model (``zenflow_kernels.planner.predict``) on ``PROFILE``: an H200 (the fast path and the selection
-scaled by parameters from the kernels measured on one, ``shared/measurements/h200-2026-11-30/kernels_gpu.json``;
-compute ``6 * params * tokens`` FLOPs at an *assumed* 400 TFLOP/s; device AdamW moving 28 bytes a parameter at
-4.8 TB/s), PCIe Gen5 x16 at an *assumed* 50 GB/s each way, a 32-core host with 16 threads for the host worker (the
-probe ``bench/results/plan_cpu.json``, one thread of this VM, scaled linearly and capped by an *assumed* 200 GB/s:
-30 bytes a parameter per update, 10 per fold).
-
-AdamW on the device is listed where its 16 bytes a parameter fit 85% of the H200's 141 GB. ZenFlow's variants use
-their own ``topk_ratio``, ``update_interval`` and ``overlap_step``. Where a seed misses the target within the run,
-the ratio is a lower bound (``at_least``); beside it the same at AdamW's loss at half the steps (``half_time_vs_*``,
-``None`` where a seed missed it). Results: ``time_to_target.json`` (the profile, every figure) in studies/results.
+Time to a target = steps to it (the tuned comparison's ``tuned_{workload}.json``, as a ratio to AdamW's; **assumed
+to carry over from our small workloads to the modeled models**, unchecked) x time per step: the planner's model
+(``zenflow_kernels.planner.predict``) on ``PROFILE``, an H200 (fast path and selection scaled from the kernels
+measured on one, ``shared/measurements/h200-2026-11-30/kernels_gpu.json``; an *assumed* 400 TFLOP/s), PCIe Gen5 at an
+*assumed* 50 GB/s, a 32-core host with 16 threads for the host worker (``bench/results/plan_cpu.json``'s one-thread
+probe scaled linearly, capped by an *assumed* 200 GB/s). Device AdamW is listed where its 16 bytes a parameter fit
+85% of the H200's 141 GB. Where a seed misses the target, the ratio is a lower bound (``at_least``); beside it the
+same at AdamW's loss at half the steps (``half_time_vs_*``). Results: ``time_to_target.json`` in studies/results.
 """
 
 from __future__ import annotations

@@ -2,33 +2,22 @@
 
     python -m studies.tuned_comparison --workload study_flat [--out DIR] [--quick] [--variants ...]
 
-Optimizers compare each at its own tuned rate and by the time to a target (MLCommons AlgoPerf; Schmidt et al. 2021),
-not at one shared rate, where a variant taking larger steps looks better for its step size alone. Per workload
-(studies/workloads.py) and variant:
-
-* **the sweep**: rates ``center * 2**k`` over 6 points (32x), the centre per rule family; while the best (lowest mean
-  final held-out loss over seeds 0-2) is at an edge, one more point past it (up to 8 each way); then seeds 3 and 4
-  at the best two, the better on 5 seeds chosen; at an edge, the grid grows and the choice is made again. A loss
-  that is not finite counts as diverged (infinite).
-* **the target**, per seed (the seed changes the byte GPT's corpus and pre-training): the held-out loss AdamW, at its
-  own best rate, reaches at 75% of its steps. Each variant's steps to it (held-out curve every ``eval_every`` steps,
-  linear between points) over AdamW's, paired by seed; ``None`` where a seed never reaches it. Beside it a looser
-  target, AdamW's loss at half the steps (``steps_to_half_target``).
-* **the figures** at each best rate: the final held-out loss (mean, range over 5 seeds), its gap to and ratio over
-  AdamW's (paired by seed), the share of AdamW's improvement recovered ``(L0 - L) / (L0 - L_adamw)`` (above 1:
-  better than tuned AdamW), the steps to the target, and the best rate against AdamW's.
-
-The variants (``VARIANTS``): ``adamw``; ``offload`` (ZenFlowAdamW offloading synchronously, at AdamW's rate only: a
-check that its curve is AdamW's); ZenFlow's defaults (``zenflow``: ``topk_ratio`` 0.1, ``update_interval`` 4,
-``select_interval`` 8, no warm-up, no overlap); ``overlap``; ``deepspeed`` and each DeepSpeed choice alone
-(``select_anchor`` with 3 warm-up rounds, against ``warm_up3``); the ``topk_ratio`` x ``update_interval`` corners;
-``lr_times_interval`` (examples/ablations.py); the host moments in bf16 rounded to nearest or stochastically
-(``bf16_*``); Lion and SGD (momentum 0.9), plain and under ZenFlow. The byte-GPT workloads run ``GPT_VARIANTS``
-(each of their runs costs ~20x the MLP's).
+Optimizers compare each at its own tuned rate and by the time to a target (MLCommons AlgoPerf; Schmidt et al. 2021):
+at one shared rate, a variant taking larger steps looks better for its step size alone. Per workload
+(studies/workloads.py) and variant (``VARIANTS``; the byte-GPT workloads, whose runs cost ~20x the MLP's, run
+``GPT_VARIANTS``): rates ``center * 2**k`` over 6 points (32x), grown past an edge while the best (lowest mean final
+held-out loss, seeds 0-2) is there (up to 8 each way); seeds 3 and 4 at the best two, the better on 5 seeds chosen
+(at an edge, the grid grows and the choice is made again); a loss that is not finite counts as diverged (infinite).
+The target, per seed (the seed changes the byte GPT's corpus and pre-training): AdamW's held-out loss, at its own
+best rate, at 75% of its steps (a looser one at half: ``steps_to_half_target``); each variant's steps to it, linear
+between evaluations, over AdamW's, paired by seed (``None`` where a seed never reaches it). At each best rate: the
+final loss (mean, range over 5 seeds), its gap to and ratio over AdamW's, the share of AdamW's improvement recovered
+``(L0 - L) / (L0 - L_adamw)`` (above 1: better than tuned AdamW), the steps to the target, the rate over AdamW's.
+``offload`` (synchronous, AdamW's arithmetic on the host) runs at AdamW's rate only, a check that its curve is AdamW's.
 
 Results in ``studies/results``: ``tuned_{workload}.json`` (command, machine, commit, every run's curve, the summary)
-and ``tuned_{workload}.png`` (the tuning curves); the runs are appended to ``tuned_{workload}.runs.jsonl`` as they
-finish, and ``--resume`` takes them from there.
+and ``tuned_{workload}.png`` (the tuning curves); runs are appended to ``tuned_{workload}.runs.jsonl`` as they finish,
+and ``--resume`` takes them from there.
 """
 
 from __future__ import annotations
@@ -84,6 +73,7 @@ VARIANTS: dict[str, Variant] = {
     **{name: _zen(**{name: value}) for name, value in dict(
         gradient_scale="interval", host_step_count="steps", reselect_state="reset", vector_state="reset",
         importance="l1").items()},
+    # without warm-up the two selection anchors coincide: select_anchor has 3 rounds, compared with warm_up3
     "warm_up3": _zen(full_warm_up_rounds=3), "select_anchor": _zen(full_warm_up_rounds=3, select_anchor="absolute"),
     **{f"topk{k:g}_ui{u}": _zen(topk_ratio=k, update_interval=u, select_interval=2 * u)
        for k in (0.05, 0.25) for u in (2, 8)},
@@ -147,9 +137,7 @@ def build_optimizer(variant: Variant, params, lr: float, weight_decay: float):
 def eval_every(workload: str, steps: int) -> int:
     """Evaluation spacing: a divisor of 75% of the steps, so the target's step is an evaluation point (a quick run's
     few steps: every quarter)."""
-    if steps < 100:
-        return max(1, steps // 4)
-    return max(1, steps // 20) if workload.startswith("study_") else max(1, steps // 16)
+    return max(1, steps // (4 if steps < 100 else 20 if workload.startswith("study_") else 16))
 
 
 def run(task: wl.Task, workload: str, name: str, lr: float) -> dict:

@@ -25,8 +25,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["WORKLOADS", "Workload", "Task", "task"]
-
 
 @dataclass(frozen=True)
 class Workload:
