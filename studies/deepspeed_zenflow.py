@@ -95,8 +95,7 @@ def record(update_interval: int, select_interval: int, warm_up: int, steps: int,
     "deepspeed_version", "torch_version"}``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
+    os.environ.update(MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
     import deepspeed
 
     repair_defects()
@@ -105,21 +104,16 @@ def record(update_interval: int, select_interval: int, warm_up: int, steps: int,
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": update_interval,  # (ZenFlow sets it to update_interval anyway)
-        "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": dict(HYPER, betas=list(HYPER["betas"]))},
-        "zero_optimization": {
-            "stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}, "overlap_comm": False,
-            "contiguous_gradients": True,
-            # one bucket for the whole model (the default, 5e8 elements, allocates 2 GB)
-            "reduce_bucket_size": 1_000_000, "allgather_bucket_size": 1_000_000,
-            "zenflow": zen,
-        },
+        "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": dict(HYPER, betas=list(HYPER["betas"]))},
+        # one bucket for the whole model (the default, 5e8 elements, allocates 2 GB)
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                              "overlap_comm": False, "contiguous_gradients": True, "reduce_bucket_size": 1_000_000,
+                              "allgather_bucket_size": 1_000_000, "zenflow": zen},
         "steps_per_print": 10**9,
     }
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    names = [name for name, _ in model.named_parameters()]
-    weights: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    weights: dict[str, list[torch.Tensor]] = {name: [] for name, _ in model.named_parameters()}
     losses = []
     for x, y in make_batches(steps):
         loss = torch.nn.functional.mse_loss(engine(x), y)

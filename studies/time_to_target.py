@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import OneLineParser, write_json_light
+from bench.harness import OneLineParser, output_dir, write_json_light
 from studies.tuned_comparison import BASE_ZENFLOW, RESULTS, VARIANTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if not summaries:
         ap.error(f"argument --results: no tuned_*.json in {str(results)!r}: run python -m studies.tuned_comparison")
     got = table(summaries)
-    out = Path(args.out) if args.out else results
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out or results)
     payload = dict(command=" ".join(["python -m studies.time_to_target", *argv]), description=__doc__,
                    profile=PROFILE, models=MODELS, assumption=ASSUMPTION, tables=got,
                    sources={w: f"tuned_{w}.json" for w in summaries})

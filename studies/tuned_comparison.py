@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import OneLineParser, figure, save, style, write_json_light
+from bench.harness import OneLineParser, figure, output_dir, save, style, write_json_light
 from studies import workloads as wl
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -89,10 +89,6 @@ GPT_VARIANTS = ("adamw", "offload", "zenflow", "deepspeed", "overlap", "lr_times
                 "topk0.05_ui2", "bf16_nearest", "bf16_stochastic")
 
 
-def variants_of(workload: str) -> tuple[str, ...]:
-    return tuple(VARIANTS) if workload.startswith("study_") else GPT_VARIANTS
-
-
 class PlainLion(torch.optim.Optimizer):
     """Lion as the paper writes it (Chen et al. 2023, Algorithm 2), in plain torch: ZenFlow's Lion's reference."""
 
@@ -146,7 +142,7 @@ def run(task: wl.Task, workload: str, name: str, lr: float) -> dict:
     model = task.model()
     opt = build_optimizer(VARIANTS[name], task.trainable(model), lr, spec.weight_decay)
     zen = hasattr(opt, "flush")
-    warm = wl.warmup_steps(spec, task.steps)
+    warm = max(1, math.ceil(spec.warmup_frac * task.steps)) if spec.warmup_frac > 0 else 0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm)) if warm else None
     every = eval_every(workload, task.steps)
     curve, error, top10 = [[0, task.heldout(model)]], None, None
@@ -220,7 +216,8 @@ class Sweep:
         return [self.runs[(name, k, seed)] for seed in seeds]
 
     def mean_final(self, name: str, k: int, seeds) -> float:
-        return mean_or_inf([r["final"] for r in self.ensure(name, k, seeds)])
+        finals = [r["final"] for r in self.ensure(name, k, seeds)]
+        return statistics.fmean(finals) if all(math.isfinite(v) for v in finals) else math.inf
 
     def tune(self, name: str, seeds=SEEDS, extra=EXTRA_SEEDS, grid=GRID, max_extend: int = MAX_EXTEND) -> dict:
         """The grid, extended until the best is inside (or ``max_extend`` points each way), then the best two on
@@ -246,10 +243,6 @@ class Sweep:
             best = min(two, key=lambda k: self.mean_final(name, k, full))
             if not grow(best):
                 return dict(k=best, ks=ks, inside=ks[0] < best < ks[-1], seeds=list(full))
-
-
-def mean_or_inf(values) -> float:
-    return statistics.fmean(values) if all(math.isfinite(v) for v in values) else math.inf
 
 
 def value_at(curve, step: float) -> float:
@@ -399,13 +392,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="a few steps, 3 rates (one more each way at most), 2 seeds (the tests' run)")
     ap.add_argument("--resume", action="store_true", help="take the runs already in the .runs.jsonl file")
     args = ap.parse_args(argv)
-    allowed = variants_of(args.workload)
+    allowed = tuple(VARIANTS) if args.workload.startswith("study_") else GPT_VARIANTS
     names = list(args.variants or allowed)
     if not set(names) <= set(allowed):
         ap.error(f"argument --variants: {sorted(set(names) - set(allowed))} unknown for {args.workload}: "
                  f"allowed {list(allowed)}")
-    out_dir = Path(args.out) if args.out else RESULTS
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output_dir(args.out or RESULTS)
     torch.set_num_threads(1)  # one core each: the workloads run side by side
     t0 = time.perf_counter()
     log = out_dir / f"tuned_{args.workload}.runs.jsonl"

@@ -17,7 +17,6 @@ and sees the same batches. ``quick=True``: a few steps on smaller data (the test
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,7 +203,3 @@ def task(workload: str, seed: int, quick: bool = False) -> Task:
     if workload.startswith("study_"):
         return StudyTask(0.0 if workload == "study_flat" else 1.5, seed, steps)
     return (GPTFinetuneTask if workload == "gpt_finetune" else GPTClassifyTask)(seed, steps, quick)
-
-
-def warmup_steps(workload: Workload, steps: int) -> int:
-    return max(1, math.ceil(workload.warmup_frac * steps)) if workload.warmup_frac > 0 else 0
