@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import OneLineParser, figure, machine_info_light, output_dir, save, style, write_json_light
+from bench.harness import OneLineParser, figure, output_dir, save, style, write_json_light
 
 STUDY_RESULTS = Path(__file__).resolve().parent / "results"
 D_IN, HIDDEN, D_OUT = 1024, 64, 16
@@ -183,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": dict(alphas=args.alphas, seeds=args.seeds, steps=args.steps, quick=args.quick, d_in=D_IN,
                        hidden=HIDDEN, d_out=D_OUT, batch=BATCH, heldout=HELDOUT, lr=LR, zenflow=ZENFLOW,
                        torch_threads=1),
-        "summary": summary,
-        "runs": rows,
-        "total_s": time.perf_counter() - t_start,
-        "machine": machine_info_light(),
+        "summary": summary, "runs": rows, "total_s": time.perf_counter() - t_start,
     }
     path = write_json_light(out_dir / "concentration_study.json", payload)
     plot(summary, out_dir / "concentration_study.png")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.harness import OneLineParser, machine_info_light, output_dir, write_json_light
+from bench.harness import OneLineParser, output_dir, write_json_light
 from studies import deepspeed_zenflow as DS
 
 STUDY_RESULTS = Path(__file__).resolve().parent / "results"
@@ -107,9 +107,7 @@ def main(argv=None) -> int:
         "description": __doc__,
         "config": dict(settings={s: SETTINGS[s] for s in args.settings}, steps=STEPS, hyper=DS.HYPER,
                        topk_ratio=DS.TOPK_RATIO, torch_threads=1, recorded=fixtures),
-        "rows": rows,
-        "total_s": time.perf_counter() - started,
-        "machine": machine_info_light(),
+        "rows": rows, "total_s": time.perf_counter() - started,
     }
     path = write_json_light(out_dir / "deepspeed_semantics.json", payload)
     for r in rows:

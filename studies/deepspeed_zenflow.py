@@ -129,11 +129,9 @@ def record(update_interval: int, select_interval: int, warm_up: int, steps: int,
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--update-interval", type=int, default=2)
-    ap.add_argument("--select-interval", type=int, default=4)
-    ap.add_argument("--warm-up", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--port", type=int, default=29517)
+    for flag, default in (("--update-interval", 2), ("--select-interval", 4), ("--warm-up", 0), ("--steps", 16),
+                          ("--port", 29517)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     result = record(args.update_interval, args.select_interval, args.warm_up, args.steps, args.port)

@@ -23,6 +23,7 @@ and ``--resume`` takes them from there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -113,12 +114,9 @@ def build_optimizer(variant: Variant, params, lr: float, weight_decay: float):
     from zenflow_kernels import ZenFlow, ZenFlowAdamW, rules
 
     zen, wd = dict(BASE_ZENFLOW, **variant.zenflow), dict(weight_decay=weight_decay)
-    if variant.kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr, **wd)
-    if variant.kind == "lion":
-        return PlainLion(params, lr=lr, **wd)
-    if variant.kind == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, **wd)
+    plain = {"adamw": torch.optim.AdamW, "lion": PlainLion, "sgd": functools.partial(torch.optim.SGD, momentum=0.9)}
+    if variant.kind in plain:
+        return plain[variant.kind](params, lr=lr, **wd)
     if variant.kind == "lr_times_interval":
         from examples.ablations import LrTimesInterval
 
@@ -130,12 +128,6 @@ def build_optimizer(variant: Variant, params, lr: float, weight_decay: float):
     return ZenFlowAdamW(params, lr=lr, zenflow=zen, **wd)
 
 
-def eval_every(workload: str, steps: int) -> int:
-    """Evaluation spacing: a divisor of 75% of the steps, so the target's step is an evaluation point (a quick run's
-    few steps: every quarter)."""
-    return max(1, steps // (4 if steps < 100 else 20 if workload.startswith("study_") else 16))
-
-
 def run(task: wl.Task, workload: str, name: str, lr: float) -> dict:
     """One training run of ``name`` at ``lr``: the held-out curve and, for ZenFlow, the concentration."""
     spec = wl.WORKLOADS[workload]
@@ -144,7 +136,8 @@ def run(task: wl.Task, workload: str, name: str, lr: float) -> dict:
     zen = hasattr(opt, "flush")
     warm = max(1, math.ceil(spec.warmup_frac * task.steps)) if spec.warmup_frac > 0 else 0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm)) if warm else None
-    every = eval_every(workload, task.steps)
+    # evaluations every a divisor of 75% of the steps, so the target's step is one (a quick run's few: every quarter)
+    every = max(1, task.steps // (4 if task.steps < 100 else 20 if workload.startswith("study_") else 16))
     curve, error, top10 = [[0, task.heldout(model)]], None, None
     t0 = time.perf_counter()
     try:
@@ -410,8 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                        grid=list(GRID), max_extend=MAX_EXTEND, seeds=list(SEEDS), extra_seeds=list(EXTRA_SEEDS),
                        target_at=TARGET_AT, base_zenflow=BASE_ZENFLOW,
                        variants={n: dataclasses.asdict(VARIANTS[n]) for n in names}),
-        "summary": summary,
-        "runs": sweep_runs,
+        "summary": summary, "runs": sweep_runs,
         "total_s": time.perf_counter() - t0,  # (a --resume run: the runs it made; runs_s: all of them)
         "runs_s": sum(r["seconds"] for r in sweep_runs),
     }

@@ -1,18 +1,16 @@
 """The tuned comparison's workloads: per seed, a model to fine-tune, its batches and a held-out loss.
 
-* ``study_flat`` and ``study_concentrated``: the teacher-student MLP of studies/concentration_study.py at ``alpha``
-  0 (about 19% of the gradient's energy in the top 10% of columns) and 1.5 (about 94%); 300 steps, batch 64, constant
-  learning rate, no weight decay.
-* ``gpt_finetune``: the byte GPT (bench/model.py, ``tiny``: 2 layers, width 64, context 64) pre-trained 300 steps on
-  the standard library's top-level modules, fine-tuned 160 steps on its packages (a new corpus), the held-out loss on
-  package files it never saw (bench/data.py). 10% linear warm-up, weight decay 0.01.
-* ``gpt_classify``: the same pre-trained GPT, a new linear head on the mean of its last layer's states (its own head
-  untrained) telling which of the standard library's 8 largest packages a 64-byte window comes from. Each package's
-  files are split by a seeded shuffle, 20% held out (held-out windows come from unseen files). 160 steps of batch 16,
-  10% warm-up, weight decay 0.01; held out: 32 evenly spaced windows per package (cross-entropy; accuracy beside it).
+* ``study_flat``, ``study_concentrated``: studies/concentration_study.py's teacher-student MLP at ``alpha`` 0 (about
+  19% of the gradient's energy in the top 10% of columns) and 1.5 (about 94%); 300 steps of batch 64.
+* ``gpt_finetune``: the byte GPT (bench/model.py ``tiny``) pre-trained 300 steps on the standard library's top-level
+  modules, fine-tuned 160 steps on its packages, held out: package files it never saw (bench/data.py).
+* ``gpt_classify``: the same GPT with a new linear head on the mean of its last layer's states (its own head
+  untrained): which of the standard library's 8 largest packages a 64-byte window comes from, 20% of each package's
+  files held out by a seeded shuffle; 160 steps of batch 16, held out: 32 evenly spaced windows per package
+  (cross-entropy; accuracy beside it). The GPT workloads: 10% linear warm-up, weight decay 0.01.
 
-The seed fixes every model, batch and held-out set, so every variant and learning rate starts from the same weights
-and sees the same batches. ``quick=True``: a few steps on smaller data (the tests).
+The seed fixes every model, batch and held-out set: every variant and rate starts from the same weights and sees the
+same batches. ``quick=True``: a few steps on smaller data (the tests).
 """
 
 from __future__ import annotations
