@@ -111,8 +111,8 @@ def table(summaries: dict, profile: dict = PROFILE) -> dict:
             for name, timing in steps.items():
                 if (v := summary["variants"].get(name)) is None:
                     continue
-                exact = v["steps_over_adamw"]["mean"]  # None where a seed never reached the target: then the lower
-                ratio = exact if exact is not None else v["steps_over_adamw_at_least"]  # bound (None: no ratio)
+                exact = v["steps_over_adamw"]["mean"]  # None where a seed never reached the target: then the
+                ratio = exact if exact is not None else v["steps_over_adamw_at_least"]  # lower bound, or None
                 half, step = v["half_steps_over_adamw"]["mean"], timing["step_s"]
                 rows[name] = dict(steps_ratio=ratio, at_least=exact is None, half_target_steps_ratio=half,
                                   step_s=step, time_per_adamw_step_s=_times(ratio, step),

@@ -372,7 +372,8 @@ def draw_tuning(ax, summary: dict, families, only=None) -> None:
         lo = min(finite)
         ax.set_ylim(lo - 0.02 * abs(lo), min(max(finite), summary["initial_heldout"] * 1.05))
     style(ax, "learning rate", "final held-out loss (mean, range over seeds 0-2)",
-          f"{summary['workload']}: {'/'.join(families)}", logx=10, grid=None)
+          f"{summary['workload']}: {'/'.join(families)}", logx=10, legend=None, grid=None)
+    ax.legend(fontsize=7, ncol=2)
 
 
 def main(argv: list[str] | None = None) -> int:
