@@ -3,30 +3,19 @@
     python -m studies.concentration_study [--out DIR] [--alphas 0 0.25 0.5 0.75 1.5] [--seeds 0 1 2]
                                         [--steps 300] [--quick]
 
-The task: a student MLP (``d_in`` -> ``hidden`` -> ``d_out``, tanh) regresses a fixed random teacher MLP of the
-same shape on inputs whose channel ``j`` has scale ``(rank_j + 1) ** -alpha`` (ranks a seeded permutation of the
-channels), as LLMs' outlier channels are few and large. The first layer's gradient column ``j`` is proportional to
-input channel ``j``, so its energy falls as ``(rank_j + 1) ** (-2 alpha)``: ``alpha = 0`` is flat and ``alpha = 1.5``
-puts nearly all of it in the top 10% (the first layer, 1024 inputs to 64, holds most of the model's gradient energy;
-the teacher is wider, 256 hidden units, so the student keeps improving). The shares are measured, not assumed:
-ZenFlow's own record (``stats()["concentration"]``, zenflow_kernels.concentration) at every selection, whole model,
-averaged over the run's selections.
+A student MLP (1024 -> 64 -> 16, tanh) regresses a wider random teacher (256 hidden units, so the student keeps
+improving) on inputs whose channel ``j`` has scale ``(rank_j + 1) ** -alpha`` (seeded ranks), as LLMs' outlier
+channels are few and large: the first layer's gradient column ``j`` follows input channel ``j``, so ``alpha = 0`` is
+flat and ``1.5`` puts nearly all the energy in the top 10%. The shares are measured (ZenFlow's
+``stats()["concentration"]`` at every selection, whole model, averaged over the run). Per level and seed, from the
+same student and batches: ``adamw`` (the target), ``zenflow_overlap`` and ``zenflow_sync`` (``ZenFlowAdamW``,
+``topk_ratio`` 0.1, ``update_interval`` 4, ``select_interval`` 8, with and without ``overlap_step``). Quality: the
+share of AdamW's held-out improvement recovered at equal steps, ``(L0 - L_zenflow) / (L0 - L_adamw)``;
+``adamw_end_over_half`` shows AdamW still improving. Speed is not measured (one CPU: bench.e2e, bench.overlap).
 
-Per level and seed, from the same initial student and the same batches, ``--steps`` steps each of:
-
-* ``adamw``: ``torch.optim.AdamW`` (the target);
-* ``zenflow_overlap`` and ``zenflow_sync``: ``ZenFlowAdamW`` (``topk_ratio`` 0.1, ``update_interval`` 4,
-  ``select_interval`` 8, no warm-up rounds) with and without ``overlap_step``, on the CPU link.
-
-Quality is the share of AdamW's held-out improvement that ZenFlow recovers at equal steps,
-``(L0 - L_zenflow) / (L0 - L_adamw)`` (``L0`` the initial held-out loss): 1 is AdamW's quality, 0 no progress.
-``adamw_end_over_half`` (AdamW's final held-out loss over its loss at half the steps) shows AdamW still improving.
-Speed is not measured here (on one CPU the device and the host are the same cores: bench.e2e, bench.overlap): a
-study, not a benchmark.
-
-Results: ``concentration_study.json`` (command, machine, commit, every run, the per-level summary) and
-``concentration_study.png`` (recovered share against the measured top-10% share) in ``studies/results``
-(the committed run's record names ``bench.concentration_study``, where this module was when it was made).
+Results in ``studies/results``: ``concentration_study.json`` (command, machine, commit, every run, the per-level
+summary) and ``concentration_study.png`` (recovered share against the measured top-10% share); the committed run's
+record names ``bench.concentration_study``, where this module was then.
 """
 
 from __future__ import annotations
@@ -39,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import OneLineParser, machine_info_light, output_dir, plt, write_json_light
+from bench.harness import OneLineParser, figure, output_dir, save, style, write_json_light
 
 STUDY_RESULTS = Path(__file__).resolve().parent / "results"
 D_IN, HIDDEN, D_OUT = 1024, 64, 16
@@ -48,13 +37,13 @@ BATCH, HELDOUT = 64, 1024
 LR = 1e-4
 ZENFLOW = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, full_warm_up_rounds=0)
 CANDIDATES = ("adamw", "zenflow_overlap", "zenflow_sync")
+SHARES = ("top1", "top10", "selected")
 
 
 def channel_scales(alpha: float, seed: int) -> torch.Tensor:
     """Input channel ``j``'s scale ``(rank_j + 1) ** -alpha``, ranks a seeded permutation, normalised to RMS 1."""
     gen = torch.Generator().manual_seed(1000 + seed)
-    ranks = torch.randperm(D_IN, generator=gen).double()
-    s = (ranks + 1).pow(-alpha)
+    s = (torch.randperm(D_IN, generator=gen).double() + 1).pow(-alpha)
     return (s / s.pow(2).mean().sqrt()).float()
 
 
@@ -80,10 +69,10 @@ class Task:
         with torch.no_grad():
             return x, self.teacher(x)
 
+    @torch.no_grad()
     def loss(self, model) -> float:
-        with torch.no_grad():
-            x, y = self.heldout
-            return float(torch.nn.functional.mse_loss(model(x), y))
+        x, y = self.heldout
+        return float(torch.nn.functional.mse_loss(model(x), y))
 
 
 def run(task: Task, candidate: str) -> dict:
@@ -91,33 +80,25 @@ def run(task: Task, candidate: str) -> dict:
     the gradient's concentration over the run's selections."""
     from zenflow_kernels import ZenFlowAdamW
 
-    model = mlp(task.seed)
-    if candidate == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    else:
-        opt = ZenFlowAdamW(model.parameters(), lr=LR,
-                           zenflow=dict(ZENFLOW, overlap_step=candidate == "zenflow_overlap"))
+    model, zen = mlp(task.seed), candidate != "adamw"
+    opt = (ZenFlowAdamW(model.parameters(), lr=LR, zenflow=dict(ZENFLOW, overlap_step=candidate == "zenflow_overlap"))
+           if zen else torch.optim.AdamW(model.parameters(), lr=LR))
     t0 = time.perf_counter()
-    half = None
+    row = dict(candidate=candidate, alpha=task.alpha, seed=task.seed)
     try:
         for t, (x, y) in enumerate(task.batches):
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-            if t + 1 == task.steps // 2 and candidate == "adamw":
-                half = task.loss(model)  # whether AdamW is still improving in the second half
-        row = dict(candidate=candidate, alpha=task.alpha, seed=task.seed)
-        if half is not None:
-            row["heldout_loss_at_half"] = half
-        if candidate != "adamw":
+            if t + 1 == task.steps // 2 and not zen:
+                row["heldout_loss_at_half"] = task.loss(model)  # whether AdamW still improves in the second half
+        if zen:
             opt.flush()  # the pending host update applied: the weights the run ends with
             c = opt.stats()["concentration"]
-            row.update({f"{name}_share": statistics.fmean(c[name]) for name in ("top1", "top10", "selected")},
-                       selections=len(c["top10"]))
-        row.update(heldout_loss=task.loss(model), seconds=time.perf_counter() - t0)
-        return row
+            row.update({f"{name}_share": statistics.fmean(c[name]) for name in SHARES}, selections=len(c["top10"]))
+        return dict(row, heldout_loss=task.loss(model), seconds=time.perf_counter() - t0)
     finally:
-        if candidate != "adamw":
+        if zen:
             opt.close()
 
 
@@ -128,8 +109,7 @@ def summarise(rows: list[dict], alphas: list[float]) -> list[dict]:
     for alpha in alphas:
         at = [r for r in rows if r["alpha"] == alpha]
         zen = [r for r in at if r["candidate"] != "adamw"]
-        entry = dict(alpha=alpha, **{f"{n}_share": statistics.fmean(r[f"{n}_share"] for r in zen)
-                                     for n in ("top1", "top10", "selected")})
+        entry = dict(alpha=alpha, **{f"{n}_share": statistics.fmean(r[f"{n}_share"] for r in zen) for n in SHARES})
         for cand in CANDIDATES[1:]:
             rec = [r["recovered"] for r in at if r["candidate"] == cand]
             entry[f"{cand}_recovered"] = statistics.fmean(rec)
@@ -143,27 +123,23 @@ def summarise(rows: list[dict], alphas: list[float]) -> list[dict]:
 
 
 def plot(summary: list[dict], path) -> None:
-    pyplot = plt()
-    fig, ax = pyplot.subplots(figsize=(6.5, 4.2))
+    fig, ax = figure(size=(6.5, 4.2))
     x = [s["top10_share"] for s in summary]
     for cand, marker in (("zenflow_overlap", "o-"), ("zenflow_sync", "s--")):
         y = [s[f"{cand}_recovered"] for s in summary]
-        lo = [s[f"{cand}_recovered"] - s[f"{cand}_recovered_range"][0] for s in summary]
-        hi = [s[f"{cand}_recovered_range"][1] - s[f"{cand}_recovered"] for s in summary]
-        ax.errorbar(x, y, yerr=[lo, hi], fmt=marker, capsize=3, label=cand.replace("_", ", "))
+        err = [[m - s[f"{cand}_recovered_range"][0] for m, s in zip(y, summary, strict=True)],
+               [s[f"{cand}_recovered_range"][1] - m for m, s in zip(y, summary, strict=True)]]
+        ax.errorbar(x, y, yerr=err, fmt=marker, capsize=3, label=cand.replace("_", ", "))
     for s in summary:
         ax.annotate(f"a={s['alpha']:g}", (s["top10_share"], s["zenflow_sync_recovered"]), fontsize=7,
                     textcoords="offset points", xytext=(4, -10))
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.set(xlabel="measured share of the gradient's energy in the top 10% of columns",
-           ylabel="share of AdamW's held-out improvement recovered", xlim=(0, 1.02),
-           title="ZenFlow against gradient concentration (equal steps; bars: seeds' range)")
+    ax.set_xlim(0, 1.02)
+    style(ax, "measured share of the gradient's energy in the top 10% of columns",
+          "share of AdamW's held-out improvement recovered",
+          "ZenFlow against gradient concentration (equal steps; bars: seeds' range)", legend=8)
     ax.title.set_fontsize(9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": dict(alphas=args.alphas, seeds=args.seeds, steps=args.steps, quick=args.quick, d_in=D_IN,
                        hidden=HIDDEN, d_out=D_OUT, batch=BATCH, heldout=HELDOUT, lr=LR, zenflow=ZENFLOW,
                        torch_threads=1),
-        "summary": summary,
-        "runs": rows,
-        "total_s": time.perf_counter() - t_start,
-        "machine": machine_info_light(),
+        "summary": summary, "runs": rows, "total_s": time.perf_counter() - t_start,
     }
     path = write_json_light(out_dir / "concentration_study.json", payload)
     plot(summary, out_dir / "concentration_study.png")

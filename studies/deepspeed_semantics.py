@@ -3,17 +3,13 @@ trajectory (issue 42, item 3; docs/deepspeed.md).
 
     python -m studies.deepspeed_semantics [--out DIR] [--settings ui2_si4_w0 ui3_si4_w0 ui2_si4_w2]
 
-DeepSpeed 0.19.8's runs are recorded in tests/fixtures/deepspeed/ (studies/deepspeed_zenflow.py: the tiny MLP, 16
-fixed-seed batches, three settings). Each is replayed here without DeepSpeed:
-
-* ``semantics="deepspeed"`` on the synchronous link, on the asynchronous one (``testing.chaos``) and with
-  ``ReferenceZenFlow``;
-* each choice turned back to ours (the other five DeepSpeed's), and all six ours (the defaults).
-
-Each row holds the largest difference of any weight from DeepSpeed's after every step, and its maximum. Results:
-``deepspeed_semantics.json`` in ``studies/results`` (docs/deepspeed.md's tables quote it;
-tests/test_deepspeed_semantics.py checks that they do; the committed run's record names
-``bench.deepspeed_semantics``, where this module was when it was made).
+Replays without DeepSpeed its 0.19.8 runs recorded in tests/fixtures/deepspeed/ (studies/deepspeed_zenflow.py: the
+tiny MLP, 16 fixed-seed batches, three settings): ``semantics="deepspeed"`` on the synchronous link, on the
+asynchronous one (``testing.chaos``) and in ``ReferenceZenFlow``; each choice turned back to ours (the other five
+DeepSpeed's), and all six ours. Each row: the largest difference of any weight from DeepSpeed's after every step,
+and its maximum. Results: ``deepspeed_semantics.json`` in ``studies/results`` (quoted by docs/deepspeed.md's tables,
+checked by tests/test_deepspeed_semantics.py; the committed run's record names ``bench.deepspeed_semantics``, where
+this module was then).
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.harness import OneLineParser, machine_info_light, output_dir, write_json_light
+from bench.harness import OneLineParser, output_dir, write_json_light
 from studies import deepspeed_zenflow as DS
 
 STUDY_RESULTS = Path(__file__).resolve().parent / "results"
@@ -85,15 +81,11 @@ def measure(settings: list[str]) -> list[dict]:
     rows = []
     with use_backend("numba"):
         for setting in settings:
-            for mode in ("sync", "chaos", "reference"):
-                per_step = replay(setting, mode, semantics="deepspeed")
-                rows.append(dict(setting=setting, variant="deepspeed", mode=mode, per_step=per_step,
-                                 max=max(per_step)))
-            for variant, zen in variants().items():
-                if variant == "deepspeed":
-                    continue
-                per_step = replay(setting, "sync", **zen)
-                rows.append(dict(setting=setting, variant=variant, mode="sync", zenflow=zen, per_step=per_step,
+            cases = [("deepspeed", m, dict(semantics="deepspeed"), {}) for m in ("sync", "chaos", "reference")]
+            cases += [(v, "sync", zen, dict(zenflow=zen)) for v, zen in variants().items() if v != "deepspeed"]
+            for variant, mode, zen, shown in cases:
+                per_step = replay(setting, mode, **zen)
+                rows.append(dict(setting=setting, variant=variant, mode=mode, **shown, per_step=per_step,
                                  max=max(per_step)))
     return rows
 
@@ -115,9 +107,7 @@ def main(argv=None) -> int:
         "description": __doc__,
         "config": dict(settings={s: SETTINGS[s] for s in args.settings}, steps=STEPS, hyper=DS.HYPER,
                        topk_ratio=DS.TOPK_RATIO, torch_threads=1, recorded=fixtures),
-        "rows": rows,
-        "total_s": time.perf_counter() - started,
-        "machine": machine_info_light(),
+        "rows": rows, "total_s": time.perf_counter() - started,
     }
     path = write_json_light(out_dir / "deepspeed_semantics.json", payload)
     for r in rows:

@@ -1,23 +1,20 @@
 """DeepSpeed's own ZenFlow on a tiny model, recorded: the oracle of ``semantics="deepspeed"`` (docs/deepspeed.md).
 
 Runs DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``, one process over gloo, ZeRO stage 2, the optimizer state offloaded to
-the CPU, fp32, ``overlap_step`` off) on a fixed-seed MLP and fixed-seed batches, and writes the weights after every
+the CPU, fp32, no ``overlap_step``) on a fixed-seed MLP and batches, and writes the weights after every
 ``engine.step()`` (read from the module: the host's write-back and the fast update included)::
 
     DS_ACCELERATOR=cpu python -m studies.deepspeed_zenflow --update-interval 2 --select-interval 4 --warm-up 0 \\
         --out tests/fixtures/deepspeed/ui2_si4_w0.pt
 
-DeepSpeed is not a dependency: run this in an environment that has it (``pip install torch==2.13.0`` first, then
-``pip install --no-build-isolation deepspeed==0.19.8``; its CPU Adam compiles with g++ on first use, a few minutes).
-tests/test_deepspeed_semantics.py replays the recorded runs without DeepSpeed, and runs this script itself when
-``deepspeed`` imports.
-
-As shipped, 0.19.8's ZenFlow does not train correctly; two defects are repaired here by patching, as
-docs/deepspeed.md describes:
+DeepSpeed is not a dependency (``pip install torch==2.13.0``, then ``pip install --no-build-isolation
+deepspeed==0.19.8``; its CPU Adam compiles on first use, a few minutes). tests/test_deepspeed_semantics.py replays
+the recordings without it, and runs this script where ``deepspeed`` imports. As shipped, 0.19.8's ZenFlow does not
+train correctly; two defects are repaired here by patching (docs/deepspeed.md):
 
 (a) ``runtime/zero/stage_1_and_2.py`` ``_update_model_bit16_weights`` views each matrix's slice of the flat buffer as
     ``[out, in]`` while ZenFlow stores matrices transposed (``runtime/zenflow/zenflow_utils.py``): every weight is
-    scrambled right after ``deepspeed.initialize`` and after every host update;
+    scrambled after ``deepspeed.initialize`` and after every host update;
 (b) ``runtime/zenflow/zenflow_stage_1_and_2.py`` ``update_selected_channels`` skips a vector before advancing its read
     position, so each matrix is scored from a window shifted by the biases before it.
 """
@@ -42,11 +39,8 @@ TOPK_RATIO = 0.25
 def make_model() -> torch.nn.Module:
     """Three Linear layers with biases (tanh between): matrices of 24, 32 and 16 columns, and three vectors."""
     torch.manual_seed(MODEL_SEED)
-    return torch.nn.Sequential(
-        torch.nn.Linear(DIMS[0], DIMS[1]), torch.nn.Tanh(),
-        torch.nn.Linear(DIMS[1], DIMS[2]), torch.nn.Tanh(),
-        torch.nn.Linear(DIMS[2], DIMS[3]),
-    ).float()
+    return torch.nn.Sequential(torch.nn.Linear(DIMS[0], DIMS[1]), torch.nn.Tanh(), torch.nn.Linear(DIMS[1], DIMS[2]),
+                               torch.nn.Tanh(), torch.nn.Linear(DIMS[2], DIMS[3])).float()
 
 
 def make_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -101,8 +95,7 @@ def record(update_interval: int, select_interval: int, warm_up: int, steps: int,
     "deepspeed_version", "torch_version"}``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
+    os.environ.update(MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
     import deepspeed
 
     repair_defects()
@@ -111,21 +104,16 @@ def record(update_interval: int, select_interval: int, warm_up: int, steps: int,
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": update_interval,  # (ZenFlow sets it to update_interval anyway)
-        "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": dict(HYPER, betas=list(HYPER["betas"]))},
-        "zero_optimization": {
-            "stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}, "overlap_comm": False,
-            "contiguous_gradients": True,
-            # one bucket for the whole model (the default, 5e8 elements, allocates 2 GB)
-            "reduce_bucket_size": 1_000_000, "allgather_bucket_size": 1_000_000,
-            "zenflow": zen,
-        },
+        "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": dict(HYPER, betas=list(HYPER["betas"]))},
+        # one bucket for the whole model (the default, 5e8 elements, allocates 2 GB)
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                              "overlap_comm": False, "contiguous_gradients": True, "reduce_bucket_size": 1_000_000,
+                              "allgather_bucket_size": 1_000_000, "zenflow": zen},
         "steps_per_print": 10**9,
     }
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    names = [name for name, _ in model.named_parameters()]
-    weights: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    weights: dict[str, list[torch.Tensor]] = {name: [] for name, _ in model.named_parameters()}
     losses = []
     for x, y in make_batches(steps):
         loss = torch.nn.functional.mse_loss(engine(x), y)
@@ -141,11 +129,9 @@ def record(update_interval: int, select_interval: int, warm_up: int, steps: int,
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--update-interval", type=int, default=2)
-    ap.add_argument("--select-interval", type=int, default=4)
-    ap.add_argument("--warm-up", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--port", type=int, default=29517)
+    for flag, default in (("--update-interval", 2), ("--select-interval", 4), ("--warm-up", 0), ("--steps", 16),
+                          ("--port", 29517)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     result = record(args.update_interval, args.select_interval, args.warm_up, args.steps, args.port)

@@ -2,29 +2,14 @@
 
     python -m studies.time_to_target [--results DIR] [--out DIR]
 
-Time to a target = steps to it x time per step. The steps come from the tuned comparison
-(``studies/results/tuned_{workload}.json``: each variant at its own best learning rate, the target the loss AdamW
-reaches at 75% of the steps), as a ratio to AdamW's steps. **Assumption: that ratio carries over from our small
-workloads to the modeled models**; nothing here checks it. The time per step comes from the planner's model
-(``zenflow_kernels.planner.predict``) on a stated profile (``PROFILE``):
-
-* the device: an H200; the fast path's cost from the kernels measured on one on 2026-11-30
-  (``shared/measurements/h200-2026-11-30/kernels_gpu.json``: the multi-tensor selective AdamW over 8 layers of a
-  4096-wide model, 56 matrices, 4.65 ms at ``topk_ratio`` 0.1, and the selection over 32 layers, 13.2 ms), scaled
-  by parameters (and by ``topk_ratio`` for the step); its compute ``6 * params * tokens`` FLOPs at an *assumed*
-  400 TFLOP/s (40% of the bf16 dense peak); AdamW on the device reads and writes 28 bytes a parameter at the HBM's
-  4.8 TB/s;
-* the link: PCIe Gen5 x16 at an *assumed* 50 GB/s each way (64 theoretical);
-* the host: 32 cores, half for the host worker (``pt_reserved_cores_perc`` 0.5: 16 threads); its passes are this
-  repository's probe (``bench/results/plan_cpu.json``, one thread of this VM) scaled linearly to 16 threads and
-  capped by an *assumed* 200 GB/s of memory bandwidth (the update moves 30 bytes a parameter, a fold 10).
-
-AdamW on the device is listed where its 16 bytes a parameter fit 85% of the H200's 141 GB. ZenFlow's variants
-use their own ``topk_ratio``, ``update_interval`` and ``overlap_step``. Variants whose seeds do not all reach the
-target within the run get a lower bound (``at_least``: such a seed needed more than the run's steps); beside it the
-same at a looser target, AdamW's loss at half the steps (``half_time_vs_*``, ``None`` where a seed missed it).
-
-Results: ``time_to_target.json`` (the profile, every figure, per workload and model) in ``studies/results``.
+Time to a target = steps to it (the tuned comparison's ``tuned_{workload}.json``, as a ratio to AdamW's; **assumed
+to carry over from our small workloads to the modeled models**, unchecked) x time per step: the planner's model
+(``zenflow_kernels.planner.predict``) on ``PROFILE``, an H200 (fast path and selection scaled from the kernels
+measured on one, ``shared/measurements/h200-2026-11-30/kernels_gpu.json``; an *assumed* 400 TFLOP/s), PCIe Gen5 at an
+*assumed* 50 GB/s, a 32-core host with 16 threads for the host worker (``bench/results/plan_cpu.json``'s one-thread
+probe scaled linearly, capped by an *assumed* 200 GB/s). Device AdamW is listed where its 16 bytes a parameter fit
+85% of the H200's 141 GB. Where a seed misses the target, the ratio is a lower bound (``at_least``); beside it the
+same at AdamW's loss at half the steps (``half_time_vs_*``). Results: ``time_to_target.json`` in studies/results.
 """
 
 from __future__ import annotations
@@ -33,19 +18,18 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import OneLineParser, write_json_light
+from bench.harness import OneLineParser, output_dir, write_json_light
 from studies.tuned_comparison import BASE_ZENFLOW, RESULTS, VARIANTS
 
 REPO = Path(__file__).resolve().parents[1]
+_LAYER = 4 * 4096**2 + 3 * 4096 * 11008  # one layer of a 4096-wide model with an 11008-wide MLP
 PROFILE = dict(
     device="NVIDIA H200 (fast path measured 2026-11-30)", device_tflops=400.0, hbm_bytes_per_s=4.8e12,
     device_memory_bytes=141e9, pcie_bytes_per_s=50e9, host_cores=32, pt_reserved_cores_perc=0.5,
     host_memory_bytes_per_s=200e9, tokens_per_step=32768, adamw_device_bytes_per_param=28,
     host_update_bytes_per_param=30, host_fold_bytes_per_param=10,
-    # H200, 2026-11-30: multi_selective_adamw at topk 0.1 over 8 layers x (4 * 4096^2 + 3 * 4096 * 11008)
-    # parameters, 4.65 ms; the selection over 32 such layers, 13.2 ms
-    fast_path_s_per_param_at_topk_0_1=4.649e-3 / (8 * (4 * 4096**2 + 3 * 4096 * 11008)),
-    selection_s_per_param=13.164e-3 / (32 * (4 * 4096**2 + 3 * 4096 * 11008)),
+    # H200, 2026-11-30: multi_selective_adamw at topk 0.1 over 8 layers, 4.65 ms; the selection over 32, 13.2 ms
+    fast_path_s_per_param_at_topk_0_1=4.649e-3 / (8 * _LAYER), selection_s_per_param=13.164e-3 / (32 * _LAYER),
 )
 MODELS = {"1.5B": 1_500_000_000, "7B": 7_000_000_000}
 ASSUMPTION = ("steps to the target, as a ratio to AdamW's, carry over from the tuned comparison's small workloads "
@@ -62,51 +46,57 @@ def host_probe(profile: dict):
     probe = json.loads((REPO / "bench" / "results" / "plan_cpu.json").read_text())["probes"]["default"]
     threads = int(profile["host_cores"] * (1 - profile["pt_reserved_cores_perc"]))
     speed = threads / probe["threads"]
-    update_floor = profile["host_update_bytes_per_param"] / profile["host_memory_bytes_per_s"]
-    fold_floor = profile["host_fold_bytes_per_param"] / profile["host_memory_bytes_per_s"]
-    return HostProbe(update_s_per_param=max(probe["update_s_per_param"] / speed, update_floor),
-                     accumulate_s_per_param=max(probe["accumulate_s_per_param"] / speed, fold_floor),
-                     step_work_s_per_param=0.0,
-                     update_alone_s_per_param=max(probe["update_alone_s_per_param"] / speed, update_floor),
+    mem = profile["host_memory_bytes_per_s"]
+    update, fold = profile["host_update_bytes_per_param"] / mem, profile["host_fold_bytes_per_param"] / mem
+
+    def scaled(key, floor):
+        return max(probe[key] / speed, floor)
+
+    return HostProbe(update_s_per_param=scaled("update_s_per_param", update),
+                     accumulate_s_per_param=scaled("accumulate_s_per_param", fold), step_work_s_per_param=0.0,
+                     update_alone_s_per_param=scaled("update_alone_s_per_param", update),
                      threads=threads, params=probe["params"], grad_dtype=probe["grad_dtype"])
+
+
+def _plan(params: int, profile: dict, probe, **knobs):
+    """The device's compute per step and the planner's prediction for ``knobs``."""
+    from zenflow_kernels.planner import predict
+
+    compute = 6.0 * params * profile["tokens_per_step"] / (profile["device_tflops"] * 1e12)
+    return compute, predict(matrix_params=params, device_step_s=compute, d2h_bytes_per_s=profile["pcie_bytes_per_s"],
+                            probe=probe, **knobs)
 
 
 def step_times(params: int, profile: dict, probe, variants=None) -> dict:
     """Seconds per step of AdamW on the device, synchronous offload and each ZenFlow variant of the Adam family
     (``variants``: their names, default ``ZENFLOW_ADAM``)."""
-    from zenflow_kernels.planner import predict
-
-    compute = 6.0 * params * profile["tokens_per_step"] / (profile["device_tflops"] * 1e12)
+    compute, sync = _plan(params, profile, probe, state_bytes=8, topk_ratio=0.0, update_interval=1, overlap_step=False)
     fits = 16 * params <= 0.85 * profile["device_memory_bytes"]
-    out = {"adamw": dict(step_s=compute + profile["adamw_device_bytes_per_param"] * params
-                         / profile["hbm_bytes_per_s"] if fits else None, compute_s=compute, fits=fits)}
-    sync = predict(matrix_params=params, device_step_s=compute, d2h_bytes_per_s=profile["pcie_bytes_per_s"],
-                   probe=probe, state_bytes=8, topk_ratio=0.0, update_interval=1, overlap_step=False)
-    out["offload"] = dict(step_s=compute + sync.sync_offload_stall_s, stall_s=sync.sync_offload_stall_s)
+    device = compute + profile["adamw_device_bytes_per_param"] * params / profile["hbm_bytes_per_s"]
+    out = {"adamw": dict(step_s=device if fits else None, compute_s=compute, fits=fits),
+           "offload": dict(step_s=compute + sync.sync_offload_stall_s, stall_s=sync.sync_offload_stall_s)}
     for name in ZENFLOW_ADAM if variants is None else variants:
-        variant = VARIANTS[name]
-        out[name] = zenflow_step_time(params, profile, probe, dict(BASE_ZENFLOW, **variant.zenflow),
-                                      state_bytes=8 if variant.state == "fp32" else 4)
+        out[name] = zenflow_step_time(params, profile, probe, dict(BASE_ZENFLOW, **VARIANTS[name].zenflow),
+                                      state_bytes=8 if VARIANTS[name].state == "fp32" else 4)
     return out
 
 
 def zenflow_step_time(params: int, profile: dict, probe, zen: dict, state_bytes: int = 8) -> dict:
     """Seconds per step of ZenFlow with config ``zen`` (its ``topk_ratio``, integer ``update_interval``,
-    ``overlap_step``, and ``select_interval`` in steps, or in epochs of ``steps_per_epoch`` steps) on the profile:
-    the device's compute, the fast path and the selection scaled from the H200's, the planner's stall.
-    ``state_bytes``: the host state per parameter (8: AdamW's fp32 moments; 4 in bf16: the copies' bytes; the host
-    pass is timed by the fp32 probe either way)."""
-    from zenflow_kernels.planner import predict
-
-    compute = 6.0 * params * profile["tokens_per_step"] / (profile["device_tflops"] * 1e12)
+    ``overlap_step``, and ``select_interval`` in steps, or in epochs of ``steps_per_epoch`` steps): the device's
+    compute, the fast path and the selection scaled from the H200's, the planner's stall. ``state_bytes``: the host
+    state per parameter (8: AdamW's fp32 moments; 4 in bf16; the host pass is timed by the fp32 probe either way)."""
+    compute, plan = _plan(params, profile, probe, state_bytes=state_bytes, topk_ratio=zen["topk_ratio"],
+                          update_interval=zen["update_interval"], overlap_step=zen["overlap_step"])
     select = zen["select_interval"] * (zen["steps_per_epoch"] if zen.get("select_strategy") == "epoch" else 1)
-    plan = predict(matrix_params=params, device_step_s=compute, d2h_bytes_per_s=profile["pcie_bytes_per_s"],
-                   probe=probe, state_bytes=state_bytes, topk_ratio=zen["topk_ratio"],
-                   update_interval=zen["update_interval"], overlap_step=zen["overlap_step"])
     fast = profile["fast_path_s_per_param_at_topk_0_1"] * params * zen["topk_ratio"] / 0.1
     selection = profile["selection_s_per_param"] * params / select
     return dict(step_s=compute + fast + selection + plan.zenflow_stall_s, stall_s=plan.zenflow_stall_s,
                 fast_path_s=fast, selection_s=selection, limit=plan.limit)
+
+
+def _times(a, b):
+    return None if a is None or b is None else a * b
 
 
 def table(summaries: dict, profile: dict = PROFILE) -> dict:
@@ -117,29 +107,23 @@ def table(summaries: dict, profile: dict = PROFILE) -> dict:
     for model, params in MODELS.items():
         steps = step_times(params, profile, probe)
         for workload, summary in summaries.items():
-            variants = summary["variants"]
             rows = {}
             for name, timing in steps.items():
-                v = variants.get(name)
-                if v is None:
+                if (v := summary["variants"].get(name)) is None:
                     continue
-                exact = v["steps_over_adamw"]["mean"]  # None where a seed never reached the target
-                # else the lower bound: such a seed needed more than the run's steps
-                ratio = exact if exact is not None else v["steps_over_adamw_at_least"]  # (None: no ratio at all)
-                half = v["half_steps_over_adamw"]["mean"]
-                step = timing["step_s"]
+                exact = v["steps_over_adamw"]["mean"]  # None where a seed never reached the target: then the
+                ratio = exact if exact is not None else v["steps_over_adamw_at_least"]  # lower bound, or None
+                half, step = v["half_steps_over_adamw"]["mean"], timing["step_s"]
                 rows[name] = dict(steps_ratio=ratio, at_least=exact is None, half_target_steps_ratio=half,
-                                  step_s=step,
-                                  time_per_adamw_step_s=None if step is None or ratio is None else ratio * step,
-                                  half_time_per_adamw_step_s=None if step is None or half is None else half * step,
+                                  step_s=step, time_per_adamw_step_s=_times(ratio, step),
+                                  half_time_per_adamw_step_s=_times(half, step),
                                   **{k: x for k, x in timing.items() if k != "step_s"})
-            base_name = "adamw" if rows["adamw"]["step_s"] is not None else "offload"
+            base = "adamw" if rows["adamw"]["step_s"] is not None else "offload"
             for r in rows.values():
                 for key, of in (("time_vs_", "time_per_adamw_step_s"), ("half_time_vs_", "half_time_per_adamw_step_s")):
-                    t, b = r[of], rows[base_name][of]
-                    r[key + base_name] = None if t is None or b is None else t / b
-            out[f"{workload}/{model}"] = dict(workload=workload, model=model, params=params, base=base_name,
-                                              rows=rows)
+                    t, b = r[of], rows[base][of]
+                    r[key + base] = None if t is None or b is None else t / b
+            out[f"{workload}/{model}"] = dict(workload=workload, model=model, params=params, base=base, rows=rows)
     return out
 
 
@@ -150,15 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output directory (default: --results)")
     args = ap.parse_args(argv)
     results = Path(args.results)
-    summaries = {}
-    for path in sorted(results.glob("tuned_*.json")):
-        summary = json.loads(path.read_text())["summary"]
-        summaries[summary["workload"]] = summary
+    summaries = {s["workload"]: s for s in (json.loads(p.read_text())["summary"]
+                                            for p in sorted(results.glob("tuned_*.json")))}
     if not summaries:
         ap.error(f"argument --results: no tuned_*.json in {str(results)!r}: run python -m studies.tuned_comparison")
     got = table(summaries)
-    out = Path(args.out) if args.out else results
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out or results)
     payload = dict(command=" ".join(["python -m studies.time_to_target", *argv]), description=__doc__,
                    profile=PROFILE, models=MODELS, assumption=ASSUMPTION, tables=got,
                    sources={w: f"tuned_{w}.json" for w in summaries})

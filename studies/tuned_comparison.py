@@ -2,44 +2,28 @@
 
     python -m studies.tuned_comparison --workload study_flat [--out DIR] [--quick] [--variants ...]
 
-The field compares optimizers each with its own tuning budget and by the time to a target (MLCommons AlgoPerf;
-Schmidt et al. 2021, "Descending through a crowded valley"), not at one shared learning rate: a variant that makes
-larger steps looks better at a rate below the best, for its step size alone. Here, per workload
-(studies/workloads.py) and variant:
+Optimizers compare each at its own tuned rate and by the time to a target (MLCommons AlgoPerf; Schmidt et al. 2021):
+at one shared rate, a variant taking larger steps looks better for its step size alone. Per workload
+(studies/workloads.py) and variant (``VARIANTS``; the byte-GPT workloads, whose runs cost ~20x the MLP's, run
+``GPT_VARIANTS``): rates ``center * 2**k`` over 6 points (32x), grown past an edge while the best (lowest mean final
+held-out loss, seeds 0-2) is there (up to 8 each way); seeds 3 and 4 at the best two, the better on 5 seeds chosen
+(at an edge, the grid grows and the choice is made again); a loss that is not finite counts as diverged (infinite).
+The target, per seed (the seed changes the byte GPT's corpus and pre-training): AdamW's held-out loss, at its own
+best rate, at 75% of its steps (a looser one at half: ``steps_to_half_target``); each variant's steps to it, linear
+between evaluations, over AdamW's, paired by seed (``None`` where a seed never reaches it). At each best rate: the
+final loss (mean, range over 5 seeds), its gap to and ratio over AdamW's, the share of AdamW's improvement recovered
+``(L0 - L) / (L0 - L_adamw)`` (above 1: better than tuned AdamW), the steps to the target, the rate over AdamW's.
+``offload`` (synchronous, AdamW's arithmetic on the host) runs at AdamW's rate only, a check that its curve is AdamW's.
 
-* **the sweep**: learning rates ``center * 2**k`` over a log grid of 6 points (32x), the centre per rule family;
-  while the best (lowest mean final held-out loss over seeds 0-2) sits at an edge, one more point past that edge
-  (up to 8 each way); then seeds 3 and 4 at the best two points, and the best of those two on 5 seeds is the
-  variant's learning rate; where that one is at an edge, the grid grows past it and the choice is made again. A run
-  whose loss is not finite counts as diverged (an infinite loss).
-* **the target**, per seed: the held-out loss AdamW (``torch.optim.AdamW``, at its own best rate) reaches at 75%
-  of the steps in its run of that seed (the seed changes the byte GPT's corpus and pre-training, so the seeds'
-  losses differ in level). Each variant's steps to it at its own best rate, per seed, from its held-out curve
-  (evaluated every ``eval_every`` steps, linear between the points), and over AdamW's steps (paired by seed);
-  ``None`` where a seed never reaches it within the run. Beside it a looser target, AdamW's loss at half the steps
-  (``steps_to_half_target``).
-* **the figures** at each variant's best rate: the final held-out loss (mean and range over 5 seeds), its gap to
-  and ratio over AdamW's (paired by seed), the share of AdamW's improvement recovered ``(L0 - L) / (L0 -
-  L_adamw)`` (above 1 means better than tuned AdamW), the steps to the target, and the best rate against AdamW's.
-
-The variants (``VARIANTS``): ``adamw``; ``offload`` (synchronous offload through ZenFlowAdamW: AdamW's arithmetic
-on the host every step, run at AdamW's best rate only, as a check that its curve is AdamW's); ZenFlow's defaults as
-in the ablations (``zenflow``: ``topk_ratio`` 0.1, ``update_interval`` 4, ``select_interval`` 8, no warm-up, no
-overlap); ``overlap``; ``deepspeed`` (``semantics="deepspeed"``) and each DeepSpeed choice alone (``select_anchor``
-with 3 warm-up rounds, against ``warm_up3``); the ``topk_ratio`` x ``update_interval`` corners; the host learning
-rate times the interval (``lr_times_interval``, examples/ablations.py); the host moments in bf16, rounded to
-nearest (``bf16_nearest``) or stochastically (``bf16_stochastic``, ``zenflow_kernels.rounding``), ZenFlow's defaults
-otherwise; Lion and SGD (momentum 0.9) plain and under ZenFlow. The byte-GPT workloads run a subset
-(``GPT_VARIANTS``): each of their runs costs ~20x the MLP's.
-
-Results: ``tuned_{workload}.json`` (command, machine, commit, every run's curve, the summary) and
-``tuned_{workload}.png`` (the tuning curves) in ``studies/results``; the runs are appended to
-``tuned_{workload}.runs.jsonl`` as they finish, and a rerun with ``--resume`` takes them from there.
+Results in ``studies/results``: ``tuned_{workload}.json`` (command, machine, commit, every run's curve, the summary)
+and ``tuned_{workload}.png`` (the tuning curves); runs are appended to ``tuned_{workload}.runs.jsonl`` as they finish,
+and ``--resume`` takes them from there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -49,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import OneLineParser, plt, write_json_light
+from bench.harness import OneLineParser, figure, output_dir, save, style, write_json_light
 from studies import workloads as wl
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -69,9 +53,8 @@ OFFLOAD = dict(full_warm_up_rounds=10**9, overlap_step=False, select_strategy="s
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """``family``: whose grid centre it starts from ("adam", "lion", "sgd"); ``kind``: "adamw", "lion", "sgd"
-    (plain) or "zenflow" or "lr_times_interval"; ``zenflow``: overrides of ``BASE_ZENFLOW``; ``rule``: the
-    ZenFlow rule ("adamw", "lion", "sgd"); ``check``: run at AdamW's best rate only; ``state``: the rule's host state
-    ("fp32", or bf16 rounded "nearest" or "stochastic")."""
+    (plain), "zenflow" or "lr_times_interval"; ``zenflow``: overrides of ``BASE_ZENFLOW``; ``rule``: ZenFlow's rule;
+    ``check``: run at AdamW's best rate only; ``state``: the host state ("fp32", or bf16 "nearest"/"stochastic")."""
 
     family: str
     kind: str
@@ -81,43 +64,34 @@ class Variant:
     state: str = "fp32"
 
 
-def _variants() -> dict[str, Variant]:
-    out = {"adamw": Variant("adam", "adamw"), "offload": Variant("adam", "zenflow", OFFLOAD, check=True),
-           "zenflow": Variant("adam", "zenflow"), "overlap": Variant("adam", "zenflow", dict(overlap_step=True)),
-           "deepspeed": Variant("adam", "zenflow", dict(semantics="deepspeed"))}
-    for name, value in dict(gradient_scale="interval", host_step_count="steps", reselect_state="reset",
-                            vector_state="reset", importance="l1").items():
-        out[name] = Variant("adam", "zenflow", {name: value})
-    out["warm_up3"] = Variant("adam", "zenflow", dict(full_warm_up_rounds=3))
-    out["select_anchor"] = Variant("adam", "zenflow", dict(full_warm_up_rounds=3, select_anchor="absolute"))
-    for k in (0.05, 0.25):
-        for u in (2, 8):
-            out[f"topk{k:g}_ui{u}"] = Variant("adam", "zenflow", dict(topk_ratio=k, update_interval=u,
-                                                                      select_interval=2 * u))
-    out["lr_times_interval"] = Variant("adam", "lr_times_interval")
-    for rounding in ("nearest", "stochastic"):  # ZenFlow's defaults with the host moments in bf16
-        out[f"bf16_{rounding}"] = Variant("adam", "zenflow", state=rounding)
-    out["lion"] = Variant("lion", "lion")
-    out["zenflow_lion"] = Variant("lion", "zenflow", rule="lion")
-    out["sgd"] = Variant("sgd", "sgd")
-    out["zenflow_sgd"] = Variant("sgd", "zenflow", rule="sgd")
-    return out
+def _zen(state: str = "fp32", **zenflow) -> Variant:
+    return Variant("adam", "zenflow", zenflow, state=state)
 
 
-VARIANTS = _variants()
+VARIANTS: dict[str, Variant] = {
+    "adamw": Variant("adam", "adamw"), "offload": Variant("adam", "zenflow", OFFLOAD, check=True),
+    "zenflow": _zen(), "overlap": _zen(overlap_step=True), "deepspeed": _zen(semantics="deepspeed"),
+    **{name: _zen(**{name: value}) for name, value in dict(
+        gradient_scale="interval", host_step_count="steps", reselect_state="reset", vector_state="reset",
+        importance="l1").items()},
+    # without warm-up the two selection anchors coincide: select_anchor has 3 rounds, compared with warm_up3
+    "warm_up3": _zen(full_warm_up_rounds=3), "select_anchor": _zen(full_warm_up_rounds=3, select_anchor="absolute"),
+    **{f"topk{k:g}_ui{u}": _zen(topk_ratio=k, update_interval=u, select_interval=2 * u)
+       for k in (0.05, 0.25) for u in (2, 8)},
+    "lr_times_interval": Variant("adam", "lr_times_interval"),
+    # ZenFlow's defaults with the host moments in bf16
+    "bf16_nearest": _zen("nearest"), "bf16_stochastic": _zen("stochastic"),
+    "lion": Variant("lion", "lion"), "zenflow_lion": Variant("lion", "zenflow", rule="lion"),
+    "sgd": Variant("sgd", "sgd"), "zenflow_sgd": Variant("sgd", "zenflow", rule="sgd"),
+}
 # (in the order they run: a sweep cut short still holds the main comparisons)
 GPT_VARIANTS = ("adamw", "offload", "zenflow", "deepspeed", "overlap", "lr_times_interval", "lion", "zenflow_lion",
                 "sgd", "zenflow_sgd", "host_step_count", "reselect_state", "topk0.05_ui8", "topk0.25_ui2",
                 "topk0.05_ui2", "bf16_nearest", "bf16_stochastic")
 
 
-def variants_of(workload: str) -> tuple[str, ...]:
-    return tuple(VARIANTS) if workload.startswith("study_") else GPT_VARIANTS
-
-
 class PlainLion(torch.optim.Optimizer):
-    """Lion as the paper writes it (Chen et al. 2023, Algorithm 2), in plain torch: the reference ZenFlow's Lion
-    is compared with."""
+    """Lion as the paper writes it (Chen et al. 2023, Algorithm 2), in plain torch: ZenFlow's Lion's reference."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
@@ -139,44 +113,31 @@ def build_optimizer(variant: Variant, params, lr: float, weight_decay: float):
     """The variant's optimizer over ``params`` at ``lr``."""
     from zenflow_kernels import ZenFlow, ZenFlowAdamW, rules
 
-    zen = dict(BASE_ZENFLOW, **variant.zenflow)
-    if variant.kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    if variant.kind == "lion":
-        return PlainLion(params, lr=lr, weight_decay=weight_decay)
-    if variant.kind == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    zen, wd = dict(BASE_ZENFLOW, **variant.zenflow), dict(weight_decay=weight_decay)
+    plain = {"adamw": torch.optim.AdamW, "lion": PlainLion, "sgd": functools.partial(torch.optim.SGD, momentum=0.9)}
+    if variant.kind in plain:
+        return plain[variant.kind](params, lr=lr, **wd)
     if variant.kind == "lr_times_interval":
         from examples.ablations import LrTimesInterval
 
-        return LrTimesInterval(params, lr=lr, weight_decay=weight_decay, zenflow=zen)
-    if variant.rule == "lion":
-        return ZenFlow(params, rules.Lion(weight_decay=weight_decay), lr=lr, zenflow=zen)
-    if variant.rule == "sgd":
-        return ZenFlow(params, rules.SGD(momentum=0.9, weight_decay=weight_decay), lr=lr, zenflow=zen)
-    if variant.state != "fp32":  # (rules.AdamW's defaults are ZenFlowAdamW's: betas (0.9, 0.999), eps 1e-8)
-        return ZenFlow(params, rules.AdamW(weight_decay=weight_decay, state_dtype=torch.bfloat16,
-                                           state_rounding=variant.state), lr=lr, zenflow=zen)
-    return ZenFlowAdamW(params, lr=lr, weight_decay=weight_decay, zenflow=zen)
-
-
-def eval_every(workload: str, steps: int) -> int:
-    """Evaluation spacing: a divisor of 75% of the steps, so the target's step is an evaluation point (a quick run's
-    few steps: every quarter)."""
-    if steps < 100:
-        return max(1, steps // 4)
-    return max(1, steps // 20) if workload.startswith("study_") else max(1, steps // 16)
+        return LrTimesInterval(params, lr=lr, zenflow=zen, **wd)
+    if variant.rule != "adamw" or variant.state != "fp32":  # (rules.AdamW's defaults are ZenFlowAdamW's)
+        rule = {"lion": lambda: rules.Lion(**wd), "sgd": lambda: rules.SGD(momentum=0.9, **wd),
+                "adamw": lambda: rules.AdamW(state_dtype=torch.bfloat16, state_rounding=variant.state, **wd)}
+        return ZenFlow(params, rule[variant.rule](), lr=lr, zenflow=zen)
+    return ZenFlowAdamW(params, lr=lr, zenflow=zen, **wd)
 
 
 def run(task: wl.Task, workload: str, name: str, lr: float) -> dict:
     """One training run of ``name`` at ``lr``: the held-out curve and, for ZenFlow, the concentration."""
-    variant, spec = VARIANTS[name], wl.WORKLOADS[workload]
+    spec = wl.WORKLOADS[workload]
     model = task.model()
-    opt = build_optimizer(variant, task.trainable(model), lr, spec.weight_decay)
+    opt = build_optimizer(VARIANTS[name], task.trainable(model), lr, spec.weight_decay)
     zen = hasattr(opt, "flush")
-    warm = wl.warmup_steps(spec, task.steps)
+    warm = max(1, math.ceil(spec.warmup_frac * task.steps)) if spec.warmup_frac > 0 else 0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm)) if warm else None
-    every = eval_every(workload, task.steps)
+    # evaluations every a divisor of 75% of the steps, so the target's step is one (a quick run's few: every quarter)
+    every = max(1, task.steps // (4 if task.steps < 100 else 20 if workload.startswith("study_") else 16))
     curve, error, top10 = [[0, task.heldout(model)]], None, None
     t0 = time.perf_counter()
     try:
@@ -220,8 +181,7 @@ class Sweep:
         self.tasks: dict[int, wl.Task] = {}
         self.runs: dict[tuple[str, int, int], dict] = {}
         if log is not None and resume and log.exists():
-            for line in log.read_text().splitlines():
-                r = json.loads(line)
+            for r in map(json.loads, log.read_text().splitlines()):
                 if math.isclose(r["lr"], self.lr(r["variant"], r["k"]), rel_tol=1e-9):
                     self.runs[(r["variant"], r["k"], r["seed"])] = r
         elif log is not None and log.exists():
@@ -236,28 +196,26 @@ class Sweep:
         return self.tasks[seed]
 
     def ensure(self, name: str, k: int, seeds) -> list[dict]:
-        out = []
         for seed in seeds:
-            key = (name, k, seed)
-            if key not in self.runs:
-                r = dict(variant=name, k=k, seed=seed, lr=self.lr(name, k),
-                         **run(self.task(seed), self.workload, name, self.lr(name, k)))
-                self.runs[key] = r
+            if (name, k, seed) not in self.runs:
+                lr = self.lr(name, k)
+                r = self.runs[(name, k, seed)] = dict(variant=name, k=k, seed=seed, lr=lr,
+                                                      **run(self.task(seed), self.workload, name, lr))
                 if self.log is not None:
                     with self.log.open("a") as f:
                         f.write(json.dumps(r) + "\n")
-                print(f"{self.workload} {name} lr {r['lr']:.3g} seed {seed}: {r['final']:.4f}"
+                print(f"{self.workload} {name} lr {lr:.3g} seed {seed}: {r['final']:.4f}"
                       + (f" ({r['error']})" if r["error"] else ""), flush=True)
-            out.append(self.runs[key])
-        return out
+        return [self.runs[(name, k, seed)] for seed in seeds]
 
     def mean_final(self, name: str, k: int, seeds) -> float:
-        return mean_or_inf([r["final"] for r in self.ensure(name, k, seeds)])
+        finals = [r["final"] for r in self.ensure(name, k, seeds)]
+        return statistics.fmean(finals) if all(math.isfinite(v) for v in finals) else math.inf
 
     def tune(self, name: str, seeds=SEEDS, extra=EXTRA_SEEDS, grid=GRID, max_extend: int = MAX_EXTEND) -> dict:
-        """The grid, extended until the best is inside (or ``MAX_EXTEND`` points each way), then the best two on
-        the extra seeds; where the best of those is at an edge, the grid grows past it and the choice is made again.
-        Returns the chosen ``k`` and whether it is inside the grid."""
+        """The grid, extended until the best is inside (or ``max_extend`` points each way), then the best two on
+        the extra seeds; where the better of those is at an edge, the grid grows past it and the choice is made
+        again. Returns the chosen ``k``, the grid and whether ``k`` is inside it."""
         ks = list(grid)
         full = tuple(seeds) + tuple(extra)
 
@@ -278,10 +236,6 @@ class Sweep:
             best = min(two, key=lambda k: self.mean_final(name, k, full))
             if not grow(best):
                 return dict(k=best, ks=ks, inside=ks[0] < best < ks[-1], seeds=list(full))
-
-
-def mean_or_inf(values) -> float:
-    return statistics.fmean(values) if all(math.isfinite(v) for v in values) else math.inf
 
 
 def value_at(curve, step: float) -> float:
@@ -324,10 +278,8 @@ def study(workload: str, names, quick: bool, log: Path | None, resume: bool, swe
     sweep = sweep or Sweep(workload, quick, log, resume)
     seeds, extra = (SEEDS[:1], EXTRA_SEEDS[:1]) if quick else (SEEDS, EXTRA_SEEDS)
     grid, extend = (GRID[1:4], 1) if quick else (GRID, MAX_EXTEND)
-    tuned = {}
-    names = ["adamw", *[n for n in names if n != "adamw"]]
-    tuned["adamw"] = sweep.tune("adamw", seeds, extra, grid, extend)
-    for name in names[1:]:
+    tuned = {"adamw": sweep.tune("adamw", seeds, extra, grid, extend)}
+    for name in [n for n in names if n != "adamw"]:
         if VARIANTS[name].check:
             k = tuned["adamw"]["k"]
             sweep.ensure(name, k, tuple(seeds) + tuple(extra))
@@ -342,44 +294,42 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
     at_best = {n: [sweep.runs[(n, t["k"], s)] for s in t["seeds"]] for n, t in tuned.items()}
     adamw = at_best["adamw"]
     target_step = TARGET_AT * steps
-    # per seed (the seed changes the byte GPT's corpus and pre-training, so the seeds' losses differ in level): the
-    # loss AdamW's run of that seed reaches at 75% of the steps, and a looser one beside it, at half the steps
+    # per seed: the loss AdamW's run of that seed reaches at 75% of the steps, and a looser one at half the steps
     targets = {r["seed"]: value_at(r["curve"], target_step) for r in adamw}
     half_targets = {r["seed"]: value_at(r["curve"], steps / 2) for r in adamw}
-    target = statistics.fmean(targets.values())
-    half_target = statistics.fmean(half_targets.values())
     adamw_steps = {r["seed"]: steps_to(r["curve"], targets[r["seed"]]) for r in adamw}
     adamw_half = {r["seed"]: steps_to(r["curve"], half_targets[r["seed"]]) for r in adamw}
-    initial = statistics.fmean(r["curve"][0][1] for r in adamw)
     adamw_final = {r["seed"]: r["final"] for r in adamw}
+
+    def finals(name, k, seeds):
+        return spread([sweep.runs[(name, k, s)]["final"] for s in seeds if (name, k, s) in sweep.runs])
+
     out = {}
     for name, t in tuned.items():
         runs = at_best[name]
-        grid = []
-        for k in t["ks"]:
-            finals = [sweep.runs[(name, k, s)]["final"] for s in SEEDS if (name, k, s) in sweep.runs]
-            more = [sweep.runs[(name, k, s)]["final"] for s in t["seeds"] if (name, k, s) in sweep.runs]
-            grid.append(dict(k=k, lr=sweep.lr(name, k), final_3_seeds=spread(finals), final_all_seeds=spread(more)))
-        finals = [r["final"] for r in runs]
-        shares = [(r["curve"][0][1] - r["final"]) / (r["curve"][0][1] - adamw_final[r["seed"]]) for r in runs]
+        seed = [r["seed"] for r in runs]
         reached = [steps_to(r["curve"], targets[r["seed"]]) for r in runs]
         reached_half = [steps_to(r["curve"], half_targets[r["seed"]]) for r in runs]
-        over = [ratio(x, adamw_steps[r["seed"]]) for x, r in zip(reached, runs, strict=True)]
+        over = [ratio(x, adamw_steps[s]) for x, s in zip(reached, seed, strict=True)]
         # where a seed never reached it, it needed more than the run's steps: a lower bound on the mean ratio
-        at_least = [ratio(steps, adamw_steps[r["seed"]]) if x is None else x for x, r in zip(over, runs, strict=True)]
-        half_over = [ratio(x, adamw_half[r["seed"]]) for x, r in zip(reached_half, runs, strict=True)]
+        at_least = [ratio(steps, adamw_steps[s]) if x is None else x for x, s in zip(over, seed, strict=True)]
         top10 = [r["top10_share"] for r in runs if r["top10_share"] is not None]
         out[name] = dict(
             family=VARIANTS[name].family, best_lr=sweep.lr(name, t["k"]), best_k=t["k"], best_inside=t["inside"],
             lr_over_adamw=sweep.lr(name, t["k"]) / sweep.lr("adamw", tuned["adamw"]["k"]),
-            final=spread(finals), gap_vs_adamw=spread([r["final"] - adamw_final[r["seed"]] for r in runs]),
+            final=spread([r["final"] for r in runs]),
+            gap_vs_adamw=spread([r["final"] - adamw_final[r["seed"]] for r in runs]),
             final_over_adamw=spread([r["final"] / adamw_final[r["seed"]] for r in runs]),
-            recovered=spread(shares), steps_to_target=spread(reached), steps_over_adamw=spread(over),
+            recovered=spread([(r["curve"][0][1] - r["final"]) / (r["curve"][0][1] - adamw_final[r["seed"]])
+                              for r in runs]),
+            steps_to_target=spread(reached), steps_over_adamw=spread(over),
             steps_over_adamw_at_least=None if None in at_least else statistics.fmean(at_least),
-            half_steps_over_adamw=spread(half_over),
+            half_steps_over_adamw=spread([ratio(x, adamw_half[s]) for x, s in zip(reached_half, seed, strict=True)]),
             reached=sum(x is not None for x in reached), seeds=len(runs), steps_to_target_per_seed=reached,
             steps_to_half_target=spread(reached_half), reached_half=sum(x is not None for x in reached_half),
-            top10_share=statistics.fmean(top10) if top10 else None, grid=grid,
+            top10_share=statistics.fmean(top10) if top10 else None,
+            grid=[dict(k=k, lr=sweep.lr(name, k), final_3_seeds=finals(name, k, SEEDS),
+                       final_all_seeds=finals(name, k, t["seeds"])) for k in t["ks"]],
             errors=sorted({r["error"] for key, r in sweep.runs.items() if key[0] == name and r["error"]}),
         )
         metrics = [r["metrics"] for r in runs if r["metrics"]]
@@ -389,8 +339,9 @@ def summarise(workload: str, sweep: Sweep, tuned: dict) -> dict:
         if plain in out and zen in out:
             pf = {r["seed"]: r["final"] for r in at_best[plain]}
             out[zen]["gap_vs_plain"] = spread([r["final"] - pf[r["seed"]] for r in at_best[zen]])
-    return dict(workload=workload, steps=steps, initial_heldout=initial, target=target, target_step=target_step,
-                half_target=half_target, targets_per_seed=targets,
+    return dict(workload=workload, steps=steps, initial_heldout=statistics.fmean(r["curve"][0][1] for r in adamw),
+                target=statistics.fmean(targets.values()), target_step=target_step,
+                half_target=statistics.fmean(half_targets.values()), targets_per_seed=targets,
                 adamw_best_lr=sweep.lr("adamw", tuned["adamw"]["k"]), variants=out)
 
 
@@ -415,23 +366,14 @@ def draw_tuning(ax, summary: dict, families, only=None) -> None:
         ax.plot([v["best_lr"]], [v["final"]["mean"]], marker="*", ms=10, color=line.get_color())
     ax.axhline(summary["target"], color="grey", lw=0.8, ls=":",
                label="target (AdamW at 75% of the steps, mean of the seeds)")
-    ax.set(xscale="log", xlabel="learning rate", ylabel="final held-out loss (mean, range over seeds 0-2)",
-           title=f"{summary['workload']}: {'/'.join(families)}")
     finite = [g["final_3_seeds"]["mean"] for v in summary["variants"].values() for g in v["grid"]
               if v["family"] in families and g["final_3_seeds"]["mean"] is not None]
     if finite:
         lo = min(finite)
         ax.set_ylim(lo - 0.02 * abs(lo), min(max(finite), summary["initial_heldout"] * 1.05))
+    style(ax, "learning rate", "final held-out loss (mean, range over seeds 0-2)",
+          f"{summary['workload']}: {'/'.join(families)}", logx=10, legend=None, grid=None)
     ax.legend(fontsize=7, ncol=2)
-
-
-def plot(summary: dict, path: Path) -> None:
-    """The tuning curves: the Adam family in one panel, Lion and SGD, plain and under ZenFlow, in the other."""
-    fig, axes = plt().subplots(1, 2, figsize=(13, 5))
-    for ax, families in zip(axes, (("adam",), ("lion", "sgd")), strict=True):
-        draw_tuning(ax, summary, families)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,13 +386,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="a few steps, 3 rates (one more each way at most), 2 seeds (the tests' run)")
     ap.add_argument("--resume", action="store_true", help="take the runs already in the .runs.jsonl file")
     args = ap.parse_args(argv)
-    allowed = variants_of(args.workload)
+    allowed = tuple(VARIANTS) if args.workload.startswith("study_") else GPT_VARIANTS
     names = list(args.variants or allowed)
     if not set(names) <= set(allowed):
         ap.error(f"argument --variants: {sorted(set(names) - set(allowed))} unknown for {args.workload}: "
                  f"allowed {list(allowed)}")
-    out_dir = Path(args.out) if args.out else RESULTS
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output_dir(args.out or RESULTS)
     torch.set_num_threads(1)  # one core each: the workloads run side by side
     t0 = time.perf_counter()
     log = out_dir / f"tuned_{args.workload}.runs.jsonl"
@@ -463,13 +404,16 @@ def main(argv: list[str] | None = None) -> int:
                        grid=list(GRID), max_extend=MAX_EXTEND, seeds=list(SEEDS), extra_seeds=list(EXTRA_SEEDS),
                        target_at=TARGET_AT, base_zenflow=BASE_ZENFLOW,
                        variants={n: dataclasses.asdict(VARIANTS[n]) for n in names}),
-        "summary": summary,
-        "runs": sweep_runs,
+        "summary": summary, "runs": sweep_runs,
         "total_s": time.perf_counter() - t0,  # (a --resume run: the runs it made; runs_s: all of them)
         "runs_s": sum(r["seconds"] for r in sweep_runs),
     }
     path = write_json_light(out_dir / f"tuned_{args.workload}.json", payload)
-    plot(summary, out_dir / f"tuned_{args.workload}.png")
+    # the tuning curves: the Adam family in one panel, Lion and SGD, plain and under ZenFlow, in the other
+    fig, axes = figure(2, size=(13, 5))
+    for ax, families in zip(axes, (("adam",), ("lion", "sgd")), strict=True):
+        draw_tuning(ax, summary, families)
+    save(fig, out_dir / f"tuned_{args.workload}.png")
     for name, v in summary["variants"].items():
         st = v["steps_to_target"]
         print(f"{args.workload} {name}: lr {v['best_lr']:.3g} ({v['lr_over_adamw']:.2g}x AdamW's"

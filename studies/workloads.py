@@ -1,33 +1,26 @@
 """The tuned comparison's workloads: per seed, a model to fine-tune, its batches and a held-out loss.
 
-* ``study_flat`` and ``study_concentrated``: the controlled study's teacher-student MLP (studies/concentration_study.py)
-  at ``alpha`` 0 (about 19% of the gradient's energy in the top 10% of columns) and 1.5 (about 94%); 300 steps,
-  batch 64, constant learning rate, no weight decay.
-* ``gpt_finetune``: the byte GPT (bench/model.py, the ``tiny`` preset: 2 layers, width 64, context 64) pre-trained
-  300 steps on the standard library's top-level modules, then fine-tuned 160 steps on its packages (a new
-  corpus); the held-out loss is on package files the fine-tuning never saw (bench/data.py). 10% linear warm-up,
-  weight decay 0.01.
-* ``gpt_classify``: the same pre-trained byte GPT given a new task: which of the standard library's 8 largest
-  packages a 64-byte window comes from (a new linear head on the mean of the last layer's states; the language
-  model's own head is not trained). Files are split by a seeded shuffle, 80% to training and 20% held out per
-  package, so the held-out windows come from files never trained on. 160 steps of batch 16, 10% warm-up, weight
-  decay 0.01; the held-out set is 32 evenly spaced windows per package (cross-entropy, and accuracy beside it).
+* ``study_flat``, ``study_concentrated``: studies/concentration_study.py's teacher-student MLP at ``alpha`` 0 (about
+  19% of the gradient's energy in the top 10% of columns) and 1.5 (about 94%); 300 steps of batch 64.
+* ``gpt_finetune``: the byte GPT (bench/model.py ``tiny``) pre-trained 300 steps on the standard library's top-level
+  modules, fine-tuned 160 steps on its packages, held out: package files it never saw (bench/data.py).
+* ``gpt_classify``: the same GPT with a new linear head on the mean of its last layer's states (its own head
+  untrained): which of the standard library's 8 largest packages a 64-byte window comes from, 20% of each package's
+  files held out by a seeded shuffle; 160 steps of batch 16, held out: 32 evenly spaced windows per package
+  (cross-entropy; accuracy beside it). The GPT workloads: 10% linear warm-up, weight decay 0.01.
 
-Every model, batch and held-out set is fixed by the seed, so every variant and learning rate starts from the same
-weights and sees the same batches. ``quick=True`` makes each a few steps on smaller data (the tests).
+The seed fixes every model, batch and held-out set: every variant and rate starts from the same weights and sees the
+same batches. ``quick=True``: a few steps on smaller data (the tests).
 """
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-__all__ = ["WORKLOADS", "Workload", "Task", "task"]
 
 
 @dataclass(frozen=True)
@@ -42,42 +35,27 @@ class Workload:
     description: str
 
 
-WORKLOADS: dict[str, Workload] = {
-    "study_flat": Workload("study_flat", 300, 0.0, 0.0, dict(adam=1e-4, lion=2e-5, sgd=3e-3),
-                           "teacher-student MLP, alpha 0 (flat gradient)"),
-    "study_concentrated": Workload("study_concentrated", 300, 0.0, 0.0, dict(adam=1e-4, lion=2e-5, sgd=3e-3),
-                                   "teacher-student MLP, alpha 1.5 (concentrated gradient)"),
-    "gpt_finetune": Workload("gpt_finetune", 160, 0.1, 0.01, dict(adam=1e-3, lion=2e-4, sgd=0.1),
-                             "byte GPT (tiny) pre-trained, fine-tuned on a new corpus"),
-    "gpt_classify": Workload("gpt_classify", 160, 0.1, 0.01, dict(adam=1e-3, lion=2e-4, sgd=0.1),
-                             "byte GPT (tiny) pre-trained, a new head classifying 8 packages"),
-}
+_MLP, _GPT = dict(adam=1e-4, lion=2e-5, sgd=3e-3), dict(adam=1e-3, lion=2e-4, sgd=0.1)
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("study_flat", 300, 0.0, 0.0, _MLP, "teacher-student MLP, alpha 0 (flat gradient)"),
+    Workload("study_concentrated", 300, 0.0, 0.0, _MLP, "teacher-student MLP, alpha 1.5 (concentrated gradient)"),
+    Workload("gpt_finetune", 160, 0.1, 0.01, _GPT, "byte GPT (tiny) pre-trained, fine-tuned on a new corpus"),
+    Workload("gpt_classify", 160, 0.1, 0.01, _GPT, "byte GPT (tiny) pre-trained, a new head classifying 8 packages"),
+)}
 
 
 class Task:
-    """One workload at one seed. ``model()`` is a fresh copy of the starting weights, ``trainable(model)`` the
-    parameters the optimizer gets, ``loss(model, step)`` the training loss on batch ``step`` and
-    ``heldout(model)`` the held-out loss (``metrics(model)`` adds what else the workload reports)."""
+    """One workload at one seed: ``model()`` a fresh copy of the starting weights, ``trainable(model)`` the
+    parameters the optimizer gets, ``loss(model, step)`` the training loss on batch ``step``, ``heldout(model)`` the
+    held-out loss and ``metrics(model)`` what else the workload reports."""
 
     steps: int
-
-    def model(self) -> torch.nn.Module:
-        raise NotImplementedError
 
     def trainable(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
         return list(model.parameters())
 
-    def loss(self, model: torch.nn.Module, step: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def heldout(self, model: torch.nn.Module) -> float:
-        raise NotImplementedError
-
     def metrics(self, model: torch.nn.Module) -> dict:
         return {}
-
-
-# -- the controlled study ----------------------------------------------------------------------------------------
 
 
 class StudyTask(Task):
@@ -98,25 +76,16 @@ class StudyTask(Task):
         return self.inner.loss(model)
 
 
-# -- the byte GPT ------------------------------------------------------------------------------------------------
-
-
-def _prepared(seed: int, steps: int, quick: bool):
-    from bench import e2e_core
-
-    cfg = e2e_core.E2EConfig(model="tiny", seed=seed, steps=steps, device="cpu", threads=torch.get_num_threads(),
-                             overlap=False, pretrain_steps=40 if quick else 300,
-                             pretrain_bytes=200_000 if quick else 1_000_000,
-                             train_bytes=100_000 if quick else 400_000, heldout_bytes=30_000 if quick else 100_000)
-    return e2e_core.prepare(cfg, e2e_core.cache_dir())
-
-
 class GPTFinetuneTask(Task):
     def __init__(self, seed: int, steps: int, quick: bool):
         from bench import data, e2e_core
 
-        self.e2e, self.data, self.steps = e2e_core, data, steps
-        self.prep = _prepared(seed, steps, quick)
+        self.e2e, self.data, self.seed, self.steps = e2e_core, data, seed, steps
+        cfg = e2e_core.E2EConfig(model="tiny", seed=seed, steps=steps, device="cpu", threads=torch.get_num_threads(),
+                                 overlap=False, pretrain_steps=40 if quick else 300,
+                                 pretrain_bytes=200_000 if quick else 1_000_000,
+                                 train_bytes=100_000 if quick else 400_000, heldout_bytes=30_000 if quick else 100_000)
+        self.prep = e2e_core.prepare(cfg, e2e_core.cache_dir())
         self.context = self.prep.cfg.size().context
 
     def model(self):
@@ -152,19 +121,15 @@ CLASSES = 8
 HELDOUT_PER_CLASS = 32
 
 
-class GPTClassifyTask(Task):
+class GPTClassifyTask(GPTFinetuneTask):
     def __init__(self, seed: int, steps: int, quick: bool):
-        from bench import data, e2e_core
-
-        self.e2e, self.steps, self.seed = e2e_core, steps, seed
-        self.prep = _prepared(seed, steps, quick)
-        self.context = self.prep.cfg.size().context
-        self.batch = self.prep.cfg.size().batch
-        root = data.stdlib_root()
-        files = [p for p in data._files(root, "*/**/*.py") if p.stat().st_size > 4 * self.context]
+        super().__init__(seed, steps, quick)
+        batch = self.prep.cfg.size().batch
+        root = self.data.stdlib_root()
         by_package: dict[str, list[Path]] = {}
-        for p in files:
-            by_package.setdefault(p.relative_to(root).parts[0], []).append(p)
+        for p in self.data._files(root, "*/**/*.py"):
+            if p.stat().st_size > 4 * self.context:
+                by_package.setdefault(p.relative_to(root).parts[0], []).append(p)
         size = {k: sum(p.stat().st_size for p in v) for k, v in by_package.items() if len(v) >= 5}
         self.packages = sorted(sorted(size, key=lambda k: -size[k])[:CLASSES])
         rng = random.Random(seed)
@@ -175,36 +140,31 @@ class GPTClassifyTask(Task):
             cut = max(1, round(0.2 * len(group)))
             held += [(label, p) for p in group[:cut]]
             train += [(label, p) for p in group[cut:]]
-        self.train_texts = self._texts(train)
+        texts = self._texts(train)
         gen = torch.Generator().manual_seed(3000 + seed)
         # batches drawn with equal classes in expectation (a class's windows uniform over its files' bytes)
-        labels = torch.randint(0, CLASSES, (steps, self.batch), generator=gen)
-        self.batches = [self._windows(self.train_texts, lab, gen) for lab in labels]
-        self.heldout_set = self._even_windows(self._texts(held), 8 if quick else HELDOUT_PER_CLASS)
+        self.batches = []
+        for labels in torch.randint(0, CLASSES, (steps, batch), generator=gen):
+            rows = []
+            for y in labels.tolist():
+                start = int(torch.randint(0, texts[y].numel() - self.context, (1,), generator=gen))
+                rows.append(texts[y][start:start + self.context].long())
+            self.batches.append((torch.stack(rows), labels))
+        xs, ys, per = [], [], 8 if quick else HELDOUT_PER_CLASS
+        for label, text in self._texts(held).items():
+            for start in torch.linspace(0, text.numel() - self.context - 1, per).long().tolist():
+                xs.append(text[start:start + self.context].long())
+                ys.append(label)
+        self.heldout_set = torch.stack(xs), torch.tensor(ys)
 
-    def _texts(self, items):
+    @staticmethod
+    def _texts(items):
         """Per class: its files' bytes, concatenated (a window never spans two classes)."""
         chunks = {label: [] for label in range(CLASSES)}
         for label, p in items:
             chunks[label].append(p.read_bytes() + b"\n")
         return {label: torch.frombuffer(bytearray(b"".join(c)), dtype=torch.uint8).clone()
                 for label, c in chunks.items()}
-
-    def _windows(self, texts, labels, gen):
-        rows = []
-        for label in labels.tolist():
-            text = texts[label]
-            start = int(torch.randint(0, text.numel() - self.context, (1,), generator=gen))
-            rows.append(text[start:start + self.context].long())
-        return torch.stack(rows), labels
-
-    def _even_windows(self, texts, per):
-        xs, ys = [], []
-        for label, text in texts.items():
-            for start in torch.linspace(0, text.numel() - self.context - 1, per).long().tolist():
-                xs.append(text[start:start + self.context].long())
-                ys.append(label)
-        return torch.stack(xs), torch.tensor(ys)
 
     def model(self):
         torch.manual_seed(5000 + self.seed)  # the new head's initialisation
@@ -237,17 +197,7 @@ def task(workload: str, seed: int, quick: bool = False) -> Task:
     """The task of ``workload`` at ``seed`` (quick: a few steps on less data)."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload={workload!r} is invalid: allowed {sorted(WORKLOADS)}")
-    steps = quick_steps(workload) if quick else WORKLOADS[workload].steps
+    steps = (24 if workload.startswith("study_") else 12) if quick else WORKLOADS[workload].steps
     if workload.startswith("study_"):
         return StudyTask(0.0 if workload == "study_flat" else 1.5, seed, steps)
-    if workload == "gpt_finetune":
-        return GPTFinetuneTask(seed, steps, quick)
-    return GPTClassifyTask(seed, steps, quick)
-
-
-def quick_steps(workload: str) -> int:
-    return 24 if workload.startswith("study_") else 12
-
-
-def warmup_steps(workload: Workload, steps: int) -> int:
-    return max(1, math.ceil(workload.warmup_frac * steps)) if workload.warmup_frac > 0 else 0
+    return (GPTFinetuneTask if workload == "gpt_finetune" else GPTClassifyTask)(seed, steps, quick)
