@@ -57,6 +57,14 @@ def test_modules_are_small_and_the_optimizer_is_a_facade():
         t.id for n in facade.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
 
 
+def test_the_benchmarks_and_studies_stay_under_half_the_librarys_lines():
+    """bench/ measures and studies/ answers questions; together they stay under half of the library's lines (issue
+    57: bench/ alone had grown to 72% of it), so that a new measurement condenses or retires an old one."""
+    lines = {folder: sum(len(p.read_text().splitlines()) for p in (ROOT / folder).rglob("*.py"))
+             for folder in ("zenflow_kernels", "bench", "studies")}
+    assert 2 * (lines["bench"] + lines["studies"]) < lines["zenflow_kernels"], lines
+
+
 def test_no_test_module_imports_another_and_only_workers_touch_sys_path():
     """(A rank or child process's script, a separate file or a string it runs, may put tests/ on its path.)"""
     tests = sorted((ROOT / "tests").glob("test_*.py"))
