@@ -62,7 +62,7 @@ test-fast: install
 # project runs from the source tree (not installed); numba's cache goes to .venv-min, apart from .venv's.
 test-min:
 	@test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
-	$(MIN_VENV)/bin/python -m pip install -q "$(TORCH_MIN)" $(MIN_PINS) "pytest>=7" "hypothesis>=6"
+	$(MIN_VENV)/bin/python -m pip install -q "$(TORCH_MIN)" $(MIN_PINS) "pytest>=7" "pytest-xdist>=3" "hypothesis>=6"
 	$(MIN_VENV)/bin/python -c "import sys, torch, triton, numba, numpy; print('python', sys.version.split()[0], \
 	'torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)"
 	PYTHONPATH=$(CURDIR) NUMBA_CACHE_DIR=$(abspath $(MIN_VENV))/numba-cache ZENFLOW_AT_FLOORS="$(MIN_AT_FLOORS)" \
