@@ -111,7 +111,8 @@ def test_a_table_and_a_figure_follow_their_json(tmp_path, monkeypatch):
              "12.3<!--= e2e.json r['comparison']['per_run']['zenflow']['stall_pct'] -->": True,
              "24.7<!--= e2e.json 2 * r['comparison']['per_run']['zenflow']['stall_pct'] -->": True,
              "1.23e1<!--= e2e.json r['comparison']['per_run']['zenflow']['stall_pct'] -->": True,
-             "1.24e1<!--= e2e.json r['comparison']['per_run']['zenflow']['stall_pct'] -->": False}
+             "1.24e1<!--= e2e.json r['comparison']['per_run']['zenflow']['stall_pct'] -->": False,
+             "the syntax, `x<!--= FILE EXPR -->`, quoted in code": True}
     for text, right in cases.items():
         page.write_text(f"Some prose, {text} more prose.\n")
         assert (docs_results.wrong_figures(page) == []) is right, text
