@@ -25,18 +25,21 @@ RESULT_DIRS = [REPO / "bench" / "results", REPO / "studies" / "results"]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
-def load(name: str) -> dict:
+def path_of(name: str) -> Path:
     """A committed result by its path under bench/results/ or studies/results/."""
     for folder in RESULT_DIRS:
         if (folder / name).exists():
-            return json.loads((folder / name).read_text())
+            return folder / name
     raise FileNotFoundError(f"no result {name!r} under {', '.join(str(d) for d in RESULT_DIRS)}")
+
+
+def load(name: str) -> dict:
+    return json.loads(path_of(name).read_text())
 
 
 def link(name: str, up: str = "../") -> str:
     """A markdown link to a result, from docs/ (``up="../"``) or from README.md (``up=""``)."""
-    folder = next(d for d in RESULT_DIRS if (d / name).exists()).relative_to(REPO)
-    return f"[`{Path(name).name}`]({up}{folder.as_posix()}/{name})"
+    return f"[`{Path(name).name}`]({up}{path_of(name).relative_to(REPO).as_posix()})"
 
 
 def where(result: dict) -> str:
@@ -54,17 +57,15 @@ def where(result: dict) -> str:
     return f"{cpu}, {machine['logical_cores']} cores{gpu}; {commit}"
 
 
-def STUDY_RESULTS() -> set[str]:
-    return {p.name for p in RESULT_DIRS[1].glob("*.json")}
-
-
 def source(name: str, up: str = "../", command: str | None = None) -> str:
     """The line above a table: which result, made by which command, on which machine and commit."""
+    from bench.refresh import MOVED  # (bench/refresh.py's map of the modules moved since a record was made)
+
     result = load(name)
     command = command or (result.get("record") or result).get("command", "")
     command = re.sub(r" --out \S+", "", command).strip()  # where the run wrote is not how to make it
-    if name in STUDY_RESULTS():
-        command = command.replace("-m bench.", "-m studies.")  # the studies moved from bench/ (issue 57)
+    for old, new in MOVED.items():  # a record made before its module moved names where it was then
+        command = re.sub(rf"-m {re.escape(old)}\b", f"-m {new}", command)
     return f"{link(name, up)}" + (f", `{command}`" if command else "") + f"; {where(result)}."
 
 
