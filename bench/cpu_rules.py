@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
         },
         "git_commit": harness.git_state()[0],
-        "machine": harness.machine_info_light(),  # /proc/cpuinfo model name, core counts, torch/numba versions
+        "machine": harness.machine_info(),  # /proc/cpuinfo model name, core counts, torch/numba versions
         "wall_s": time.perf_counter() - t_start,
         "rows": rows,
     }

@@ -296,11 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": {"params": num_params(e2e_core.make_model(prep))},
         "corpus": prep.corpus.describe(), "pretrain": prep.pretrain, "runs": runs,
         "comparison": e2e_core.compare(runs), "to_target": e2e_target.to_target(runs),
-        "machine": harness.machine_info_light(),
+        "machine": harness.machine_info(),
     }
     result["machine"]["loadavg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     result["total_s"] = time.perf_counter() - t_start
-    json_path = harness.write_json_light(out / f"{args.name}.json", result)
+    json_path = harness.write_json(out / f"{args.name}.json", result)
     png_path = plot(result, out / f"{args.name}.png") if args.plot else None
     print(table(result))
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else "") + f" ({result['total_s']:.0f} s in all)")

@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['fingerprint_over_read']:.2f}  2 x fingerprint/copy {r['check_over_crossing']:.2f}")
     payload = dict(config=dict(sizes=sizes, dtypes=list(DTYPES), device=args.device, rounds=rounds,
                                quick=args.quick), rows=rows, total_s=time.perf_counter() - started,
-                   machine=harness.machine_info_light())
+                   machine=harness.machine_info())
     name = f"fingerprint_{args.device}"
-    path = harness.write_json_light(out_dir / f"{name}.json", payload)
+    path = harness.write_json(out_dir / f"{name}.json", payload)
     plot(payload, out_dir / f"{name}.png")
     print(f"wrote {path}")
     return 0

@@ -478,7 +478,7 @@ def main(argv=None) -> int:
         corpus=corpus, summary=summary, comparisons=comparisons,
         runs={n: [[{k: v for k, v in r.items() if k != "losses"} for r in ranks] for ranks in reps]
               for n, reps in runs.items()},
-        machine=harness.machine_info_light(), total_s=time.time() - started)
+        machine=harness.machine_info(), total_s=time.time() - started)
     path = harness.write_json(out / "fsdp2_cpu.json", payload)
     plot(payload, out / "fsdp2_cpu.png")
     for name, s in summary.items():

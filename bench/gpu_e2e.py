@@ -169,11 +169,11 @@ def main(args) -> int:
                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
         "model": {"params": num_params(e2e_core.make_model(prep))}, "runs": runs, "summary": summary,
         "comparison": e2e_core.compare(runs), "goals": goals(summary), "deepspeed_skipped": ds_skipped,
-        "machine": harness.machine_info_light(),
+        "machine": harness.machine_info(),
     }
     result["total_s"] = time.perf_counter() - t0
     name = args.name if args.name != "e2e" else "e2e_gpu"
-    json_path = harness.write_json_light(out / f"{name}.json", result)
+    json_path = harness.write_json(out / f"{name}.json", result)
     if args.plot:
         plot(result, out / f"{name}.png")
     print(table(result))

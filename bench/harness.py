@@ -397,10 +397,6 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-machine_info_light = machine_info  # (once a variant that did not import deepspeed; every caller's name for it)
-write_json_light = write_json
-
-
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line on stderr (exit status 2), no usage block."""
 

@@ -272,11 +272,11 @@ def main(argv: list[str] | None = None) -> int:
                     shapes="alternating fp32 [64, 64] matrices and [64] vectors",
                     goals={str(n): g for n, g in GOALS.items()}),
         rows=result["rows"], summary=summary, total_s=time.perf_counter() - started,
-        machine=harness.machine_info_light(),
+        machine=harness.machine_info(),
         rule_paths=result["rule_paths"],  # the rules of one's own: compiled or eager, compiles and their seconds
         load_average=dict(before=load_before, after=_load()),  # the machine is shared: others' work slows ours
     )
-    path = harness.write_json_light(out_dir / f"{stem}.json", payload)
+    path = harness.write_json(out_dir / f"{stem}.json", payload)
     plot(payload, out_dir / f"{stem}.png")
 
     for clock in ("cpu", "wall"):

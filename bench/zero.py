@@ -135,7 +135,7 @@ def main(argv=None) -> int:
                                batch_scale=args.batch_scale, repeats=args.repeats,
                                zenflow="topk 0.1, update_interval 4, overlap"),
                    summary={str(k): v for k, v in summary.items()}, runs={str(k): v for k, v in runs.items()},
-                   machine=harness.machine_info_light(), total_s=time.time() - started)
+                   machine=harness.machine_info(), total_s=time.time() - started)
     out = harness.output_dir(args.out)
     path = harness.write_json(out / f"zero_{kind}.json", payload)
     plot(payload, out / f"zero_{kind}.png")
