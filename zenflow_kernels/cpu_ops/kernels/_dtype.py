@@ -92,19 +92,10 @@ def state_hash(key, i, salt):
     return lambda key, i, salt: rounding_hash(np.int64(key + i), salt)
 
 
-def store_state_low(out, i, x, h, salt):
-    """Store state value ``x`` at ``out[i]``: ``store_f32`` where ``salt`` is None, else (a bf16 array) rounded
-    stochastically with the low 16 bits of ``h`` (numba only). ``store_state_high``: the high 16 bits."""
-    raise NotImplementedError("numba-only helper")
+def _store_state(convert, name: str, doc: str):
+    """``store_state_low`` / ``_high``'s typing: ``store_f32`` where ``salt`` is None, else ``convert(x, h)``."""
 
-
-def store_state_high(out, i, x, h, salt):
-    """``store_state_low`` with the high 16 bits of ``h``."""
-    raise NotImplementedError("numba-only helper")
-
-
-def _store_state(convert):
-    def ov(out, i, x, h, salt):
+    def typer(out, i, x, h, salt):
         if is_none(salt):
             return lambda out, i, x, h, salt: store_f32(out, i, x)
         if not (isinstance(out, types.Array) and out.dtype == types.int16):
@@ -115,11 +106,17 @@ def _store_state(convert):
 
         return impl
 
-    return ov
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return numba_only(typer)
 
 
-overload(store_state_low, inline="always")(_store_state(f32_to_bf16_stochastic_low))
-overload(store_state_high, inline="always")(_store_state(f32_to_bf16_stochastic_high))
+store_state_low = _store_state(
+    f32_to_bf16_stochastic_low, "store_state_low",
+    """Store state value ``x`` at ``out[i]``: ``store_f32`` where ``salt`` is None, else (a bf16 array) rounded
+    stochastically with the low 16 bits of ``h`` (numba only). ``store_state_high``: the high 16 bits.""")
+store_state_high = _store_state(f32_to_bf16_stochastic_high, "store_state_high",
+                                """``store_state_low`` with the high 16 bits of ``h``.""")
 
 
 @numba_only
