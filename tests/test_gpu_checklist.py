@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import gpu_checklist as checklist
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from zenflow_kernels import ZenFlowAdamW, link
+from zenflow_kernels.host import HostShard
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as gpu_suite.sh: the default backend
@@ -75,7 +77,10 @@ def test_the_memory_row_fails_when_the_link_holds_a_steps_gradients(dev, tmp_pat
 
 def test_the_slow_d2h_row_fails_when_copies_are_read_before_they_ran(dev, tmp_path, monkeypatch):
     """The step's completion for every gradient copy taken as done at once: the fold reads a landing area the
-    delayed copies have not written."""
+    delayed copies have not written. Each copy step() queues is held until a fold has run after it (at most 5 s),
+    so a fold reads what no copy wrote yet on any machine: random delays alone left the order a race the fold could
+    win or lose (on a loaded CI machine the copies once ran first and the row passed). The hooks' copies are not
+    held: on CPU the end of backward waits for them, as a GPU's compute stream would."""
 
     class Done:
         def wait(self, *a, **k):
@@ -84,12 +89,44 @@ def test_the_slow_d2h_row_fails_when_copies_are_read_before_they_ran(dev, tmp_pa
         def done(self):
             return True
 
+    folds, finished, in_step = threading.Condition(), [0], [False]
+    original_fold, original_d2h = HostShard.fold, link.ThreadEngine.d2h
+    original_accumulate = link.AsyncLink.accumulate
+
+    def counted_fold(host, *args, **kwargs):
+        original_fold(host, *args, **kwargs)
+        with folds:
+            finished[0] += 1
+            folds.notify_all()
+
+    def held_d2h(engine, copies):
+        if copies and in_step[0]:
+            queued_after = finished[0]
+
+            def until_a_fold_ran():
+                with folds:
+                    folds.wait_for(lambda: finished[0] > queued_after, timeout=5.0)
+
+            engine.behind_d2h(until_a_fold_ran)
+        original_d2h(engine, copies)
+
+    def accumulate(self, *args, **kwargs):
+        in_step[0] = True
+        try:
+            return original_accumulate(self, *args, **kwargs)
+        finally:
+            in_step[0] = False
+
     monkeypatch.setattr(link.ThreadEngine, "d2h_marker", lambda engine: Done())
+    monkeypatch.setattr(link.ThreadEngine, "d2h", held_d2h)
+    monkeypatch.setattr(link.AsyncLink, "accumulate", accumulate)
+    monkeypatch.setattr(HostShard, "fold", counted_fold)
     try:
         row = checklist.check_slow_d2h(dev, tmp_path)
     except Exception as exc:  # a wait the protocol needs may also surface as an error: caught either way
         row = dict(ok=False, error=repr(exc))
     assert not row["ok"], row
+    assert "error" in row or not all(row["steps_bit_identical"]), row  # the weights, not only the hand-over
 
 
 def test_the_close_row_fails_when_close_drops_the_update_in_flight(dev, tmp_path, monkeypatch):
