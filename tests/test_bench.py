@@ -657,6 +657,7 @@ def test_overlap_gpu_runs_its_code_path_on_cpu(tmp_path):
     for r in result["runs"]:
         assert r["ms_per_step"] > 0 and math.isfinite(r["loss"]), r
     assert result["config"]["device"] == "cpu" and result["config"]["params"] > 0
+    assert 0 < result["config"]["pinned_bytes_per_s"] < math.inf and result["config"]["transfer_ms"] > 0
     for r in result["runs"][1:]:  # (the synchronous CPU link adds on the training thread: no fold job)
         assert r["fold_ms_per_step"] == 0, r
     proc = run_main("bench.overlap_gpu", "--out", str(tmp_path / "gpu"))
