@@ -99,8 +99,9 @@ def test_a_table_and_a_figure_follow_their_json(tmp_path, monkeypatch):
     demo = json.loads((bench / "e2e.json").read_text())
     demo["comparison"]["per_run"]["zenflow"]["stall_pct"] = 12.34
     (bench / "e2e.json").write_text(json.dumps(demo | {"spread": [1.64, 4.04, 2.0]}))
-    monkeypatch.setattr(docs_results, "RESULT_DIRS", dirs)
-    monkeypatch.setattr(docs_results, "REPO", tmp_path)
+    monkeypatch.setattr(results_tables, "RESULT_DIRS", dirs)
+    for module in (results_tables, docs_results):  # (results' links and the pages' names are relative to it)
+        monkeypatch.setattr(module, "REPO", tmp_path)
     assert "| 12.3 / " in results_tables.readme()
     page = tmp_path / "page.md"
     key = "e2e.json comparison.per_run.zenflow.stall_pct"

@@ -1,11 +1,68 @@
 """The tables of measured results in README.md and docs/*.md, each rendered from the JSON it names
-(``python -m tools.docs_results`` writes them between their markers; ``--check`` compares)."""
+(``python -m tools.docs_results`` writes them between their markers; ``--check`` compares), and the lookups of the
+committed results that the tables and the prose figures' check share."""
 
 from __future__ import annotations
 
+import json
+import re
 import statistics
+from pathlib import Path
 
-from tools.docs_results import REPO, link, load, source, table, where  # noqa: F401
+REPO = Path(__file__).resolve().parents[1]
+RESULT_DIRS = [REPO / "bench" / "results", REPO / "studies" / "results"]
+
+
+def path_of(name: str) -> Path:
+    """A committed result by its path under bench/results/ or studies/results/."""
+    for folder in RESULT_DIRS:
+        if (folder / name).exists():
+            return folder / name
+    raise FileNotFoundError(f"no result {name!r} under {', '.join(str(d) for d in RESULT_DIRS)}")
+
+
+def load(name: str) -> dict:
+    return json.loads(path_of(name).read_text())
+
+
+def link(name: str, up: str = "../") -> str:
+    """A markdown link to a result, from docs/ (``up="../"``) or from README.md (``up=""``)."""
+    return f"[`{Path(name).name}`]({up}{path_of(name).relative_to(REPO).as_posix()})"
+
+
+def where(result: dict) -> str:
+    """The run's machine and commit, from its record (or, for a result made before records, its machine entry)."""
+    record = result.get("record")
+    machine = (record or result)["machine"]
+    commit = record["commit"][:7] if record else f"{result['machine'].get('git_commit')}, no record"
+    cpu = machine["cpu"].replace("(R)", "").replace(" Processor", "").strip()
+    detail = machine.get("cpu_detail")
+    if detail:  # records from before cpu_detail name the model only
+        l3 = detail["caches"].get("L3")
+        simd = "AVX-512" if "avx512f" in detail["flags"] else "AVX2" if "avx2" in detail["flags"] else "no AVX2"
+        cpu += " (" + ", ".join([f"{detail['mhz']} MHz"] + ([f"L3 {l3}"] if l3 else []) + [simd]) + ")"
+    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
+    return f"{cpu}, {machine['logical_cores']} cores{gpu}; {commit}"
+
+
+def source(name: str, up: str = "../", command: str | None = None) -> str:
+    """The line above a table: which result, made by which command, on which machine and commit."""
+    from bench.refresh import MOVED  # (bench/refresh.py's map of the modules moved since a record was made)
+
+    result = load(name)
+    command = command or (result.get("record") or result).get("command", "")
+    command = re.sub(r" --out \S+", "", command).strip()  # where the run wrote is not how to make it
+    for old, new in MOVED.items():  # a record made before its module moved names where it was then
+        command = re.sub(rf"-m {re.escape(old)}\b", f"-m {new}", command)
+    return f"{link(name, up)}" + (f", `{command}`" if command else "") + f"; {where(result)}."
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    """A markdown table; a float cell is written to 2 decimals unless it is already text."""
+    cell = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
 
 README = REPO / "README.md"
 DOCS = REPO / "docs"
