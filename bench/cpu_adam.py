@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     payload["goals"] = goals(adam_rows, pipe_rows, goal_size, max(threads))
     if not args.quick:
         payload["compile"] = compile_times()
-    json_path = harness.write_json(out_dir / "cpu_adam.json", payload)
+    json_path = harness.write_result(out_dir / "cpu_adam.json", payload)
     plot(payload, out_dir / "cpu_adam.png")
     print(f"goals at n={goal_size}: {payload['goals']}")
     print(f"wrote {json_path} and {out_dir / 'cpu_adam.png'}")

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - t_start,
         "rows": rows,
     }
-    json_path = harness.write_json(out_dir / "cpu_rules.json", payload)
+    json_path = harness.write_result(out_dir / "cpu_rules.json", payload)
     plot(payload, out_dir / "cpu_rules.png")
     print(f"wrote {json_path} and {out_dir / 'cpu_rules.png'} ({payload['wall_s']:.0f}s)")
     return 0

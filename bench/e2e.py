@@ -300,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     result["machine"]["loadavg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     result["total_s"] = time.perf_counter() - t_start
-    json_path = harness.write_json(out / f"{args.name}.json", result)
+    json_path = harness.write_result(out / f"{args.name}.json", result)
     png_path = plot(result, out / f"{args.name}.png") if args.plot else None
     print(table(result))
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else "") + f" ({result['total_s']:.0f} s in all)")

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                quick=args.quick), rows=rows, total_s=time.perf_counter() - started,
                    machine=harness.machine_info())
     name = f"fingerprint_{args.device}"
-    path = harness.write_json(out_dir / f"{name}.json", payload)
+    path = harness.write_result(out_dir / f"{name}.json", payload)
     plot(payload, out_dir / f"{name}.png")
     print(f"wrote {path}")
     return 0

@@ -479,7 +479,7 @@ def main(argv=None) -> int:
         runs={n: [[{k: v for k, v in r.items() if k != "losses"} for r in ranks] for ranks in reps]
               for n, reps in runs.items()},
         machine=harness.machine_info(), total_s=time.time() - started)
-    path = harness.write_json(out / "fsdp2_cpu.json", payload)
+    path = harness.write_result(out / "fsdp2_cpu.json", payload)
     plot(payload, out / "fsdp2_cpu.png")
     for name, s in summary.items():
         moved = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(s["collective_bytes_per_step"].items()))

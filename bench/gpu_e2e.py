@@ -173,7 +173,7 @@ def main(args) -> int:
     }
     result["total_s"] = time.perf_counter() - t0
     name = args.name if args.name != "e2e" else "e2e_gpu"
-    json_path = harness.write_json(out / f"{name}.json", result)
+    json_path = harness.write_result(out / f"{name}.json", result)
     if args.plot:
         plot(result, out / f"{name}.png")
     print(table(result))

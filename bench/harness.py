@@ -222,19 +222,14 @@ def output_dir(path: str | os.PathLike | None) -> Path:
     return out
 
 
-def write_json(path: str | os.PathLike, payload: dict) -> Path:
-    """:func:`write_result` with :func:`machine_info` as the machine entry when none is given."""
-    return write_result(path, payload, machine=machine_info)
-
-
-def write_result(path: str | os.PathLike, payload: dict, *, machine: Callable[[], dict] | None = None) -> Path:
-    """Write a benchmark's result as indented JSON: ``payload`` with a ``machine`` entry (``machine()``, by default
-    :func:`machine_info`, unless the payload has one) and its ``record`` (:func:`result_record`), which says
+def write_result(path: str | os.PathLike, payload: dict) -> Path:
+    """Write a benchmark's result as indented JSON: ``payload`` with a ``machine`` entry (:func:`machine_info`,
+    unless the payload has one) and its ``record`` (:func:`result_record`), which says
     how to make it again and what it was made on. Every result under bench/results/ is written by this function
     (``tests/test_results.py`` checks their records)."""
     payload = dict(payload)
-    if "machine" not in payload:  # machine_info() is slow (it imports optional packages): only when needed
-        payload["machine"] = (machine or machine_info)()
+    if "machine" not in payload:  # (a payload may bring its own: a run that adds the GPU, a rank's)
+        payload["machine"] = machine_info()
     payload["record"] = result_record(payload.get("command"), payload["machine"])
     path = Path(path)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure(sizes, rounds)
     payload = dict(config=dict(sizes=sizes, rounds=rounds, quick=args.quick, clock="time.perf_counter (wall)"),
                    rows=rows, total_s=time.perf_counter() - started, machine=harness.machine_info())
-    path = harness.write_json(out_dir / "host_multi_cpu.json", payload)
+    path = harness.write_result(out_dir / "host_multi_cpu.json", payload)
     plot(rows, out_dir / "host_multi_cpu.png")
     print(f"{'op':<11}{'dtype':<10}{'tensors':>8}{'elements':>11}{'ours ms':>10}{'unchecked':>10}{'torch ms':>10}"
           f"{'speed-up':>10}{'unchecked':>10}")

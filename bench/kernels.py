@@ -312,12 +312,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{extra}{launch_s}", flush=True)
         payload["rows"] += new
         # written after every section: a run cut short still leaves its data
-        harness.write_json(out / f"kernels_{tag}.json", payload)
+        harness.write_result(out / f"kernels_{tag}.json", payload)
         harness.write_csv(out / f"kernels_{tag}.csv", payload["rows"])
         if device == "cuda":
             torch.cuda.empty_cache()
     payload["complete"] = True
-    harness.write_json(out / f"kernels_{tag}.json", payload)
+    harness.write_result(out / f"kernels_{tag}.json", payload)
     try:
         plot(payload["rows"], out / f"kernels_{tag}.png",
              f"zenflow_kernels ops on {device} ({'quick' if args.quick else 'full'}); " + (

@@ -588,7 +588,7 @@ def main(argv=None) -> int:
         runs=runs, skipped_runs=skipped, memory=memory_summary(runs), stall=stall_summary(runs, stall_size, intervals),
         weights_identical=weights_agree(runs), page_cache=page_cache_summary(runs), billion=largest_runs(runs),
         machine=harness.machine_info(), total_s=time.time() - started)
-    harness.write_json(out / "nvme_cpu.json", payload)
+    harness.write_result(out / "nvme_cpu.json", payload)
     plot(payload, out / "nvme_cpu.png")
     print(f"wrote {out / 'nvme_cpu.json'} and {out / 'nvme_cpu.png'} ({payload['total_s']:.0f}s)")
     return 0

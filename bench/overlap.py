@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                    sizes=[{k: v for k, v in res.items() if k not in ("rows", "timelines")} for res in results],
                    rows=rows, summary=summary, timelines=results[-1]["timelines"],
                    total_s=time.perf_counter() - started, machine=harness.machine_info())
-    path = harness.write_json(out_dir / "overlap_cpu.json", payload)
+    path = harness.write_result(out_dir / "overlap_cpu.json", payload)
     plot(payload, out_dir / "overlap_cpu.png")
     print(f"{'size':>5} {'x fold':>7} {'bandwidth':>9} {'variant':>9} {'transfer ms':>12} {'backward ms':>12} "
           f"{'added ms':>9} {'added/xfer':>10} {'+waits/xfer':>11} {'hidden':>7} {'fold ms':>8} {'fold wait':>9}")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.e2e_core import OFFLOAD
-from bench.harness import OneLineParser, int_at_least, machine_info, output_dir, time_call, write_json
+from bench.harness import OneLineParser, int_at_least, machine_info, output_dir, time_call, write_result
 
 ZENFLOW = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, full_warm_up_rounds=0, select_strategy="step",
                select_interval=10**6)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                    runs=results, machine=machine_info())
     if device.type == "cuda":
         payload["machine"]["gpu"] = torch.cuda.get_device_name(device)
-    path = write_json(output_dir(args.out) / "overlap_gpu.json", payload)
+    path = write_result(output_dir(args.out) / "overlap_gpu.json", payload)
     print(f"{params / 1e9:.2f} B parameters (bf16), gradient {grad_bytes / 1e9:.2f} GB, pinned D2H "
           f"{bandwidth / 1e9:.1f} GB/s: transfer {1e3 * transfer_s:.1f} ms")
     print(f"{'run':<16} {'ms/step':>9} {'x adamw':>8} {'step() ms':>10} {'d2h left ms':>12} {'hidden':>7}")

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from bench.harness import OneLineParser, OtherLoad, Timing, int_at_least, output_dir, write_json
+from bench.harness import OneLineParser, OtherLoad, Timing, int_at_least, output_dir, write_result
 
 BANDWIDTH = 2e9  # bytes/s each way: copies of a few ms at these sizes, so the crossing counts
 # (name, zenflow settings, compute ms per step[, the moments' dtype: "fp32" unless given])
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                    probes={probe_key(k): p.as_dict() for k, p in probes.items()}, nvme_bytes_per_s=nvme_bytes_per_s,
                    step_work_s_by_pause={probe_key(k): p.step_work_s_per_param * params for k, p in probes.items()},
                    rows=rows, all_within=all(r["within"] for r in rows), total_s=time.perf_counter() - started)
-    path = write_json(out / "plan_cpu.json", payload)
+    path = write_result(out / "plan_cpu.json", payload)
     print(f"wrote {path}")
     return 0
 

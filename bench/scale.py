@@ -601,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         roofline_bandwidth=bandwidth, per_tensor=tensors, runs=runs, skipped=skipped, growth=growth(runs),
         deepspeed_reference=DEEPSPEED_REFERENCE, machine=harness.machine_info(), total_s=time.time() - started,
     )
-    path = harness.write_json(out_dir / f"scale_{kind}.json", payload)
+    path = harness.write_result(out_dir / f"scale_{kind}.json", payload)
     plot(payload, out_dir / f"scale_{kind}.png")
     print(f"wrote {path} and {out_dir / f'scale_{kind}.png'} ({payload['total_s']:.0f}s)")
     return 0

@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         rule_paths=result["rule_paths"],  # the rules of one's own: compiled or eager, compiles and their seconds
         load_average=dict(before=load_before, after=_load()),  # the machine is shared: others' work slows ours
     )
-    path = harness.write_json(out_dir / f"{stem}.json", payload)
+    path = harness.write_result(out_dir / f"{stem}.json", payload)
     plot(payload, out_dir / f"{stem}.png")
 
     for clock in ("cpu", "wall"):

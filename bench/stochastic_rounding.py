@@ -21,7 +21,7 @@ import time
 import torch
 
 from bench.cpu_adam import parse_size
-from bench.harness import OneLineParser, output_dir, write_json
+from bench.harness import OneLineParser, output_dir, write_result
 
 CANDIDATES = ("fp32", "bf16_nearest", "bf16_stochastic")
 ADAM = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['vs_bf16_nearest']:.2f}x bf16_nearest", flush=True)
     payload = dict(benchmark="stochastic_rounding", description=__doc__.split("\n\n")[1], adam=ADAM, rows=rows,
                    total_s=time.perf_counter() - started)
-    path = write_json(output_dir(args.out) / "stochastic_rounding.json", payload)
+    path = write_result(output_dir(args.out) / "stochastic_rounding.json", payload)
     print(f"wrote {path}")
     return 0
 

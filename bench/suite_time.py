@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from bench.harness import REPO, OneLineParser, output_dir, write_json
+from bench.harness import REPO, OneLineParser, output_dir, write_result
 
 PYTEST_ARGS = "-q -n 2 --dist loadfile"  # the Makefile's PYTEST_ARGS
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                   else sys.argv[1:])]),
                    make_test=f"make test PYTEST_ARGS={pytest_args!r}", returncode=proc.returncode, wall_s=wall,
                    **result, log_tail=log[-3000:])
-    path = write_json(out / "suite_time.json", payload)
+    path = write_result(out / "suite_time.json", payload)
     counts = ", ".join(f"{n} {w}" for w, n in result["counts"].items())
     print(f"make test: {wall:.0f} s (rc {proc.returncode}; numba warm-up {result['numba_warmup_s']} s, pytest "
           f"{result['pytest_s']} s: {counts}); wrote {path}")

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
                    summary={str(k): v for k, v in summary.items()}, runs={str(k): v for k, v in runs.items()},
                    machine=harness.machine_info(), total_s=time.time() - started)
     out = harness.output_dir(args.out)
-    path = harness.write_json(out / f"zero_{kind}.json", payload)
+    path = harness.write_result(out / f"zero_{kind}.json", payload)
     plot(payload, out / f"zero_{kind}.png")
     for world, s in summary.items():
         moved = s["collective_bytes_per_step"]

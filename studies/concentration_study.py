@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import OneLineParser, figure, output_dir, save, style, write_json
+from bench.harness import OneLineParser, figure, output_dir, save, style, write_result
 
 STUDY_RESULTS = Path(__file__).resolve().parent / "results"
 D_IN, HIDDEN, D_OUT = 1024, 64, 16
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                        torch_threads=1),
         "summary": summary, "runs": rows, "total_s": time.perf_counter() - t_start,
     }
-    path = write_json(out_dir / "concentration_study.json", payload)
+    path = write_result(out_dir / "concentration_study.json", payload)
     plot(summary, out_dir / "concentration_study.png")
     for s in summary:
         print(f"alpha {s['alpha']:g}: top1 {s['top1_share']:.2f} top10 {s['top10_share']:.2f} selected "

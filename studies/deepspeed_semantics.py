@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.harness import OneLineParser, output_dir, write_json
+from bench.harness import OneLineParser, output_dir, write_result
 from studies import deepspeed_zenflow as DS
 
 STUDY_RESULTS = Path(__file__).resolve().parent / "results"
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                        topk_ratio=DS.TOPK_RATIO, torch_threads=1, recorded=fixtures),
         "rows": rows, "total_s": time.perf_counter() - started,
     }
-    path = write_json(out_dir / "deepspeed_semantics.json", payload)
+    path = write_result(out_dir / "deepspeed_semantics.json", payload)
     for r in rows:
         print(f"{r['setting']} {r['variant']} ({r['mode']}): max {r['max']:.1e}", flush=True)
     print(f"wrote {path}")

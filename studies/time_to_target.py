@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import OneLineParser, output_dir, write_json
+from bench.harness import OneLineParser, output_dir, write_result
 from studies.tuned_comparison import BASE_ZENFLOW, RESULTS, VARIANTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = dict(command=" ".join(["python -m studies.time_to_target", *argv]), description=__doc__,
                    profile=PROFILE, models=MODELS, assumption=ASSUMPTION, tables=got,
                    sources={w: f"tuned_{w}.json" for w in summaries})
-    path = write_json(out / "time_to_target.json", payload)
+    path = write_result(out / "time_to_target.json", payload)
     for key, t in got.items():
         cells = [f"{n} {'>=' if r['at_least'] else ''}{r['time_vs_' + t['base']]:.2f}" for n, r in t["rows"].items()
                  if r["time_vs_" + t["base"]] is not None]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import OneLineParser, figure, output_dir, save, style, write_json
+from bench.harness import OneLineParser, figure, output_dir, save, style, write_result
 from studies import workloads as wl
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_s": time.perf_counter() - t0,  # (a --resume run: the runs it made; runs_s: all of them)
         "runs_s": sum(r["seconds"] for r in sweep_runs),
     }
-    path = write_json(out_dir / f"tuned_{args.workload}.json", payload)
+    path = write_result(out_dir / f"tuned_{args.workload}.json", payload)
     # the tuning curves: the Adam family in one panel, Lion and SGD, plain and under ZenFlow, in the other
     fig, axes = figure(2, size=(13, 5))
     for ax, families in zip(axes, (("adam",), ("lion", "sgd")), strict=True):

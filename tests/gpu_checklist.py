@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from bench.harness import OneLineParser, machine_info, output_dir, run_ranks, write_json
+from bench.harness import OneLineParser, machine_info, output_dir, run_ranks, write_result
 from zenflow_kernels import ZenFlowAdamW, link
 from zenflow_kernels.testing import chaos
 
@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                    rows=rows, machine=machine_info())
     if dev.cuda:
         payload["machine"]["gpu"] = torch.cuda.get_device_name(dev.device)
-    path = write_json(out / f"gpu_checklist_{args.device}.json", payload)
+    path = write_result(out / f"gpu_checklist_{args.device}.json", payload)
     print(f"wrote {path}")
     return 0 if all(r["ok"] for r in rows.values()) else 1
 
