@@ -68,3 +68,20 @@ def test_python3_kernel_is_this_interpreter(tmp_path):
     out = runner.execute(path, quick=True, timeout=120)
     printed = out.cells[0].outputs[0]["text"].strip()
     assert os.path.samefile(printed, sys.executable), (printed, sys.executable)
+
+
+def test_the_kernel_gets_the_environment_asked_for_and_this_process_keeps_its_own(tmp_path, monkeypatch):
+    """``env`` and ``quick`` reach the kernel, ``TRITON_INTERPRET`` is removed there, and nothing of it is set or
+    removed in the process that runs the notebook."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("ZENFLOW_PROBE", raising=False)
+    path = tmp_path / "probe.ipynb"
+    names = ("TRITON_INTERPRET", "ZENFLOW_PROBE", "ZENFLOW_NOTEBOOK_QUICK")
+    nb = new_notebook(cells=[new_code_cell(f"import os; print([os.environ.get(k) for k in {names!r}])")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    before = dict(os.environ)
+    out = runner.execute(path, quick=True, timeout=120, env={"ZENFLOW_PROBE": "seen"})
+    assert out.cells[0].outputs[0]["text"].strip() == str([None, "seen", "1"])
+    assert dict(os.environ) == before
+

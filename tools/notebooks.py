@@ -39,32 +39,18 @@ def notebook_paths(names: Sequence[str] | None = None) -> list[Path]:
 def execute(path: Path, quick: bool = False, timeout: int = 600, save: bool = False, env: dict | None = None):
     """Run one notebook top to bottom; return the executed notebook (written back to ``path`` if ``save``).
 
-    ``env`` entries are set in this process's environment while the kernel starts (the kernel inherits
-    them; a value of None removes the variable) and restored afterwards. ``TRITON_INTERPRET`` is removed
-    unless ``env`` sets it: the notebooks time the default CPU path, never Triton's interpreter. A
-    failing cell raises ``nbclient.exceptions.CellExecutionError``.
+    ``env`` entries are set in the kernel's environment (a value of None removes the variable); this process's own
+    is left as it is. ``TRITON_INTERPRET`` is removed unless ``env`` sets it: the notebooks time the default CPU path,
+    never Triton's interpreter. A failing cell raises ``nbclient.exceptions.CellExecutionError``.
     """
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     changes = {"TRITON_INTERPRET": None, **(env or {}), "ZENFLOW_NOTEBOOK_QUICK": "1" if quick else "0"}
-    saved = {k: os.environ.get(k) for k in changes}
-    for k, v in changes.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    try:
-        client = NotebookClient(nb, timeout=timeout, kernel_name=KERNEL,
-                                resources={"metadata": {"path": str(path.parent)}})
-        client.execute()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    kernel_env = {k: v for k, v in {**os.environ, **changes}.items() if v is not None}
+    client = NotebookClient(nb, timeout=timeout, kernel_name=KERNEL, resources={"metadata": {"path": str(path.parent)}})
+    client.execute(env=kernel_env)  # (jupyter_client's start_kernel: the kernel process's environment)
     if save:
         nbformat.write(nb, path)
     return nb
